@@ -1,0 +1,106 @@
+//! The argument blocks and launch constants shared by the kernels and the host launcher.
+//!
+//! Kernels take one `#[repr(C)]` block by value; device addresses travel as `u64` so the host
+//! can fill them from any allocation. Architecture Invariant: a kernel and its launcher agree on
+//! these types and constants because both import them from here; nothing is duplicated.
+
+/// Threads per block of every stage-1 kernel (fused, logits GEMM, logits sampler): four warps.
+pub const STAGE1_WARPS: u32 = 4;
+/// Vocabulary rows one warp of a fused or GEMM kernel owns: 2 mma m-tiles of 16; each thread
+/// owns four consecutive rows, one Philox block.
+pub const WARP_ROWS: u32 = 32;
+/// Vocabulary rows per work item (block tile) of a fused kernel; one candidate per tile.
+pub const TILE_ROWS: u32 = STAGE1_WARPS * WARP_ROWS;
+/// Batch columns per mma n-tile.
+pub const N_TILE: u32 = 8;
+/// Draws whose per-warp winners are staged in shared memory before one cross-warp merge.
+pub const SAMPLES_PER_MERGE: u32 = 8;
+/// Vocabulary entries per block of the unfused logits sampler (four per thread).
+pub const LOGITS_SAMPLER_TILE: u32 = STAGE1_WARPS * 32 * 4;
+/// Threads per block of the stage-2 reduction.
+pub const REDUCE_THREADS: u32 = 128;
+
+/// Stage 1: `candidates[(b · samples + j) · tiles + tile]` for each batch row `b < batch`,
+/// draw `j < samples` (global draw index `sample_offset + j`) and vocabulary tile.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FusedArgs {
+    /// `W[vocab, dim]`, row-major, the element type of the kernel.
+    pub lm_head: u64,
+    /// `H[batch, dim]`, row-major, same element type.
+    pub hidden: u64,
+    /// `[batch]` of [`crate::RowParams`].
+    pub rows: u64,
+    /// `[batch · samples · tiles]` of [`crate::Candidate`].
+    pub candidates: u64,
+    pub vocab: u32,
+    pub dim: u32,
+    pub batch: u32,
+    pub sample_offset: u32,
+    pub samples: u32,
+    pub tiles: u32,
+}
+
+/// The unfused GEMM: `logits[b · logits_stride + i] = H[b]·W[i]` in f32.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LogitsArgs {
+    pub lm_head: u64,
+    pub hidden: u64,
+    pub logits: u64,
+    pub vocab: u32,
+    pub dim: u32,
+    pub batch: u32,
+    /// Row stride of `logits` in elements, a multiple of 4 and at least `vocab`.
+    pub logits_stride: u32,
+}
+
+/// The unfused sampler over materialised logits; writes candidates like [`FusedArgs`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LogitsSamplerArgs {
+    pub logits: u64,
+    pub rows: u64,
+    pub candidates: u64,
+    pub vocab: u32,
+    pub logits_stride: u32,
+    pub batch: u32,
+    pub sample_offset: u32,
+    pub samples: u32,
+    pub tiles: u32,
+}
+
+/// Stage 2: `tokens[b · token_stride + sample_offset + j]` = the winning index over tiles,
+/// or `u32::MAX` when no tile had a finite score.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ReduceArgs {
+    pub candidates: u64,
+    pub tokens: u64,
+    pub batch: u32,
+    pub samples: u32,
+    pub tiles: u32,
+    pub sample_offset: u32,
+    pub token_stride: u32,
+}
+
+/// Fills `count` elements at `out` with values uniform in `[-scale, scale)` drawn from Philox
+/// under `seed` (benchmark and demo inputs; never zeros).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FillArgs {
+    pub out: u64,
+    pub count: u64,
+    pub seed: u64,
+    pub scale: f32,
+}
+
+/// Reads `bytes` (a multiple of 64) from `source` with 16-byte loads; a checksum that is never
+/// written in practice keeps the loads alive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ReadProbeArgs {
+    pub source: u64,
+    pub bytes: u64,
+    pub sink: u64,
+}

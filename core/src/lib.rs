@@ -1,0 +1,22 @@
+//! The one source of truth for exact Gumbel-max sampling.
+//!
+//! Everything that decides *which* token a row gets lives here and nowhere else: the
+//! Philox4x32-10 generator ([`philox`]), the mapping from a draw's identity to Philox's key
+//! and counter ([`noise`]), the uniform → Gumbel transform ([`gumbel`]), the perturbed score
+//! and the (score, index) candidate merge ([`candidate`]). The crate is `no_std` and uses only
+//! integer operations and IEEE `+ - * /` on `f32`, which rustc's NVPTX backend and the host
+//! CPU both round to nearest without contraction, so the GPU kernels and the CPU sampler
+//! compute the same bits for the same inputs.
+//!
+//! Architecture Invariant: nothing here may call a math library (`ln`, `exp`, `fma`); those
+//! differ between the GPU and the CPU and would break bit-identical noise.
+#![no_std]
+
+pub mod abi;
+pub mod candidate;
+pub mod gumbel;
+pub mod noise;
+pub mod philox;
+
+pub use candidate::{Candidate, perturbed_score};
+pub use noise::{RowParams, block_scores, noise_block};

@@ -1,0 +1,118 @@
+//! Which Philox bits a draw uses: the mapping from a draw's identity to key and counter.
+//!
+//! The noise added to vocabulary entry `i` in draw `sample` of a row is
+//!
+//! ```text
+//! key     = [seed as u32, (seed >> 32) as u32]
+//! counter = [i / 4, sample, step, stream]
+//! g       = gumbel(philox4x32_10(counter, key)[i % 4])
+//! ```
+//!
+//! so one Philox call serves four consecutive vocabulary entries and all four output words are
+//! used. Nothing else enters: not the tile shape, the launch configuration, the batch size nor
+//! the row's position in the batch. Two rows get independent noise when their
+//! `(seed, stream, step)` differ in any field; `sample` tells apart the draws of one row in one
+//! call. `i / 4 < 2²⁹` because the vocabulary is below 2³¹.
+//!
+//! Architecture Invariant: changing this mapping changes every sampled token; it is versioned
+//! with the crate and documented in `ARCHITECTURE.md`.
+
+use crate::candidate::perturbed_score;
+use crate::gumbel::gumbel;
+use crate::philox::{Counter, Key, philox4x32_10};
+
+/// One row's sampling parameters as the kernels read them (C layout, 24 bytes, 8-aligned).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowParams {
+    pub seed: u64,
+    /// Which independent stream of the seed this row draws from, e.g. a request id.
+    pub stream: u32,
+    /// The decode step or position, so successive steps draw fresh noise.
+    pub step: u32,
+    /// `1 / T`; read only when `greedy == 0`.
+    pub inv_temperature: f32,
+    /// 1 for a greedy row (`T = 0`): the plain argmax, no noise.
+    pub greedy: u32,
+}
+
+/// Vocabulary entries served by one Philox call.
+pub const ENTRIES_PER_BLOCK: u32 = 4;
+
+#[inline(always)]
+pub fn key(seed: u64) -> Key {
+    [seed as u32, (seed >> 32) as u32]
+}
+
+#[inline(always)]
+pub fn counter(block: u32, sample: u32, step: u32, stream: u32) -> Counter {
+    [block, sample, step, stream]
+}
+
+/// Gumbel noise for the vocabulary entries `4·block .. 4·block + 4` of draw `sample` of `row`.
+#[inline(always)]
+pub fn noise_block(row: &RowParams, sample: u32, block: u32) -> [f32; 4] {
+    let words = philox4x32_10(counter(block, sample, row.step, row.stream), key(row.seed));
+    [gumbel(words[0]), gumbel(words[1]), gumbel(words[2]), gumbel(words[3])]
+}
+
+/// The racing scores of the vocabulary entries `4·block .. 4·block + 4` of draw `sample`:
+/// `logit · (1/T) + g` for a sampling row, the plain logit for a greedy row (no noise drawn).
+#[inline(always)]
+pub fn block_scores(row: &RowParams, sample: u32, block: u32, logits: [f32; 4]) -> [f32; 4] {
+    if row.greedy != 0 {
+        return logits;
+    }
+    let noise = noise_block(row, sample, block);
+    let t = row.inv_temperature;
+    [
+        perturbed_score(logits[0], t, noise[0]),
+        perturbed_score(logits[1], t, noise[1]),
+        perturbed_score(logits[2], t, noise[2]),
+        perturbed_score(logits[3], t, noise[3]),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(seed: u64, stream: u32, step: u32) -> RowParams {
+        RowParams { seed, stream, step, inv_temperature: 1.0, greedy: 0 }
+    }
+
+    #[test]
+    fn every_field_of_the_identity_changes_the_noise() {
+        let base = noise_block(&row(7, 3, 11), 5, 1000);
+        assert_ne!(base, noise_block(&row(8, 3, 11), 5, 1000));
+        assert_ne!(base, noise_block(&row(7 | 1 << 40, 3, 11), 5, 1000));
+        assert_ne!(base, noise_block(&row(7, 4, 11), 5, 1000));
+        assert_ne!(base, noise_block(&row(7, 3, 12), 5, 1000));
+        assert_ne!(base, noise_block(&row(7, 3, 11), 6, 1000));
+        assert_ne!(base, noise_block(&row(7, 3, 11), 5, 1001));
+    }
+
+    #[test]
+    fn temperature_does_not_enter_the_noise() {
+        let mut hot = row(1, 2, 3);
+        hot.inv_temperature = 0.25;
+        assert_eq!(noise_block(&hot, 0, 9), noise_block(&row(1, 2, 3), 0, 9));
+    }
+
+    #[test]
+    fn greedy_rows_race_with_plain_logits() {
+        let mut greedy = row(1, 2, 3);
+        greedy.greedy = 1;
+        let logits = [0.5, -1.0, f32::NEG_INFINITY, 3.0];
+        assert_eq!(block_scores(&greedy, 0, 0, logits), logits);
+        let sampled = block_scores(&row(1, 2, 3), 0, 0, logits);
+        let noise = noise_block(&row(1, 2, 3), 0, 0);
+        assert_eq!(sampled[0], 0.5 + noise[0]);
+    }
+
+    #[test]
+    fn row_params_layout_is_the_one_the_kernels_read() {
+        assert_eq!(core::mem::size_of::<RowParams>(), 24);
+        assert_eq!(core::mem::align_of::<RowParams>(), 8);
+    }
+}

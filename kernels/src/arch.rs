@@ -1,0 +1,142 @@
+//! Thin wrappers over the PTX instructions that `core::arch::nvptx` does not expose.
+//!
+//! Every function here is `unsafe` only because it is inline assembly; the `# Safety` line of
+//! each says what the caller must guarantee.
+
+use core::arch::asm;
+use core::arch::nvptx;
+
+#[inline(always)]
+pub fn thread_index() -> u32 {
+    // SAFETY: reads a special register.
+    unsafe { nvptx::_thread_idx_x() as u32 }
+}
+
+#[inline(always)]
+pub fn block_index() -> u32 {
+    // SAFETY: reads a special register.
+    unsafe { nvptx::_block_idx_x() as u32 }
+}
+
+#[inline(always)]
+pub fn grid_size() -> u32 {
+    // SAFETY: reads a special register.
+    unsafe { nvptx::_grid_dim_x() as u32 }
+}
+
+/// Block-wide barrier.
+///
+/// # Safety
+/// Every thread of the block must reach the same barrier.
+#[inline(always)]
+pub unsafe fn sync_threads() {
+    unsafe { nvptx::_syncthreads() }
+}
+
+/// Warp-wide barrier and memory ordering among its lanes (`bar.warp.sync`).
+///
+/// # Safety
+/// All 32 lanes of the warp must execute this call together.
+#[inline(always)]
+pub unsafe fn sync_warp() {
+    unsafe { asm!("bar.warp.sync 0xffffffff;", options(nostack)) }
+}
+
+/// `shfl.sync.bfly`: the value of lane `lane ^ mask`.
+///
+/// # Safety
+/// All 32 lanes of the warp must execute this call together (full mask).
+#[inline(always)]
+pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
+    let out: u32;
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 0x1f, 0xffffffff;",
+            o = out(reg32) out, v = in(reg32) value, m = in(reg32) mask,
+            options(pure, nomem, nostack));
+    }
+    out
+}
+
+/// 16-byte read-only global load (`ld.global.nc.v4.u32`).
+///
+/// # Safety
+/// `address` must be a 16-byte aligned global address of 16 readable bytes that no thread
+/// writes during the kernel.
+#[inline(always)]
+pub unsafe fn load_global_nc_v4(address: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            p = in(reg64) address, options(pure, readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
+/// 16-byte global store (`st.global.v4.f32`).
+///
+/// # Safety
+/// `address` must be a 16-byte aligned global address of 16 writable bytes.
+#[inline(always)]
+pub unsafe fn store_global_v4(address: u64, value: [f32; 4]) {
+    unsafe {
+        asm!("st.global.v4.f32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) address,
+            a = in(reg32) value[0], b = in(reg32) value[1], c = in(reg32) value[2], d = in(reg32) value[3],
+            options(nostack));
+    }
+}
+
+/// Converts an IEEE half to f32 exactly (`cvt.f32.f16`).
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    let out: f32;
+    // SAFETY: a pure register conversion.
+    unsafe {
+        asm!("cvt.f32.f16 {o}, {h};", o = out(reg32) out, h = in(reg16) bits,
+            options(pure, nomem, nostack));
+    }
+    out
+}
+
+/// Converts an f32 to IEEE half, rounding to nearest even (`cvt.rn.f16.f32`).
+#[inline(always)]
+pub fn f32_to_f16(value: f32) -> u16 {
+    let out: u16;
+    // SAFETY: a pure register conversion.
+    unsafe {
+        asm!("cvt.rn.f16.f32 {h}, {v};", h = out(reg16) out, v = in(reg32) value,
+            options(pure, nomem, nostack));
+    }
+    out
+}
+
+/// `D += A·B` for one m16n8k16 tile with bf16 inputs and f32 accumulators.
+///
+/// # Safety
+/// All 32 lanes must execute it together with their fragments in the mma layout.
+#[inline(always)]
+pub unsafe fn mma_bf16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    unsafe {
+        asm!("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{d0}, {d1}, {d2}, {d3}}};",
+            d0 = inout(reg32) acc[0], d1 = inout(reg32) acc[1], d2 = inout(reg32) acc[2], d3 = inout(reg32) acc[3],
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+            options(pure, nomem, nostack));
+    }
+}
+
+/// `D += A·B` for one m16n8k16 tile with f16 inputs and f32 accumulators.
+///
+/// # Safety
+/// As [`mma_bf16`].
+#[inline(always)]
+pub unsafe fn mma_f16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    unsafe {
+        asm!("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{d0}, {d1}, {d2}, {d3}}};",
+            d0 = inout(reg32) acc[0], d1 = inout(reg32) acc[1], d2 = inout(reg32) acc[2], d3 = inout(reg32) acc[3],
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+            options(pure, nomem, nostack));
+    }
+}

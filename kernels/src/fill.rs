@@ -1,0 +1,92 @@
+//! Benchmark helpers: random inputs made on the device, and the read-bandwidth probe.
+
+use flashsample_core::abi::{FillArgs, ReadProbeArgs};
+use flashsample_core::noise::key;
+use flashsample_core::philox::philox4x32_10;
+
+use crate::arch;
+use crate::element::{Bf16, F16, F32};
+
+/// Storing an f32 in an element type, rounding to nearest even.
+pub trait Store {
+    /// # Safety
+    /// `index` must be in bounds of the buffer at `base`.
+    unsafe fn store(base: u64, index: u64, value: f32);
+}
+
+impl Store for F32 {
+    #[inline(always)]
+    unsafe fn store(base: u64, index: u64, value: f32) {
+        unsafe { *(base as *mut f32).add(index as usize) = value };
+    }
+}
+
+impl Store for Bf16 {
+    #[inline(always)]
+    unsafe fn store(base: u64, index: u64, value: f32) {
+        let bits = value.to_bits();
+        let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+        unsafe { *(base as *mut u16).add(index as usize) = rounded as u16 };
+    }
+}
+
+impl Store for F16 {
+    #[inline(always)]
+    unsafe fn store(base: u64, index: u64, value: f32) {
+        unsafe { *(base as *mut u16).add(index as usize) = arch::f32_to_f16(value) };
+    }
+}
+
+#[inline(always)]
+fn global_thread() -> (u64, u64) {
+    // SAFETY: reads special registers.
+    let block_dim = unsafe { core::arch::nvptx::_block_dim_x() } as u64;
+    (arch::block_index() as u64 * block_dim + arch::thread_index() as u64, arch::grid_size() as u64 * block_dim)
+}
+
+/// # Safety
+/// `args.out` holds `args.count` elements of `T`.
+#[inline(always)]
+pub unsafe fn fill_uniform<T: Store>(args: &FillArgs) {
+    let (mut group, stride) = global_thread();
+    let groups = args.count.div_ceil(4);
+    while group < groups {
+        let words = philox4x32_10([group as u32, (group >> 32) as u32, 0, 0], key(args.seed));
+        for (r, word) in words.iter().enumerate() {
+            let index = 4 * group + r as u64;
+            if index < args.count {
+                let unit = (word >> 8) as f32 * (1.0 / 8_388_608.0) - 1.0;
+                unsafe { T::store(args.out, index, unit * args.scale) };
+            }
+        }
+        group += stride;
+    }
+}
+
+/// # Safety
+/// `args.source` holds `args.bytes` readable bytes (a multiple of 64); `args.sink` one u32.
+#[inline(always)]
+pub unsafe fn read_probe(args: &ReadProbeArgs) {
+    let (thread, stride) = global_thread();
+    let vectors = args.bytes / 16;
+    let mut checksum = 0u32;
+    let mut v = thread;
+    while v + 3 * stride < vectors {
+        let a = unsafe { arch::load_global_nc_v4(args.source + 16 * v) };
+        let b = unsafe { arch::load_global_nc_v4(args.source + 16 * (v + stride)) };
+        let c = unsafe { arch::load_global_nc_v4(args.source + 16 * (v + 2 * stride)) };
+        let d = unsafe { arch::load_global_nc_v4(args.source + 16 * (v + 3 * stride)) };
+        checksum ^= a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1] ^ b[2] ^ b[3];
+        checksum ^= c[0] ^ c[1] ^ c[2] ^ c[3] ^ d[0] ^ d[1] ^ d[2] ^ d[3];
+        v += 4 * stride;
+    }
+    while v < vectors {
+        let a = unsafe { arch::load_global_nc_v4(args.source + 16 * v) };
+        checksum ^= a[0] ^ a[1] ^ a[2] ^ a[3];
+        v += stride;
+    }
+    // A data-dependent store the compiler cannot drop; it almost never happens.
+    if checksum == 0x9e37_79b9 {
+        unsafe { *(args.sink as *mut u32) = checksum };
+    }
+}

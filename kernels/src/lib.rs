@@ -1,0 +1,224 @@
+//! GPU kernels of flashsample, compiled to PTX by `cargo xtask build-kernels`.
+//!
+//! Stage 1 (`fused_*`) computes a tile of `H·Wᵀ` on chip and keeps, per batch row and draw,
+//! the best Gumbel-perturbed (score, index) of the tile; stage 2 (`reduce_candidates`) merges
+//! the tiles into tokens. The logits never reach device memory. `logits_gemm_*` and
+//! `sample_logits` form the unfused pipeline the benchmarks compare against; `fill_uniform_*`
+//! and `read_probe` make benchmark inputs and measure the read floor.
+//!
+//! Every entry point takes one argument block from [`flashsample_core::abi`] by value.
+//!
+//! # Safety (all kernels)
+//! The launcher must pass device addresses that are valid for the extents in the argument
+//! block, launch `STAGE1_WARPS · 32` threads per block for stage-1 kernels
+//! (`REDUCE_THREADS` for `reduce_candidates`, any multiple of 32 for `fill_uniform_*` and
+//! `read_probe`) and the dynamic shared memory the host's launcher computes for the kernel.
+//! The mma kernels further need `dim % 8 == 0` and 16-byte aligned matrices.
+#![no_std]
+#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
+#![allow(internal_features)]
+
+mod arch;
+mod element;
+mod fill;
+mod sample;
+mod tile;
+
+use flashsample_core::abi::{
+    FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SAMPLES_PER_MERGE,
+    STAGE1_WARPS, TILE_ROWS, WARP_ROWS,
+};
+use flashsample_core::Candidate;
+
+use element::{Bf16, Element, F16, F32, MmaElement};
+use tile::TileInput;
+
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    // SAFETY: aborting the kernel is the only thing a panic can do on the device.
+    unsafe { core::arch::nvptx::trap() }
+}
+
+/// The block's dynamic shared memory.
+#[inline(always)]
+fn shared<T>() -> *mut T {
+    core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<T>()
+}
+
+/// Where thread `lane` of warp `warp` starts in work item `item` of a stage-1 kernel whose
+/// batch tiles have `columns` columns: `(tile, row0, col0)`. Batch tiles vary fastest, so the
+/// blocks that read the same rows of `W` run side by side and share them through L2.
+#[inline(always)]
+fn work_item(item: u32, columns: u32, batch: u32) -> (u32, u32, u32) {
+    let column_tiles = batch.div_ceil(columns);
+    let tile = item / column_tiles;
+    let col0 = (item % column_tiles) * columns;
+    let thread = arch::thread_index();
+    let row0 = tile * TILE_ROWS + (thread / 32) * WARP_ROWS + 4 * ((thread % 32) / 4);
+    (tile, row0, col0)
+}
+
+#[inline(always)]
+fn tile_input(lm_head: u64, hidden: u64, vocab: u32, dim: u32, batch: u32, row0: u32, col0: u32) -> TileInput {
+    TileInput { lm_head, hidden, vocab, dim, batch, row0, col0 }
+}
+
+#[inline(always)]
+unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
+    let columns = N_TILE * NT as u32;
+    let items = args.tiles * args.batch.div_ceil(columns);
+    let staging = shared::<Candidate>();
+    let mut item = arch::block_index();
+    while item < items {
+        let (tile, row0, col0) = work_item(item, columns, args.batch);
+        let input = tile_input(args.lm_head, args.hidden, args.vocab, args.dim, args.batch, row0, col0);
+        let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
+        unsafe { sample::sample_tile::<NT>(&logits, &args, tile, row0, col0, staging) };
+        item += arch::grid_size();
+    }
+}
+
+/// Shared memory of [`fused_simt`] before its per-warp scratch: the candidate staging.
+const SIMT_STAGING_BYTES: usize = (SAMPLES_PER_MERGE * STAGE1_WARPS * N_TILE) as usize * size_of::<Candidate>();
+
+#[inline(always)]
+unsafe fn fused_simt<T: Element>(args: FusedArgs) {
+    let items = args.tiles * args.batch.div_ceil(N_TILE);
+    let staging = shared::<Candidate>();
+    let thread = arch::thread_index();
+    let scratch = unsafe {
+        (staging as *mut u8).add(SIMT_STAGING_BYTES).cast::<f32>().add(((thread / 32) * tile::SIMT_WARP_SCRATCH_FLOATS) as usize)
+    };
+    let mut item = arch::block_index();
+    while item < items {
+        let (tile, row0, col0) = work_item(item, N_TILE, args.batch);
+        let input = tile_input(args.lm_head, args.hidden, args.vocab, args.dim, args.batch, row0, col0);
+        let logits = unsafe { tile::simt_tile::<T>(&input, thread % 32, scratch) };
+        unsafe { sample::sample_tile::<1>(&logits, &args, tile, row0, col0, staging) };
+        item += arch::grid_size();
+    }
+}
+
+#[inline(always)]
+unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
+    let columns = N_TILE * NT as u32;
+    let items = args.vocab.div_ceil(TILE_ROWS) * args.batch.div_ceil(columns);
+    let t = arch::thread_index() % 4;
+    let mut item = arch::block_index();
+    while item < items {
+        let (_, row0, col0) = work_item(item, columns, args.batch);
+        let input = tile_input(args.lm_head, args.hidden, args.vocab, args.dim, args.batch, row0, col0);
+        let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
+        for nt in 0..NT {
+            for c in 0..2 {
+                let b = col0 + N_TILE * nt as u32 + 2 * t + c as u32;
+                if b < args.batch && row0 < args.vocab {
+                    let address = args.logits + (b as u64 * args.logits_stride as u64 + row0 as u64) * 4;
+                    unsafe { arch::store_global_v4(address, logits[nt][c]) };
+                }
+            }
+        }
+        item += arch::grid_size();
+    }
+}
+
+macro_rules! fused_kernels {
+    ($($name:ident => $body:expr;)*) => {$(
+        /// Stage 1 of fused sampling (see the crate docs).
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
+            unsafe { $body(args) }
+        }
+    )*};
+}
+
+fused_kernels! {
+    fused_bf16_n8 => fused_mma::<Bf16, 1>;
+    fused_bf16_n16 => fused_mma::<Bf16, 2>;
+    fused_bf16_n32 => fused_mma::<Bf16, 4>;
+    fused_f16_n8 => fused_mma::<F16, 1>;
+    fused_f16_n16 => fused_mma::<F16, 2>;
+    fused_f16_n32 => fused_mma::<F16, 4>;
+    fused_simt_f32 => fused_simt::<F32>;
+    fused_simt_bf16 => fused_simt::<Bf16>;
+    fused_simt_f16 => fused_simt::<F16>;
+}
+
+macro_rules! logits_kernels {
+    ($($name:ident => $body:expr;)*) => {$(
+        /// The unfused pipeline's GEMM: writes f32 logits.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: LogitsArgs) {
+            unsafe { $body(args) }
+        }
+    )*};
+}
+
+logits_kernels! {
+    logits_gemm_bf16_n8 => logits_gemm::<Bf16, 1>;
+    logits_gemm_bf16_n16 => logits_gemm::<Bf16, 2>;
+    logits_gemm_bf16_n32 => logits_gemm::<Bf16, 4>;
+    logits_gemm_f16_n8 => logits_gemm::<F16, 1>;
+    logits_gemm_f16_n16 => logits_gemm::<F16, 2>;
+    logits_gemm_f16_n32 => logits_gemm::<F16, 4>;
+}
+
+/// The unfused pipeline's sampler over materialised logits.
+///
+/// # Safety
+/// As the crate-level safety section.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn sample_logits(args: LogitsSamplerArgs) {
+    unsafe { sample::sample_logits(&args, shared::<Candidate>()) }
+}
+
+/// Stage 2: candidates → tokens.
+///
+/// # Safety
+/// As the crate-level safety section.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn reduce_candidates(args: ReduceArgs) {
+    unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
+}
+
+/// Fills a bf16 buffer with uniform values in `[-scale, scale)`.
+///
+/// # Safety
+/// As the crate-level safety section.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fill_uniform_bf16(args: FillArgs) {
+    unsafe { fill::fill_uniform::<Bf16>(&args) }
+}
+
+/// Fills an f16 buffer with uniform values in `[-scale, scale)`.
+///
+/// # Safety
+/// As the crate-level safety section.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fill_uniform_f16(args: FillArgs) {
+    unsafe { fill::fill_uniform::<F16>(&args) }
+}
+
+/// Fills an f32 buffer with uniform values in `[-scale, scale)`.
+///
+/// # Safety
+/// As the crate-level safety section.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fill_uniform_f32(args: FillArgs) {
+    unsafe { fill::fill_uniform::<F32>(&args) }
+}
+
+/// Streams a buffer with 16-byte loads: the read-bandwidth floor.
+///
+/// # Safety
+/// As the crate-level safety section.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn read_probe(args: ReadProbeArgs) {
+    unsafe { fill::read_probe(&args) }
+}

@@ -1,0 +1,225 @@
+//! Stage 1's sampling epilogue, the unfused logits sampler, and stage 2's reduction.
+
+use flashsample_core::abi::{
+    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, STAGE1_WARPS,
+};
+use flashsample_core::{Candidate, RowParams, block_scores};
+
+use crate::arch;
+use crate::tile::ThreadLogits;
+
+/// `logits[slot / 2][slot % 2]` through a chain of selects, so the array stays in registers.
+#[inline(always)]
+fn pick<const NT: usize>(logits: &ThreadLogits<NT>, slot: usize) -> [f32; 4] {
+    let mut picked = logits[0][0];
+    for nt in 0..NT {
+        for c in 0..2 {
+            if slot == 2 * nt + c {
+                picked = logits[nt][c];
+            }
+        }
+    }
+    picked
+}
+
+/// Merges a candidate over the lanes that differ in the bits `mask ..= last_mask` (a butterfly).
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn merge_over_lanes(mut best: Candidate, mut mask: u32, last_mask: u32) -> Candidate {
+    while mask <= last_mask {
+        best = unsafe { merge_with_lane(best, mask) };
+        mask <<= 1;
+    }
+    best
+}
+
+/// Exchanges a candidate with lane `lane ^ mask` and keeps the better one.
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
+    let score = f32::from_bits(unsafe { arch::shuffle_xor(best.score.to_bits(), mask) });
+    let index = unsafe { arch::shuffle_xor(best.index, mask) };
+    best.merge(Candidate { score, index })
+}
+
+/// Stage-1 epilogue of the fused kernels: for every draw, the best (score, index) of this
+/// block's tile for each batch column, written to `candidates`.
+///
+/// Each thread scores its four rows per column with [`block_scores`]; lanes with the same
+/// `t` (same columns) merge over `g`; warps merge through `staging` in batches of
+/// [`SAMPLES_PER_MERGE`] draws.
+///
+/// # Safety
+/// Every thread of the block calls it together with its own logits; `staging` holds
+/// `SAMPLES_PER_MERGE · STAGE1_WARPS · 8·NT` candidates of shared memory; `args` describes
+/// valid device buffers.
+#[inline(always)]
+pub unsafe fn sample_tile<const NT: usize>(
+    logits: &ThreadLogits<NT>,
+    args: &FusedArgs,
+    tile: u32,
+    row0: u32,
+    col0: u32,
+    staging: *mut Candidate,
+) {
+    let thread = arch::thread_index();
+    let lane = thread % 32;
+    let warp = thread / 32;
+    let g = lane / 4;
+    let t = lane % 4;
+    let columns = N_TILE * NT as u32;
+    let block = row0 / 4;
+    let rows_valid = args.vocab.saturating_sub(row0).min(4);
+    let mut first = 0;
+    while first < args.samples {
+        for slot in 0..SAMPLES_PER_MERGE {
+            let j = first + slot;
+            if j >= args.samples {
+                break;
+            }
+            // A run-time loop over the 2·NT columns keeps one copy of the Philox and log code;
+            // `pick` reads the register arrays with constant indices only.
+            let mut column_slot = 0;
+            while column_slot < 2 * NT {
+                let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
+                let b = (col0 + column).min(args.batch - 1);
+                let row = unsafe { *(args.rows as *const RowParams).add(b as usize) };
+                let scores = block_scores(&row, args.sample_offset + j, block, pick(logits, column_slot));
+                let mut best = Candidate::NONE;
+                for r in 0..4 {
+                    if (r as u32) < rows_valid {
+                        best.offer_in_order(scores[r], row0 + r as u32);
+                    }
+                }
+                best = unsafe { merge_over_lanes(best, 4, 16) };
+                if g == 0 {
+                    unsafe { *staging.add(((slot * STAGE1_WARPS + warp) * columns + column) as usize) = best };
+                }
+                column_slot += 1;
+            }
+        }
+        unsafe { arch::sync_threads() };
+        let mut item = thread;
+        while item < SAMPLES_PER_MERGE * columns {
+            let slot = item / columns;
+            let column = item % columns;
+            let j = first + slot;
+            let b = col0 + column;
+            if j < args.samples && b < args.batch {
+                let mut best = Candidate::NONE;
+                for w in 0..STAGE1_WARPS {
+                    best = best.merge(unsafe { *staging.add(((slot * STAGE1_WARPS + w) * columns + column) as usize) });
+                }
+                let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                unsafe { *(args.candidates as *mut Candidate).add(at as usize) = best };
+            }
+            item += STAGE1_WARPS * 32;
+        }
+        unsafe { arch::sync_threads() };
+        first += SAMPLES_PER_MERGE;
+    }
+}
+
+/// The unfused sampler: reads materialised logits, four per thread, and writes one candidate
+/// per (row, draw, 512-entry tile) exactly as the fused epilogue would.
+///
+/// # Safety
+/// Launched with `STAGE1_WARPS · 32` threads and `SAMPLES_PER_MERGE · STAGE1_WARPS` candidates
+/// of shared memory; `args` describes valid device buffers, `logits_stride % 4 == 0`.
+#[inline(always)]
+pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
+    let thread = arch::thread_index();
+    let lane = thread % 32;
+    let warp = thread / 32;
+    let mut item = arch::block_index();
+    let items = args.tiles * args.batch;
+    while item < items {
+        let tile = item % args.tiles;
+        let b = item / args.tiles;
+        let row0 = (tile * STAGE1_WARPS * 32 + thread) * 4;
+        let rows_valid = args.vocab.saturating_sub(row0).min(4);
+        let logits = if rows_valid > 0 {
+            let address = args.logits + (b as u64 * args.logits_stride as u64 + row0 as u64) * 4;
+            unsafe { arch::load_global_nc_v4(address) }.map(f32::from_bits)
+        } else {
+            [f32::NEG_INFINITY; 4]
+        };
+        let row = unsafe { *(args.rows as *const RowParams).add(b as usize) };
+        let mut first = 0;
+        while first < args.samples {
+            for slot in 0..SAMPLES_PER_MERGE {
+                let j = first + slot;
+                if j >= args.samples {
+                    break;
+                }
+                let scores = block_scores(&row, args.sample_offset + j, row0 / 4, logits);
+                let mut best = Candidate::NONE;
+                for r in 0..4 {
+                    if (r as u32) < rows_valid {
+                        best.offer_in_order(scores[r], row0 + r as u32);
+                    }
+                }
+                best = unsafe { merge_over_lanes(best, 1, 16) };
+                if lane == 0 {
+                    unsafe { *staging.add((slot * STAGE1_WARPS + warp) as usize) = best };
+                }
+            }
+            unsafe { arch::sync_threads() };
+            if thread < SAMPLES_PER_MERGE && first + thread < args.samples {
+                let mut best = Candidate::NONE;
+                for w in 0..STAGE1_WARPS {
+                    best = best.merge(unsafe { *staging.add((thread * STAGE1_WARPS + w) as usize) });
+                }
+                let j = first + thread;
+                let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                unsafe { *(args.candidates as *mut Candidate).add(at as usize) = best };
+            }
+            unsafe { arch::sync_threads() };
+            first += SAMPLES_PER_MERGE;
+        }
+        item += arch::grid_size();
+    }
+}
+
+/// Stage 2: one block per (row, draw) merges that draw's candidates over all tiles and
+/// writes the winning index (or `u32::MAX` when there is none).
+///
+/// # Safety
+/// Launched with [`REDUCE_THREADS`] threads and `REDUCE_THREADS / 32` candidates of shared
+/// memory; `args` describes valid device buffers.
+#[inline(always)]
+pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
+    let thread = arch::thread_index();
+    let lane = thread % 32;
+    let warp = thread / 32;
+    let mut item = arch::block_index();
+    while item < args.batch * args.samples {
+        let b = item / args.samples;
+        let j = item % args.samples;
+        let base = (args.candidates as *const Candidate).wrapping_add(item as usize * args.tiles as usize);
+        let mut best = Candidate::NONE;
+        let mut tile = thread;
+        while tile < args.tiles {
+            best = best.merge(unsafe { *base.add(tile as usize) });
+            tile += REDUCE_THREADS;
+        }
+        best = unsafe { merge_over_lanes(best, 1, 16) };
+        if lane == 0 {
+            unsafe { *staging.add(warp as usize) = best };
+        }
+        unsafe { arch::sync_threads() };
+        if thread == 0 {
+            for w in 1..REDUCE_THREADS / 32 {
+                best = best.merge(unsafe { *staging.add(w as usize) });
+            }
+            let at = b as u64 * args.token_stride as u64 + args.sample_offset as u64 + j as u64;
+            unsafe { *(args.tokens as *mut u32).add(at as usize) = best.index };
+        }
+        unsafe { arch::sync_threads() };
+        item += arch::grid_size();
+    }
+}

@@ -17,8 +17,26 @@ pub const N_TILE: u32 = 8;
 pub const SAMPLES_PER_MERGE: u32 = 8;
 /// Vocabulary entries per block of the unfused logits sampler (four per thread).
 pub const LOGITS_SAMPLER_TILE: u32 = STAGE1_WARPS * 32 * 4;
+/// f32 scratch per warp of the SIMT fused kernel (32 rows × 8 columns of logits), placed in
+/// shared memory after the candidate staging.
+pub const SIMT_WARP_SCRATCH_FLOATS: u32 = 32 * 8;
 /// Threads per block of the stage-2 reduction.
 pub const REDUCE_THREADS: u32 = 128;
+
+/// Dynamic shared memory of a stage-1 fused mma kernel with `columns` batch columns.
+pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
+    SAMPLES_PER_MERGE * STAGE1_WARPS * columns * 8
+}
+
+/// Dynamic shared memory of the SIMT fused kernel: staging for 8 columns, then the scratch.
+pub const fn fused_simt_shared_bytes() -> u32 {
+    fused_mma_shared_bytes(N_TILE) + STAGE1_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
+}
+
+/// Dynamic shared memory of the unfused logits sampler.
+pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * STAGE1_WARPS * 8;
+/// Dynamic shared memory of the stage-2 reduction.
+pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * 8;
 
 /// Stage 1: `candidates[(b · samples + j) · tiles + tile]` for each batch row `b < batch`,
 /// draw `j < samples` (global draw index `sample_offset + j`) and vocabulary tile.

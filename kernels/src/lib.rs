@@ -25,8 +25,8 @@ mod sample;
 mod tile;
 
 use flashsample_core::abi::{
-    FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SAMPLES_PER_MERGE,
-    STAGE1_WARPS, TILE_ROWS, WARP_ROWS,
+    FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
+    TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
 };
 use flashsample_core::Candidate;
 
@@ -78,8 +78,6 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     }
 }
 
-/// Shared memory of [`fused_simt`] before its per-warp scratch: the candidate staging.
-const SIMT_STAGING_BYTES: usize = (SAMPLES_PER_MERGE * STAGE1_WARPS * N_TILE) as usize * size_of::<Candidate>();
 
 #[inline(always)]
 unsafe fn fused_simt<T: Element>(args: FusedArgs) {
@@ -87,7 +85,10 @@ unsafe fn fused_simt<T: Element>(args: FusedArgs) {
     let staging = shared::<Candidate>();
     let thread = arch::thread_index();
     let scratch = unsafe {
-        (staging as *mut u8).add(SIMT_STAGING_BYTES).cast::<f32>().add(((thread / 32) * tile::SIMT_WARP_SCRATCH_FLOATS) as usize)
+        (staging as *mut u8)
+            .add(fused_mma_shared_bytes(N_TILE) as usize)
+            .cast::<f32>()
+            .add(((thread / 32) * SIMT_WARP_SCRATCH_FLOATS) as usize)
     };
     let mut item = arch::block_index();
     while item < items {

@@ -156,9 +156,6 @@ unsafe fn transpose_reduce(v: [f32; 32], lane: u32) -> f32 {
     }
 }
 
-/// Shared memory a warp of [`simt_tile`] needs: 32 rows × 8 columns of f32.
-pub const SIMT_WARP_SCRATCH_FLOATS: u32 = 32 * 8;
-
 /// The logits tile on the CUDA cores, for any element type, any `dim` and any alignment: the
 /// fallback and the f32 path. Eight groups of four rows; in each, lanes stride over `dim`
 /// and [`transpose_reduce`] gathers the 4 × 8 sums; `scratch` then regroups them into the
@@ -166,7 +163,7 @@ pub const SIMT_WARP_SCRATCH_FLOATS: u32 = 32 * 8;
 ///
 /// # Safety
 /// All 32 lanes call it together; `scratch` points to this warp's
-/// [`SIMT_WARP_SCRATCH_FLOATS`] floats of shared memory; `input` as in [`mma_tile`].
+/// `SIMT_WARP_SCRATCH_FLOATS` floats of shared memory; `input` as in [`mma_tile`].
 #[inline(always)]
 pub unsafe fn simt_tile<T: Element>(input: &TileInput, lane: u32, scratch: *mut f32) -> ThreadLogits<1> {
     let g = lane / 4;

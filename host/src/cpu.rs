@@ -1,0 +1,97 @@
+//! The CPU backend: the same API and the same noise as the GPU, logits in f32, on all cores.
+//!
+//! It is the reference the GPU tests compare against and the fallback without a GPU. Logits
+//! are summed in order `k = 0, 1, …` in f32; the GPU sums in another order, so the two agree
+//! on every token except rare near-ties (measured in `docs/EXACTNESS.md`).
+
+use flashsample_core::{Candidate, RowParams, block_scores};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::params::{HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
+use crate::tensor::{Elements, Matrix};
+
+/// An LM head held for the CPU backend.
+#[derive(Clone, Debug)]
+pub struct CpuLmHead {
+    matrix: Matrix,
+    shape: HeadShape,
+}
+
+impl CpuLmHead {
+    pub fn shape(&self) -> HeadShape {
+        self.shape
+    }
+}
+
+/// Samples on the CPU with rayon's thread pool.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuSampler;
+
+fn row_as_f32(elements: &Elements, start: usize, len: usize, out: &mut Vec<f32>) {
+    out.clear();
+    match elements {
+        Elements::F32(v) => out.extend_from_slice(&v[start..start + len]),
+        Elements::F16(v) => out.extend(v[start..start + len].iter().map(|x| x.to_f32())),
+        Elements::BF16(v) => out.extend(v[start..start + len].iter().map(|x| x.to_f32())),
+    }
+}
+
+/// `logits[i] = Σ_k W[i, k] · H[row, k]`, summed in f32 in increasing `k`.
+pub fn logits_row(lm_head: &Matrix, hidden: &Matrix, row: usize) -> Vec<f32> {
+    let dim = lm_head.cols();
+    let mut h = Vec::with_capacity(dim);
+    row_as_f32(hidden.elements(), row * dim, dim, &mut h);
+    (0..lm_head.rows())
+        .into_par_iter()
+        .map_init(Vec::new, |w, i| {
+            row_as_f32(lm_head.elements(), i * dim, dim, w);
+            let mut sum = 0.0f32;
+            for (a, b) in w.iter().zip(&h) {
+                sum += a * b;
+            }
+            sum
+        })
+        .collect()
+}
+
+/// The winner of draw `sample` over all of `logits` with the shared scoring and merge rule.
+pub fn draw(logits: &[f32], row: &RowParams, sample: u32) -> Candidate {
+    let mut best = Candidate::NONE;
+    for (block, chunk) in logits.chunks(4).enumerate() {
+        let mut four = [f32::NEG_INFINITY; 4];
+        four[..chunk.len()].copy_from_slice(chunk);
+        let scores = block_scores(row, sample, block as u32, four);
+        for (r, &score) in scores.iter().enumerate().take(chunk.len()) {
+            best.offer_in_order(score, (4 * block + r) as u32);
+        }
+    }
+    best
+}
+
+impl CpuSampler {
+    pub fn new() -> Self {
+        CpuSampler
+    }
+
+    pub fn upload_lm_head(&self, lm_head: &Matrix) -> Result<CpuLmHead> {
+        let shape = check_lm_head(lm_head)?;
+        Ok(CpuLmHead { matrix: lm_head.clone(), shape })
+    }
+
+    /// `samples` draws for each row of `hidden`: `tokens[b · samples + j]`.
+    pub fn sample(&self, lm_head: &CpuLmHead, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+        let rows = check_request(lm_head.shape, hidden.shape(), params, samples)?;
+        check_hidden_values(hidden)?;
+        let logits: Vec<Vec<f32>> = (0..hidden.rows()).map(|b| logits_row(&lm_head.matrix, hidden, b)).collect();
+        let n = samples as usize;
+        (0..rows.len() * n)
+            .into_par_iter()
+            .map(|k| {
+                let (b, j) = (k / n, k % n);
+                let best = draw(&logits[b], &rows[b], j as u32);
+                if best.index == Candidate::NONE.index { Err(Error::NoToken { row: b, draw: j }) } else { Ok(best.index) }
+            })
+            .collect()
+    }
+}

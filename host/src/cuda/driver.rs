@@ -1,0 +1,79 @@
+//! The checked layer over raw driver calls: every call's result becomes our `Error` naming the
+//! call, and the few raw calls cust does not wrap (launch with a by-value argument block,
+//! async copies, occupancy) live here.
+
+use std::ffi::{CStr, c_void};
+
+use cust::sys as raw;
+
+use crate::error::{Error, Result};
+
+/// A cust result, checked.
+pub fn check<T>(call: &str, result: cust::error::CudaResult<T>) -> Result<T> {
+    result.map_err(|e| Error::Cuda { call: call.to_string(), detail: e.to_string() })
+}
+
+/// A raw driver result, checked, with the driver's own name and text for the code.
+pub fn check_raw(call: &str, result: raw::CUresult) -> Result<()> {
+    if result == raw::cudaError_enum::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::os::raw::c_char = std::ptr::null();
+    let mut text: *const std::os::raw::c_char = std::ptr::null();
+    // SAFETY: both calls only write a pointer to a static string (or leave it null).
+    unsafe {
+        raw::cuGetErrorName(result, &mut name);
+        raw::cuGetErrorString(result, &mut text);
+    }
+    let as_string = |p: *const std::os::raw::c_char| {
+        // SAFETY: non-null pointers from cuGetError* point to static NUL-terminated strings.
+        if p.is_null() { format!("{result:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() }
+    };
+    Err(Error::Cuda { call: call.to_string(), detail: format!("{} ({})", as_string(name), as_string(text)) })
+}
+
+/// Launches `function` on a 1-D grid with one argument block passed by value.
+///
+/// # Safety
+/// `A` must be the `#[repr(C)]` argument block the kernel declares, its device addresses
+/// valid for the extents it states until the kernel completes, and the launch shape the one
+/// the kernel's safety section requires.
+pub unsafe fn launch<A>(
+    name: &str,
+    function: raw::CUfunction,
+    stream: raw::CUstream,
+    grid: u32,
+    block: u32,
+    shared_bytes: u32,
+    args: &A,
+) -> Result<()> {
+    let mut params = [args as *const A as *mut c_void];
+    // SAFETY: per this function's contract; the driver copies the argument block at launch.
+    let result = unsafe {
+        raw::cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared_bytes, stream, params.as_mut_ptr(), std::ptr::null_mut())
+    };
+    check_raw(&format!("cuLaunchKernel({name})"), result)
+}
+
+/// Copies `bytes` from the host to device address `destination`, ordered on `stream`.
+///
+/// # Safety
+/// `destination` must be a device allocation of at least `bytes.len()` bytes.
+pub unsafe fn copy_to_device_async(destination: u64, bytes: &[u8], stream: raw::CUstream) -> Result<()> {
+    // SAFETY: per this function's contract; pageable sources are staged before the call returns.
+    let result = unsafe { raw::cuMemcpyHtoDAsync_v2(destination, bytes.as_ptr().cast(), bytes.len(), stream) };
+    check_raw("cuMemcpyHtoDAsync", result)
+}
+
+/// How many blocks of `block` threads and `shared_bytes` of dynamic shared memory fit on one
+/// multiprocessor.
+///
+/// # Safety
+/// `function` must be a live handle of a loaded module in the current context.
+pub unsafe fn blocks_per_multiprocessor(name: &str, function: raw::CUfunction, block: u32, shared_bytes: u32) -> Result<u32> {
+    let mut blocks = 0i32;
+    // SAFETY: per this function's contract; the call writes one int.
+    let result = unsafe { raw::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, shared_bytes as usize) };
+    check_raw(&format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({name})"), result)?;
+    Ok(blocks.max(1) as u32)
+}

@@ -1,0 +1,583 @@
+//! The CUDA backend: a safe API over the checked layer in [`driver`].
+//!
+//! A [`CudaSampler`] owns the context, the module (the embedded PTX), one stream and a
+//! grow-only workspace, so repeated calls allocate nothing and only `sample` (which returns
+//! host tokens) waits for the device. Kernel errors that surface asynchronously are reported
+//! by the next synchronising call with the kernel's name, by [`CudaSampler::close`], or, if
+//! the sampler is just dropped, on standard error (never silently lost).
+
+pub mod driver;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use cust::context::{Context, CurrentContext};
+use cust::device::{Device, DeviceAttribute};
+use cust::memory::{DeviceBuffer, DeviceCopy};
+use cust::module::Module;
+use cust::stream::{Stream, StreamFlags};
+use cust::sys as raw;
+use flashsample_core::abi::{
+    FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, N_TILE,
+    REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TILE_ROWS, fused_mma_shared_bytes,
+    fused_simt_shared_bytes,
+};
+use flashsample_core::{Candidate, RowParams};
+
+use crate::error::{Error, Result, invalid};
+use crate::module::{KERNELS, PTX};
+use crate::params::{HeadShape, HiddenShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
+use crate::tensor::{DType, Elements, Matrix};
+
+/// Candidate memory one pass may use; larger requests are split over rows and draws.
+const CANDIDATE_BUDGET_BYTES: usize = 256 << 20;
+
+/// Which stage-1 kernel computes the logits tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// The dispatcher's choice for the dtype, D and B.
+    Auto,
+    /// Tensor-core tile with 8, 16 or 32 batch columns (BF16/F16, `D % 8 == 0`).
+    Mma { columns: u32 },
+    /// CUDA-core tile, any dtype and any D.
+    Simt,
+}
+
+impl Variant {
+    /// Every variant the dispatcher can pick, for tests that must cover each one.
+    pub const ALL: [Variant; 4] =
+        [Variant::Mma { columns: 8 }, Variant::Mma { columns: 16 }, Variant::Mma { columns: 32 }, Variant::Simt];
+
+    /// The variant for this problem: tensor cores when the dtype and D allow, with the
+    /// narrowest batch tile that covers B (wider tiles read W fewer times but hold more
+    /// registers).
+    pub fn resolve(self, dtype: DType, dim: usize, batch: usize) -> Result<Variant> {
+        let mma_possible = dtype != DType::F32 && dim.is_multiple_of(8);
+        match self {
+            Variant::Auto if !mma_possible => Ok(Variant::Simt),
+            Variant::Auto => Ok(Variant::Mma {
+                columns: match batch {
+                    0..=8 => 8,
+                    9..=16 => 16,
+                    _ => 32,
+                },
+            }),
+            Variant::Mma { columns } if ![8, 16, 32].contains(&columns) => {
+                Err(invalid("variant", format!("Mma {{ columns: {columns} }}: columns must be 8, 16 or 32")))
+            }
+            Variant::Mma { .. } if !mma_possible => {
+                Err(invalid("variant", format!("the mma kernels need BF16 or F16 and D % 8 == 0 (got {dtype}, D = {dim})")))
+            }
+            other => Ok(other),
+        }
+    }
+
+    fn columns(self) -> u32 {
+        match self {
+            Variant::Mma { columns } => columns,
+            _ => N_TILE,
+        }
+    }
+}
+
+fn dtype_tag(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+    }
+}
+
+struct Kernel {
+    function: raw::CUfunction,
+    threads: u32,
+    shared_bytes: u32,
+    blocks_per_multiprocessor: u32,
+}
+
+fn launch_shape(name: &str) -> (u32, u32) {
+    let stage1 = STAGE1_WARPS * 32;
+    if let Some(columns) = name.strip_prefix("fused_").and_then(|n| n.rsplit_once("_n")).map(|(_, c)| c) {
+        return (stage1, fused_mma_shared_bytes(columns.parse().expect("kernel names end in _n<columns>")));
+    }
+    match name {
+        n if n.starts_with("fused_simt_") => (stage1, fused_simt_shared_bytes()),
+        n if n.starts_with("logits_gemm_") => (stage1, 0),
+        "sample_logits" => (stage1, LOGITS_SAMPLER_SHARED_BYTES),
+        "reduce_candidates" => (REDUCE_THREADS, REDUCE_SHARED_BYTES),
+        _ => (256, 0),
+    }
+}
+
+/// An LM head `W[V, D]` in device memory.
+pub struct CudaLmHead {
+    buffer: DeviceBuffer<u8>,
+    shape: HeadShape,
+}
+
+impl CudaLmHead {
+    pub fn shape(&self) -> HeadShape {
+        self.shape
+    }
+
+    fn address(&self) -> u64 {
+        self.buffer.as_device_ptr().as_raw()
+    }
+}
+
+/// Hidden states `H[B, D]` in device memory.
+pub struct CudaHidden {
+    buffer: DeviceBuffer<u8>,
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+}
+
+impl CudaHidden {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Sampled tokens in device memory, `[rows, samples]` of u32; `u32::MAX` marks a draw with
+/// no finite score.
+pub struct DeviceTokens {
+    buffer: DeviceBuffer<u32>,
+    pub rows: usize,
+    pub samples: usize,
+}
+
+impl DeviceTokens {
+    /// Allocates room for `rows × samples` tokens (filled by a later `sample_into`).
+    pub fn new(sampler: &CudaSampler, rows: usize, samples: usize) -> Result<DeviceTokens> {
+        sampler.make_current()?;
+        let len = rows.checked_mul(samples).filter(|&n| n <= u32::MAX as usize).ok_or_else(|| {
+            invalid("samples", format!("B x samples = {rows} x {samples} tokens: must be < 2^32"))
+        })?;
+        // SAFETY: stage 2 writes every slot before anyone reads it.
+        let buffer = driver::check("cuMemAlloc(tokens)", unsafe { DeviceBuffer::<u32>::uninitialized(len.max(1)) })?;
+        Ok(DeviceTokens { buffer, rows, samples })
+    }
+
+    /// The device address of `tokens[0]`, for callers that consume tokens on the device.
+    pub fn address(&self) -> u64 {
+        self.buffer.as_device_ptr().as_raw()
+    }
+}
+
+/// Device buffers reused across calls; they only grow.
+#[derive(Default)]
+struct Workspace {
+    rows: Option<DeviceBuffer<u8>>,
+    candidates: Option<DeviceBuffer<u64>>,
+    logits: Option<DeviceBuffer<f32>>,
+}
+
+fn ensure<T: DeviceCopy>(slot: &mut Option<DeviceBuffer<T>>, len: usize, what: &str) -> Result<u64> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        // SAFETY: every consumer writes before it reads (stage 1 fills what stage 2 reads).
+        let buffer = driver::check(&format!("cuMemAlloc({what}, {len} elements)"), unsafe { DeviceBuffer::uninitialized(len.max(1)) })?;
+        *slot = Some(buffer);
+    }
+    Ok(slot.as_ref().expect("just ensured").as_device_ptr().as_raw())
+}
+
+fn row_params_bytes(rows: &[RowParams]) -> &[u8] {
+    // SAFETY: RowParams is #[repr(C)] of u64, u32, u32, f32, u32: 24 bytes without padding.
+    unsafe { std::slice::from_raw_parts(rows.as_ptr().cast::<u8>(), std::mem::size_of_val(rows)) }
+}
+
+/// The fused sampler on one CUDA device.
+pub struct CudaSampler {
+    kernels: HashMap<&'static str, Kernel>,
+    workspace: RefCell<Workspace>,
+    closed: bool,
+    // Declared after everything that lives in the context, so they drop first.
+    _module: Module,
+    stream: Stream,
+    context: Context,
+    device_name: String,
+    multiprocessors: u32,
+}
+
+impl CudaSampler {
+    /// Creates a context on device 0 and loads the kernels. Without a driver or a device this
+    /// is [`Error::NoCudaDevice`].
+    pub fn new() -> Result<CudaSampler> {
+        let no_device = |e: cust::error::CudaError| Error::NoCudaDevice(e.to_string());
+        cust::init(cust::CudaFlags::empty()).map_err(no_device)?;
+        if cust::device::Device::num_devices().map_err(no_device)? == 0 {
+            return Err(Error::NoCudaDevice("the driver reports no device".into()));
+        }
+        let device = Device::get_device(0).map_err(no_device)?;
+        let context = driver::check("cuCtxCreate", Context::new(device))?;
+        let module = driver::check("cuModuleLoadData(embedded PTX)", Module::from_ptx(PTX, &[]))?;
+        let stream = driver::check("cuStreamCreate", Stream::new(StreamFlags::NON_BLOCKING, None))?;
+        let device_name = driver::check("cuDeviceGetName", device.name())?;
+        let multiprocessors =
+            driver::check("cuDeviceGetAttribute(MultiprocessorCount)", device.get_attribute(DeviceAttribute::MultiprocessorCount))? as u32;
+        let mut kernels = HashMap::new();
+        for &name in KERNELS {
+            let function = driver::check(&format!("cuModuleGetFunction({name})"), module.get_function(name))?.to_raw();
+            let (threads, shared_bytes) = launch_shape(name);
+            // SAFETY: `function` was just taken from the module we hold.
+            let blocks_per_multiprocessor = unsafe { driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)? };
+            kernels.insert(name, Kernel { function, threads, shared_bytes, blocks_per_multiprocessor });
+        }
+        Ok(CudaSampler {
+            kernels,
+            workspace: RefCell::default(),
+            closed: false,
+            _module: module,
+            stream,
+            context,
+            device_name,
+            multiprocessors,
+        })
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    pub fn multiprocessors(&self) -> u32 {
+        self.multiprocessors
+    }
+
+    /// The raw stream all work is queued on (for event timing).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    fn make_current(&self) -> Result<()> {
+        driver::check("cuCtxSetCurrent", CurrentContext::set_current(&self.context))
+    }
+
+    /// Launches `name` over `items` work items with a persistent grid (at most one wave).
+    ///
+    /// # Safety
+    /// `args` must be the kernel's argument block with valid device addresses.
+    unsafe fn launch<A>(&self, name: &'static str, items: u64, args: &A) -> Result<()> {
+        let kernel = &self.kernels[name];
+        let resident = kernel.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
+        let grid = items.clamp(1, resident) as u32;
+        // SAFETY: per this function's contract; threads and shared memory come from launch_shape.
+        unsafe { driver::launch(name, kernel.function, self.stream.as_inner(), grid, kernel.threads, kernel.shared_bytes, args) }
+    }
+
+    /// Waits for all queued work; a kernel fault is reported as failing `after`.
+    pub fn synchronize(&self, after: &str) -> Result<()> {
+        driver::check(&format!("cuStreamSynchronize (after {after})"), self.stream.synchronize())
+    }
+
+    /// Uploads and checks an LM head (non-empty, `V < 2³¹`, finite).
+    pub fn upload_lm_head(&self, lm_head: &Matrix) -> Result<CudaLmHead> {
+        let shape = check_lm_head(lm_head)?;
+        self.make_current()?;
+        let buffer = driver::check("cuMemAlloc+cuMemcpyHtoD(lm_head)", DeviceBuffer::from_slice(lm_head.elements().as_bytes()))?;
+        Ok(CudaLmHead { buffer, shape })
+    }
+
+    /// Uploads hidden states, checked finite.
+    pub fn upload_hidden(&self, hidden: &Matrix) -> Result<CudaHidden> {
+        check_hidden_values(hidden)?;
+        self.make_current()?;
+        let buffer = driver::check("cuMemAlloc+cuMemcpyHtoD(hidden)", DeviceBuffer::from_slice(hidden.elements().as_bytes()))?;
+        Ok(CudaHidden { buffer, rows: hidden.rows(), cols: hidden.cols(), dtype: hidden.dtype() })
+    }
+
+    /// `samples` draws per row with the dispatcher's kernel, tokens returned to the host.
+    pub fn sample(&self, lm_head: &CudaLmHead, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+        self.sample_with(lm_head, hidden, params, samples, Variant::Auto)
+    }
+
+    /// As [`CudaSampler::sample`] with an explicit stage-1 variant.
+    pub fn sample_with(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        samples: u32,
+        variant: Variant,
+    ) -> Result<Vec<u32>> {
+        check_request(lm_head.shape, hidden.shape(), params, samples)?;
+        let hidden = self.upload_hidden(hidden)?;
+        let tokens = self.sample_on_device(lm_head, &hidden, params, samples, variant)?;
+        self.tokens_to_host(&tokens)
+    }
+
+    /// Queues fused sampling and returns the tokens in device memory without waiting.
+    pub fn sample_on_device(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        params: &[SamplingParams],
+        samples: u32,
+        variant: Variant,
+    ) -> Result<DeviceTokens> {
+        let mut tokens = DeviceTokens::new(self, hidden.rows, samples as usize)?;
+        self.sample_into(lm_head, hidden, params, samples, variant, &mut tokens)?;
+        Ok(tokens)
+    }
+
+    /// Queues fused sampling into `tokens` (`[B, samples]`); allocates nothing once the
+    /// workspace has grown to the problem, and never waits for the device.
+    pub fn sample_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        params: &[SamplingParams],
+        samples: u32,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        let rows = self.check_device_request(lm_head, hidden, params, samples)?;
+        let variant = variant.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)?;
+        let name = match variant {
+            Variant::Mma { columns } => fused_kernel_name(lm_head.shape.dtype, columns),
+            _ => simt_kernel_name(lm_head.shape.dtype),
+        };
+        let tiles = lm_head.shape.vocab.div_ceil(TILE_ROWS as usize);
+        self.run_passes(hidden, &rows, samples, tiles, tokens, |pass| {
+            let args = FusedArgs {
+                lm_head: lm_head.address(),
+                hidden: pass.hidden,
+                rows: pass.rows,
+                candidates: pass.candidates,
+                vocab: lm_head.shape.vocab as u32,
+                dim: lm_head.shape.dim as u32,
+                batch: pass.batch,
+                sample_offset: pass.sample_offset,
+                samples: pass.samples,
+                tiles: tiles as u32,
+            };
+            let items = tiles as u64 * pass.batch.div_ceil(variant.columns()) as u64;
+            // SAFETY: the addresses come from live buffers sized for this pass.
+            unsafe { self.launch(name, items, &args) }
+        })
+    }
+
+    /// The unfused pipeline on the same inputs: a GEMM writes f32 logits `[B, V]`, a sampler
+    /// reads them back. Bit-identical logits to the fused mma kernels, so the same tokens.
+    pub fn sample_unfused_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        params: &[SamplingParams],
+        samples: u32,
+        columns: u32,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        let rows = self.check_device_request(lm_head, hidden, params, samples)?;
+        let Variant::Mma { columns } = Variant::Mma { columns }.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)? else {
+            unreachable!("resolve keeps an explicit mma variant")
+        };
+        let shape = lm_head.shape;
+        let stride = shape.vocab.next_multiple_of(4);
+        let logits = ensure(&mut self.workspace.borrow_mut().logits, hidden.rows * stride, "logits")?;
+        let gemm = LogitsArgs {
+            lm_head: lm_head.address(),
+            hidden: hidden.buffer.as_device_ptr().as_raw(),
+            logits,
+            vocab: shape.vocab as u32,
+            dim: shape.dim as u32,
+            batch: hidden.rows as u32,
+            logits_stride: stride as u32,
+        };
+        let name = logits_kernel_name(shape.dtype, columns);
+        let items = shape.vocab.div_ceil(TILE_ROWS as usize) as u64 * hidden.rows.div_ceil(columns as usize) as u64;
+        // SAFETY: the logits buffer holds B × stride floats.
+        unsafe { self.launch(name, items, &gemm)? };
+        let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
+        self.run_passes(hidden, &rows, samples, tiles, tokens, |pass| {
+            let args = LogitsSamplerArgs {
+                logits: logits + pass.first_row as u64 * stride as u64 * 4,
+                rows: pass.rows,
+                candidates: pass.candidates,
+                vocab: shape.vocab as u32,
+                logits_stride: stride as u32,
+                batch: pass.batch,
+                sample_offset: pass.sample_offset,
+                samples: pass.samples,
+                tiles: tiles as u32,
+            };
+            // SAFETY: as above.
+            unsafe { self.launch("sample_logits", tiles as u64 * pass.batch as u64, &args) }
+        })
+    }
+
+    fn check_device_request(&self, lm_head: &CudaLmHead, hidden: &CudaHidden, params: &[SamplingParams], samples: u32) -> Result<Vec<RowParams>> {
+        let shape = HiddenShape { rows: hidden.rows, cols: hidden.cols, dtype: hidden.dtype };
+        let rows = check_request(lm_head.shape, shape, params, samples)?;
+        self.make_current()?;
+        Ok(rows)
+    }
+
+    /// Splits (rows × draws) into passes whose candidates fit the budget, runs `stage1` for
+    /// each, then stage 2 into one `[B, samples]` token buffer.
+    fn run_passes(
+        &self,
+        hidden: &CudaHidden,
+        rows: &[RowParams],
+        samples: u32,
+        tiles: usize,
+        tokens: &mut DeviceTokens,
+        mut stage1: impl FnMut(&Pass) -> Result<()>,
+    ) -> Result<()> {
+        let batch = rows.len();
+        if tokens.rows != batch || tokens.samples != samples as usize {
+            return Err(invalid("tokens", format!("room for [{}, {}] tokens, the request makes [{batch}, {samples}]", tokens.rows, tokens.samples)));
+        }
+        let pairs_per_pass = (CANDIDATE_BUDGET_BYTES / (tiles * 8)).max(1);
+        let rows_per_pass = batch.min(pairs_per_pass);
+        let samples_per_pass = (samples as usize).min((pairs_per_pass / rows_per_pass).max(1));
+        let mut workspace = self.workspace.borrow_mut();
+        let rows_address = ensure(&mut workspace.rows, std::mem::size_of_val(rows), "row parameters")?;
+        let candidates = ensure(&mut workspace.candidates, rows_per_pass * samples_per_pass * tiles, "candidates")?;
+        drop(workspace);
+        // SAFETY: the rows buffer holds at least this many bytes; the copy is ordered on our stream.
+        unsafe { driver::copy_to_device_async(rows_address, row_params_bytes(rows), self.stream.as_inner())? };
+        let element_bytes = hidden.dtype.bytes() as u64;
+        for first_row in (0..batch).step_by(rows_per_pass) {
+            let pass_rows = rows_per_pass.min(batch - first_row);
+            for first_sample in (0..samples as usize).step_by(samples_per_pass) {
+                let pass_samples = samples_per_pass.min(samples as usize - first_sample);
+                let pass = Pass {
+                    first_row,
+                    hidden: hidden.buffer.as_device_ptr().as_raw() + (first_row * hidden.cols) as u64 * element_bytes,
+                    rows: rows_address + (first_row * std::mem::size_of::<RowParams>()) as u64,
+                    candidates,
+                    batch: pass_rows as u32,
+                    sample_offset: first_sample as u32,
+                    samples: pass_samples as u32,
+                };
+                stage1(&pass)?;
+                let reduce = ReduceArgs {
+                    candidates,
+                    tokens: tokens.address() + (first_row * samples as usize * 4) as u64,
+                    batch: pass.batch,
+                    samples: pass.samples,
+                    tiles: tiles as u32,
+                    sample_offset: pass.sample_offset,
+                    token_stride: samples,
+                };
+                // SAFETY: candidates hold batch × samples × tiles entries written by stage 1.
+                unsafe { self.launch("reduce_candidates", pass_rows as u64 * pass_samples as u64, &reduce)? };
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the tokens and copies them to the host; a draw without a token is
+    /// [`Error::NoToken`].
+    pub fn tokens_to_host(&self, tokens: &DeviceTokens) -> Result<Vec<u32>> {
+        self.synchronize("sampling")?;
+        let host = driver::check("cuMemcpyDtoH(tokens)", tokens.buffer.as_host_vec())?;
+        if let Some(at) = host.iter().position(|&t| t == Candidate::NONE.index) {
+            return Err(Error::NoToken { row: at / tokens.samples, draw: at % tokens.samples });
+        }
+        Ok(host)
+    }
+
+    /// An LM head of uniform values in `[-scale, scale)` made on the device (benchmarks, demo).
+    pub fn random_lm_head(&self, vocab: usize, dim: usize, dtype: DType, seed: u64, scale: f32) -> Result<CudaLmHead> {
+        let buffer = self.random_buffer(vocab * dim, dtype, seed, scale)?;
+        Ok(CudaLmHead { buffer, shape: HeadShape { vocab, dim, dtype } })
+    }
+
+    /// Hidden states of uniform values made on the device.
+    pub fn random_hidden(&self, rows: usize, cols: usize, dtype: DType, seed: u64, scale: f32) -> Result<CudaHidden> {
+        let buffer = self.random_buffer(rows * cols, dtype, seed, scale)?;
+        Ok(CudaHidden { buffer, rows, cols, dtype })
+    }
+
+    fn random_buffer(&self, count: usize, dtype: DType, seed: u64, scale: f32) -> Result<DeviceBuffer<u8>> {
+        self.make_current()?;
+        // SAFETY: the fill kernel writes every element before anything reads it.
+        let buffer = driver::check("cuMemAlloc(random)", unsafe { DeviceBuffer::<u8>::uninitialized(count * dtype.bytes()) })?;
+        let args = FillArgs { out: buffer.as_device_ptr().as_raw(), count: count as u64, seed, scale };
+        let name = match dtype {
+            DType::F32 => "fill_uniform_f32",
+            DType::F16 => "fill_uniform_f16",
+            DType::BF16 => "fill_uniform_bf16",
+        };
+        // SAFETY: the buffer holds `count` elements of `dtype`.
+        unsafe { self.launch(name, count.div_ceil(4 * 256) as u64, &args)? };
+        Ok(buffer)
+    }
+
+    /// Copies a device LM head back (the demo checks the GPU against the CPU on it).
+    pub fn lm_head_to_host(&self, lm_head: &CudaLmHead) -> Result<Matrix> {
+        self.synchronize("making the LM head")?;
+        let bytes = driver::check("cuMemcpyDtoH(lm_head)", lm_head.buffer.as_host_vec())?;
+        let elements = elements_from_bytes(&bytes, lm_head.shape.dtype);
+        Matrix::new("lm_head", lm_head.shape.vocab, lm_head.shape.dim, elements)
+    }
+
+    /// Copies device hidden states back.
+    pub fn hidden_to_host(&self, hidden: &CudaHidden) -> Result<Matrix> {
+        self.synchronize("making the hidden states")?;
+        let bytes = driver::check("cuMemcpyDtoH(hidden)", hidden.buffer.as_host_vec())?;
+        Matrix::new("hidden", hidden.rows, hidden.cols, elements_from_bytes(&bytes, hidden.dtype))
+    }
+
+    /// Queues one pass of 16-byte loads over the LM head's bytes: the read-bandwidth floor.
+    pub fn read_probe(&self, lm_head: &CudaLmHead, sink: &DeviceBuffer<u32>) -> Result<()> {
+        let bytes = (lm_head.buffer.len() / 64 * 64) as u64;
+        let args = ReadProbeArgs { source: lm_head.address(), bytes, sink: sink.as_device_ptr().as_raw() };
+        // SAFETY: `bytes` is within the buffer; the sink holds one u32.
+        unsafe { self.launch("read_probe", u64::MAX, &args) }
+    }
+
+    /// Waits for outstanding work and reports any error it left; the sampler is then gone.
+    pub fn close(mut self) -> Result<()> {
+        self.closed = true;
+        self.make_current()?;
+        self.synchronize("all queued work")
+    }
+}
+
+impl Drop for CudaSampler {
+    fn drop(&mut self) {
+        if !self.closed {
+            let result = self.make_current().and_then(|_| self.synchronize("all queued work"));
+            if let Err(e) = result {
+                eprintln!("flashsample: error while dropping CudaSampler: {e}");
+            }
+        }
+    }
+}
+
+struct Pass {
+    first_row: usize,
+    hidden: u64,
+    rows: u64,
+    candidates: u64,
+    batch: u32,
+    sample_offset: u32,
+    samples: u32,
+}
+
+fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
+    match dtype {
+        DType::F32 => Elements::F32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::F16 => Elements::F16(bytemuck::pod_collect_to_vec(bytes)),
+        DType::BF16 => Elements::BF16(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
+fn fused_kernel_name(dtype: DType, columns: u32) -> &'static str {
+    let name = format!("fused_{}_n{columns}", dtype_tag(dtype));
+    KERNELS.iter().find(|k| **k == name).expect("resolve only returns kernels that exist")
+}
+
+fn simt_kernel_name(dtype: DType) -> &'static str {
+    let name = format!("fused_simt_{}", dtype_tag(dtype));
+    KERNELS.iter().find(|k| **k == name).expect("every dtype has a SIMT kernel")
+}
+
+fn logits_kernel_name(dtype: DType, columns: u32) -> &'static str {
+    let name = format!("logits_gemm_{}_n{columns}", dtype_tag(dtype));
+    KERNELS.iter().find(|k| **k == name).expect("resolve only returns kernels that exist")
+}

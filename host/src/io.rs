@@ -1,0 +1,92 @@
+//! Files: matrices from safetensors, tokens to NumPy `.npy`.
+
+use std::io::Write;
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{Error, Result, invalid};
+use crate::tensor::{Elements, Matrix};
+
+fn file_error(path: &Path, message: impl std::fmt::Display) -> Error {
+    Error::File { path: path.display().to_string(), message: message.to_string() }
+}
+
+/// Reads one 2-D F32/F16/BF16 tensor from a safetensors file. `tensor` picks it by name; with
+/// `None` the file must hold exactly one. `argument` (a CLI flag) names the input in errors.
+pub fn load_matrix(path: &Path, tensor: Option<&str>, argument: &str) -> Result<Matrix> {
+    let file = std::fs::File::open(path).map_err(|e| file_error(path, e))?;
+    // SAFETY: the map is read-only and dropped before we return; a file changed underneath
+    // us can only give wrong values, which the finiteness checks may catch.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_error(path, e))?;
+    let tensors = SafeTensors::deserialize(&map).map_err(|e| file_error(path, format!("not a safetensors file: {e}")))?;
+    let mut names: Vec<String> = tensors.names().into_iter().cloned().collect();
+    names.sort();
+    let name = match tensor {
+        Some(name) if names.iter().any(|n| n == name) => name.to_string(),
+        Some(name) => {
+            return Err(invalid(format!("{argument}-tensor"), format!("{} holds no tensor `{name}` (it holds: {})", path.display(), names.join(", "))));
+        }
+        None if names.len() == 1 => names[0].clone(),
+        None => {
+            return Err(invalid(
+                argument,
+                format!("{} holds {} tensors ({}); pick one with {argument}-tensor NAME", path.display(), names.len(), names.join(", ")),
+            ));
+        }
+    };
+    let view = tensors.tensor(&name).map_err(|e| file_error(path, e))?;
+    let &[rows, cols] = view.shape() else {
+        return Err(invalid(argument, format!("tensor `{name}` has shape {:?}: it must be 2-D", view.shape())));
+    };
+    let bytes = view.data();
+    let elements = match view.dtype() {
+        Dtype::F32 => Elements::F32(bytemuck::pod_collect_to_vec(bytes)),
+        Dtype::F16 => Elements::F16(bytemuck::pod_collect_to_vec(bytes)),
+        Dtype::BF16 => Elements::BF16(bytemuck::pod_collect_to_vec(bytes)),
+        other => return Err(invalid(argument, format!("tensor `{name}` has dtype {other:?}: it must be F32, F16 or BF16"))),
+    };
+    Matrix::new(argument, rows, cols, elements)
+}
+
+/// Writes `values` (`rows × cols`, row-major) as a little-endian int64 `.npy` (format 1.0).
+pub fn write_npy_i64(path: &Path, rows: usize, cols: usize, values: &[u32]) -> Result<()> {
+    assert_eq!(values.len(), rows * cols, "the caller passes a full matrix");
+    let mut header = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    // Magic (6) + version (2) + length (2) + header + '\n' is padded to a multiple of 64.
+    let unpadded = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    header.push('\n');
+    let file = std::fs::File::create(path).map_err(|e| file_error(path, e))?;
+    let mut out = std::io::BufWriter::new(file);
+    let mut write = |bytes: &[u8]| out.write_all(bytes).map_err(|e| file_error(path, e));
+    write(b"\x93NUMPY\x01\x00")?;
+    write(&(header.len() as u16).to_le_bytes())?;
+    write(header.as_bytes())?;
+    for &v in values {
+        write(&(v as i64).to_le_bytes())?;
+    }
+    out.flush().map_err(|e| file_error(path, e))
+}
+
+/// Reads back a `.npy` written by [`write_npy_i64`]: `(rows, cols, values)`.
+pub fn read_npy_i64(path: &Path) -> Result<(usize, usize, Vec<i64>)> {
+    let bytes = std::fs::read(path).map_err(|e| file_error(path, e))?;
+    let bad = || file_error(path, "not an int64 .npy of format 1.0");
+    if bytes.len() < 10 || &bytes[..8] != b"\x93NUMPY\x01\x00" {
+        return Err(bad());
+    }
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(bytes.get(10..10 + header_len).ok_or_else(bad)?).map_err(|_| bad())?;
+    if !header.contains("'<i8'") {
+        return Err(bad());
+    }
+    let shape = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).ok_or_else(bad)?;
+    let dims: Vec<usize> = shape.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().map_err(|_| bad())).collect::<Result<_>>()?;
+    let [rows, cols] = dims[..] else { return Err(bad()) };
+    let values: Vec<i64> = bytes[10 + header_len..].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("chunks of 8"))).collect();
+    if values.len() != rows * cols {
+        return Err(bad());
+    }
+    Ok((rows, cols, values))
+}

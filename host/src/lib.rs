@@ -1,0 +1,33 @@
+//! flashsample: exact token sampling fused into the LM-head matmul.
+//!
+//! `tokens = sample(softmax(H·Wᵀ / T))` per row, by the Gumbel-max trick: the GPU computes
+//! each logits tile on chip, adds Philox-keyed Gumbel noise and keeps one (score, index) per
+//! row and tile; a second small kernel reduces the tiles. The `[B, V]` logits never reach
+//! device memory. [`CudaSampler`] runs it on an NVIDIA GPU; [`CpuSampler`] is its exact twin
+//! (same noise, same merge rule) for tests and machines without a GPU.
+//!
+//! ```no_run
+//! use flashsample::{CpuSampler, Elements, Matrix, SamplingParams};
+//! let w = Matrix::new("lm_head", 3, 2, Elements::F32(vec![1.0, 0.0, 0.0, 1.0, 0.5, 0.5]))?;
+//! let h = Matrix::new("hidden", 1, 2, Elements::F32(vec![2.0, -1.0]))?;
+//! let sampler = CpuSampler::new();
+//! let head = sampler.upload_lm_head(&w)?;
+//! let tokens = sampler.sample(&head, &h, &[SamplingParams::new(1.0, 42, 0, 0)], 4)?;
+//! assert_eq!(tokens.len(), 4);
+//! # Ok::<(), flashsample::Error>(())
+//! ```
+
+pub mod cpu;
+pub mod cuda;
+pub mod error;
+pub mod io;
+pub mod module;
+pub mod params;
+pub mod tensor;
+pub mod timing;
+
+pub use cpu::{CpuLmHead, CpuSampler};
+pub use cuda::{CudaHidden, CudaLmHead, CudaSampler, DeviceTokens, Variant};
+pub use error::{Error, Result};
+pub use params::{HeadShape, SamplingParams};
+pub use tensor::{DType, Elements, Matrix};

@@ -1,0 +1,114 @@
+//! Per-row sampling parameters and the checks every backend applies before any work.
+
+use flashsample_core::RowParams;
+
+use crate::error::{Error, Result, invalid};
+use crate::tensor::{DType, Matrix};
+
+/// How one batch row is sampled.
+///
+/// The noise of a draw is a pure function of `(seed, stream, step, draw index, vocabulary
+/// index)` (see `flashsample_core::noise`), so a row's tokens do not depend on the batch it
+/// is in, its position there, or the kernel's tiling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// `T ≥ 0`; `T = 0` is greedy argmax (no noise).
+    pub temperature: f32,
+    pub seed: u64,
+    /// Independent stream of the seed, e.g. a request id.
+    pub stream: u32,
+    /// Decode step or position; successive steps get fresh noise.
+    pub step: u32,
+}
+
+impl SamplingParams {
+    pub fn new(temperature: f32, seed: u64, stream: u32, step: u32) -> Self {
+        SamplingParams { temperature, seed, stream, step }
+    }
+
+    fn to_row(self, index: usize) -> Result<RowParams> {
+        let t = self.temperature;
+        let argument = || format!("params[{index}].temperature");
+        if !t.is_finite() || t < 0.0 {
+            return Err(invalid(argument(), format!("T = {t}: must be finite and >= 0 (0 = greedy)")));
+        }
+        let greedy = t == 0.0;
+        let inv_temperature = if greedy { 0.0 } else { 1.0 / t };
+        if !inv_temperature.is_finite() {
+            return Err(invalid(argument(), format!("T = {t:e}: 1/T overflows f32; use T = 0 for greedy or T >= {:e}", f32::MIN_POSITIVE)));
+        }
+        Ok(RowParams { seed: self.seed, stream: self.stream, step: self.step, inv_temperature, greedy: greedy as u32 })
+    }
+}
+
+/// The LM head's shape as the backends keep it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShape {
+    pub vocab: usize,
+    pub dim: usize,
+    pub dtype: DType,
+}
+
+/// Largest vocabulary: indices are u32 with `u32::MAX` reserved, and Philox blocks are
+/// `index / 4 < 2²⁹`.
+pub const MAX_VOCAB: usize = (1 << 31) - 1;
+
+/// Checks an LM head `W[V, D]`: non-empty, `V < 2³¹`, every element finite.
+pub fn check_lm_head(lm_head: &Matrix) -> Result<HeadShape> {
+    let (vocab, dim) = (lm_head.rows(), lm_head.cols());
+    if vocab == 0 {
+        return Err(invalid("lm_head", "V = 0 rows: the vocabulary must not be empty"));
+    }
+    if dim == 0 {
+        return Err(invalid("lm_head", "D = 0 columns: the hidden size must be at least 1"));
+    }
+    if vocab > MAX_VOCAB {
+        return Err(invalid("lm_head", format!("V = {vocab}: must be < 2^31")));
+    }
+    if dim > u32::MAX as usize {
+        return Err(invalid("lm_head", format!("D = {dim}: must be < 2^32")));
+    }
+    if let Some((r, c)) = lm_head.first_non_finite() {
+        return Err(invalid("lm_head", format!("element [{r}, {c}] = {}: every weight must be finite", lm_head.get(r, c))));
+    }
+    Ok(HeadShape { vocab, dim, dtype: lm_head.dtype() })
+}
+
+/// Shape and type of the hidden states of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HiddenShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+}
+
+/// Checks that every hidden state is finite.
+pub fn check_hidden_values(hidden: &Matrix) -> Result<()> {
+    match hidden.first_non_finite() {
+        Some((r, c)) => Err(invalid("hidden", format!("element [{r}, {c}] = {}: every hidden state must be finite", hidden.get(r, c)))),
+        None => Ok(()),
+    }
+}
+
+/// Checks one sampling request against the head and returns the kernels' row parameters.
+pub fn check_request(head: HeadShape, hidden: HiddenShape, params: &[SamplingParams], samples: u32) -> Result<Vec<RowParams>> {
+    if hidden.rows == 0 {
+        return Err(invalid("hidden", "B = 0 rows: at least one row is needed"));
+    }
+    if hidden.rows > u32::MAX as usize {
+        return Err(invalid("hidden", format!("B = {}: must be < 2^32", hidden.rows)));
+    }
+    if hidden.cols != head.dim {
+        return Err(invalid("hidden", format!("{} columns, but the LM head has D = {}: they must match", hidden.cols, head.dim)));
+    }
+    if hidden.dtype != head.dtype {
+        return Err(Error::DTypeMismatch { lm_head: head.dtype, hidden: hidden.dtype });
+    }
+    if params.len() != hidden.rows {
+        return Err(invalid("params", format!("{} entries for B = {} hidden rows: one per row", params.len(), hidden.rows)));
+    }
+    if samples == 0 {
+        return Err(invalid("samples", "0: at least one draw per row"));
+    }
+    params.iter().enumerate().map(|(i, p)| p.to_row(i)).collect()
+}

@@ -1,0 +1,63 @@
+//! `cargo xtask bundle`: one folder with everything a GPU run needs (the GPU machine has no
+//! Rust): the release CLI, the release test binaries, the PTX, and `run.sh`.
+
+use std::path::{Path, PathBuf};
+
+use crate::toolchain;
+
+pub fn build(out: Option<&str>) -> Result<(), String> {
+    let root = toolchain::workspace_root();
+    let out = out.map(PathBuf::from).unwrap_or_else(|| root.join("bundle"));
+    let cargo = toolchain::cargo();
+    let status = toolchain::clean_command(&cargo)
+        .current_dir(&root)
+        .args(["build", "--release", "--package", "flashsample", "--bin", "flashsample"])
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err("building the CLI failed".into());
+    }
+    let output = toolchain::clean_command(&cargo)
+        .current_dir(&root)
+        .args(["test", "--release", "--workspace", "--no-run", "--message-format=json"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !output.status.success() {
+        return Err("building the tests failed".into());
+    }
+    let tests = test_executables(&String::from_utf8_lossy(&output.stdout));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(out.join("tests")).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    copy(&root.join("target/release/flashsample"), &out.join("flashsample"))?;
+    for (name, path) in &tests {
+        copy(path, &out.join("tests").join(name))?;
+    }
+    copy(&root.join("host/ptx/kernels.ptx"), &out.join("kernels.ptx"))?;
+    copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
+    copy(&root.join("scripts/peers.py"), &out.join("peers.py"))?;
+    println!("bundle in {} ({} test binaries); on the GPU machine: bash {}/run.sh", out.display(), tests.len(), out.display());
+    Ok(())
+}
+
+/// `(target name, executable)` of every test binary in cargo's JSON messages.
+fn test_executables(messages: &str) -> Vec<(String, PathBuf)> {
+    let mut found = Vec::new();
+    for line in messages.lines() {
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let is_test = message["profile"]["test"].as_bool() == Some(true);
+        if let (true, Some(executable), Some(name)) =
+            (is_test, message["executable"].as_str(), message["target"]["name"].as_str())
+        {
+            let package = message["package_id"].as_str().unwrap_or("").rsplit(['/', '#']).nth(1).unwrap_or("").to_string();
+            let kind = message["target"]["kind"][0].as_str().unwrap_or("");
+            let label = if kind == "lib" { format!("{}-lib", name) } else { format!("{package}-{name}") };
+            found.push((label, PathBuf::from(executable)));
+        }
+    }
+    found
+}
+
+fn copy(from: &Path, to: &Path) -> Result<(), String> {
+    std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("cannot copy {} to {}: {e}", from.display(), to.display()))
+}

@@ -1,0 +1,71 @@
+//! `cargo xtask build-kernels`: Rust kernels → PTX embedded by the host.
+
+use std::path::Path;
+
+use crate::{link, ptxas, toolchain};
+
+pub struct Options {
+    pub arch: String,
+    pub check: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { arch: "sm_90".into(), check: false }
+    }
+}
+
+/// Where the host embeds the PTX from (`include_str!` in `host/src/module.rs`).
+pub const EMBEDDED_PTX: &str = "host/ptx/kernels.ptx";
+const TARGET: &str = "nvptx64-nvidia-cuda";
+
+pub fn build(options: &Options) -> Result<(), String> {
+    let root = toolchain::workspace_root();
+    let nightly = toolchain::nightly(&root)?;
+    let ptx = compile(&root, &nightly, &options.arch)?;
+    match toolchain::find_ptxas() {
+        Some(ptxas) => ptxas::validate(&ptxas, &ptx, &options.arch)?,
+        None => eprintln!("note: ptxas not found ($PTXAS, PATH, or `pip install nvidia-cuda-nvcc-cu12`): PTX not validated"),
+    }
+    let destination = root.join(EMBEDDED_PTX);
+    let fresh = std::fs::read_to_string(&ptx).map_err(|e| format!("cannot read {}: {e}", ptx.display()))?;
+    if options.check {
+        let committed = std::fs::read_to_string(&destination).unwrap_or_default();
+        if committed != fresh {
+            return Err(format!("{EMBEDDED_PTX} is stale (differs from a fresh build of kernels/); fix: cargo xtask build-kernels"));
+        }
+        println!("{EMBEDDED_PTX} is up to date ({} kernels)", count_entries(&fresh));
+    } else {
+        std::fs::write(&destination, &fresh).map_err(|e| format!("cannot write {}: {e}", destination.display()))?;
+        println!("wrote {EMBEDDED_PTX} ({} kernels, {} bytes)", count_entries(&fresh), fresh.len());
+    }
+    Ok(())
+}
+
+fn count_entries(ptx: &str) -> usize {
+    ptx.lines().filter(|l| l.starts_with(".visible .entry")).count()
+}
+
+/// Runs the nested nightly cargo for the kernel crate with this binary as its linker.
+fn compile(root: &Path, nightly: &toolchain::Nightly, arch: &str) -> Result<std::path::PathBuf, String> {
+    let target_dir = root.join("target/ptx");
+    let this = std::env::current_exe().map_err(|e| format!("cannot locate xtask itself: {e}"))?;
+    let rustflags = [format!("-Ctarget-cpu={arch}"), format!("-Clinker={}", this.display())].join("\u{1f}");
+    let status = toolchain::clean_command(&nightly.cargo)
+        .current_dir(root.join("kernels"))
+        .args(["build", "--release", "--target", TARGET, "-Zbuild-std=core", "--target-dir"])
+        .arg(&target_dir)
+        .env("RUSTC", &nightly.rustc)
+        .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
+        .env(link::LINKER_MODE_VARIABLE, &nightly.llvm_bin)
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("building kernels/ for {TARGET} failed ({status})"));
+    }
+    let ptx = target_dir.join(TARGET).join("release/flashsample_kernels.ptx");
+    if !ptx.is_file() {
+        return Err(format!("the build wrote no {}", ptx.display()));
+    }
+    Ok(ptx)
+}

@@ -1,0 +1,67 @@
+//! `cargo xtask <command>`: the project's build chores, in Rust (matklad's cargo-xtask).
+//!
+//! - `build-kernels [--arch sm_90] [--check]`: compile `kernels/` to PTX with nightly rustc's
+//!   NVPTX backend, link it ourselves (`llvm-link` → `opt` → `llc`), validate it with `ptxas`
+//!   when one is found, and write `host/ptx/kernels.ptx`, which the host embeds. `--check`
+//!   fails if the committed PTX differs from a fresh build (CI runs it).
+//! - `bundle [--out DIR]`: build the release CLI and test binaries and gather them, the PTX
+//!   and `scripts/gpu-run.sh` into one folder (default `bundle/`) to carry to the GPU machine.
+//!
+//! The same binary also serves as rustc's linker for the kernel crate: when
+//! `FLASHSAMPLE_PTX_LINK` is set, it performs the bitcode → PTX link step (see `link.rs`).
+
+mod bundle;
+mod kernels;
+mod link;
+mod ptxas;
+mod toolchain;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: cargo xtask build-kernels [--arch sm_90] [--check]\n       cargo xtask bundle [--out DIR]";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = if std::env::var_os(link::LINKER_MODE_VARIABLE).is_some() {
+        link::run(&args)
+    } else {
+        run_command(&args)
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_command(args: &[String]) -> Result<(), String> {
+    let (command, rest) = args.split_first().ok_or_else(|| USAGE.to_string())?;
+    match command.as_str() {
+        "build-kernels" => {
+            let mut options = kernels::Options::default();
+            let mut rest = rest.iter();
+            while let Some(arg) = rest.next() {
+                match arg.as_str() {
+                    "--arch" => options.arch = rest.next().ok_or("--arch needs a value, e.g. sm_90")?.clone(),
+                    "--check" => options.check = true,
+                    other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
+                }
+            }
+            kernels::build(&options)
+        }
+        "bundle" => {
+            let mut out = None;
+            let mut rest = rest.iter();
+            while let Some(arg) = rest.next() {
+                match arg.as_str() {
+                    "--out" => out = Some(rest.next().ok_or("--out needs a folder")?.clone()),
+                    other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
+                }
+            }
+            bundle::build(out.as_deref())
+        }
+        other => Err(format!("unknown command `{other}`\n{USAGE}")),
+    }
+}

@@ -17,6 +17,7 @@
 //! # Ok::<(), flashsample::Error>(())
 //! ```
 
+pub mod bench;
 pub mod cpu;
 pub mod cuda;
 pub mod error;

@@ -56,6 +56,15 @@ pub const MAX_VOCAB: usize = (1 << 31) - 1;
 /// Checks an LM head `W[V, D]`: non-empty, `V < 2³¹`, every element finite.
 pub fn check_lm_head(lm_head: &Matrix) -> Result<HeadShape> {
     let (vocab, dim) = (lm_head.rows(), lm_head.cols());
+    check_head_shape(vocab, dim)?;
+    if let Some((r, c)) = lm_head.first_non_finite() {
+        return Err(invalid("lm_head", format!("element [{r}, {c}] = {}: every weight must be finite", lm_head.get(r, c))));
+    }
+    Ok(HeadShape { vocab, dim, dtype: lm_head.dtype() })
+}
+
+/// The shape rules of an LM head `W[V, D]`: `1 ≤ V < 2³¹`, `1 ≤ D < 2³²`.
+pub fn check_head_shape(vocab: usize, dim: usize) -> Result<()> {
     if vocab == 0 {
         return Err(invalid("lm_head", "V = 0 rows: the vocabulary must not be empty"));
     }
@@ -68,10 +77,7 @@ pub fn check_lm_head(lm_head: &Matrix) -> Result<HeadShape> {
     if dim > u32::MAX as usize {
         return Err(invalid("lm_head", format!("D = {dim}: must be < 2^32")));
     }
-    if let Some((r, c)) = lm_head.first_non_finite() {
-        return Err(invalid("lm_head", format!("element [{r}, {c}] = {}: every weight must be finite", lm_head.get(r, c))));
-    }
-    Ok(HeadShape { vocab, dim, dtype: lm_head.dtype() })
+    Ok(())
 }
 
 /// Shape and type of the hidden states of a request.

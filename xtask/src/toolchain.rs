@@ -12,8 +12,9 @@ pub fn cargo() -> PathBuf {
     std::env::var_os("CARGO").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("cargo"))
 }
 
-/// A command with the variables an outer cargo leaks removed, so a nested cargo picks its
-/// toolchain from `rust-toolchain.toml` and takes no lock of ours.
+/// A command with the variables an outer cargo sets for its own build removed, so a nested
+/// cargo starts clean. `RUSTUP_TOOLCHAIN` stays: cargo runs rustc in each dependency's own
+/// folder, where rustup's proxy would not see our `rust-toolchain.toml`.
 pub fn clean_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut command = Command::new(program);
     for (key, _) in std::env::vars_os() {
@@ -22,7 +23,6 @@ pub fn clean_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
             || key.starts_with("RUSTC")
             || key == "RUSTFLAGS"
             || key == "RUSTDOCFLAGS"
-            || key == "RUSTUP_TOOLCHAIN"
             || key == "CARGO";
         if leaked {
             command.env_remove(&key);

@@ -57,6 +57,44 @@ enum Command {
     },
     /// Sample from a synthetic LM head of a real model's shape; check against the CPU; time it.
     Demo,
+    /// Time fused sampling, fused greedy, the unfused pipeline and the read floor on the GPU.
+    Bench {
+        /// Folder for bench.csv, bench.png and report.md.
+        #[arg(long)]
+        out: PathBuf,
+        /// Shapes as DxV, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "4096x151936,8192x128256,4096x128256,2880x201088")]
+        shapes: Vec<String>,
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
+        batches: Vec<usize>,
+        #[arg(long, value_enum, default_value = "bf16")]
+        dtype: DTypeArg,
+        #[arg(long, default_value_t = 5)]
+        warmup: usize,
+        /// Timed runs per point; the median is reported.
+        #[arg(long, default_value_t = 50)]
+        runs: usize,
+        /// CSV from scripts/peers.py (cuBLAS and torch in the same GPU run) for the report.
+        #[arg(long)]
+        peers: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DTypeArg {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl From<DTypeArg> for DType {
+    fn from(d: DTypeArg) -> DType {
+        match d {
+            DTypeArg::Bf16 => DType::BF16,
+            DTypeArg::F16 => DType::F16,
+            DTypeArg::F32 => DType::F32,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -74,6 +112,7 @@ fn main() -> ExitCode {
             out,
         }),
         Command::Demo => demo(),
+        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers } => bench(out, shapes, batches, dtype.into(), warmup, runs, peers),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -194,5 +233,36 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
         unfused_time.median_us,
         unfused_time.median_us / fused_time.median_us
     );
+    sampler.close()
+}
+
+fn bench(out: PathBuf, shapes: Vec<String>, batches: Vec<usize>, dtype: DType, warmup: usize, runs: usize, peers: Option<PathBuf>) -> Result<()> {
+    let shapes = shapes
+        .iter()
+        .map(|s| {
+            let parsed = s.split_once('x').and_then(|(d, v)| Some((d.parse().ok()?, v.parse().ok()?)));
+            parsed.ok_or_else(|| Error::InvalidArgument { argument: "--shapes".into(), rule: format!("`{s}`: each shape is DxV, e.g. 4096x151936") })
+        })
+        .collect::<Result<Vec<(usize, usize)>>>()?;
+    if runs == 0 {
+        return Err(Error::InvalidArgument { argument: "--runs".into(), rule: "0: at least one timed run".into() });
+    }
+    std::fs::create_dir_all(&out).map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    let sampler = CudaSampler::new()?;
+    println!("{}: {} SMs; {dtype}; median of {runs} runs after {warmup} warm-up, L2 flushed", sampler.device_name(), sampler.multiprocessors());
+    let options = flashsample::bench::Options { shapes, batches, dtype, warmup, runs };
+    let rows = flashsample::bench::run(&sampler, &options)?;
+    flashsample::bench::write_csv(&out.join("bench.csv"), &rows, dtype)?;
+    let peers = match peers {
+        Some(path) => flashsample::bench::read_peers(&path)?,
+        None => Vec::new(),
+    };
+    // The plot needs a system font; without one the CSV and report still stand.
+    if let Err(e) = flashsample::bench::plot(&out.join("bench.png"), &rows, &peers) {
+        eprintln!("warning: no plot: {e}");
+    }
+    let report = flashsample::bench::report(&rows, &peers, dtype);
+    std::fs::write(out.join("report.md"), &report).map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    println!("{report}");
     sampler.close()
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use cust::context::{Context, CurrentContext};
 use cust::device::{Device, DeviceAttribute};
-use cust::memory::{DeviceBuffer, DeviceCopy};
+use cust::memory::{CopyDestination, DeviceBuffer, DeviceCopy};
 use cust::module::Module;
 use cust::stream::{Stream, StreamFlags};
 use cust::sys as raw;
@@ -157,6 +157,12 @@ impl DeviceTokens {
         // SAFETY: stage 2 writes every slot before anyone reads it.
         let buffer = driver::check("cuMemAlloc(tokens)", unsafe { DeviceBuffer::<u32>::uninitialized(len.max(1)) })?;
         Ok(DeviceTokens { buffer, rows, samples })
+    }
+
+    /// Sets every slot to `value` (tests poison the output to see unwritten slots).
+    pub fn fill(&mut self, sampler: &CudaSampler, value: u32) -> Result<()> {
+        sampler.make_current()?;
+        driver::check("cuMemsetD32(tokens)", self.buffer.set_32(value))
     }
 
     /// The device address of `tokens[0]`, for callers that consume tokens on the device.
@@ -468,6 +474,27 @@ impl CudaSampler {
         }
         Ok(())
     }
+
+    /// Fills the candidate and logits workspaces with a candidate that wins every merge
+    /// (score +inf, index [`CudaSampler::POISON_INDEX`], not a token). A stage-1 kernel that leaves a slot
+    /// unwritten then shows up as that index in the tokens: tests call this before sampling.
+    pub fn poison_workspace(&self) -> Result<()> {
+        self.make_current()?;
+        self.synchronize("work before poisoning")?;
+        let poison = ((Self::POISON_INDEX as u64) << 32) | f32::INFINITY.to_bits() as u64;
+        let mut workspace = self.workspace.borrow_mut();
+        if let Some(candidates) = workspace.candidates.as_mut() {
+            let host = vec![poison; candidates.len()];
+            driver::check("cuMemcpyHtoD(poison candidates)", candidates.copy_from(&host[..]))?;
+        }
+        if let Some(logits) = workspace.logits.as_mut() {
+            driver::check("cuMemsetD32(poison logits)", logits.set_32(f32::INFINITY.to_bits()))?;
+        }
+        Ok(())
+    }
+
+    /// The poison index of [`CudaSampler::poison_workspace`].
+    pub const POISON_INDEX: u32 = 0x7fff_fff0;
 
     /// Waits for the tokens and copies them to the host; a draw without a token is
     /// [`Error::NoToken`].

@@ -1,0 +1,231 @@
+//! `flashsample bench`: fused sampling, fused greedy and the unfused pipeline beside the
+//! read-bandwidth floor, per (shape, B), timed with CUDA events (L2 flushed, median of runs),
+//! written as CSV and plotted against the peers' CSV from `scripts/peers.py`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use cust::memory::DeviceBuffer;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cuda::{CudaSampler, DeviceTokens, Variant, driver};
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+use crate::timing::{Timer, Timing};
+use crate::SamplingParams;
+
+/// One timed configuration.
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub dim: usize,
+    pub vocab: usize,
+    pub batch: usize,
+    /// `fused_sample`, `fused_greedy`, `unfused_sample` or `read_floor`.
+    pub variant: String,
+    pub timing: Timing,
+}
+
+pub struct Options {
+    pub shapes: Vec<(usize, usize)>,
+    pub batches: Vec<usize>,
+    pub dtype: DType,
+    pub warmup: usize,
+    pub runs: usize,
+}
+
+fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::File { path: path.display().to_string(), message: e.to_string() }
+}
+
+pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
+    let mut timer = Timer::new()?;
+    let points = options.shapes.len() * (1 + 3 * options.batches.len());
+    let progress = ProgressBar::new(points as u64);
+    progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
+    let mut rows = Vec::new();
+    let sink = driver::check("cuMemAlloc(probe sink)", DeviceBuffer::<u32>::zeroed(1))?;
+    for &(dim, vocab) in &options.shapes {
+        let head = sampler.random_lm_head(vocab, dim, options.dtype, 0x5eed ^ vocab as u64, 0.05)?;
+        progress.set_message(format!("D={dim} V={vocab} read floor"));
+        let timing = timer.time(sampler, options.warmup, options.runs, || sampler.read_probe(&head, &sink))?;
+        rows.push(Row { dim, vocab, batch: 0, variant: "read_floor".into(), timing });
+        progress.inc(1);
+        for &batch in &options.batches {
+            let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
+            let mut tokens = DeviceTokens::new(sampler, batch, 1)?;
+            let sampling: Vec<SamplingParams> = (0..batch).map(|r| SamplingParams::new(1.0, 7, r as u32, 0)).collect();
+            let greedy: Vec<SamplingParams> = (0..batch).map(|r| SamplingParams::new(0.0, 7, r as u32, 0)).collect();
+            let columns = match Variant::Auto.resolve(options.dtype, dim, batch)? {
+                Variant::Mma { columns } => Some(columns),
+                _ => None,
+            };
+            let mut time = |name: &str, work: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+                progress.set_message(format!("D={dim} V={vocab} B={batch} {name}"));
+                let timing = timer.time(sampler, options.warmup, options.runs, work)?;
+                rows.push(Row { dim, vocab, batch, variant: name.into(), timing });
+                progress.inc(1);
+                Ok(())
+            };
+            time("fused_sample", &mut || sampler.sample_into(&head, &hidden, &sampling, 1, Variant::Auto, &mut tokens))?;
+            time("fused_greedy", &mut || sampler.sample_into(&head, &hidden, &greedy, 1, Variant::Auto, &mut tokens))?;
+            if let Some(columns) = columns {
+                time("unfused_sample", &mut || sampler.sample_unfused_into(&head, &hidden, &sampling, 1, columns, &mut tokens))?;
+            } else {
+                progress.inc(1);
+            }
+        }
+    }
+    progress.finish_and_clear();
+    Ok(rows)
+}
+
+/// Writes our rows as CSV with achieved bandwidth (W's bytes over the time) and TFLOP/s.
+pub fn write_csv(path: &Path, rows: &[Row], dtype: DType) -> Result<()> {
+    let mut out = String::from("dim,vocab,batch,variant,median_us,min_us,max_us,runs,weight_gbps,tflops\n");
+    for r in rows {
+        let bytes = (r.dim * r.vocab * dtype.bytes()) as f64;
+        let flops = 2.0 * (r.dim * r.vocab * r.batch) as f64;
+        let t = r.timing.median_us * 1e-6;
+        writeln!(
+            out,
+            "{},{},{},{},{:.2},{:.2},{:.2},{},{:.1},{:.2}",
+            r.dim,
+            r.vocab,
+            r.batch,
+            r.variant,
+            r.timing.median_us,
+            r.timing.min_us,
+            r.timing.max_us,
+            r.timing.runs,
+            bytes / t / 1e9,
+            flops / t / 1e12
+        )
+        .expect("writing to a String");
+    }
+    std::fs::write(path, out).map_err(|e| file_error(path, e))
+}
+
+/// One peer timing from `scripts/peers.py` (`cublas_gemm` or `torch_sample`).
+#[derive(Clone, Debug)]
+pub struct PeerTiming {
+    pub dim: usize,
+    pub vocab: usize,
+    pub batch: usize,
+    pub variant: String,
+    pub median_us: f64,
+}
+
+/// Reads the peers' CSV.
+pub fn read_peers(path: &Path) -> Result<Vec<PeerTiming>> {
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(path, e))?;
+    let mut peers = Vec::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        let parse = |i: usize| f.get(i).and_then(|s| s.trim().parse::<usize>().ok());
+        if let (Some(d), Some(v), Some(b), Some(name), Some(us)) = (parse(0), parse(1), parse(2), f.get(3), f.get(4).and_then(|s| s.parse().ok())) {
+            peers.push(PeerTiming { dim: d, vocab: v, batch: b, variant: name.to_string(), median_us: us });
+        }
+    }
+    Ok(peers)
+}
+
+/// The report: per (shape, B), ours and the peers with ratios to cuBLAS GEMM-only.
+pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
+    let ours = |d: usize, v: usize, b: usize, name: &str| {
+        rows.iter().find(|r| r.dim == d && r.vocab == v && r.batch == b && r.variant == name).map(|r| r.timing.median_us)
+    };
+    let peer = |d: usize, v: usize, b: usize, name: &str| {
+        peers.iter().find(|p| p.dim == d && p.vocab == v && p.batch == b && p.variant == name).map(|p| p.median_us)
+    };
+    let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.3}", a / b),
+        _ => "-".into(),
+    };
+    let mut out = String::new();
+    writeln!(out, "| D | V | B | fused sample µs | fused greedy µs | unfused µs | cuBLAS µs | torch sample µs | sample/cuBLAS | sample/greedy | % of read floor |").unwrap();
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|").unwrap();
+    let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
+    shapes.dedup();
+    for (d, v) in shapes {
+        let floor = ours(d, v, 0, "read_floor");
+        let mut batches: Vec<usize> = rows.iter().filter(|r| r.dim == d && r.vocab == v && r.batch > 0).map(|r| r.batch).collect();
+        batches.dedup();
+        for b in batches {
+            let sample = ours(d, v, b, "fused_sample");
+            let cublas = peer(d, v, b, "cublas_gemm");
+            writeln!(
+                out,
+                "| {d} | {v} | {b} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                show(sample),
+                show(ours(d, v, b, "fused_greedy")),
+                show(ours(d, v, b, "unfused_sample")),
+                show(cublas),
+                show(peer(d, v, b, "torch_sample")),
+                ratio(sample, cublas),
+                ratio(sample, ours(d, v, b, "fused_greedy")),
+                match (floor, sample) {
+                    (Some(f), Some(s)) => format!("{:.1}", 100.0 * f / s),
+                    _ => "-".into(),
+                }
+            )
+            .unwrap();
+        }
+        if let Some(f) = floor {
+            let gbps = (d * v * dtype.bytes()) as f64 / (f * 1e-6) / 1e9;
+            writeln!(out, "| {d} | {v} | read floor | {f:.1} µs = {gbps:.0} GB/s over W | | | | | | | |").unwrap();
+        }
+    }
+    out
+}
+
+/// Time against B per shape (log-log), ours beside cuBLAS and the read floor.
+pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
+    use plotters::prelude::*;
+    let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
+    shapes.dedup();
+    let root = BitMapBackend::new(path, (640 * shapes.len().min(2) as u32, 480 * shapes.len().div_ceil(2) as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| file_error(path, e))?;
+    let panels = root.split_evenly((shapes.len().div_ceil(2), shapes.len().min(2)));
+    for ((d, v), panel) in shapes.iter().zip(panels.iter()) {
+        type Series = (String, Vec<(f64, f64)>, RGBColor);
+        let mut series: Vec<Series> = Vec::new();
+        for (name, color) in [("fused_sample", RED), ("fused_greedy", MAGENTA), ("unfused_sample", BLUE)] {
+            let points = rows.iter().filter(|r| r.dim == *d && r.vocab == *v && r.variant == name).map(|r| (r.batch as f64, r.timing.median_us)).collect();
+            series.push((name.to_string(), points, color));
+        }
+        for (name, color) in [("cublas_gemm", BLACK), ("torch_sample", GREEN)] {
+            let points = peers.iter().filter(|p| p.dim == *d && p.vocab == *v && p.variant == name).map(|p| (p.batch as f64, p.median_us)).collect();
+            series.push((name.to_string(), points, color));
+        }
+        let floor = rows.iter().find(|r| r.dim == *d && r.vocab == *v && r.variant == "read_floor").map(|r| r.timing.median_us);
+        let all: Vec<f64> = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).chain(floor).collect();
+        let (low, high) = all.iter().fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
+        let max_b = series.iter().flat_map(|s| s.1.iter().map(|p| p.0)).fold(1.0, f64::max);
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("D={d}, V={v}"), ("sans-serif", 20))
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(55)
+            .build_cartesian_2d((1.0..max_b * 1.1).log_scale(), (low * 0.8..high * 1.2).log_scale())
+            .map_err(|e| file_error(path, e))?;
+        chart.configure_mesh().x_desc("batch B").y_desc("µs (median)").draw().map_err(|e| file_error(path, e))?;
+        for (name, points, color) in series.into_iter().filter(|s| !s.1.is_empty()) {
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+                .map_err(|e| file_error(path, e))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+            chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| file_error(path, e))?;
+        }
+        if let Some(f) = floor {
+            chart
+                .draw_series(LineSeries::new(vec![(1.0, f), (max_b, f)], BLACK.mix(0.4)))
+                .map_err(|e| file_error(path, e))?
+                .label("read floor (W once)")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], BLACK.mix(0.4)));
+        }
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| file_error(path, e))?;
+    }
+    root.present().map_err(|e| file_error(path, e))
+}

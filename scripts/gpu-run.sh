@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
+#   bash bundle/run.sh OUT [tests] [demo] [bench] [ncu]     (no stage named = all)
+# Logs and CSVs go to OUT; a summary table is printed last.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:?usage: run.sh OUT [stages]}; shift
+mkdir -p "$out"
+stages=${*:-tests demo bench ncu}
+summary=()
+step() { # name, command...
+    local name=$1; shift
+    local start=$SECONDS
+    "$@"; local rc=$?
+    summary+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+for stage in $stages; do
+    case $stage in
+    tests)
+        for t in "$here"/tests/*; do
+            step "$(basename "$t")" bash -c "'$t' --include-ignored --test-threads=1 --nocapture 2>&1 | grep -vE '^test .* \.\.\. ok$' >> '$out/gpu-tests.log'; exit \${PIPESTATUS[0]}"
+        done
+        grep -E "test result|FAILED|panicked|chi2|disagreements|agree in" "$out/gpu-tests.log" | tail -40
+        ;;
+    demo) step demo bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
+    bench)
+        step peers bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1"
+        step bench bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' 2>&1 | tee '$out/bench.log'"
+        ;;
+    ncu)
+        step ncu bash -c "ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_gemm|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
+        grep -E "fused_|reduce_|logits_gemm|sample_logits|dram__bytes|gpu__time" "$out/ncu.log" | head -60
+        ;;
+    esac
+done
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,108 @@
+//! Bad input through the API gives a typed error naming the argument and the rule; nothing
+//! panics. These run on the CPU backend and on the validation the CUDA backend shares.
+
+use flashsample::params::check_head_shape;
+use flashsample::{CpuSampler, CudaSampler, DType, Elements, Error, Matrix, SamplingParams, Variant};
+use flashsample_tests::random_matrix;
+
+fn invalid_argument(result: Result<impl std::fmt::Debug, Error>) -> String {
+    match result {
+        Err(Error::InvalidArgument { argument, rule }) => {
+            assert!(!rule.is_empty());
+            argument
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+fn setup() -> (CpuSampler, flashsample::CpuLmHead, Matrix) {
+    let sampler = CpuSampler::new();
+    let head = sampler.upload_lm_head(&random_matrix(10, 4, DType::F32, 1.0, 1)).unwrap();
+    (sampler, head, random_matrix(2, 4, DType::F32, 1.0, 2))
+}
+
+#[test]
+fn shape_mismatch_names_hidden() {
+    let (sampler, head, _) = setup();
+    let h = random_matrix(2, 5, DType::F32, 1.0, 2);
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &[SamplingParams::new(1.0, 0, 0, 0); 2], 1)), "hidden");
+}
+
+#[test]
+fn dtype_mismatch_is_its_own_error() {
+    let (sampler, head, _) = setup();
+    let h = random_matrix(2, 4, DType::BF16, 1.0, 2);
+    let err = sampler.sample(&head, &h, &[SamplingParams::new(1.0, 0, 0, 0); 2], 1).unwrap_err();
+    assert!(matches!(err, Error::DTypeMismatch { lm_head: DType::F32, hidden: DType::BF16 }), "{err}");
+}
+
+#[test]
+fn empty_vocabulary_or_dimension_names_lm_head() {
+    let sampler = CpuSampler::new();
+    let empty_v = Matrix::new("lm_head", 0, 4, Elements::F32(vec![])).unwrap();
+    let empty_d = Matrix::new("lm_head", 4, 0, Elements::F32(vec![])).unwrap();
+    assert_eq!(invalid_argument(sampler.upload_lm_head(&empty_v)), "lm_head");
+    assert_eq!(invalid_argument(sampler.upload_lm_head(&empty_d)), "lm_head");
+}
+
+#[test]
+fn vocabulary_of_2_pow_31_is_rejected() {
+    assert_eq!(invalid_argument(check_head_shape(1 << 31, 8)), "lm_head");
+    assert!(check_head_shape((1 << 31) - 1, 8).is_ok());
+}
+
+#[test]
+fn bad_temperatures_name_the_row() {
+    let (sampler, head, h) = setup();
+    for bad in [-1.0, f32::NAN, f32::INFINITY, 1e-40] {
+        let params = [SamplingParams::new(1.0, 0, 0, 0), SamplingParams::new(bad, 0, 1, 0)];
+        assert_eq!(invalid_argument(sampler.sample(&head, &h, &params, 1)), "params[1].temperature", "T = {bad}");
+    }
+}
+
+#[test]
+fn zero_samples_zero_rows_and_missing_params_are_rejected() {
+    let (sampler, head, h) = setup();
+    let params = [SamplingParams::new(1.0, 0, 0, 0); 2];
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &params, 0)), "samples");
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &params[..1], 1)), "params");
+    let no_rows = Matrix::new("hidden", 0, 4, Elements::F32(vec![])).unwrap();
+    assert_eq!(invalid_argument(sampler.sample(&head, &no_rows, &[], 1)), "hidden");
+}
+
+#[test]
+fn non_finite_inputs_are_rejected() {
+    let sampler = CpuSampler::new();
+    let mut values = vec![0.5f32; 12];
+    values[7] = f32::NAN;
+    let w = Matrix::new("lm_head", 3, 4, Elements::F32(values.clone())).unwrap();
+    assert_eq!(invalid_argument(sampler.upload_lm_head(&w)), "lm_head");
+    let head = sampler.upload_lm_head(&random_matrix(3, 4, DType::F32, 1.0, 1)).unwrap();
+    values[7] = f32::INFINITY;
+    let h = Matrix::new("hidden", 3, 4, Elements::F32(values)).unwrap();
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &[SamplingParams::new(1.0, 0, 0, 0); 3], 1)), "hidden");
+}
+
+#[test]
+fn matrix_with_wrong_element_count_is_rejected() {
+    assert_eq!(invalid_argument(Matrix::new("lm_head", 3, 4, Elements::F32(vec![0.0; 11]))), "lm_head");
+}
+
+#[test]
+fn mma_variant_needs_16_bit_types_and_aligned_dim() {
+    assert_eq!(invalid_argument(Variant::Mma { columns: 8 }.resolve(DType::F32, 64, 1)), "variant");
+    assert_eq!(invalid_argument(Variant::Mma { columns: 8 }.resolve(DType::BF16, 63, 1)), "variant");
+    assert_eq!(invalid_argument(Variant::Mma { columns: 12 }.resolve(DType::BF16, 64, 1)), "variant");
+    assert_eq!(Variant::Auto.resolve(DType::F32, 64, 1).unwrap(), Variant::Simt);
+    assert_eq!(Variant::Auto.resolve(DType::BF16, 64, 9).unwrap(), Variant::Mma { columns: 16 });
+}
+
+/// Without a GPU the CUDA backend says so in a typed error; with one it starts.
+#[test]
+fn cuda_sampler_without_a_device_is_a_plain_error() {
+    match CudaSampler::new() {
+        Ok(sampler) => sampler.close().unwrap(),
+        Err(Error::NoCudaDevice(why)) => assert!(!why.is_empty()),
+        Err(other) => panic!("expected NoCudaDevice or a working sampler, got {other}"),
+    }
+}

@@ -1,0 +1,153 @@
+//! The shared test bodies on the GPU, for every stage-1 variant the dispatcher can pick.
+//! Ignored without a GPU; on the H200: `cargo xtask bundle`, then `run.sh` runs them with
+//! `--include-ignored`. χ² tests use α = 1e-3 and fixed seeds.
+
+use flashsample::{CudaSampler, DType, DeviceTokens, SamplingParams, Variant};
+use flashsample_tests::*;
+
+const ALPHA: f64 = 1e-3;
+
+/// (variant, dtype, D): the mma variants need 16-bit types and D % 8 == 0; D = 200 leaves a
+/// partial 64-column chunk. The SIMT variant runs every dtype at an odd D.
+fn cases() -> Vec<(Variant, DType, usize)> {
+    let mut cases = Vec::new();
+    for variant in [Variant::Mma { columns: 8 }, Variant::Mma { columns: 16 }, Variant::Mma { columns: 32 }] {
+        cases.push((variant, DType::BF16, 200));
+        cases.push((variant, DType::F16, 200));
+    }
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        cases.push((Variant::Simt, dtype, 199));
+    }
+    cases
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn same_tokens_as_cpu_for_every_variant() {
+    let mut total = 0;
+    for (variant, dtype, dim) in cases() {
+        let w = random_matrix(5003, dim, dtype, 0.3, 31);
+        let h = random_matrix(37, dim, dtype, 1.0, 32);
+        let params = params_for(37, 1.0, 77);
+        total += check_matches_cpu(&Cuda::new(variant), &w, &h, &params, 16);
+    }
+    // 9 cases × 37 rows × 16 draws; near-ties are rare: allow at most 1 in 1000 tokens.
+    assert!(total <= 9 * 37 * 16 / 1000, "{total} near-tie disagreements");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn odd_shapes_match_cpu() {
+    let backend = Cuda::new(Variant::Auto);
+    for (vocab, dim, batch, dtype) in [
+        (1, 8, 1, DType::BF16),
+        (3, 16, 3, DType::BF16),
+        (130, 72, 9, DType::F16),
+        (1025, 136, 17, DType::BF16),
+        (257, 7, 33, DType::BF16),
+        (129, 1, 2, DType::F32),
+        (300, 64, 1024, DType::BF16),
+        (4099, 4096, 5, DType::BF16),
+    ] {
+        let w = random_matrix(vocab, dim, dtype, 0.3, vocab as u64);
+        let h = random_matrix(batch, dim, dtype, 1.0, dim as u64);
+        let params = params_for(batch, 0.9, 5);
+        let disagreements = check_matches_cpu(&backend, &w, &h, &params, 3);
+        assert!(disagreements <= (batch * 3).div_ceil(200), "V={vocab} D={dim} B={batch}: {disagreements}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn chi_square_v131071_bf16_4m_draws() {
+    let w = random_matrix(131_071, 64, DType::BF16, 0.5, 41);
+    let h = random_matrix(1, 64, DType::BF16, 1.0, 42);
+    check_distribution(&Cuda::new(Variant::Auto), &w, &h, 1.0, 1 << 22, 43, ALPHA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn chi_square_v131071_f32_4m_draws() {
+    let w = random_matrix(131_071, 64, DType::F32, 0.5, 44);
+    let h = random_matrix(1, 64, DType::F32, 1.0, 45);
+    check_distribution(&Cuda::new(Variant::Auto), &w, &h, 1.0, 1 << 22, 46, ALPHA);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn chi_square_every_variant_1m_draws() {
+    for (variant, dtype, dim) in cases() {
+        let w = random_matrix(131_071, dim, dtype, 0.2, 51);
+        let h = random_matrix(1, dim, dtype, 1.0, 52);
+        check_distribution(&Cuda::new(variant), &w, &h, 0.8, 1 << 20, 53, ALPHA);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn greedy_rows_are_argmax() {
+    for (variant, dtype, dim) in cases() {
+        let w = random_matrix(2051, dim, dtype, 0.5, 61);
+        let h = random_matrix(20, dim, dtype, 1.0, 62);
+        check_greedy_is_argmax(&Cuda::new(variant), &w, &h);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_permutation_permutes_tokens() {
+    for (variant, dtype, dim) in cases() {
+        let w = random_matrix(1000, dim, dtype, 0.5, 63);
+        let h = random_matrix(41, dim, dtype, 1.0, 64);
+        check_batch_independence(&Cuda::new(variant), &w, &h);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn identical_rows_draw_independently() {
+    for (variant, dtype, dim) in cases() {
+        let w = random_matrix(64, dim, dtype, 0.05, 65);
+        let h = random_matrix(1, dim, dtype, 1.0, 66);
+        check_identical_rows_independent(&Cuda::new(variant), &w, &h, 20_000);
+    }
+}
+
+/// The unfused pipeline computes bit-identical logits with the same mma tile, so its tokens
+/// equal the fused kernel's exactly; its logits buffer is poisoned first.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn unfused_pipeline_gives_the_same_tokens() {
+    let sampler = CudaSampler::new().unwrap();
+    for columns in [8, 16, 32] {
+        let w = random_matrix(3001, 136, DType::BF16, 0.3, 71);
+        let h = random_matrix(45, 136, DType::BF16, 1.0, 72);
+        let params: Vec<SamplingParams> = (0..45).map(|r| SamplingParams::new(if r == 3 { 0.0 } else { 1.2 }, 8, r, 1)).collect();
+        let head = sampler.upload_lm_head(&w).unwrap();
+        let hidden = sampler.upload_hidden(&h).unwrap();
+        let mut fused = DeviceTokens::new(&sampler, 45, 5).unwrap();
+        let mut unfused = DeviceTokens::new(&sampler, 45, 5).unwrap();
+        sampler.sample_into(&head, &hidden, &params, 5, Variant::Mma { columns }, &mut fused).unwrap();
+        sampler.sample_unfused_into(&head, &hidden, &params, 5, columns, &mut unfused).unwrap();
+        sampler.poison_workspace().unwrap();
+        unfused.fill(&sampler, 0xffff_fffe).unwrap();
+        sampler.sample_unfused_into(&head, &hidden, &params, 5, columns, &mut unfused).unwrap();
+        assert_eq!(sampler.tokens_to_host(&fused).unwrap(), sampler.tokens_to_host(&unfused).unwrap(), "columns {columns}");
+    }
+}
+
+/// Many draws are split into passes (bounded candidate memory); the split must not change
+/// any token: the same draws from a call with fewer samples are a prefix of each row.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn draws_do_not_depend_on_how_many_are_asked_for() {
+    let backend = Cuda::new(Variant::Auto);
+    let w = random_matrix(70_001, 16, DType::BF16, 0.5, 81);
+    let h = random_matrix(3, 16, DType::BF16, 1.0, 82);
+    let params = params_for(3, 1.0, 83);
+    let many = backend.sample(&w, &h, &params, 200_000).unwrap();
+    let few = backend.sample(&w, &h, &params, 1000).unwrap();
+    for row in 0..3 {
+        assert_eq!(few[row * 1000..(row + 1) * 1000], many[row * 200_000..row * 200_000 + 1000], "row {row}");
+    }
+}

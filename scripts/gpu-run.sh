@@ -18,18 +18,21 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 for stage in $stages; do
     case $stage in
     tests)
+        # Each binary under a time limit, its output straight to the log (line-buffered), so a
+        # hang shows which test it was in and the later stages still run.
         for t in "$here"/tests/*; do
-            step "$(basename "$t")" bash -c "'$t' --include-ignored --test-threads=1 --nocapture 2>&1 | grep -vE '^test .* \.\.\. ok$' >> '$out/gpu-tests.log'; exit \${PIPESTATUS[0]}"
+            echo "=== $(basename "$t")" >> "$out/gpu-tests.log"
+            step "$(basename "$t")" timeout 300 "$t" --include-ignored --test-threads=1 --nocapture >> "$out/gpu-tests.log" 2>&1
         done
         grep -E "test result|FAILED|panicked|chi2|disagreements|agree in" "$out/gpu-tests.log" | tail -40
         ;;
-    demo) step demo bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
+    demo) step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
     bench)
-        step peers bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1"
-        step bench bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' 2>&1 | tee '$out/bench.log'"
+        step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1"
+        step bench timeout 200 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' 2>&1 | tee '$out/bench.log'"
         ;;
     ncu)
-        step ncu bash -c "ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_gemm|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
+        step ncu timeout 150 bash -c "ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_gemm|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
         grep -E "fused_|reduce_|logits_gemm|sample_logits|dram__bytes|gpu__time" "$out/ncu.log" | head -60
         ;;
     esac

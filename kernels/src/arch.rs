@@ -33,13 +33,24 @@ pub unsafe fn sync_threads() {
     unsafe { nvptx::_syncthreads() }
 }
 
+// Warp-collective operations go through LLVM's NVPTX intrinsics, which LLVM knows to be
+// `convergent`: it never moves them into control flow that only some lanes take. Inline asm
+// carries no such mark; a `pure` asm shuffle whose result only lane 0 used was sunk into
+// `if lane == 0` and deadlocked the warp.
+unsafe extern "C" {
+    #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
+    fn nvvm_shfl_sync_bfly_i32(member_mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.bar.warp.sync"]
+    fn nvvm_bar_warp_sync(member_mask: u32);
+}
+
 /// Warp-wide barrier and memory ordering among its lanes (`bar.warp.sync`).
 ///
 /// # Safety
 /// All 32 lanes of the warp must execute this call together.
 #[inline(always)]
 pub unsafe fn sync_warp() {
-    unsafe { asm!("bar.warp.sync 0xffffffff;", options(nostack)) }
+    unsafe { nvvm_bar_warp_sync(0xffff_ffff) }
 }
 
 /// `shfl.sync.bfly`: the value of lane `lane ^ mask`.
@@ -48,13 +59,7 @@ pub unsafe fn sync_warp() {
 /// All 32 lanes of the warp must execute this call together (full mask).
 #[inline(always)]
 pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
-    let out: u32;
-    unsafe {
-        asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 0x1f, 0xffffffff;",
-            o = out(reg32) out, v = in(reg32) value, m = in(reg32) mask,
-            options(pure, nomem, nostack));
-    }
-    out
+    unsafe { nvvm_shfl_sync_bfly_i32(0xffff_ffff, value, mask, 0x1f) }
 }
 
 /// 16-byte read-only global load (`ld.global.nc.v4.u32`).
@@ -111,7 +116,8 @@ pub fn f32_to_f16(value: f32) -> u16 {
     out
 }
 
-/// `D += A·B` for one m16n8k16 tile with bf16 inputs and f32 accumulators.
+/// `D += A·B` for one m16n8k16 tile with bf16 inputs and f32 accumulators. Not `pure`: the
+/// mma is warp-collective and must stay where every lane executes it.
 ///
 /// # Safety
 /// All 32 lanes must execute it together with their fragments in the mma layout.
@@ -122,7 +128,7 @@ pub unsafe fn mma_bf16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
             d0 = inout(reg32) acc[0], d1 = inout(reg32) acc[1], d2 = inout(reg32) acc[2], d3 = inout(reg32) acc[3],
             a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
             b0 = in(reg32) b[0], b1 = in(reg32) b[1],
-            options(pure, nomem, nostack));
+            options(nomem, nostack));
     }
 }
 
@@ -137,6 +143,6 @@ pub unsafe fn mma_f16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
             d0 = inout(reg32) acc[0], d1 = inout(reg32) acc[1], d2 = inout(reg32) acc[2], d3 = inout(reg32) acc[3],
             a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
             b0 = in(reg32) b[0], b1 = in(reg32) b[1],
-            options(pure, nomem, nostack));
+            options(nomem, nostack));
     }
 }

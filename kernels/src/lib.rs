@@ -15,7 +15,7 @@
 //! `read_probe`) and the dynamic shared memory the host's launcher computes for the kernel.
 //! The mma kernels further need `dim % 8 == 0` and 16-byte aligned matrices.
 #![no_std]
-#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
+#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, link_llvm_intrinsics, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
 #![allow(internal_features)]
 
 mod arch;

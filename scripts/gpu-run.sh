@@ -28,8 +28,8 @@ for stage in $stages; do
         ;;
     demo) step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
     bench)
-        step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1"
-        step bench timeout 200 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' 2>&1 | tee '$out/bench.log'"
+        step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/bench.log' 2>&1"
+        step bench timeout 200 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' 2>&1 | tee -a '$out/bench.log'"
         ;;
     ncu)
         step ncu timeout 150 bash -c "ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_gemm|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"

@@ -22,7 +22,7 @@ for stage in $stages; do
         # hang shows which test it was in and the later stages still run.
         for t in "$here"/tests/*; do
             echo "=== $(basename "$t")" >> "$out/gpu-tests.log"
-            step "$(basename "$t")" timeout 300 "$t" --include-ignored --test-threads=1 --nocapture >> "$out/gpu-tests.log" 2>&1
+            step "$(basename "$t")" timeout 330 "$t" --include-ignored --test-threads=1 --nocapture >> "$out/gpu-tests.log" 2>&1
         done
         grep -E "test result|FAILED|panicked|chi2|disagreements|agree in" "$out/gpu-tests.log" | tail -40
         ;;
@@ -32,7 +32,8 @@ for stage in $stages; do
         step bench timeout 200 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' 2>&1 | tee -a '$out/bench.log'"
         ;;
     ncu)
-        step ncu timeout 150 bash -c "ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_gemm|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+        step ncu timeout 150 bash -c "'$ncu' --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_gemm|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
         grep -E "fused_|reduce_|logits_gemm|sample_logits|dram__bytes|gpu__time" "$out/ncu.log" | head -60
         ;;
     esac

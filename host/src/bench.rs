@@ -182,6 +182,10 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
 /// Time against B per shape (log-log), ours beside cuBLAS and the read floor.
 pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
     use plotters::prelude::*;
+    // DejaVu Sans (Bitstream Vera license, `host/assets/DejaVuSans.LICENSE`), embedded so the
+    // plot needs no system font.
+    static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+    plotters::style::register_font("sans-serif", FontStyle::Normal, FONT).map_err(|_| file_error(path, "the embedded font is invalid"))?;
     let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
     shapes.dedup();
     let root = BitMapBackend::new(path, (640 * shapes.len().min(2) as u32, 480 * shapes.len().div_ceil(2) as u32)).into_drawing_area();
@@ -228,4 +232,28 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| file_error(path, e))?;
     }
     root.present().map_err(|e| file_error(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(batch: usize, variant: &str, us: f64) -> Row {
+        Row { dim: 64, vocab: 1000, batch, variant: variant.into(), timing: Timing { median_us: us, min_us: us, max_us: us, runs: 1 } }
+    }
+
+    /// The plot renders with the embedded font alone, and the report lists every batch.
+    #[test]
+    fn plot_and_report_need_no_gpu_and_no_system_font() {
+        let rows = vec![row(0, "read_floor", 10.0), row(1, "fused_sample", 12.0), row(1, "fused_greedy", 11.5), row(8, "fused_sample", 13.0)];
+        let peers = vec![PeerTiming { dim: 64, vocab: 1000, batch: 1, variant: "cublas_gemm".into(), median_us: 11.0 }];
+        let path = std::env::temp_dir().join(format!("flashsample-plot-{}.png", std::process::id()));
+        plot(&path, &rows, &peers).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        let text = report(&rows, &peers, DType::BF16);
+        assert!(text.contains("| 64 | 1000 | 1 | 12.0 | 11.5 |") && text.contains("| 64 | 1000 | 8 | 13.0 |"), "{text}");
+        assert!(text.contains("1.091"), "sample/cuBLAS ratio 12/11 missing: {text}");
+    }
 }

@@ -86,13 +86,16 @@ pub unsafe fn sample_tile<const NT: usize>(
             let mut column_slot = 0;
             while column_slot < 2 * NT {
                 let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
-                let b = (col0 + column).min(args.batch - 1);
-                let row = unsafe { *(args.rows as *const RowParams).add(b as usize) };
-                let scores = block_scores(&row, args.sample_offset + j, block, pick(logits, column_slot));
                 let mut best = Candidate::NONE;
-                for r in 0..4 {
-                    if (r as u32) < rows_valid {
-                        best.offer_in_order(scores[r], row0 + r as u32);
+                // Columns past the batch (a batch tile wider than B) draw no noise; their lanes
+                // still join the shuffles below.
+                if col0 + column < args.batch {
+                    let row = unsafe { *(args.rows as *const RowParams).add((col0 + column) as usize) };
+                    let scores = block_scores(&row, args.sample_offset + j, block, pick(logits, column_slot));
+                    for r in 0..4 {
+                        if (r as u32) < rows_valid {
+                            best.offer_in_order(scores[r], row0 + r as u32);
+                        }
                     }
                 }
                 best = unsafe { merge_over_lanes(best, 4, 16) };

@@ -46,8 +46,9 @@ enum Command {
         /// Seed of the noise; row r draws from stream r of it.
         #[arg(long)]
         seed: u64,
-        /// Temperature T >= 0; 0 is greedy argmax.
-        #[arg(long)]
+        /// Temperature T >= 0; 0 is greedy argmax. (A negative value is read, then rejected
+        /// with the sampler's own error.)
+        #[arg(long, allow_negative_numbers = true)]
         temperature: f32,
         #[arg(long, value_enum, default_value = "cuda")]
         device: DeviceKind,

@@ -1,0 +1,215 @@
+//! The `flashsample` CLI as a user calls it: files in, `.npy` out, typed errors, no panics.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use flashsample::io::read_npy_i64;
+use half::bf16;
+use safetensors::{Dtype, tensor::TensorView};
+use statrs::distribution::{ChiSquared, ContinuousCDF};
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("flashsample-cli-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn path(&self, file: &str) -> String {
+        self.0.join(file).display().to_string()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Deterministic values in [-scale, scale) from a small LCG (no statistics needed here).
+fn values(n: usize, scale: f32, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn write_tensors(path: &str, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| (name.to_string(), TensorView::new(*dtype, shape.clone(), bytes).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, &None, Path::new(path)).unwrap();
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect()
+}
+
+fn flashsample(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_flashsample")).args(args).output().unwrap()
+}
+
+fn sample_args<'a>(w: &'a str, h: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["sample", "--lm-head", w, "--hidden", h, "--out", out, "--device", "cpu"];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// Writes W [v, d] in bf16 and H [b, d] in f32 and returns their paths.
+fn inputs(scratch: &Scratch, v: usize, d: usize, b: usize) -> (String, String) {
+    let (w, h) = (scratch.path("w.safetensors"), scratch.path("h.safetensors"));
+    write_tensors(&w, &[("weight", Dtype::BF16, vec![v, d], bf16_bytes(&values(v * d, 0.5, 1)))]);
+    write_tensors(&h, &[("hidden", Dtype::F32, vec![b, d], f32_bytes(&values(b * d, 1.0, 2)))]);
+    (w, h)
+}
+
+fn assert_clean_failure(output: &Output, expected: &str) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "expected a failure; stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    assert!(stderr.contains(expected), "stderr lacks `{expected}`: {stderr}");
+}
+
+const ARGS: [&str; 6] = ["--samples", "1", "--seed", "1", "--temperature", "1"];
+
+#[test]
+fn sample_writes_int64_npy_of_shape_rows_by_samples() {
+    let scratch = Scratch::new("shape");
+    let (w, h) = inputs(&scratch, 50, 16, 3);
+    let (out, again, other) = (scratch.path("t.npy"), scratch.path("again.npy"), scratch.path("other.npy"));
+    let output = flashsample(&sample_args(&w, &h, &out, &["--samples", "7", "--seed", "5", "--temperature", "1"]));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let (rows, cols, tokens) = read_npy_i64(Path::new(&out)).unwrap();
+    assert_eq!((rows, cols), (3, 7));
+    assert!(tokens.iter().all(|&t| (0..50).contains(&t)));
+    // The same seed gives the same file; another seed other tokens.
+    flashsample(&sample_args(&w, &h, &again, &["--samples", "7", "--seed", "5", "--temperature", "1"]));
+    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&again).unwrap());
+    flashsample(&sample_args(&w, &h, &other, &["--samples", "7", "--seed", "6", "--temperature", "1"]));
+    assert_ne!(read_npy_i64(Path::new(&other)).unwrap().2, tokens);
+}
+
+/// W is bf16 and H f32: they meet in f32 (exact), and T = 0 returns the argmax every draw.
+#[test]
+fn temperature_zero_is_greedy_and_mixed_dtypes_meet_in_f32() {
+    let scratch = Scratch::new("greedy");
+    let (w, h) = inputs(&scratch, 40, 8, 2);
+    let out = scratch.path("t.npy");
+    let output = flashsample(&sample_args(&w, &h, &out, &["--samples", "4", "--seed", "1", "--temperature", "0"]));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let (_, _, tokens) = read_npy_i64(Path::new(&out)).unwrap();
+    let (wv, hv) = (values(40 * 8, 0.5, 1), values(2 * 8, 1.0, 2));
+    for row in 0..2 {
+        let logit = |i: usize| (0..8).map(|k| bf16::from_f32(wv[i * 8 + k]).to_f32() * hv[row * 8 + k]).sum::<f32>();
+        let best = (0..40).fold(0, |b, i| if logit(i) > logit(b) { i } else { b });
+        assert!(tokens[row * 4..row * 4 + 4].iter().all(|&t| t as usize == best), "row {row}: {tokens:?} vs {best}");
+    }
+}
+
+#[test]
+fn bad_inputs_fail_with_a_message_naming_the_problem() {
+    let scratch = Scratch::new("errors");
+    let (w, h) = inputs(&scratch, 20, 8, 2);
+    let out = scratch.path("t.npy");
+    let run = |extra: &[&str]| flashsample(&sample_args(&w, &h, &out, extra));
+    assert_clean_failure(&run(&["--samples", "2", "--seed", "1", "--temperature", "-1"]), "params[0].temperature");
+    assert_clean_failure(&run(&["--samples", "0", "--seed", "1", "--temperature", "1"]), "invalid samples");
+    assert_clean_failure(&flashsample(&sample_args("/nonexistent.safetensors", &h, &out, &ARGS)), "/nonexistent.safetensors");
+
+    let two = scratch.path("two.safetensors");
+    write_tensors(
+        &two,
+        &[("a", Dtype::F32, vec![20, 8], f32_bytes(&values(160, 1.0, 3))), ("b", Dtype::F32, vec![20, 8], f32_bytes(&values(160, 1.0, 4)))],
+    );
+    assert_clean_failure(&flashsample(&sample_args(&two, &h, &out, &ARGS)), "--lm-head-tensor");
+    let mut named = sample_args(&two, &h, &out, &ARGS);
+    named.extend(["--lm-head-tensor", "zzz"]);
+    assert_clean_failure(&flashsample(&named), "no tensor `zzz`");
+    let mut good = sample_args(&two, &h, &out, &ARGS);
+    good.extend(["--lm-head-tensor", "b"]);
+    assert!(flashsample(&good).status.success());
+
+    let flat = scratch.path("flat.safetensors");
+    write_tensors(&flat, &[("w", Dtype::F32, vec![160], f32_bytes(&values(160, 1.0, 5)))]);
+    assert_clean_failure(&flashsample(&sample_args(&flat, &h, &out, &ARGS)), "must be 2-D");
+
+    let ints = scratch.path("ints.safetensors");
+    write_tensors(&ints, &[("w", Dtype::I32, vec![20, 8], vec![0u8; 640])]);
+    assert_clean_failure(&flashsample(&sample_args(&ints, &h, &out, &ARGS)), "must be F32, F16 or BF16");
+
+    let wide = scratch.path("wide.safetensors");
+    write_tensors(&wide, &[("h", Dtype::F32, vec![2, 9], f32_bytes(&values(18, 1.0, 6)))]);
+    assert_clean_failure(&flashsample(&sample_args(&w, &wide, &out, &ARGS)), "D = 8");
+
+    let nan = scratch.path("nan.safetensors");
+    let mut bad = values(16, 1.0, 7);
+    bad[3] = f32::NAN;
+    write_tensors(&nan, &[("h", Dtype::F32, vec![2, 8], f32_bytes(&bad))]);
+    assert_clean_failure(&flashsample(&sample_args(&w, &nan, &out, &ARGS)), "finite");
+}
+
+/// `--device cuda` without a GPU says so in one line; with one it samples.
+#[test]
+fn cuda_device_without_a_gpu_is_a_one_line_error() {
+    let scratch = Scratch::new("cuda");
+    let (w, h) = inputs(&scratch, 20, 8, 2);
+    let out = scratch.path("t.npy");
+    let output = flashsample(&["sample", "--lm-head", &w, "--hidden", &h, "--out", &out, "--device", "cuda", "--samples", "3", "--seed", "1", "--temperature", "1"]);
+    if !output.status.success() {
+        assert_clean_failure(&output, "no CUDA device");
+        assert_eq!(String::from_utf8_lossy(&output.stderr).lines().count(), 1);
+    }
+}
+
+/// The held-out exactness check's path: 4M draws at V = 131071 through the CLI on the GPU,
+/// tested against the exact softmax (χ², bins pooled to ≥ 5 expected, α = 1e-3).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_cli_chi_square_v131071_4m_draws() {
+    let scratch = Scratch::new("chi2");
+    let (v, d) = (131_071, 32);
+    let (wv, hv) = (values(v * d, 0.5, 11), values(d, 1.0, 12));
+    let (w, h, out) = (scratch.path("w.safetensors"), scratch.path("h.safetensors"), scratch.path("t.npy"));
+    write_tensors(&w, &[("weight", Dtype::BF16, vec![v, d], bf16_bytes(&wv))]);
+    write_tensors(&h, &[("hidden", Dtype::BF16, vec![1, d], bf16_bytes(&hv))]);
+    let draws = (1u32 << 22).to_string();
+    let output = flashsample(&[
+        "sample", "--lm-head", &w, "--hidden", &h, "--samples", &draws, "--seed", "2026", "--temperature", "1", "--device", "cuda", "--out", &out,
+    ]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let (rows, cols, tokens) = read_npy_i64(Path::new(&out)).unwrap();
+    assert_eq!((rows, cols), (1, 1 << 22));
+    let mut counts = vec![0u64; v];
+    tokens.iter().for_each(|&t| counts[t as usize] += 1);
+    let logits: Vec<f64> = (0..v)
+        .map(|i| (0..d).map(|k| bf16::from_f32(wv[i * d + k]).to_f32() * bf16::from_f32(hv[k]).to_f32()).sum::<f32>() as f64)
+        .collect();
+    let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+    let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut order: Vec<usize> = (0..v).collect();
+    order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]));
+    let (mut statistic, mut bins, mut expected, mut observed) = (0.0, 0usize, 0.0, 0u64);
+    for i in order {
+        expected += weights[i] / total * tokens.len() as f64;
+        observed += counts[i];
+        if expected >= 5.0 {
+            statistic += (observed as f64 - expected).powi(2) / expected;
+            bins += 1;
+            (expected, observed) = (0.0, 0);
+        }
+    }
+    let p = 1.0 - ChiSquared::new((bins - 1) as f64).unwrap().cdf(statistic);
+    println!("CLI --device cuda: V={v} D={d} draws={}: chi2={statistic:.1} dof={} p={p:.4}", tokens.len(), bins - 1);
+    assert!(p > 1e-3, "chi2 = {statistic}, p = {p}");
+}

@@ -20,6 +20,7 @@ for stage in $stages; do
     tests)
         # Each binary under a time limit, its output straight to the log (line-buffered), so a
         # hang shows which test it was in and the later stages still run.
+        export FLASHSAMPLE_BIN="$here/flashsample"
         for t in "$here"/tests/*; do
             echo "=== $(basename "$t")" >> "$out/gpu-tests.log"
             step "$(basename "$t")" timeout 330 "$t" --include-ignored --test-threads=1 --nocapture >> "$out/gpu-tests.log" 2>&1

@@ -55,8 +55,11 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect()
 }
 
+/// The binary under test: cargo's build, or `$FLASHSAMPLE_BIN` where the test binary runs on
+/// another machine (the GPU bundle).
 fn flashsample(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_flashsample")).args(args).output().unwrap()
+    let binary = std::env::var_os("FLASHSAMPLE_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_flashsample").into());
+    Command::new(binary).args(args).output().unwrap()
 }
 
 fn sample_args<'a>(w: &'a str, h: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {

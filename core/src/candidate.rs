@@ -27,11 +27,7 @@ impl Candidate {
     /// commutative, so tiles, warps and blocks may be merged in any tree.
     #[inline(always)]
     pub fn merge(self, other: Candidate) -> Candidate {
-        if other.score > self.score || (other.score == self.score && other.index < self.index) {
-            other
-        } else {
-            self
-        }
+        if other.score > self.score || (other.score == self.score && other.index < self.index) { other } else { self }
     }
 }
 

@@ -8,11 +8,11 @@ use std::path::Path;
 use cust::memory::DeviceBuffer;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::SamplingParams;
 use crate::cuda::{CudaSampler, DeviceTokens, Variant, driver};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use crate::timing::{Timer, Timing};
-use crate::SamplingParams;
 
 /// One timed configuration.
 #[derive(Clone, Debug)]
@@ -66,10 +66,14 @@ pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
                 progress.inc(1);
                 Ok(())
             };
-            time("fused_sample", &mut || sampler.sample_into(&head, &hidden, &sampling, 1, Variant::Auto, &mut tokens))?;
+            time("fused_sample", &mut || {
+                sampler.sample_into(&head, &hidden, &sampling, 1, Variant::Auto, &mut tokens)
+            })?;
             time("fused_greedy", &mut || sampler.sample_into(&head, &hidden, &greedy, 1, Variant::Auto, &mut tokens))?;
             if let Some(columns) = columns {
-                time("unfused_sample", &mut || sampler.sample_unfused_into(&head, &hidden, &sampling, 1, columns, &mut tokens))?;
+                time("unfused_sample", &mut || {
+                    sampler.sample_unfused_into(&head, &hidden, &sampling, 1, columns, &mut tokens)
+                })?;
             } else {
                 progress.inc(1);
             }
@@ -122,7 +126,9 @@ pub fn read_peers(path: &Path) -> Result<Vec<PeerTiming>> {
     for line in text.lines().skip(1) {
         let f: Vec<&str> = line.split(',').collect();
         let parse = |i: usize| f.get(i).and_then(|s| s.trim().parse::<usize>().ok());
-        if let (Some(d), Some(v), Some(b), Some(name), Some(us)) = (parse(0), parse(1), parse(2), f.get(3), f.get(4).and_then(|s| s.parse().ok())) {
+        if let (Some(d), Some(v), Some(b), Some(name), Some(us)) =
+            (parse(0), parse(1), parse(2), f.get(3), f.get(4).and_then(|s| s.parse().ok()))
+        {
             peers.push(PeerTiming { dim: d, vocab: v, batch: b, variant: name.to_string(), median_us: us });
         }
     }
@@ -132,7 +138,9 @@ pub fn read_peers(path: &Path) -> Result<Vec<PeerTiming>> {
 /// The report: per (shape, B), ours and the peers with ratios to cuBLAS GEMM-only.
 pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     let ours = |d: usize, v: usize, b: usize, name: &str| {
-        rows.iter().find(|r| r.dim == d && r.vocab == v && r.batch == b && r.variant == name).map(|r| r.timing.median_us)
+        rows.iter()
+            .find(|r| r.dim == d && r.vocab == v && r.batch == b && r.variant == name)
+            .map(|r| r.timing.median_us)
     };
     let peer = |d: usize, v: usize, b: usize, name: &str| {
         peers.iter().find(|p| p.dim == d && p.vocab == v && p.batch == b && p.variant == name).map(|p| p.median_us)
@@ -149,7 +157,8 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     shapes.dedup();
     for (d, v) in shapes {
         let floor = ours(d, v, 0, "read_floor");
-        let mut batches: Vec<usize> = rows.iter().filter(|r| r.dim == d && r.vocab == v && r.batch > 0).map(|r| r.batch).collect();
+        let mut batches: Vec<usize> =
+            rows.iter().filter(|r| r.dim == d && r.vocab == v && r.batch > 0).map(|r| r.batch).collect();
         batches.dedup();
         for b in batches {
             let sample = ours(d, v, b, "fused_sample");
@@ -185,24 +194,35 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
     // DejaVu Sans (Bitstream Vera license, `host/assets/DejaVuSans.LICENSE`), embedded so the
     // plot needs no system font.
     static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
-    plotters::style::register_font("sans-serif", FontStyle::Normal, FONT).map_err(|_| file_error(path, "the embedded font is invalid"))?;
+    plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
+        .map_err(|_| file_error(path, "the embedded font is invalid"))?;
     let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
     shapes.dedup();
-    let root = BitMapBackend::new(path, (640 * shapes.len().min(2) as u32, 480 * shapes.len().div_ceil(2) as u32)).into_drawing_area();
+    let root = BitMapBackend::new(path, (640 * shapes.len().min(2) as u32, 480 * shapes.len().div_ceil(2) as u32))
+        .into_drawing_area();
     root.fill(&WHITE).map_err(|e| file_error(path, e))?;
     let panels = root.split_evenly((shapes.len().div_ceil(2), shapes.len().min(2)));
     for ((d, v), panel) in shapes.iter().zip(panels.iter()) {
         type Series = (String, Vec<(f64, f64)>, RGBColor);
         let mut series: Vec<Series> = Vec::new();
         for (name, color) in [("fused_sample", RED), ("fused_greedy", MAGENTA), ("unfused_sample", BLUE)] {
-            let points = rows.iter().filter(|r| r.dim == *d && r.vocab == *v && r.variant == name).map(|r| (r.batch as f64, r.timing.median_us)).collect();
+            let points = rows
+                .iter()
+                .filter(|r| r.dim == *d && r.vocab == *v && r.variant == name)
+                .map(|r| (r.batch as f64, r.timing.median_us))
+                .collect();
             series.push((name.to_string(), points, color));
         }
         for (name, color) in [("cublas_gemm", BLACK), ("torch_sample", GREEN)] {
-            let points = peers.iter().filter(|p| p.dim == *d && p.vocab == *v && p.variant == name).map(|p| (p.batch as f64, p.median_us)).collect();
+            let points = peers
+                .iter()
+                .filter(|p| p.dim == *d && p.vocab == *v && p.variant == name)
+                .map(|p| (p.batch as f64, p.median_us))
+                .collect();
             series.push((name.to_string(), points, color));
         }
-        let floor = rows.iter().find(|r| r.dim == *d && r.vocab == *v && r.variant == "read_floor").map(|r| r.timing.median_us);
+        let floor =
+            rows.iter().find(|r| r.dim == *d && r.vocab == *v && r.variant == "read_floor").map(|r| r.timing.median_us);
         let all: Vec<f64> = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).chain(floor).collect();
         let (low, high) = all.iter().fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
         let max_b = series.iter().flat_map(|s| s.1.iter().map(|p| p.0)).fold(1.0, f64::max);
@@ -220,7 +240,9 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
                 .map_err(|e| file_error(path, e))?
                 .label(name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
-            chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| file_error(path, e))?;
+            chart
+                .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                .map_err(|e| file_error(path, e))?;
         }
         if let Some(f) = floor {
             chart
@@ -229,7 +251,12 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
                 .label("read floor (W once)")
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], BLACK.mix(0.4)));
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| file_error(path, e))?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| file_error(path, e))?;
     }
     root.present().map_err(|e| file_error(path, e))
 }
@@ -239,13 +266,24 @@ mod tests {
     use super::*;
 
     fn row(batch: usize, variant: &str, us: f64) -> Row {
-        Row { dim: 64, vocab: 1000, batch, variant: variant.into(), timing: Timing { median_us: us, min_us: us, max_us: us, runs: 1 } }
+        Row {
+            dim: 64,
+            vocab: 1000,
+            batch,
+            variant: variant.into(),
+            timing: Timing { median_us: us, min_us: us, max_us: us, runs: 1 },
+        }
     }
 
     /// The plot renders with the embedded font alone, and the report lists every batch.
     #[test]
     fn plot_and_report_need_no_gpu_and_no_system_font() {
-        let rows = vec![row(0, "read_floor", 10.0), row(1, "fused_sample", 12.0), row(1, "fused_greedy", 11.5), row(8, "fused_sample", 13.0)];
+        let rows = vec![
+            row(0, "read_floor", 10.0),
+            row(1, "fused_sample", 12.0),
+            row(1, "fused_greedy", 11.5),
+            row(8, "fused_sample", 13.0),
+        ];
         let peers = vec![PeerTiming { dim: 64, vocab: 1000, batch: 1, variant: "cublas_gemm".into(), median_us: 11.0 }];
         let path = std::env::temp_dir().join(format!("flashsample-plot-{}.png", std::process::id()));
         plot(&path, &rows, &peers).unwrap();
@@ -253,7 +291,10 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
         let text = report(&rows, &peers, DType::BF16);
-        assert!(text.contains("| 64 | 1000 | 1 | 12.0 | 11.5 |") && text.contains("| 64 | 1000 | 8 | 13.0 |"), "{text}");
+        assert!(
+            text.contains("| 64 | 1000 | 1 | 12.0 | 11.5 |") && text.contains("| 64 | 1000 | 8 | 13.0 |"),
+            "{text}"
+        );
         assert!(text.contains("1.091"), "sample/cuBLAS ratio 12/11 missing: {text}");
     }
 }

@@ -80,7 +80,13 @@ impl CpuSampler {
     }
 
     /// `samples` draws for each row of `hidden`: `tokens[b · samples + j]`.
-    pub fn sample(&self, lm_head: &CpuLmHead, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+    pub fn sample(
+        &self,
+        lm_head: &CpuLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        samples: u32,
+    ) -> Result<Vec<u32>> {
         let rows = check_request(lm_head.shape, hidden.shape(), params, samples)?;
         check_hidden_values(hidden)?;
         let logits: Vec<Vec<f32>> = (0..hidden.rows()).map(|b| logits_row(&lm_head.matrix, hidden, b)).collect();
@@ -90,7 +96,11 @@ impl CpuSampler {
             .map(|k| {
                 let (b, j) = (k / n, k % n);
                 let best = draw(&logits[b], &rows[b], j as u32);
-                if best.index == Candidate::NONE.index { Err(Error::NoToken { row: b, draw: j }) } else { Ok(best.index) }
+                if best.index == Candidate::NONE.index {
+                    Err(Error::NoToken { row: b, draw: j })
+                } else {
+                    Ok(best.index)
+                }
             })
             .collect()
     }

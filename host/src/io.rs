@@ -19,19 +19,28 @@ pub fn load_matrix(path: &Path, tensor: Option<&str>, argument: &str) -> Result<
     // SAFETY: the map is read-only and dropped before we return; a file changed underneath
     // us can only give wrong values, which the finiteness checks may catch.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_error(path, e))?;
-    let tensors = SafeTensors::deserialize(&map).map_err(|e| file_error(path, format!("not a safetensors file: {e}")))?;
+    let tensors =
+        SafeTensors::deserialize(&map).map_err(|e| file_error(path, format!("not a safetensors file: {e}")))?;
     let mut names: Vec<String> = tensors.names().into_iter().cloned().collect();
     names.sort();
     let name = match tensor {
         Some(name) if names.iter().any(|n| n == name) => name.to_string(),
         Some(name) => {
-            return Err(invalid(format!("{argument}-tensor"), format!("{} holds no tensor `{name}` (it holds: {})", path.display(), names.join(", "))));
+            return Err(invalid(
+                format!("{argument}-tensor"),
+                format!("{} holds no tensor `{name}` (it holds: {})", path.display(), names.join(", ")),
+            ));
         }
         None if names.len() == 1 => names[0].clone(),
         None => {
             return Err(invalid(
                 argument,
-                format!("{} holds {} tensors ({}); pick one with {argument}-tensor NAME", path.display(), names.len(), names.join(", ")),
+                format!(
+                    "{} holds {} tensors ({}); pick one with {argument}-tensor NAME",
+                    path.display(),
+                    names.len(),
+                    names.join(", ")
+                ),
             ));
         }
     };
@@ -44,7 +53,9 @@ pub fn load_matrix(path: &Path, tensor: Option<&str>, argument: &str) -> Result<
         Dtype::F32 => Elements::F32(bytemuck::pod_collect_to_vec(bytes)),
         Dtype::F16 => Elements::F16(bytemuck::pod_collect_to_vec(bytes)),
         Dtype::BF16 => Elements::BF16(bytemuck::pod_collect_to_vec(bytes)),
-        other => return Err(invalid(argument, format!("tensor `{name}` has dtype {other:?}: it must be F32, F16 or BF16"))),
+        other => {
+            return Err(invalid(argument, format!("tensor `{name}` has dtype {other:?}: it must be F32, F16 or BF16")));
+        }
     };
     Matrix::new(argument, rows, cols, elements)
 }
@@ -82,9 +93,16 @@ pub fn read_npy_i64(path: &Path) -> Result<(usize, usize, Vec<i64>)> {
         return Err(bad());
     }
     let shape = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).ok_or_else(bad)?;
-    let dims: Vec<usize> = shape.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().map_err(|_| bad())).collect::<Result<_>>()?;
+    let dims: Vec<usize> = shape
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse().map_err(|_| bad()))
+        .collect::<Result<_>>()?;
     let [rows, cols] = dims[..] else { return Err(bad()) };
-    let values: Vec<i64> = bytes[10 + header_len..].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("chunks of 8"))).collect();
+    let values: Vec<i64> = bytes[10 + header_len..]
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("chunks of 8")))
+        .collect();
     if values.len() != rows * cols {
         return Err(bad());
     }

@@ -37,7 +37,10 @@ mod tests {
     #[test]
     fn every_listed_kernel_is_in_the_ptx() {
         for name in super::KERNELS {
-            assert!(super::PTX.contains(&format!(".visible .entry {name}(")), "{name} missing from host/ptx/kernels.ptx");
+            assert!(
+                super::PTX.contains(&format!(".visible .entry {name}(")),
+                "{name} missing from host/ptx/kernels.ptx"
+            );
         }
     }
 }

@@ -35,7 +35,10 @@ impl SamplingParams {
         let greedy = t == 0.0;
         let inv_temperature = if greedy { 0.0 } else { 1.0 / t };
         if !inv_temperature.is_finite() {
-            return Err(invalid(argument(), format!("T = {t:e}: 1/T overflows f32; use T = 0 for greedy or T >= {:e}", f32::MIN_POSITIVE)));
+            return Err(invalid(
+                argument(),
+                format!("T = {t:e}: 1/T overflows f32; use T = 0 for greedy or T >= {:e}", f32::MIN_POSITIVE),
+            ));
         }
         Ok(RowParams { seed: self.seed, stream: self.stream, step: self.step, inv_temperature, greedy: greedy as u32 })
     }
@@ -58,7 +61,10 @@ pub fn check_lm_head(lm_head: &Matrix) -> Result<HeadShape> {
     let (vocab, dim) = (lm_head.rows(), lm_head.cols());
     check_head_shape(vocab, dim)?;
     if let Some((r, c)) = lm_head.first_non_finite() {
-        return Err(invalid("lm_head", format!("element [{r}, {c}] = {}: every weight must be finite", lm_head.get(r, c))));
+        return Err(invalid(
+            "lm_head",
+            format!("element [{r}, {c}] = {}: every weight must be finite", lm_head.get(r, c)),
+        ));
     }
     Ok(HeadShape { vocab, dim, dtype: lm_head.dtype() })
 }
@@ -91,13 +97,21 @@ pub struct HiddenShape {
 /// Checks that every hidden state is finite.
 pub fn check_hidden_values(hidden: &Matrix) -> Result<()> {
     match hidden.first_non_finite() {
-        Some((r, c)) => Err(invalid("hidden", format!("element [{r}, {c}] = {}: every hidden state must be finite", hidden.get(r, c)))),
+        Some((r, c)) => Err(invalid(
+            "hidden",
+            format!("element [{r}, {c}] = {}: every hidden state must be finite", hidden.get(r, c)),
+        )),
         None => Ok(()),
     }
 }
 
 /// Checks one sampling request against the head and returns the kernels' row parameters.
-pub fn check_request(head: HeadShape, hidden: HiddenShape, params: &[SamplingParams], samples: u32) -> Result<Vec<RowParams>> {
+pub fn check_request(
+    head: HeadShape,
+    hidden: HiddenShape,
+    params: &[SamplingParams],
+    samples: u32,
+) -> Result<Vec<RowParams>> {
     if hidden.rows == 0 {
         return Err(invalid("hidden", "B = 0 rows: at least one row is needed"));
     }
@@ -105,13 +119,19 @@ pub fn check_request(head: HeadShape, hidden: HiddenShape, params: &[SamplingPar
         return Err(invalid("hidden", format!("B = {}: must be < 2^32", hidden.rows)));
     }
     if hidden.cols != head.dim {
-        return Err(invalid("hidden", format!("{} columns, but the LM head has D = {}: they must match", hidden.cols, head.dim)));
+        return Err(invalid(
+            "hidden",
+            format!("{} columns, but the LM head has D = {}: they must match", hidden.cols, head.dim),
+        ));
     }
     if hidden.dtype != head.dtype {
         return Err(Error::DTypeMismatch { lm_head: head.dtype, hidden: hidden.dtype });
     }
     if params.len() != hidden.rows {
-        return Err(invalid("params", format!("{} entries for B = {} hidden rows: one per row", params.len(), hidden.rows)));
+        return Err(invalid(
+            "params",
+            format!("{} entries for B = {} hidden rows: one per row", params.len(), hidden.rows),
+        ));
     }
     if samples == 0 {
         return Err(invalid("samples", "0: at least one draw per row"));

@@ -36,7 +36,13 @@ impl Timer {
 
     /// Runs `work` `warmup` times, then `runs` times with the L2 flushed before each, and
     /// returns the median of the event-timed region (the flush is outside it).
-    pub fn time(&mut self, sampler: &CudaSampler, warmup: usize, runs: usize, mut work: impl FnMut() -> Result<()>) -> Result<Timing> {
+    pub fn time(
+        &mut self,
+        sampler: &CudaSampler,
+        warmup: usize,
+        runs: usize,
+        mut work: impl FnMut() -> Result<()>,
+    ) -> Result<Timing> {
         let stream = sampler.stream();
         for _ in 0..warmup {
             work()?;
@@ -44,7 +50,9 @@ impl Timer {
         let mut samples = Vec::with_capacity(runs);
         for run in 0..runs {
             // SAFETY: the flush buffer is ours alone; the memset is ordered on our stream.
-            driver::check("cuMemsetD32Async(L2 flush)", unsafe { self.flush.set_32_async(run as u32 ^ 0x5a5a_5a5a, stream) })?;
+            driver::check("cuMemsetD32Async(L2 flush)", unsafe {
+                self.flush.set_32_async(run as u32 ^ 0x5a5a_5a5a, stream)
+            })?;
             driver::check("cuEventRecord", self.start.record(stream))?;
             work()?;
             driver::check("cuEventRecord", self.stop.record(stream))?;
@@ -53,6 +61,11 @@ impl Timer {
         }
         sampler.synchronize("the timed work")?;
         samples.sort_by(f64::total_cmp);
-        Ok(Timing { median_us: samples[samples.len() / 2], min_us: samples[0], max_us: samples[samples.len() - 1], runs })
+        Ok(Timing {
+            median_us: samples[samples.len() / 2],
+            min_us: samples[0],
+            max_us: samples[samples.len() - 1],
+            runs,
+        })
     }
 }

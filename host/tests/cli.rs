@@ -127,12 +127,18 @@ fn bad_inputs_fail_with_a_message_naming_the_problem() {
     let run = |extra: &[&str]| flashsample(&sample_args(&w, &h, &out, extra));
     assert_clean_failure(&run(&["--samples", "2", "--seed", "1", "--temperature", "-1"]), "params[0].temperature");
     assert_clean_failure(&run(&["--samples", "0", "--seed", "1", "--temperature", "1"]), "invalid samples");
-    assert_clean_failure(&flashsample(&sample_args("/nonexistent.safetensors", &h, &out, &ARGS)), "/nonexistent.safetensors");
+    assert_clean_failure(
+        &flashsample(&sample_args("/nonexistent.safetensors", &h, &out, &ARGS)),
+        "/nonexistent.safetensors",
+    );
 
     let two = scratch.path("two.safetensors");
     write_tensors(
         &two,
-        &[("a", Dtype::F32, vec![20, 8], f32_bytes(&values(160, 1.0, 3))), ("b", Dtype::F32, vec![20, 8], f32_bytes(&values(160, 1.0, 4)))],
+        &[
+            ("a", Dtype::F32, vec![20, 8], f32_bytes(&values(160, 1.0, 3))),
+            ("b", Dtype::F32, vec![20, 8], f32_bytes(&values(160, 1.0, 4))),
+        ],
     );
     assert_clean_failure(&flashsample(&sample_args(&two, &h, &out, &ARGS)), "--lm-head-tensor");
     let mut named = sample_args(&two, &h, &out, &ARGS);
@@ -167,7 +173,23 @@ fn cuda_device_without_a_gpu_is_a_one_line_error() {
     let scratch = Scratch::new("cuda");
     let (w, h) = inputs(&scratch, 20, 8, 2);
     let out = scratch.path("t.npy");
-    let output = flashsample(&["sample", "--lm-head", &w, "--hidden", &h, "--out", &out, "--device", "cuda", "--samples", "3", "--seed", "1", "--temperature", "1"]);
+    let output = flashsample(&[
+        "sample",
+        "--lm-head",
+        &w,
+        "--hidden",
+        &h,
+        "--out",
+        &out,
+        "--device",
+        "cuda",
+        "--samples",
+        "3",
+        "--seed",
+        "1",
+        "--temperature",
+        "1",
+    ]);
     if !output.status.success() {
         assert_clean_failure(&output, "no CUDA device");
         assert_eq!(String::from_utf8_lossy(&output.stderr).lines().count(), 1);
@@ -187,7 +209,21 @@ fn cuda_cli_chi_square_v131071_4m_draws() {
     write_tensors(&h, &[("hidden", Dtype::BF16, vec![1, d], bf16_bytes(&hv))]);
     let draws = (1u32 << 22).to_string();
     let output = flashsample(&[
-        "sample", "--lm-head", &w, "--hidden", &h, "--samples", &draws, "--seed", "2026", "--temperature", "1", "--device", "cuda", "--out", &out,
+        "sample",
+        "--lm-head",
+        &w,
+        "--hidden",
+        &h,
+        "--samples",
+        &draws,
+        "--seed",
+        "2026",
+        "--temperature",
+        "1",
+        "--device",
+        "cuda",
+        "--out",
+        &out,
     ]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let (rows, cols, tokens) = read_npy_i64(Path::new(&out)).unwrap();
@@ -195,7 +231,9 @@ fn cuda_cli_chi_square_v131071_4m_draws() {
     let mut counts = vec![0u64; v];
     tokens.iter().for_each(|&t| counts[t as usize] += 1);
     let logits: Vec<f64> = (0..v)
-        .map(|i| (0..d).map(|k| bf16::from_f32(wv[i * d + k]).to_f32() * bf16::from_f32(hv[k]).to_f32()).sum::<f32>() as f64)
+        .map(|i| {
+            (0..d).map(|k| bf16::from_f32(wv[i * d + k]).to_f32() * bf16::from_f32(hv[k]).to_f32()).sum::<f32>() as f64
+        })
         .collect();
     let max = logits.iter().cloned().fold(f64::MIN, f64::max);
     let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();

@@ -15,7 +15,15 @@
 //! `read_probe`) and the dynamic shared memory the host's launcher computes for the kernel.
 //! The mma kernels further need `dim % 8 == 0` and 16-byte aligned matrices.
 #![no_std]
-#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, link_llvm_intrinsics, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
+#![feature(
+    abi_ptx,
+    stdarch_nvptx,
+    asm_experimental_arch,
+    link_llvm_intrinsics,
+    core_intrinsics,
+    gpu_intrinsics,
+    gpu_launch_sized_workgroup_mem
+)]
 #![allow(internal_features)]
 
 mod arch;
@@ -24,11 +32,11 @@ mod fill;
 mod sample;
 mod tile;
 
+use flashsample_core::Candidate;
 use flashsample_core::abi::{
     FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
     TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
 };
-use flashsample_core::Candidate;
 
 use element::{Bf16, Element, F16, F32, MmaElement};
 use tile::TileInput;
@@ -77,7 +85,6 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
         item += arch::grid_size();
     }
 }
-
 
 #[inline(always)]
 unsafe fn fused_simt<T: Element>(args: FusedArgs) {

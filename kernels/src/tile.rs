@@ -66,13 +66,7 @@ fn addresses<const NT: usize>(input: &TileInput, lane: u32, element_bytes: u64) 
 /// Loads chunk `k0` (a column index); when `masked`, 8-column groups at or past `dim` read
 /// as zeros (`dim` is a multiple of 8, so a group is wholly in or out).
 #[inline(always)]
-unsafe fn load_chunk<const NT: usize>(
-    at: &Addresses<NT>,
-    k0: u32,
-    masked: bool,
-    dim: u32,
-    t: u32,
-) -> Chunk<NT> {
+unsafe fn load_chunk<const NT: usize>(at: &Addresses<NT>, k0: u32, masked: bool, dim: u32, t: u32) -> Chunk<NT> {
     let byte = k0 as u64 * 2;
     let first_in = !masked || k0 + 8 * t < dim;
     let second_in = !masked || k0 + 32 + 8 * t < dim;
@@ -89,7 +83,12 @@ unsafe fn multiply_chunk<T: MmaElement, const NT: usize>(acc: &mut [[[f32; 4]; N
     for s in 0..4 {
         for mt in 0..2 {
             // Fragment rows g and g+8 of m-tile mt are vocabulary rows row0+2mt and row0+2mt+1.
-            let a = [chunk.w[2 * mt][2 * s], chunk.w[2 * mt + 1][2 * s], chunk.w[2 * mt][2 * s + 1], chunk.w[2 * mt + 1][2 * s + 1]];
+            let a = [
+                chunk.w[2 * mt][2 * s],
+                chunk.w[2 * mt + 1][2 * s],
+                chunk.w[2 * mt][2 * s + 1],
+                chunk.w[2 * mt + 1][2 * s + 1],
+            ];
             for nt in 0..NT {
                 let b = [chunk.h[nt][2 * s], chunk.h[nt][2 * s + 1]];
                 unsafe { T::mma(&mut acc[mt][nt], a, b) };
@@ -171,9 +170,8 @@ pub unsafe fn simt_tile<T: Element>(input: &TileInput, lane: u32, scratch: *mut 
     let element = T::BYTES;
     let row_bytes = input.dim as u64 * element;
     let warp_row0 = input.row0 - 4 * g;
-    let cols: [u64; 8] = core::array::from_fn(|c| {
-        input.hidden + (input.col0 + c as u32).min(input.batch - 1) as u64 * row_bytes
-    });
+    let cols: [u64; 8] =
+        core::array::from_fn(|c| input.hidden + (input.col0 + c as u32).min(input.batch - 1) as u64 * row_bytes);
     for q in 0..8u32 {
         let rows: [u64; 4] = core::array::from_fn(|r| {
             input.lm_head + (warp_row0 + 4 * q + r as u32).min(input.vocab - 1) as u64 * row_bytes

@@ -125,7 +125,15 @@ pub fn chi_square(counts: &[u64], probabilities: &[f64]) -> (f64, usize, f64) {
 
 /// Draws `draws` tokens from one row and tests them against the exact softmax at level `alpha`.
 /// Returns the p-value.
-pub fn check_distribution(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matrix, temperature: f32, draws: u32, seed: u64, alpha: f64) -> f64 {
+pub fn check_distribution(
+    backend: &dyn Backend,
+    lm_head: &Matrix,
+    hidden: &Matrix,
+    temperature: f32,
+    draws: u32,
+    seed: u64,
+    alpha: f64,
+) -> f64 {
     let params = params_for(1, temperature, seed);
     let tokens = backend.sample(lm_head, hidden, &params, draws).expect("sampling succeeds");
     let mut counts = vec![0u64; lm_head.rows()];
@@ -155,7 +163,13 @@ pub fn logit_tolerance(lm_head: &Matrix, hidden: &Matrix, row: usize, token: usi
 /// Compares `backend` with the CPU token by token. Every disagreement must be a near-tie:
 /// the CPU's scores of the two tokens differ by less than their logits' rounding bound.
 /// Returns the number of disagreements.
-pub fn check_matches_cpu(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> usize {
+pub fn check_matches_cpu(
+    backend: &dyn Backend,
+    lm_head: &Matrix,
+    hidden: &Matrix,
+    params: &[SamplingParams],
+    samples: u32,
+) -> usize {
     let got = backend.sample(lm_head, hidden, params, samples).expect("sampling succeeds");
     let want = Cpu.sample(lm_head, hidden, params, samples).expect("CPU sampling succeeds");
     let mut disagreements = 0;
@@ -176,7 +190,11 @@ pub fn check_matches_cpu(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matri
             let gap = (score(c) - score(g)).abs();
             let scale = if rp.greedy != 0 { 1.0 } else { rp.inv_temperature };
             let bound = (logit_tolerance(lm_head, hidden, row, g) + logit_tolerance(lm_head, hidden, row, c)) * scale;
-            assert!(gap <= bound, "{}: row {row} draw {j}: token {g} vs CPU {c}, score gap {gap:e} > rounding bound {bound:e}", backend.name());
+            assert!(
+                gap <= bound,
+                "{}: row {row} draw {j}: token {g} vs CPU {c}, score gap {gap:e} > rounding bound {bound:e}",
+                backend.name()
+            );
         }
     }
     println!(
@@ -204,7 +222,11 @@ pub fn check_greedy_is_argmax(backend: &dyn Backend, lm_head: &Matrix, hidden: &
         for j in 0..samples as usize {
             let got = tokens[row * samples as usize + j] as usize;
             let bound = logit_tolerance(lm_head, hidden, row, got) + logit_tolerance(lm_head, hidden, row, best);
-            assert!(got == best || logits[best] - logits[got] <= bound, "{}: greedy row {row}: token {got}, argmax {best}", backend.name());
+            assert!(
+                got == best || logits[best] - logits[got] <= bound,
+                "{}: greedy row {row}: token {got}, argmax {best}",
+                backend.name()
+            );
         }
     }
 }
@@ -221,15 +243,22 @@ pub fn check_batch_independence(backend: &dyn Backend, lm_head: &Matrix, hidden:
     for &p in &permutation {
         permuted_values.extend((0..hidden.cols()).map(|k| hidden.get(p, k)));
     }
-    let permuted = Matrix::new("permuted", rows, hidden.cols(), Elements::F32(permuted_values)).unwrap().to_dtype(hidden.dtype());
+    let permuted =
+        Matrix::new("permuted", rows, hidden.cols(), Elements::F32(permuted_values)).unwrap().to_dtype(hidden.dtype());
     let permuted_params: Vec<SamplingParams> = permutation.iter().map(|&p| params[p]).collect();
     let permuted_tokens = backend.sample(lm_head, &permuted, &permuted_params, samples).expect("sampling succeeds");
     let s = samples as usize;
     for (i, &p) in permutation.iter().enumerate() {
-        assert_eq!(permuted_tokens[i * s..(i + 1) * s], tokens[p * s..(p + 1) * s], "{}: row {p} moved to {i}", backend.name());
+        assert_eq!(
+            permuted_tokens[i * s..(i + 1) * s],
+            tokens[p * s..(p + 1) * s],
+            "{}: row {p} moved to {i}",
+            backend.name()
+        );
     }
     let last = rows - 1;
-    let alone = backend.sample(lm_head, &hidden.row_range(last, rows), &params[last..], samples).expect("sampling succeeds");
+    let alone =
+        backend.sample(lm_head, &hidden.row_range(last, rows), &params[last..], samples).expect("sampling succeeds");
     assert_eq!(alone[..], tokens[last * s..], "{}: row {last} alone vs in a batch of {rows}", backend.name());
 }
 
@@ -237,7 +266,8 @@ pub fn check_batch_independence(backend: &dyn Backend, lm_head: &Matrix, hidden:
 /// fraction of draws where they agree matches `Σ p²` (binomial test, 5 standard deviations).
 pub fn check_identical_rows_independent(backend: &dyn Backend, lm_head: &Matrix, hidden_row: &Matrix, draws: u32) {
     let values: Vec<f32> = (0..2).flat_map(|_| (0..hidden_row.cols()).map(|k| hidden_row.get(0, k))).collect();
-    let hidden = Matrix::new("twins", 2, hidden_row.cols(), Elements::F32(values)).unwrap().to_dtype(hidden_row.dtype());
+    let hidden =
+        Matrix::new("twins", 2, hidden_row.cols(), Elements::F32(values)).unwrap().to_dtype(hidden_row.dtype());
     let params = params_for(2, 1.0, 2024);
     let tokens = backend.sample(lm_head, &hidden, &params, draws).expect("sampling succeeds");
     let n = draws as usize;
@@ -246,6 +276,13 @@ pub fn check_identical_rows_independent(backend: &dyn Backend, lm_head: &Matrix,
     let collision: f64 = p.iter().map(|q| q * q).sum();
     let expected = collision * n as f64;
     let sd = (n as f64 * collision * (1.0 - collision)).sqrt();
-    println!("{}: identical rows agree in {agree} of {n} draws, independence predicts {expected:.1} +- {sd:.1}", backend.name());
-    assert!((agree - expected).abs() <= 5.0 * sd + 1.0, "{}: rows agree {agree} times, expected {expected:.1}", backend.name());
+    println!(
+        "{}: identical rows agree in {agree} of {n} draws, independence predicts {expected:.1} +- {sd:.1}",
+        backend.name()
+    );
+    assert!(
+        (agree - expected).abs() <= 5.0 * sd + 1.0,
+        "{}: rows agree {agree} times, expected {expected:.1}",
+        backend.name()
+    );
 }

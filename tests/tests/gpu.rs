@@ -122,7 +122,8 @@ fn unfused_pipeline_gives_the_same_tokens() {
     for columns in [8, 16, 32] {
         let w = random_matrix(3001, 136, DType::BF16, 0.3, 71);
         let h = random_matrix(45, 136, DType::BF16, 1.0, 72);
-        let params: Vec<SamplingParams> = (0..45).map(|r| SamplingParams::new(if r == 3 { 0.0 } else { 1.2 }, 8, r, 1)).collect();
+        let params: Vec<SamplingParams> =
+            (0..45).map(|r| SamplingParams::new(if r == 3 { 0.0 } else { 1.2 }, 8, r, 1)).collect();
         let head = sampler.upload_lm_head(&w).unwrap();
         let hidden = sampler.upload_hidden(&h).unwrap();
         let mut fused = DeviceTokens::new(&sampler, 45, 5).unwrap();
@@ -132,7 +133,11 @@ fn unfused_pipeline_gives_the_same_tokens() {
         sampler.poison_workspace().unwrap();
         unfused.fill(&sampler, 0xffff_fffe).unwrap();
         sampler.sample_unfused_into(&head, &hidden, &params, 5, columns, &mut unfused).unwrap();
-        assert_eq!(sampler.tokens_to_host(&fused).unwrap(), sampler.tokens_to_host(&unfused).unwrap(), "columns {columns}");
+        assert_eq!(
+            sampler.tokens_to_host(&fused).unwrap(),
+            sampler.tokens_to_host(&unfused).unwrap(),
+            "columns {columns}"
+        );
     }
 }
 

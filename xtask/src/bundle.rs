@@ -36,7 +36,12 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     copy(&root.join("host/ptx/kernels.ptx"), &out.join("kernels.ptx"))?;
     copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root.join("scripts/peers.py"), &out.join("peers.py"))?;
-    println!("bundle in {} ({} test binaries); on the GPU machine: bash {}/run.sh", out.display(), tests.len(), out.display());
+    println!(
+        "bundle in {} ({} test binaries); on the GPU machine: bash {}/run.sh",
+        out.display(),
+        tests.len(),
+        out.display()
+    );
     Ok(())
 }
 
@@ -49,7 +54,8 @@ fn test_executables(messages: &str) -> Vec<(String, PathBuf)> {
         if let (true, Some(executable), Some(name)) =
             (is_test, message["executable"].as_str(), message["target"]["name"].as_str())
         {
-            let package = message["package_id"].as_str().unwrap_or("").rsplit(['/', '#']).nth(1).unwrap_or("").to_string();
+            let package =
+                message["package_id"].as_str().unwrap_or("").rsplit(['/', '#']).nth(1).unwrap_or("").to_string();
             let kind = message["target"]["kind"][0].as_str().unwrap_or("");
             let label = if kind == "lib" { format!("{}-lib", name) } else { format!("{package}-{name}") };
             found.push((label, PathBuf::from(executable)));

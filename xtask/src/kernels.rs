@@ -25,14 +25,18 @@ pub fn build(options: &Options) -> Result<(), String> {
     let ptx = compile(&root, &nightly, &options.arch)?;
     match toolchain::find_ptxas() {
         Some(ptxas) => ptxas::validate(&ptxas, &ptx, &options.arch)?,
-        None => eprintln!("note: ptxas not found ($PTXAS, PATH, or `pip install nvidia-cuda-nvcc-cu12`): PTX not validated"),
+        None => {
+            eprintln!("note: ptxas not found ($PTXAS, PATH, or `pip install nvidia-cuda-nvcc-cu12`): PTX not validated")
+        }
     }
     let destination = root.join(EMBEDDED_PTX);
     let fresh = std::fs::read_to_string(&ptx).map_err(|e| format!("cannot read {}: {e}", ptx.display()))?;
     if options.check {
         let committed = std::fs::read_to_string(&destination).unwrap_or_default();
         if committed != fresh {
-            return Err(format!("{EMBEDDED_PTX} is stale (differs from a fresh build of kernels/); fix: cargo xtask build-kernels"));
+            return Err(format!(
+                "{EMBEDDED_PTX} is stale (differs from a fresh build of kernels/); fix: cargo xtask build-kernels"
+            ));
         }
         println!("{EMBEDDED_PTX} is up to date ({} kernels)", count_entries(&fresh));
     } else {

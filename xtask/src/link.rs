@@ -30,7 +30,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
             "-L" | "--target" => {
                 args.next();
             }
-            other if other.starts_with("--target-feature=") => features.push(other["--target-feature=".len()..].to_string()),
+            other if other.starts_with("--target-feature=") => {
+                features.push(other["--target-feature=".len()..].to_string())
+            }
             other if other.ends_with(".o") => objects.push(other.to_string()),
             _ => {}
         }

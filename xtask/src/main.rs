@@ -22,11 +22,8 @@ const USAGE: &str = "usage: cargo xtask build-kernels [--arch sm_90] [--check]\n
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = if std::env::var_os(link::LINKER_MODE_VARIABLE).is_some() {
-        link::run(&args)
-    } else {
-        run_command(&args)
-    };
+    let result =
+        if std::env::var_os(link::LINKER_MODE_VARIABLE).is_some() { link::run(&args) } else { run_command(&args) };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {

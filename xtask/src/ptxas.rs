@@ -56,10 +56,16 @@ pub fn validate(ptxas: &Path, ptx: &Path, arch: &str) -> Result<(), String> {
     }
     kernels.sort_by(|a, b| a.name.cmp(&b.name));
     println!("ptxas -arch={arch}: {} kernels", kernels.len());
-    println!("{:<24} {:>9} {:>11} {:>12} {:>11} {:>11}", "kernel", "registers", "stack (B)", "spill st (B)", "spill ld (B)", "static smem");
+    println!(
+        "{:<24} {:>9} {:>11} {:>12} {:>11} {:>11}",
+        "kernel", "registers", "stack (B)", "spill st (B)", "spill ld (B)", "static smem"
+    );
     let mut over_budget = Vec::new();
     for k in &kernels {
-        println!("{:<24} {:>9} {:>11} {:>12} {:>11} {:>11}", k.name, k.registers, k.stack_frame, k.spill_stores, k.spill_loads, k.shared);
+        println!(
+            "{:<24} {:>9} {:>11} {:>12} {:>11} {:>11}",
+            k.name, k.registers, k.stack_frame, k.spill_stores, k.spill_loads, k.shared
+        );
         if k.stack_frame + k.spill_stores + k.spill_loads > 0 {
             over_budget.push(k.name.clone());
         }

@@ -55,20 +55,22 @@ pub fn nightly(root: &Path) -> Result<Nightly, String> {
     let rustc = sysroot.join("bin/rustc");
     let version = output_of(Command::new(&rustc).arg("-vV"))?;
     if !version.contains("-nightly") {
-        return Err(format!("the kernels need a nightly rustc, found `{}`; fix: {INSTALL_NIGHTLY}", version.lines().next().unwrap_or("")));
+        return Err(format!(
+            "the kernels need a nightly rustc, found `{}`; fix: {INSTALL_NIGHTLY}",
+            version.lines().next().unwrap_or("")
+        ));
     }
     if !sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         return Err("the nightly toolchain lacks rust-src (needed by -Zbuild-std); fix: rustup component add rust-src --toolchain nightly".into());
     }
-    let host = version
-        .lines()
-        .find_map(|l| l.strip_prefix("host: "))
-        .ok_or("rustc -vV printed no host line")?
-        .to_string();
+    let host =
+        version.lines().find_map(|l| l.strip_prefix("host: ")).ok_or("rustc -vV printed no host line")?.to_string();
     let llvm_bin = sysroot.join("lib/rustlib").join(host).join("bin");
     for tool in ["llvm-link", "opt", "llc"] {
         if !llvm_bin.join(tool).is_file() {
-            return Err(format!("the nightly toolchain lacks {tool} (component llvm-tools); fix: rustup component add llvm-tools --toolchain nightly"));
+            return Err(format!(
+                "the nightly toolchain lacks {tool} (component llvm-tools); fix: rustup component add llvm-tools --toolchain nightly"
+            ));
         }
     }
     Ok(Nightly { rustc, cargo: sysroot.join("bin/cargo"), llvm_bin })

@@ -101,19 +101,23 @@ impl From<DTypeArg> for DType {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Sample { lm_head, lm_head_tensor, hidden, hidden_tensor, samples, seed, temperature, device, out } => sample(SampleArgs {
-            lm_head,
-            lm_head_tensor,
-            hidden,
-            hidden_tensor,
-            samples,
-            seed,
-            temperature,
-            device,
-            out,
-        }),
+        Command::Sample { lm_head, lm_head_tensor, hidden, hidden_tensor, samples, seed, temperature, device, out } => {
+            sample(SampleArgs {
+                lm_head,
+                lm_head_tensor,
+                hidden,
+                hidden_tensor,
+                samples,
+                seed,
+                temperature,
+                device,
+                out,
+            })
+        }
         Command::Demo => demo(),
-        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers } => bench(out, shapes, batches, dtype.into(), warmup, runs, peers),
+        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers } => {
+            bench(out, shapes, batches, dtype.into(), warmup, runs, peers)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -175,7 +179,9 @@ fn demo() -> Result<()> {
 fn cpu_demo() -> Result<()> {
     let (vocab, dim, batch) = (8192, 256, 4);
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let mut random = |n: usize, scale: f32| Elements::BF16((0..n).map(|_| half::bf16::from_f32(rng.random_range(-scale..scale))).collect());
+    let mut random = |n: usize, scale: f32| {
+        Elements::BF16((0..n).map(|_| half::bf16::from_f32(rng.random_range(-scale..scale))).collect())
+    };
     let w = Matrix::new("lm_head", vocab, dim, random(vocab * dim, 0.2))?;
     let h = Matrix::new("hidden", batch, dim, random(batch * dim, 2.0))?;
     let params: Vec<SamplingParams> = (0..batch).map(|r| SamplingParams::new(1.0, 42, r as u32, 0)).collect();
@@ -199,7 +205,9 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
 
     let fused = sampler.sample_on_device(&head, &hidden, &params, 1, Variant::Auto)?;
     let fused = sampler.tokens_to_host(&fused)?;
-    let Variant::Mma { columns } = Variant::Auto.resolve(DType::BF16, dim, batch)? else { unreachable!("bf16 with D % 8 == 0") };
+    let Variant::Mma { columns } = Variant::Auto.resolve(DType::BF16, dim, batch)? else {
+        unreachable!("bf16 with D % 8 == 0")
+    };
     let mut tokens = flashsample::DeviceTokens::new(&sampler, batch, 1)?;
     sampler.sample_unfused_into(&head, &hidden, &params, 1, columns, &mut tokens)?;
     let unfused = sampler.tokens_to_host(&tokens)?;
@@ -225,8 +233,10 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     println!("CPU check: {agree}/{checked_rows} rows give the same token");
 
     let mut timer = Timer::new()?;
-    let fused_time = timer.time(&sampler, 3, 50, || sampler.sample_into(&head, &hidden, &params, 1, Variant::Auto, &mut tokens))?;
-    let unfused_time = timer.time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &params, 1, columns, &mut tokens))?;
+    let fused_time =
+        timer.time(&sampler, 3, 50, || sampler.sample_into(&head, &hidden, &params, 1, Variant::Auto, &mut tokens))?;
+    let unfused_time = timer
+        .time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &params, 1, columns, &mut tokens))?;
     println!(
         "median of {} runs, L2 flushed: fused {:.1} us, unfused (logits to HBM, then sample) {:.1} us: {:.2}x",
         fused_time.runs,
@@ -237,20 +247,36 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     sampler.close()
 }
 
-fn bench(out: PathBuf, shapes: Vec<String>, batches: Vec<usize>, dtype: DType, warmup: usize, runs: usize, peers: Option<PathBuf>) -> Result<()> {
+fn bench(
+    out: PathBuf,
+    shapes: Vec<String>,
+    batches: Vec<usize>,
+    dtype: DType,
+    warmup: usize,
+    runs: usize,
+    peers: Option<PathBuf>,
+) -> Result<()> {
     let shapes = shapes
         .iter()
         .map(|s| {
             let parsed = s.split_once('x').and_then(|(d, v)| Some((d.parse().ok()?, v.parse().ok()?)));
-            parsed.ok_or_else(|| Error::InvalidArgument { argument: "--shapes".into(), rule: format!("`{s}`: each shape is DxV, e.g. 4096x151936") })
+            parsed.ok_or_else(|| Error::InvalidArgument {
+                argument: "--shapes".into(),
+                rule: format!("`{s}`: each shape is DxV, e.g. 4096x151936"),
+            })
         })
         .collect::<Result<Vec<(usize, usize)>>>()?;
     if runs == 0 {
         return Err(Error::InvalidArgument { argument: "--runs".into(), rule: "0: at least one timed run".into() });
     }
-    std::fs::create_dir_all(&out).map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    std::fs::create_dir_all(&out)
+        .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
     let sampler = CudaSampler::new()?;
-    println!("{}: {} SMs; {dtype}; median of {runs} runs after {warmup} warm-up, L2 flushed", sampler.device_name(), sampler.multiprocessors());
+    println!(
+        "{}: {} SMs; {dtype}; median of {runs} runs after {warmup} warm-up, L2 flushed",
+        sampler.device_name(),
+        sampler.multiprocessors()
+    );
     let options = flashsample::bench::Options { shapes, batches, dtype, warmup, runs };
     let rows = flashsample::bench::run(&sampler, &options)?;
     flashsample::bench::write_csv(&out.join("bench.csv"), &rows, dtype)?;
@@ -263,7 +289,8 @@ fn bench(out: PathBuf, shapes: Vec<String>, batches: Vec<usize>, dtype: DType, w
         eprintln!("warning: no plot: {e}");
     }
     let report = flashsample::bench::report(&rows, &peers, dtype);
-    std::fs::write(out.join("report.md"), &report).map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    std::fs::write(out.join("report.md"), &report)
+        .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
     println!("{report}");
     sampler.close()
 }

@@ -50,7 +50,19 @@ pub unsafe fn launch<A>(
     let mut params = [args as *const A as *mut c_void];
     // SAFETY: per this function's contract; the driver copies the argument block at launch.
     let result = unsafe {
-        raw::cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared_bytes, stream, params.as_mut_ptr(), std::ptr::null_mut())
+        raw::cuLaunchKernel(
+            function,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            shared_bytes,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
     };
     check_raw(&format!("cuLaunchKernel({name})"), result)
 }
@@ -70,10 +82,17 @@ pub unsafe fn copy_to_device_async(destination: u64, bytes: &[u8], stream: raw::
 ///
 /// # Safety
 /// `function` must be a live handle of a loaded module in the current context.
-pub unsafe fn blocks_per_multiprocessor(name: &str, function: raw::CUfunction, block: u32, shared_bytes: u32) -> Result<u32> {
+pub unsafe fn blocks_per_multiprocessor(
+    name: &str,
+    function: raw::CUfunction,
+    block: u32,
+    shared_bytes: u32,
+) -> Result<u32> {
     let mut blocks = 0i32;
     // SAFETY: per this function's contract; the call writes one int.
-    let result = unsafe { raw::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, shared_bytes as usize) };
+    let result = unsafe {
+        raw::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, shared_bytes as usize)
+    };
     check_raw(&format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({name})"), result)?;
     Ok(blocks.max(1) as u32)
 }

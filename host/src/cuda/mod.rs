@@ -44,10 +44,6 @@ pub enum Variant {
 }
 
 impl Variant {
-    /// Every variant the dispatcher can pick, for tests that must cover each one.
-    pub const ALL: [Variant; 4] =
-        [Variant::Mma { columns: 8 }, Variant::Mma { columns: 16 }, Variant::Mma { columns: 32 }, Variant::Simt];
-
     /// The variant for this problem: tensor cores when the dtype and D allow, with the
     /// narrowest batch tile that covers B (wider tiles read W fewer times but hold more
     /// registers).
@@ -65,9 +61,10 @@ impl Variant {
             Variant::Mma { columns } if ![8, 16, 32].contains(&columns) => {
                 Err(invalid("variant", format!("Mma {{ columns: {columns} }}: columns must be 8, 16 or 32")))
             }
-            Variant::Mma { .. } if !mma_possible => {
-                Err(invalid("variant", format!("the mma kernels need BF16 or F16 and D % 8 == 0 (got {dtype}, D = {dim})")))
-            }
+            Variant::Mma { .. } if !mma_possible => Err(invalid(
+                "variant",
+                format!("the mma kernels need BF16 or F16 and D % 8 == 0 (got {dtype}, D = {dim})"),
+            )),
             other => Ok(other),
         }
     }
@@ -151,9 +148,10 @@ impl DeviceTokens {
     /// Allocates room for `rows × samples` tokens (filled by a later `sample_into`).
     pub fn new(sampler: &CudaSampler, rows: usize, samples: usize) -> Result<DeviceTokens> {
         sampler.make_current()?;
-        let len = rows.checked_mul(samples).filter(|&n| n <= u32::MAX as usize).ok_or_else(|| {
-            invalid("samples", format!("B x samples = {rows} x {samples} tokens: must be < 2^32"))
-        })?;
+        let len = rows
+            .checked_mul(samples)
+            .filter(|&n| n <= u32::MAX as usize)
+            .ok_or_else(|| invalid("samples", format!("B x samples = {rows} x {samples} tokens: must be < 2^32")))?;
         // SAFETY: stage 2 writes every slot before anyone reads it.
         let buffer = driver::check("cuMemAlloc(tokens)", unsafe { DeviceBuffer::<u32>::uninitialized(len.max(1)) })?;
         Ok(DeviceTokens { buffer, rows, samples })
@@ -183,7 +181,9 @@ fn ensure<T: DeviceCopy>(slot: &mut Option<DeviceBuffer<T>>, len: usize, what: &
     if slot.as_ref().is_none_or(|b| b.len() < len) {
         *slot = None;
         // SAFETY: every consumer writes before it reads (stage 1 fills what stage 2 reads).
-        let buffer = driver::check(&format!("cuMemAlloc({what}, {len} elements)"), unsafe { DeviceBuffer::uninitialized(len.max(1)) })?;
+        let buffer = driver::check(&format!("cuMemAlloc({what}, {len} elements)"), unsafe {
+            DeviceBuffer::uninitialized(len.max(1))
+        })?;
         *slot = Some(buffer);
     }
     Ok(slot.as_ref().expect("just ensured").as_device_ptr().as_raw())
@@ -221,14 +221,17 @@ impl CudaSampler {
         let module = driver::check("cuModuleLoadData(embedded PTX)", Module::from_ptx(PTX, &[]))?;
         let stream = driver::check("cuStreamCreate", Stream::new(StreamFlags::NON_BLOCKING, None))?;
         let device_name = driver::check("cuDeviceGetName", device.name())?;
-        let multiprocessors =
-            driver::check("cuDeviceGetAttribute(MultiprocessorCount)", device.get_attribute(DeviceAttribute::MultiprocessorCount))? as u32;
+        let multiprocessors = driver::check(
+            "cuDeviceGetAttribute(MultiprocessorCount)",
+            device.get_attribute(DeviceAttribute::MultiprocessorCount),
+        )? as u32;
         let mut kernels = HashMap::new();
         for &name in KERNELS {
             let function = driver::check(&format!("cuModuleGetFunction({name})"), module.get_function(name))?.to_raw();
             let (threads, shared_bytes) = launch_shape(name);
             // SAFETY: `function` was just taken from the module we hold.
-            let blocks_per_multiprocessor = unsafe { driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)? };
+            let blocks_per_multiprocessor =
+                unsafe { driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)? };
             kernels.insert(name, Kernel { function, threads, shared_bytes, blocks_per_multiprocessor });
         }
         Ok(CudaSampler {
@@ -269,7 +272,17 @@ impl CudaSampler {
         let resident = kernel.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
         let grid = items.clamp(1, resident) as u32;
         // SAFETY: per this function's contract; threads and shared memory come from launch_shape.
-        unsafe { driver::launch(name, kernel.function, self.stream.as_inner(), grid, kernel.threads, kernel.shared_bytes, args) }
+        unsafe {
+            driver::launch(
+                name,
+                kernel.function,
+                self.stream.as_inner(),
+                grid,
+                kernel.threads,
+                kernel.shared_bytes,
+                args,
+            )
+        }
     }
 
     /// Waits for all queued work; a kernel fault is reported as failing `after`.
@@ -281,7 +294,8 @@ impl CudaSampler {
     pub fn upload_lm_head(&self, lm_head: &Matrix) -> Result<CudaLmHead> {
         let shape = check_lm_head(lm_head)?;
         self.make_current()?;
-        let buffer = driver::check("cuMemAlloc+cuMemcpyHtoD(lm_head)", DeviceBuffer::from_slice(lm_head.elements().as_bytes()))?;
+        let buffer =
+            driver::check("cuMemAlloc+cuMemcpyHtoD(lm_head)", DeviceBuffer::from_slice(lm_head.elements().as_bytes()))?;
         Ok(CudaLmHead { buffer, shape })
     }
 
@@ -289,12 +303,19 @@ impl CudaSampler {
     pub fn upload_hidden(&self, hidden: &Matrix) -> Result<CudaHidden> {
         check_hidden_values(hidden)?;
         self.make_current()?;
-        let buffer = driver::check("cuMemAlloc+cuMemcpyHtoD(hidden)", DeviceBuffer::from_slice(hidden.elements().as_bytes()))?;
+        let buffer =
+            driver::check("cuMemAlloc+cuMemcpyHtoD(hidden)", DeviceBuffer::from_slice(hidden.elements().as_bytes()))?;
         Ok(CudaHidden { buffer, rows: hidden.rows(), cols: hidden.cols(), dtype: hidden.dtype() })
     }
 
     /// `samples` draws per row with the dispatcher's kernel, tokens returned to the host.
-    pub fn sample(&self, lm_head: &CudaLmHead, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+    pub fn sample(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        samples: u32,
+    ) -> Result<Vec<u32>> {
         self.sample_with(lm_head, hidden, params, samples, Variant::Auto)
     }
 
@@ -376,7 +397,9 @@ impl CudaSampler {
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
         let rows = self.check_device_request(lm_head, hidden, params, samples)?;
-        let Variant::Mma { columns } = Variant::Mma { columns }.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)? else {
+        let Variant::Mma { columns } =
+            Variant::Mma { columns }.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)?
+        else {
             unreachable!("resolve keeps an explicit mma variant")
         };
         let shape = lm_head.shape;
@@ -413,7 +436,13 @@ impl CudaSampler {
         })
     }
 
-    fn check_device_request(&self, lm_head: &CudaLmHead, hidden: &CudaHidden, params: &[SamplingParams], samples: u32) -> Result<Vec<RowParams>> {
+    fn check_device_request(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        params: &[SamplingParams],
+        samples: u32,
+    ) -> Result<Vec<RowParams>> {
         let shape = HiddenShape { rows: hidden.rows, cols: hidden.cols, dtype: hidden.dtype };
         let rows = check_request(lm_head.shape, shape, params, samples)?;
         self.make_current()?;
@@ -433,7 +462,13 @@ impl CudaSampler {
     ) -> Result<()> {
         let batch = rows.len();
         if tokens.rows != batch || tokens.samples != samples as usize {
-            return Err(invalid("tokens", format!("room for [{}, {}] tokens, the request makes [{batch}, {samples}]", tokens.rows, tokens.samples)));
+            return Err(invalid(
+                "tokens",
+                format!(
+                    "room for [{}, {}] tokens, the request makes [{batch}, {samples}]",
+                    tokens.rows, tokens.samples
+                ),
+            ));
         }
         let pairs_per_pass = (CANDIDATE_BUDGET_BYTES / (tiles * 8)).max(1);
         let rows_per_pass = batch.min(pairs_per_pass);
@@ -522,7 +557,8 @@ impl CudaSampler {
     fn random_buffer(&self, count: usize, dtype: DType, seed: u64, scale: f32) -> Result<DeviceBuffer<u8>> {
         self.make_current()?;
         // SAFETY: the fill kernel writes every element before anything reads it.
-        let buffer = driver::check("cuMemAlloc(random)", unsafe { DeviceBuffer::<u8>::uninitialized(count * dtype.bytes()) })?;
+        let buffer =
+            driver::check("cuMemAlloc(random)", unsafe { DeviceBuffer::<u8>::uninitialized(count * dtype.bytes()) })?;
         let args = FillArgs { out: buffer.as_device_ptr().as_raw(), count: count as u64, seed, scale };
         let name = match dtype {
             DType::F32 => "fill_uniform_f32",

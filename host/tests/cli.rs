@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use flashsample::io::read_npy_i64;
+use flashsample_tests::chi_square;
 use half::bf16;
 use safetensors::{Dtype, tensor::TensorView};
-use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 struct Scratch(PathBuf);
 
@@ -238,19 +238,8 @@ fn cuda_cli_chi_square_v131071_4m_draws() {
     let max = logits.iter().cloned().fold(f64::MIN, f64::max);
     let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
     let total: f64 = weights.iter().sum();
-    let mut order: Vec<usize> = (0..v).collect();
-    order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]));
-    let (mut statistic, mut bins, mut expected, mut observed) = (0.0, 0usize, 0.0, 0u64);
-    for i in order {
-        expected += weights[i] / total * tokens.len() as f64;
-        observed += counts[i];
-        if expected >= 5.0 {
-            statistic += (observed as f64 - expected).powi(2) / expected;
-            bins += 1;
-            (expected, observed) = (0.0, 0);
-        }
-    }
-    let p = 1.0 - ChiSquared::new((bins - 1) as f64).unwrap().cdf(statistic);
-    println!("CLI --device cuda: V={v} D={d} draws={}: chi2={statistic:.1} dof={} p={p:.4}", tokens.len(), bins - 1);
+    let probabilities: Vec<f64> = weights.iter().map(|w| w / total).collect();
+    let (statistic, dof, p) = chi_square(&counts, &probabilities);
+    println!("CLI --device cuda: V={v} D={d} draws={}: chi2={statistic:.1} dof={dof} p={p:.4}", tokens.len());
     assert!(p > 1e-3, "chi2 = {statistic}, p = {p}");
 }

@@ -77,14 +77,6 @@ impl Variant {
     }
 }
 
-fn dtype_tag(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-    }
-}
-
 struct Kernel {
     function: raw::CUfunction,
     threads: u32,
@@ -631,16 +623,52 @@ fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
 }
 
 fn fused_kernel_name(dtype: DType, columns: u32) -> &'static str {
-    let name = format!("fused_{}_n{columns}", dtype_tag(dtype));
-    KERNELS.iter().find(|k| **k == name).expect("resolve only returns kernels that exist")
+    match (dtype, columns) {
+        (DType::BF16, 8) => "fused_bf16_n8",
+        (DType::BF16, 16) => "fused_bf16_n16",
+        (DType::BF16, 32) => "fused_bf16_n32",
+        (DType::F16, 8) => "fused_f16_n8",
+        (DType::F16, 16) => "fused_f16_n16",
+        (DType::F16, 32) => "fused_f16_n32",
+        _ => unreachable!("Variant::resolve only returns mma variants for BF16/F16 with 8, 16 or 32 columns"),
+    }
 }
 
 fn simt_kernel_name(dtype: DType) -> &'static str {
-    let name = format!("fused_simt_{}", dtype_tag(dtype));
-    KERNELS.iter().find(|k| **k == name).expect("every dtype has a SIMT kernel")
+    match dtype {
+        DType::F32 => "fused_simt_f32",
+        DType::BF16 => "fused_simt_bf16",
+        DType::F16 => "fused_simt_f16",
+    }
 }
 
 fn logits_kernel_name(dtype: DType, columns: u32) -> &'static str {
-    let name = format!("logits_gemm_{}_n{columns}", dtype_tag(dtype));
-    KERNELS.iter().find(|k| **k == name).expect("resolve only returns kernels that exist")
+    match (dtype, columns) {
+        (DType::BF16, 8) => "logits_gemm_bf16_n8",
+        (DType::BF16, 16) => "logits_gemm_bf16_n16",
+        (DType::BF16, 32) => "logits_gemm_bf16_n32",
+        (DType::F16, 8) => "logits_gemm_f16_n8",
+        (DType::F16, 16) => "logits_gemm_f16_n16",
+        (DType::F16, 32) => "logits_gemm_f16_n32",
+        _ => unreachable!("Variant::resolve only returns mma variants for BF16/F16 with 8, 16 or 32 columns"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every name the dispatcher can launch is one the sampler loads (and the PTX holds).
+    #[test]
+    fn dispatched_kernel_names_are_loaded_kernels() {
+        for dtype in [DType::BF16, DType::F16] {
+            for columns in [8, 16, 32] {
+                assert!(KERNELS.contains(&fused_kernel_name(dtype, columns)));
+                assert!(KERNELS.contains(&logits_kernel_name(dtype, columns)));
+            }
+        }
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            assert!(KERNELS.contains(&simt_kernel_name(dtype)));
+        }
+    }
 }

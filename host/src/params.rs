@@ -112,6 +112,18 @@ pub fn check_request(
     params: &[SamplingParams],
     samples: u32,
 ) -> Result<Vec<RowParams>> {
+    check_request_shape(head, hidden, params.len(), "params", samples)?;
+    row_params(params)
+}
+
+/// The shape rules of a request whose `rows` per-row parameters come from `rows_argument`.
+pub fn check_request_shape(
+    head: HeadShape,
+    hidden: HiddenShape,
+    rows: usize,
+    rows_argument: &str,
+    samples: u32,
+) -> Result<()> {
     if hidden.rows == 0 {
         return Err(invalid("hidden", "B = 0 rows: at least one row is needed"));
     }
@@ -127,14 +139,16 @@ pub fn check_request(
     if hidden.dtype != head.dtype {
         return Err(Error::DTypeMismatch { lm_head: head.dtype, hidden: hidden.dtype });
     }
-    if params.len() != hidden.rows {
-        return Err(invalid(
-            "params",
-            format!("{} entries for B = {} hidden rows: one per row", params.len(), hidden.rows),
-        ));
+    if rows != hidden.rows {
+        return Err(invalid(rows_argument, format!("{rows} entries for B = {} hidden rows: one per row", hidden.rows)));
     }
     if samples == 0 {
         return Err(invalid("samples", "0: at least one draw per row"));
     }
+    Ok(())
+}
+
+/// Checks each row's parameters and converts them to the kernels' form.
+pub fn row_params(params: &[SamplingParams]) -> Result<Vec<RowParams>> {
     params.iter().enumerate().map(|(i, p)| p.to_row(i)).collect()
 }

@@ -126,13 +126,14 @@ fn unfused_pipeline_gives_the_same_tokens() {
             (0..45).map(|r| SamplingParams::new(if r == 3 { 0.0 } else { 1.2 }, 8, r, 1)).collect();
         let head = sampler.upload_lm_head(&w).unwrap();
         let hidden = sampler.upload_hidden(&h).unwrap();
+        let rows = sampler.upload_rows(&params).unwrap();
         let mut fused = DeviceTokens::new(&sampler, 45, 5).unwrap();
         let mut unfused = DeviceTokens::new(&sampler, 45, 5).unwrap();
         sampler.sample_into(&head, &hidden, &params, 5, Variant::Mma { columns }, &mut fused).unwrap();
-        sampler.sample_unfused_into(&head, &hidden, &params, 5, columns, &mut unfused).unwrap();
+        sampler.sample_unfused_into(&head, &hidden, &rows, 5, columns, &mut unfused).unwrap();
         sampler.poison_workspace().unwrap();
         unfused.fill(&sampler, 0xffff_fffe).unwrap();
-        sampler.sample_unfused_into(&head, &hidden, &params, 5, columns, &mut unfused).unwrap();
+        sampler.sample_unfused_into(&head, &hidden, &rows, 5, columns, &mut unfused).unwrap();
         assert_eq!(
             sampler.tokens_to_host(&fused).unwrap(),
             sampler.tokens_to_host(&unfused).unwrap(),

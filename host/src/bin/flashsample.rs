@@ -208,8 +208,9 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     let Variant::Mma { columns } = Variant::Auto.resolve(DType::BF16, dim, batch)? else {
         unreachable!("bf16 with D % 8 == 0")
     };
+    let rows = sampler.upload_rows(&params)?;
     let mut tokens = flashsample::DeviceTokens::new(&sampler, batch, 1)?;
-    sampler.sample_unfused_into(&head, &hidden, &params, 1, columns, &mut tokens)?;
+    sampler.sample_unfused_into(&head, &hidden, &rows, 1, columns, &mut tokens)?;
     let unfused = sampler.tokens_to_host(&tokens)?;
     let same = fused.iter().zip(&unfused).filter(|(a, b)| a == b).count();
     println!("fused vs unfused pipeline (same logits, same noise): {same}/{batch} tokens equal");
@@ -233,10 +234,10 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     println!("CPU check: {agree}/{checked_rows} rows give the same token");
 
     let mut timer = Timer::new()?;
-    let fused_time =
-        timer.time(&sampler, 3, 50, || sampler.sample_into(&head, &hidden, &params, 1, Variant::Auto, &mut tokens))?;
-    let unfused_time = timer
-        .time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &params, 1, columns, &mut tokens))?;
+    let fused_time = timer
+        .time(&sampler, 3, 50, || sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens))?;
+    let unfused_time =
+        timer.time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &rows, 1, columns, &mut tokens))?;
     println!(
         "median of {} runs, L2 flushed: fused {:.1} us, unfused (logits to HBM, then sample) {:.1} us: {:.2}x",
         fused_time.runs,

@@ -26,7 +26,10 @@ use flashsample_core::{Candidate, RowParams};
 
 use crate::error::{Error, Result, invalid};
 use crate::module::{KERNELS, PTX};
-use crate::params::{HeadShape, HiddenShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
+use crate::params::{
+    HeadShape, HiddenShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape,
+    row_params,
+};
 use crate::tensor::{DType, Elements, Matrix};
 
 /// Candidate memory one pass may use; larger requests are split over rows and draws.
@@ -126,6 +129,10 @@ impl CudaHidden {
     pub fn rows(&self) -> usize {
         self.rows
     }
+
+    fn shape(&self) -> HiddenShape {
+        HiddenShape { rows: self.rows, cols: self.cols, dtype: self.dtype }
+    }
 }
 
 /// Sampled tokens in device memory, `[rows, samples]` of u32; `u32::MAX` marks a draw with
@@ -157,6 +164,23 @@ impl DeviceTokens {
 
     /// The device address of `tokens[0]`, for callers that consume tokens on the device.
     pub fn address(&self) -> u64 {
+        self.buffer.as_device_ptr().as_raw()
+    }
+}
+
+/// Per-row sampling parameters already in device memory: a decode loop that keeps them there
+/// samples without any host-to-device copy (see [`CudaSampler::sample_rows_into`]).
+pub struct DeviceRows {
+    buffer: DeviceBuffer<u8>,
+    rows: usize,
+}
+
+impl DeviceRows {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn address(&self) -> u64 {
         self.buffer.as_device_ptr().as_raw()
     }
 }
@@ -341,7 +365,9 @@ impl CudaSampler {
     }
 
     /// Queues fused sampling into `tokens` (`[B, samples]`); allocates nothing once the
-    /// workspace has grown to the problem, and never waits for the device.
+    /// workspace has grown to the problem, and never waits for the device. The row
+    /// parameters are copied to the device on the stream first; a loop that keeps them on
+    /// the device calls [`CudaSampler::sample_rows_into`] instead.
     pub fn sample_into(
         &self,
         lm_head: &CudaLmHead,
@@ -352,13 +378,55 @@ impl CudaSampler {
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
         let rows = self.check_device_request(lm_head, hidden, params, samples)?;
+        let rows = self.stage_rows(&rows)?;
+        self.sample_at(lm_head, hidden, rows, samples, variant, tokens)
+    }
+
+    /// Checks per-row parameters and copies them to the device once.
+    pub fn upload_rows(&self, params: &[SamplingParams]) -> Result<DeviceRows> {
+        let rows = row_params(params)?;
+        if rows.is_empty() {
+            return Err(invalid("params", "no entries: one per batch row is needed"));
+        }
+        self.make_current()?;
+        let buffer = driver::check(
+            "cuMemAlloc+cuMemcpyHtoD(row parameters)",
+            DeviceBuffer::from_slice(row_params_bytes(&rows)),
+        )?;
+        Ok(DeviceRows { buffer, rows: rows.len() })
+    }
+
+    /// As [`CudaSampler::sample_into`] with row parameters already on the device: the call
+    /// queues kernels only, no copy.
+    pub fn sample_rows_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        samples: u32,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        self.check_device_rows(lm_head, hidden, rows, samples)?;
+        self.sample_at(lm_head, hidden, rows.address(), samples, variant, tokens)
+    }
+
+    fn sample_at(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: u64,
+        samples: u32,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
         let variant = variant.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)?;
         let name = match variant {
             Variant::Mma { columns } => fused_kernel_name(lm_head.shape.dtype, columns),
             _ => simt_kernel_name(lm_head.shape.dtype),
         };
         let tiles = lm_head.shape.vocab.div_ceil(TILE_ROWS as usize);
-        self.run_passes(hidden, &rows, samples, tiles, tokens, |pass| {
+        self.run_passes(hidden, rows, samples, tiles, tokens, |pass| {
             let args = FusedArgs {
                 lm_head: lm_head.address(),
                 hidden: pass.hidden,
@@ -383,12 +451,12 @@ impl CudaSampler {
         &self,
         lm_head: &CudaLmHead,
         hidden: &CudaHidden,
-        params: &[SamplingParams],
+        rows: &DeviceRows,
         samples: u32,
         columns: u32,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
-        let rows = self.check_device_request(lm_head, hidden, params, samples)?;
+        self.check_device_rows(lm_head, hidden, rows, samples)?;
         let Variant::Mma { columns } =
             Variant::Mma { columns }.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)?
         else {
@@ -411,7 +479,7 @@ impl CudaSampler {
         // SAFETY: the logits buffer holds B × stride floats.
         unsafe { self.launch(name, items, &gemm)? };
         let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
-        self.run_passes(hidden, &rows, samples, tiles, tokens, |pass| {
+        self.run_passes(hidden, rows.address(), samples, tiles, tokens, |pass| {
             let args = LogitsSamplerArgs {
                 logits: logits + pass.first_row as u64 * stride as u64 * 4,
                 rows: pass.rows,
@@ -435,10 +503,28 @@ impl CudaSampler {
         params: &[SamplingParams],
         samples: u32,
     ) -> Result<Vec<RowParams>> {
-        let shape = HiddenShape { rows: hidden.rows, cols: hidden.cols, dtype: hidden.dtype };
-        let rows = check_request(lm_head.shape, shape, params, samples)?;
+        let rows = check_request(lm_head.shape, hidden.shape(), params, samples)?;
         self.make_current()?;
         Ok(rows)
+    }
+
+    fn check_device_rows(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        samples: u32,
+    ) -> Result<()> {
+        check_request_shape(lm_head.shape, hidden.shape(), rows.rows, "rows", samples)?;
+        self.make_current()
+    }
+
+    /// Copies row parameters into the workspace, ordered on the stream; returns their address.
+    fn stage_rows(&self, rows: &[RowParams]) -> Result<u64> {
+        let address = ensure(&mut self.workspace.borrow_mut().rows, std::mem::size_of_val(rows), "row parameters")?;
+        // SAFETY: the rows buffer holds at least this many bytes; the copy is ordered on our stream.
+        unsafe { driver::copy_to_device_async(address, row_params_bytes(rows), self.stream.as_inner())? };
+        Ok(address)
     }
 
     /// Splits (rows × draws) into passes whose candidates fit the budget, runs `stage1` for
@@ -446,13 +532,13 @@ impl CudaSampler {
     fn run_passes(
         &self,
         hidden: &CudaHidden,
-        rows: &[RowParams],
+        rows_address: u64,
         samples: u32,
         tiles: usize,
         tokens: &mut DeviceTokens,
         mut stage1: impl FnMut(&Pass) -> Result<()>,
     ) -> Result<()> {
-        let batch = rows.len();
+        let batch = hidden.rows;
         if tokens.rows != batch || tokens.samples != samples as usize {
             return Err(invalid(
                 "tokens",
@@ -465,12 +551,11 @@ impl CudaSampler {
         let pairs_per_pass = (CANDIDATE_BUDGET_BYTES / (tiles * 8)).max(1);
         let rows_per_pass = batch.min(pairs_per_pass);
         let samples_per_pass = (samples as usize).min((pairs_per_pass / rows_per_pass).max(1));
-        let mut workspace = self.workspace.borrow_mut();
-        let rows_address = ensure(&mut workspace.rows, std::mem::size_of_val(rows), "row parameters")?;
-        let candidates = ensure(&mut workspace.candidates, rows_per_pass * samples_per_pass * tiles, "candidates")?;
-        drop(workspace);
-        // SAFETY: the rows buffer holds at least this many bytes; the copy is ordered on our stream.
-        unsafe { driver::copy_to_device_async(rows_address, row_params_bytes(rows), self.stream.as_inner())? };
+        let candidates = ensure(
+            &mut self.workspace.borrow_mut().candidates,
+            rows_per_pass * samples_per_pass * tiles,
+            "candidates",
+        )?;
         let element_bytes = hidden.dtype.bytes() as u64;
         for first_row in (0..batch).step_by(rows_per_pass) {
             let pass_rows = rows_per_pass.min(batch - first_row);

@@ -19,4 +19,4 @@ pub mod noise;
 pub mod philox;
 
 pub use candidate::{Candidate, perturbed_score};
-pub use noise::{RowParams, block_scores, noise_block};
+pub use noise::{RowParams, block_candidate, block_scores, noise_block};

@@ -17,7 +17,7 @@
 //! Architecture Invariant: changing this mapping changes every sampled token; it is versioned
 //! with the crate and documented in `ARCHITECTURE.md`.
 
-use crate::candidate::perturbed_score;
+use crate::candidate::{Candidate, perturbed_score};
 use crate::gumbel::gumbel;
 use crate::philox::{Counter, Key, philox4x32_10};
 
@@ -73,6 +73,22 @@ pub fn block_scores(row: &RowParams, sample: u32, block: u32, logits: [f32; 4]) 
     ]
 }
 
+/// The winner among the first `valid` (≤ 4) entries of the block `4·block .. 4·block + 4` of
+/// draw `sample`: the highest score, the lowest index among ties, [`Candidate::NONE`] when no
+/// score is finite or above −∞. Every backend and kernel scores vocabulary entries through
+/// this one function.
+#[inline(always)]
+pub fn block_candidate(row: &RowParams, sample: u32, block: u32, logits: [f32; 4], valid: u32) -> Candidate {
+    let scores = block_scores(row, sample, block, logits);
+    let mut best = Candidate::NONE;
+    for (r, &score) in scores.iter().enumerate() {
+        if (r as u32) < valid {
+            best.offer_in_order(score, ENTRIES_PER_BLOCK * block + r as u32);
+        }
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,6 +124,19 @@ mod tests {
         let sampled = block_scores(&row(1, 2, 3), 0, 0, logits);
         let noise = noise_block(&row(1, 2, 3), 0, 0);
         assert_eq!(sampled[0], 0.5 + noise[0]);
+    }
+
+    #[test]
+    fn block_candidate_takes_only_valid_entries_and_the_first_of_ties() {
+        let mut greedy = row(1, 2, 3);
+        greedy.greedy = 1;
+        let best = block_candidate(&greedy, 0, 10, [1.0, 3.0, 3.0, 9.0], 3);
+        assert_eq!(best, Candidate { score: 3.0, index: 41 });
+        assert_eq!(block_candidate(&greedy, 0, 10, [1.0, 3.0, 3.0, 9.0], 0), Candidate::NONE);
+        let sampled = block_candidate(&row(1, 2, 3), 4, 10, [0.0; 4], 4);
+        let noise = noise_block(&row(1, 2, 3), 4, 10);
+        let top = (0..4).fold(0, |b, r| if noise[r] > noise[b] { r } else { b });
+        assert_eq!(sampled, Candidate { score: noise[top], index: 40 + top as u32 });
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! are summed in order `k = 0, 1, …` in f32; the GPU sums in another order, so the two agree
 //! on every token except rare near-ties (measured in `docs/EXACTNESS.md`).
 
-use flashsample_core::{Candidate, RowParams, block_scores};
+use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -61,10 +61,7 @@ pub fn draw(logits: &[f32], row: &RowParams, sample: u32) -> Candidate {
     for (block, chunk) in logits.chunks(4).enumerate() {
         let mut four = [f32::NEG_INFINITY; 4];
         four[..chunk.len()].copy_from_slice(chunk);
-        let scores = block_scores(row, sample, block as u32, four);
-        for (r, &score) in scores.iter().enumerate().take(chunk.len()) {
-            best.offer_in_order(score, (4 * block + r) as u32);
-        }
+        best = best.merge(block_candidate(row, sample, block as u32, four, chunk.len() as u32));
     }
     best
 }

@@ -3,7 +3,7 @@
 use flashsample_core::abi::{
     FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, STAGE1_WARPS,
 };
-use flashsample_core::{Candidate, RowParams, block_scores};
+use flashsample_core::{Candidate, RowParams, block_candidate};
 
 use crate::arch;
 use crate::tile::ThreadLogits;
@@ -91,12 +91,7 @@ pub unsafe fn sample_tile<const NT: usize>(
                 // still join the shuffles below.
                 if col0 + column < args.batch {
                     let row = unsafe { *(args.rows as *const RowParams).add((col0 + column) as usize) };
-                    let scores = block_scores(&row, args.sample_offset + j, block, pick(logits, column_slot));
-                    for r in 0..4 {
-                        if (r as u32) < rows_valid {
-                            best.offer_in_order(scores[r], row0 + r as u32);
-                        }
-                    }
+                    best = block_candidate(&row, args.sample_offset + j, block, pick(logits, column_slot), rows_valid);
                 }
                 best = unsafe { merge_over_lanes(best, 4, 16) };
                 if g == 0 {
@@ -159,14 +154,8 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 if j >= args.samples {
                     break;
                 }
-                let scores = block_scores(&row, args.sample_offset + j, row0 / 4, logits);
-                let mut best = Candidate::NONE;
-                for r in 0..4 {
-                    if (r as u32) < rows_valid {
-                        best.offer_in_order(scores[r], row0 + r as u32);
-                    }
-                }
-                best = unsafe { merge_over_lanes(best, 1, 16) };
+                let best = block_candidate(&row, args.sample_offset + j, row0 / 4, logits, rows_valid);
+                let best = unsafe { merge_over_lanes(best, 1, 16) };
                 if lane == 0 {
                     unsafe { *staging.add((slot * STAGE1_WARPS + warp) as usize) = best };
                 }

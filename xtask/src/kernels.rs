@@ -11,13 +11,15 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { arch: "sm_90".into(), check: false }
+        Options { arch: "sm_90a".into(), check: false }
     }
 }
 
 /// Where the host embeds the PTX from (`include_str!` in `host/src/module.rs`).
 pub const EMBEDDED_PTX: &str = "host/ptx/kernels.ptx";
 const TARGET: &str = "nvptx64-nvidia-cuda";
+/// PTX ISA 8.0: the first with `wgmma`, TMA and `sm_90a`.
+const PTX_FEATURE: &str = "-Ctarget-feature=+ptx80";
 
 pub fn build(options: &Options) -> Result<(), String> {
     let root = toolchain::workspace_root();
@@ -54,7 +56,8 @@ fn count_entries(ptx: &str) -> usize {
 fn compile(root: &Path, nightly: &toolchain::Nightly, arch: &str) -> Result<std::path::PathBuf, String> {
     let target_dir = root.join("target/ptx");
     let this = std::env::current_exe().map_err(|e| format!("cannot locate xtask itself: {e}"))?;
-    let rustflags = [format!("-Ctarget-cpu={arch}"), format!("-Clinker={}", this.display())].join("\u{1f}");
+    let rustflags = [format!("-Ctarget-cpu={arch}"), PTX_FEATURE.to_string(), format!("-Clinker={}", this.display())]
+        .join("\u{1f}");
     let status = toolchain::clean_command(&nightly.cargo)
         .current_dir(root.join("kernels"))
         .args(["build", "--release", "--target", TARGET, "-Zbuild-std=core", "--target-dir"])

@@ -38,6 +38,76 @@ pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * STAGE1_WARPS * 
 /// Dynamic shared memory of the stage-2 reduction.
 pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * 8;
 
+/// Warps of a TMA + `wgmma` kernel that compute: two warpgroups, each owning 64 of the
+/// tile's [`TILE_ROWS`] rows. A third warpgroup issues the TMA loads (one thread of it).
+pub const TMA_CONSUMER_WARPS: u32 = 8;
+/// Threads per block of a TMA + `wgmma` kernel: three warpgroups.
+pub const TMA_THREADS: u32 = (TMA_CONSUMER_WARPS + 4) * 32;
+/// Registers per thread of the producer warpgroup after `setmaxnreg.dec`.
+pub const TMA_PRODUCER_REGISTERS: u32 = 40;
+/// Registers per thread of the consumer warpgroups after `setmaxnreg.inc`: with the
+/// producer's 40, the three warpgroups fit the 64 Ki registers of a multiprocessor.
+pub const TMA_CONSUMER_REGISTERS: u32 = 232;
+/// Elements of `dim` per pipeline stage: one 128-byte row of the 128-byte swizzle.
+pub const TMA_K_BLOCK: u32 = 64;
+/// Shared memory the pipeline stages of a TMA kernel may fill.
+pub const TMA_STAGE_BUDGET_BYTES: u32 = 192 << 10;
+/// Most pipeline stages of a TMA kernel.
+pub const TMA_MAX_STAGES: u32 = 8;
+
+/// Bytes of `W` one stage holds: [`TILE_ROWS`] rows × [`TMA_K_BLOCK`] 16-bit elements.
+pub const TMA_LM_HEAD_STAGE_BYTES: u32 = TILE_ROWS * TMA_K_BLOCK * 2;
+
+/// Bytes of `H` one stage holds for a batch tile of `columns`.
+pub const fn tma_hidden_stage_bytes(columns: u32) -> u32 {
+    columns * TMA_K_BLOCK * 2
+}
+
+/// Pipeline stages of a TMA kernel with `columns` batch columns: as many as the budget holds.
+pub const fn tma_stages(columns: u32) -> u32 {
+    let stages = TMA_STAGE_BUDGET_BYTES / (TMA_LM_HEAD_STAGE_BYTES + tma_hidden_stage_bytes(columns));
+    if stages < TMA_MAX_STAGES { stages } else { TMA_MAX_STAGES }
+}
+
+/// Dynamic shared memory of a TMA kernel: 1 KiB of slack to align the stages to the 1024-byte
+/// swizzle atom, the `W` stages, the `H` stages, a full and an empty barrier per stage, and
+/// one candidate per (consumer warp, column) for the cross-warp merge.
+pub const fn tma_shared_bytes(columns: u32) -> u32 {
+    let stages = tma_stages(columns);
+    1024 + stages * (TMA_LM_HEAD_STAGE_BYTES + tma_hidden_stage_bytes(columns))
+        + 2 * stages * 8
+        + TMA_CONSUMER_WARPS * columns * 8
+}
+
+/// Size of a `CUtensorMap` (the driver's TMA descriptor), which lives in global memory.
+pub const TENSOR_MAP_BYTES: usize = 128;
+
+/// A TMA + `wgmma` kernel: the fused sampler (writes candidates as [`FusedArgs`] does) or the
+/// unfused GEMM (writes f32 logits as [`LogitsArgs`] does). `W` and `H` are read through
+/// tensor maps with boxes of [`TMA_K_BLOCK`] × [`TILE_ROWS`] and [`TMA_K_BLOCK`] × columns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TmaArgs {
+    /// Global address of the tensor map of `W[vocab, dim]`.
+    pub lm_head_map: u64,
+    /// Global address of the tensor map of the whole `H`, box rows = the kernel's columns.
+    pub hidden_map: u64,
+    /// `[batch]` of [`crate::RowParams`] (fused kernels).
+    pub rows: u64,
+    /// Candidates (fused kernels) or f32 logits (GEMM).
+    pub out: u64,
+    pub vocab: u32,
+    pub dim: u32,
+    /// Rows of `H` this launch covers, starting at `hidden_row0`.
+    pub batch: u32,
+    pub hidden_row0: u32,
+    pub sample_offset: u32,
+    pub samples: u32,
+    pub tiles: u32,
+    /// Row stride of the logits in elements (GEMM), a multiple of 4 and at least `vocab`.
+    pub logits_stride: u32,
+}
+
 /// Stage 1: `candidates[(b · samples + j) · tiles + tile]` for each batch row `b < batch`,
 /// draw `j < samples` (global draw index `sample_offset + j`) and vocabulary tile.
 #[repr(C)]

@@ -9,7 +9,7 @@ use cust::memory::DeviceBuffer;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::SamplingParams;
-use crate::cuda::{CudaSampler, DeviceTokens, Variant, driver};
+use crate::cuda::{CudaSampler, DeviceTokens, MMA_COLUMNS, TMA_COLUMNS, Variant, driver};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use crate::timing::{Timer, Timing};
@@ -31,6 +31,16 @@ pub struct Options {
     pub dtype: DType,
     pub warmup: usize,
     pub runs: usize,
+    /// Also time fused sampling with every tensor-core variant that can run the point
+    /// (rows `fused_sample@mma_n16`, `fused_sample@tma_n64`, …), to check the dispatcher.
+    pub all_variants: bool,
+}
+
+/// Every tensor-core stage-1 variant, with its label in the CSV.
+fn tensor_core_variants() -> Vec<(String, Variant)> {
+    let mma = MMA_COLUMNS.map(|columns| (format!("mma_n{columns}"), Variant::Mma { columns }));
+    let tma = TMA_COLUMNS.map(|columns| (format!("tma_n{columns}"), Variant::Tma { columns }));
+    mma.into_iter().chain(tma).collect()
 }
 
 fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {
@@ -39,7 +49,8 @@ fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {
 
 pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
     let mut timer = Timer::new()?;
-    let points = options.shapes.len() * (1 + 3 * options.batches.len());
+    let extra = if options.all_variants { tensor_core_variants().len() } else { 0 };
+    let points = options.shapes.len() * (1 + (3 + extra) * options.batches.len());
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
     let mut rows = Vec::new();
@@ -59,10 +70,7 @@ pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
                 .upload_rows(&(0..batch).map(|r| SamplingParams::new(1.0, 7, r as u32, 0)).collect::<Vec<_>>())?;
             let greedy = sampler
                 .upload_rows(&(0..batch).map(|r| SamplingParams::new(0.0, 7, r as u32, 0)).collect::<Vec<_>>())?;
-            let columns = match Variant::Auto.resolve(options.dtype, dim, batch)? {
-                Variant::Mma { columns } => Some(columns),
-                _ => None,
-            };
+            let auto = Variant::Auto.resolve(options.dtype, dim, batch)?;
             let mut time = |name: &str, work: &mut dyn FnMut() -> Result<()>| -> Result<()> {
                 progress.set_message(format!("D={dim} V={vocab} B={batch} {name}"));
                 let timing = timer.time(sampler, options.warmup, options.runs, work)?;
@@ -76,12 +84,23 @@ pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
             time("fused_greedy", &mut || {
                 sampler.sample_rows_into(&head, &hidden, &greedy, 1, Variant::Auto, &mut tokens)
             })?;
-            if let Some(columns) = columns {
+            if auto != Variant::Simt {
                 time("unfused_sample", &mut || {
-                    sampler.sample_unfused_into(&head, &hidden, &sampling, 1, columns, &mut tokens)
+                    sampler.sample_unfused_into(&head, &hidden, &sampling, 1, auto, &mut tokens)
                 })?;
             } else {
                 progress.inc(1);
+            }
+            if options.all_variants {
+                for (label, variant) in tensor_core_variants() {
+                    if variant.resolve(options.dtype, dim, batch).is_ok() {
+                        time(&format!("fused_sample@{label}"), &mut || {
+                            sampler.sample_rows_into(&head, &hidden, &sampling, 1, variant, &mut tokens)
+                        })?;
+                    } else {
+                        progress.inc(1);
+                    }
+                }
             }
         }
     }

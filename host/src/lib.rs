@@ -28,7 +28,7 @@ pub mod tensor;
 pub mod timing;
 
 pub use cpu::{CpuLmHead, CpuSampler};
-pub use cuda::{CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, Variant};
+pub use cuda::{CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, MMA_COLUMNS, TMA_COLUMNS, Variant};
 pub use error::{Error, Result};
 pub use params::{HeadShape, SamplingParams};
 pub use tensor::{DType, Elements, Matrix};

@@ -42,6 +42,17 @@ unsafe extern "C" {
     fn nvvm_shfl_sync_bfly_i32(member_mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
     fn nvvm_bar_warp_sync(member_mask: u32);
+    #[link_name = "llvm.nvvm.barrier.sync.cnt"]
+    fn nvvm_barrier_sync_cnt(id: u32, threads: u32);
+}
+
+/// Named barrier `id` (`bar.sync id, threads`) for a subset of the block's warps.
+///
+/// # Safety
+/// Exactly `threads` threads (whole warps) reach this barrier with the same `id`.
+#[inline(always)]
+pub unsafe fn sync_named(id: u32, threads: u32) {
+    unsafe { nvvm_barrier_sync_cnt(id, threads) }
 }
 
 /// Warp-wide barrier and memory ordering among its lanes (`bar.warp.sync`).

@@ -29,13 +29,15 @@
 mod arch;
 mod element;
 mod fill;
+mod hopper;
 mod sample;
 mod tile;
+mod tma_gemm;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
     FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
-    TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
+    TILE_ROWS, TmaArgs, WARP_ROWS, fused_mma_shared_bytes,
 };
 
 use element::{Bf16, Element, F16, F32, MmaElement};
@@ -175,6 +177,43 @@ logits_kernels! {
     logits_gemm_f16_n8 => logits_gemm::<F16, 1>;
     logits_gemm_f16_n16 => logits_gemm::<F16, 2>;
     logits_gemm_f16_n32 => logits_gemm::<F16, 4>;
+}
+
+macro_rules! tma_kernels {
+    ($($name:ident => $element:ty, $columns:literal, $fused:literal;)*) => {$(
+        /// A TMA + `wgmma` kernel (sm_90a): fused sampling, or the unfused pipeline's GEMM.
+        ///
+        /// # Safety
+        /// As the crate-level safety section, with `TMA_THREADS` threads, `tma_shared_bytes`
+        /// of dynamic shared memory and tensor maps made for this kernel's box shapes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
+            unsafe { tma_gemm::tma_kernel::<$element, $columns, { $columns / 2 }, $fused>(&args, shared::<u8>()) }
+        }
+    )*};
+}
+
+tma_kernels! {
+    fused_tma_bf16_n8 => Bf16, 8, true;
+    fused_tma_bf16_n16 => Bf16, 16, true;
+    fused_tma_bf16_n32 => Bf16, 32, true;
+    fused_tma_bf16_n64 => Bf16, 64, true;
+    fused_tma_bf16_n128 => Bf16, 128, true;
+    fused_tma_f16_n8 => F16, 8, true;
+    fused_tma_f16_n16 => F16, 16, true;
+    fused_tma_f16_n32 => F16, 32, true;
+    fused_tma_f16_n64 => F16, 64, true;
+    fused_tma_f16_n128 => F16, 128, true;
+    logits_tma_bf16_n8 => Bf16, 8, false;
+    logits_tma_bf16_n16 => Bf16, 16, false;
+    logits_tma_bf16_n32 => Bf16, 32, false;
+    logits_tma_bf16_n64 => Bf16, 64, false;
+    logits_tma_bf16_n128 => Bf16, 128, false;
+    logits_tma_f16_n8 => F16, 8, false;
+    logits_tma_f16_n16 => F16, 16, false;
+    logits_tma_f16_n32 => F16, 32, false;
+    logits_tma_f16_n64 => F16, 64, false;
+    logits_tma_f16_n128 => F16, 128, false;
 }
 
 /// The unfused pipeline's sampler over materialised logits.

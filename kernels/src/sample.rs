@@ -27,7 +27,7 @@ fn pick<const NT: usize>(logits: &ThreadLogits<NT>, slot: usize) -> [f32; 4] {
 /// # Safety
 /// All 32 lanes call it together.
 #[inline(always)]
-unsafe fn merge_over_lanes(mut best: Candidate, mut mask: u32, last_mask: u32) -> Candidate {
+pub unsafe fn merge_over_lanes(mut best: Candidate, mut mask: u32, last_mask: u32) -> Candidate {
     while mask <= last_mask {
         best = unsafe { merge_with_lane(best, mask) };
         mask <<= 1;

@@ -2,18 +2,27 @@
 //! Ignored without a GPU; on the H200: `cargo xtask bundle`, then `run.sh` runs them with
 //! `--include-ignored`. χ² tests use α = 1e-3 and fixed seeds.
 
-use flashsample::{CudaSampler, DType, DeviceTokens, SamplingParams, Variant};
+use flashsample::{CudaSampler, DType, DeviceTokens, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, Variant};
 use flashsample_tests::*;
 
 const ALPHA: f64 = 1e-3;
 
-/// (variant, dtype, D): the mma variants need 16-bit types and D % 8 == 0; D = 200 leaves a
-/// partial 64-column chunk. The SIMT variant runs every dtype at an odd D.
+/// (variant, dtype, D): the tensor-core variants need 16-bit types and D % 8 == 0; D = 200
+/// leaves a partial 64-column chunk (mma) and a partial 64-element TMA box. Every width of
+/// both tensor-core tiles runs in BF16; F16 (which changes only the multiply instruction)
+/// runs every mma width and the narrowest and widest TMA tile. The SIMT variant runs every
+/// dtype at an odd D.
 fn cases() -> Vec<(Variant, DType, usize)> {
     let mut cases = Vec::new();
-    for variant in [Variant::Mma { columns: 8 }, Variant::Mma { columns: 16 }, Variant::Mma { columns: 32 }] {
-        cases.push((variant, DType::BF16, 200));
-        cases.push((variant, DType::F16, 200));
+    for columns in MMA_COLUMNS {
+        cases.push((Variant::Mma { columns }, DType::BF16, 200));
+        cases.push((Variant::Mma { columns }, DType::F16, 200));
+    }
+    for columns in TMA_COLUMNS {
+        cases.push((Variant::Tma { columns }, DType::BF16, 200));
+    }
+    for columns in [8, 128] {
+        cases.push((Variant::Tma { columns }, DType::F16, 200));
     }
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         cases.push((Variant::Simt, dtype, 199));
@@ -25,14 +34,15 @@ fn cases() -> Vec<(Variant, DType, usize)> {
 #[ignore = "needs a CUDA GPU"]
 fn same_tokens_as_cpu_for_every_variant() {
     let mut total = 0;
-    for (variant, dtype, dim) in cases() {
+    let cases = cases();
+    for &(variant, dtype, dim) in &cases {
         let w = random_matrix(5003, dim, dtype, 0.3, 31);
         let h = random_matrix(37, dim, dtype, 1.0, 32);
         let params = params_for(37, 1.0, 77);
         total += check_matches_cpu(&Cuda::new(variant), &w, &h, &params, 16);
     }
-    // 9 cases × 37 rows × 16 draws; near-ties are rare: allow at most 1 in 1000 tokens.
-    assert!(total <= 9 * 37 * 16 / 1000, "{total} near-tie disagreements");
+    // cases × 37 rows × 16 draws; near-ties are rare: allow at most 1 in 1000 tokens.
+    assert!(total <= cases.len() * 37 * 16 / 1000, "{total} near-tie disagreements");
 }
 
 #[test]
@@ -113,13 +123,14 @@ fn identical_rows_draw_independently() {
     }
 }
 
-/// The unfused pipeline computes bit-identical logits with the same mma tile, so its tokens
-/// equal the fused kernel's exactly; its logits buffer is poisoned first.
+/// The unfused pipeline computes bit-identical logits with the same tile (mma or TMA), so
+/// its tokens equal the fused kernel's exactly; its logits buffer is poisoned first.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn unfused_pipeline_gives_the_same_tokens() {
     let sampler = CudaSampler::new().unwrap();
-    for columns in [8, 16, 32] {
+    let variants = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
+    for variant in variants.into_iter().chain(TMA_COLUMNS.map(|columns| Variant::Tma { columns })) {
         let w = random_matrix(3001, 136, DType::BF16, 0.3, 71);
         let h = random_matrix(45, 136, DType::BF16, 1.0, 72);
         let params: Vec<SamplingParams> =
@@ -129,16 +140,12 @@ fn unfused_pipeline_gives_the_same_tokens() {
         let rows = sampler.upload_rows(&params).unwrap();
         let mut fused = DeviceTokens::new(&sampler, 45, 5).unwrap();
         let mut unfused = DeviceTokens::new(&sampler, 45, 5).unwrap();
-        sampler.sample_into(&head, &hidden, &params, 5, Variant::Mma { columns }, &mut fused).unwrap();
-        sampler.sample_unfused_into(&head, &hidden, &rows, 5, columns, &mut unfused).unwrap();
+        sampler.sample_into(&head, &hidden, &params, 5, variant, &mut fused).unwrap();
+        sampler.sample_unfused_into(&head, &hidden, &rows, 5, variant, &mut unfused).unwrap();
         sampler.poison_workspace().unwrap();
         unfused.fill(&sampler, 0xffff_fffe).unwrap();
-        sampler.sample_unfused_into(&head, &hidden, &rows, 5, columns, &mut unfused).unwrap();
-        assert_eq!(
-            sampler.tokens_to_host(&fused).unwrap(),
-            sampler.tokens_to_host(&unfused).unwrap(),
-            "columns {columns}"
-        );
+        sampler.sample_unfused_into(&head, &hidden, &rows, 5, variant, &mut unfused).unwrap();
+        assert_eq!(sampler.tokens_to_host(&fused).unwrap(), sampler.tokens_to_host(&unfused).unwrap(), "{variant:?}");
     }
 }
 

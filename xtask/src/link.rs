@@ -61,7 +61,28 @@ pub fn run(args: &[String]) -> Result<(), String> {
     if !features.is_empty() {
         llc.arg(format!("-mattr={}", features.join(",")));
     }
-    run_tool(&mut llc)
+    run_tool(&mut llc)?;
+    let ptx = std::fs::read_to_string(&output).map_err(|e| format!("cannot read {}: {e}", output.display()))?;
+    std::fs::write(&output, add_launch_bounds(&ptx)).map_err(|e| format!("cannot write {}: {e}", output.display()))
+}
+
+/// Adds `.maxntid` to the TMA kernels, which run `TMA_THREADS` threads: without it ptxas
+/// assumes any block size and may use more registers per thread than such a block can have.
+/// (rustc has no attribute for NVVM launch bounds.)
+fn add_launch_bounds(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len() + 1024);
+    let mut in_tma_header = false;
+    for line in ptx.lines() {
+        out.push_str(line);
+        out.push('\n');
+        if line.starts_with(".visible .entry ") {
+            in_tma_header = line.contains("_tma_");
+        } else if in_tma_header && line.starts_with(')') {
+            out.push_str(&format!(".maxntid {}, 1, 1\n", flashsample_core::abi::TMA_THREADS));
+            in_tma_header = false;
+        }
+    }
+    out
 }
 
 fn run_tool(command: &mut Command) -> Result<(), String> {

@@ -78,6 +78,10 @@ enum Command {
         /// CSV from scripts/peers.py (cuBLAS and torch in the same GPU run) for the report.
         #[arg(long)]
         peers: Option<PathBuf>,
+        /// Also time fused sampling with every tensor-core kernel variant (CSV rows
+        /// `fused_sample@<variant>`), to check the dispatcher's choice.
+        #[arg(long)]
+        all_variants: bool,
     },
 }
 
@@ -115,8 +119,16 @@ fn main() -> ExitCode {
             })
         }
         Command::Demo => demo(),
-        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers } => {
-            bench(out, shapes, batches, dtype.into(), warmup, runs, peers)
+        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers, all_variants } => {
+            let options = |shapes| flashsample::bench::Options {
+                shapes,
+                batches,
+                dtype: dtype.into(),
+                warmup,
+                runs,
+                all_variants,
+            };
+            bench(out, shapes, options, peers)
         }
     };
     match result {
@@ -205,12 +217,10 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
 
     let fused = sampler.sample_on_device(&head, &hidden, &params, 1, Variant::Auto)?;
     let fused = sampler.tokens_to_host(&fused)?;
-    let Variant::Mma { columns } = Variant::Auto.resolve(DType::BF16, dim, batch)? else {
-        unreachable!("bf16 with D % 8 == 0")
-    };
+    let variant = Variant::Auto.resolve(DType::BF16, dim, batch)?;
     let rows = sampler.upload_rows(&params)?;
     let mut tokens = flashsample::DeviceTokens::new(&sampler, batch, 1)?;
-    sampler.sample_unfused_into(&head, &hidden, &rows, 1, columns, &mut tokens)?;
+    sampler.sample_unfused_into(&head, &hidden, &rows, 1, variant, &mut tokens)?;
     let unfused = sampler.tokens_to_host(&tokens)?;
     let same = fused.iter().zip(&unfused).filter(|(a, b)| a == b).count();
     println!("fused vs unfused pipeline (same logits, same noise): {same}/{batch} tokens equal");
@@ -237,7 +247,7 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     let fused_time = timer
         .time(&sampler, 3, 50, || sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens))?;
     let unfused_time =
-        timer.time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &rows, 1, columns, &mut tokens))?;
+        timer.time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &rows, 1, variant, &mut tokens))?;
     println!(
         "median of {} runs, L2 flushed: fused {:.1} us, unfused (logits to HBM, then sample) {:.1} us: {:.2}x",
         fused_time.runs,
@@ -251,10 +261,7 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
 fn bench(
     out: PathBuf,
     shapes: Vec<String>,
-    batches: Vec<usize>,
-    dtype: DType,
-    warmup: usize,
-    runs: usize,
+    options: impl FnOnce(Vec<(usize, usize)>) -> flashsample::bench::Options,
     peers: Option<PathBuf>,
 ) -> Result<()> {
     let shapes = shapes
@@ -267,6 +274,8 @@ fn bench(
             })
         })
         .collect::<Result<Vec<(usize, usize)>>>()?;
+    let options = options(shapes);
+    let (dtype, runs, warmup) = (options.dtype, options.runs, options.warmup);
     if runs == 0 {
         return Err(Error::InvalidArgument { argument: "--runs".into(), rule: "0: at least one timed run".into() });
     }
@@ -278,7 +287,6 @@ fn bench(
         sampler.device_name(),
         sampler.multiprocessors()
     );
-    let options = flashsample::bench::Options { shapes, batches, dtype, warmup, runs };
     let rows = flashsample::bench::run(&sampler, &options)?;
     flashsample::bench::write_csv(&out.join("bench.csv"), &rows, dtype)?;
     let peers = match peers {

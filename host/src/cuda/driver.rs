@@ -96,3 +96,94 @@ pub unsafe fn blocks_per_multiprocessor(
     check_raw(&format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({name})"), result)?;
     Ok(blocks.max(1) as u32)
 }
+
+/// Lets `function` use `bytes` of dynamic shared memory (needed above 48 KiB).
+///
+/// # Safety
+/// `function` must be a live handle of a loaded module in the current context.
+pub unsafe fn allow_dynamic_shared_memory(name: &str, function: raw::CUfunction, bytes: u32) -> Result<()> {
+    // SAFETY: per this function's contract.
+    let result = unsafe {
+        raw::cuFuncSetAttribute(
+            function,
+            raw::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+    };
+    check_raw(&format!("cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES = {bytes})"), result)
+}
+
+/// The driver's TMA descriptor (`CUtensorMap`): 128 opaque bytes, 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct TensorMap(pub [u64; 16]);
+
+/// Element types of [`encode_tensor_map_2d`] (`CUtensorMapDataType`).
+#[derive(Clone, Copy, Debug)]
+pub enum TensorMapElement {
+    F16 = 6,
+    Bf16 = 9,
+}
+
+// The tensor-map entry point is newer than cust's bindings; libcuda (12.0+) exports it.
+#[link(name = "cuda")]
+unsafe extern "C" {
+    fn cuTensorMapEncodeTiled(
+        map: *mut TensorMap,
+        element: u32,
+        rank: u32,
+        address: *mut c_void,
+        dims: *const u64,
+        strides: *const u64,
+        box_dims: *const u32,
+        element_strides: *const u32,
+        interleave: u32,
+        swizzle: u32,
+        l2_promotion: u32,
+        out_of_bounds_fill: u32,
+    ) -> raw::CUresult;
+}
+
+/// A TMA descriptor for a row-major `[rows, cols]` matrix of 16-bit elements at device
+/// `address`, read in boxes of `box_cols × box_rows` with the 128-byte swizzle; reads past
+/// the matrix give zeros. Needs `cols % 8 == 0` (16-byte row stride) and a 16-byte aligned
+/// address; `box_cols · 2 ≤ 128`, `box_rows ≤ 256`.
+pub fn encode_tensor_map_2d(
+    what: &str,
+    element: TensorMapElement,
+    address: u64,
+    rows: usize,
+    cols: usize,
+    box_rows: u32,
+    box_cols: u32,
+) -> Result<TensorMap> {
+    const INTERLEAVE_NONE: u32 = 0;
+    const SWIZZLE_128B: u32 = 3;
+    const L2_PROMOTION_256B: u32 = 3;
+    const OUT_OF_BOUNDS_ZERO: u32 = 0;
+    let mut map = TensorMap([0; 16]);
+    let dims = [cols as u64, rows as u64];
+    let strides = [cols as u64 * 2];
+    let box_dims = [box_cols, box_rows];
+    let element_strides = [1u32, 1];
+    // SAFETY: every pointer refers to a live local of the length the rank (2) implies; the
+    // call only writes `map`.
+    let result = unsafe {
+        cuTensorMapEncodeTiled(
+            &mut map,
+            element as u32,
+            2,
+            address as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            box_dims.as_ptr(),
+            element_strides.as_ptr(),
+            INTERLEAVE_NONE,
+            SWIZZLE_128B,
+            L2_PROMOTION_256B,
+            OUT_OF_BOUNDS_ZERO,
+        )
+    };
+    check_raw(&format!("cuTensorMapEncodeTiled({what}, {rows} x {cols}, box {box_rows} x {box_cols})"), result)?;
+    Ok(map)
+}

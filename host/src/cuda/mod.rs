@@ -19,8 +19,8 @@ use cust::stream::{Stream, StreamFlags};
 use cust::sys as raw;
 use flashsample_core::abi::{
     FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, N_TILE,
-    REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TILE_ROWS, fused_mma_shared_bytes,
-    fused_simt_shared_bytes,
+    REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TENSOR_MAP_BYTES, TILE_ROWS,
+    TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_shared_bytes,
 };
 use flashsample_core::{Candidate, RowParams};
 
@@ -32,49 +32,63 @@ use crate::params::{
 };
 use crate::tensor::{DType, Elements, Matrix};
 
+/// Dynamic shared memory a kernel may use without opting in.
+const STATIC_SHARED_LIMIT_BYTES: u32 = 48 << 10;
+
 /// Candidate memory one pass may use; larger requests are split over rows and draws.
 const CANDIDATE_BUDGET_BYTES: usize = 256 << 20;
+
+/// Batch-tile widths of the register-direct mma kernels.
+pub const MMA_COLUMNS: [u32; 3] = [8, 16, 32];
+/// Batch-tile widths of the TMA + `wgmma` kernels.
+pub const TMA_COLUMNS: [u32; 5] = [8, 16, 32, 64, 128];
 
 /// Which stage-1 kernel computes the logits tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
     /// The dispatcher's choice for the dtype, D and B.
     Auto,
-    /// Tensor-core tile with 8, 16 or 32 batch columns (BF16/F16, `D % 8 == 0`).
+    /// Register-direct `mma.sync` tile with 8, 16 or 32 batch columns (BF16/F16, `D % 8 == 0`).
     Mma { columns: u32 },
+    /// TMA + `wgmma` tile (sm_90) with 8, 16, 32, 64 or 128 batch columns (BF16/F16,
+    /// `D % 8 == 0`).
+    Tma { columns: u32 },
     /// CUDA-core tile, any dtype and any D.
     Simt,
 }
 
 impl Variant {
-    /// The variant for this problem: tensor cores when the dtype and D allow, with the
-    /// narrowest batch tile that covers B (wider tiles read W fewer times but hold more
-    /// registers).
+    /// The variant for this problem: tensor cores when the dtype and D allow; the TMA tile
+    /// with the narrowest batch tile that covers B (at most 128 columns; more rows of `H`
+    /// are more batch tiles).
     pub fn resolve(self, dtype: DType, dim: usize, batch: usize) -> Result<Variant> {
-        let mma_possible = dtype != DType::F32 && dim.is_multiple_of(8);
+        let tensor_cores = dtype != DType::F32 && dim.is_multiple_of(8);
+        let needs_tensor_cores = |name: &str| {
+            Err(invalid(
+                "variant",
+                format!("the {name} kernels need BF16 or F16 and D % 8 == 0 (got {dtype}, D = {dim})"),
+            ))
+        };
         match self {
-            Variant::Auto if !mma_possible => Ok(Variant::Simt),
-            Variant::Auto => Ok(Variant::Mma {
-                columns: match batch {
-                    0..=8 => 8,
-                    9..=16 => 16,
-                    _ => 32,
-                },
-            }),
-            Variant::Mma { columns } if ![8, 16, 32].contains(&columns) => {
+            Variant::Auto if !tensor_cores => Ok(Variant::Simt),
+            Variant::Auto => {
+                Ok(Variant::Tma { columns: TMA_COLUMNS.into_iter().find(|&c| c as usize >= batch).unwrap_or(128) })
+            }
+            Variant::Mma { columns } if !MMA_COLUMNS.contains(&columns) => {
                 Err(invalid("variant", format!("Mma {{ columns: {columns} }}: columns must be 8, 16 or 32")))
             }
-            Variant::Mma { .. } if !mma_possible => Err(invalid(
-                "variant",
-                format!("the mma kernels need BF16 or F16 and D % 8 == 0 (got {dtype}, D = {dim})"),
-            )),
+            Variant::Tma { columns } if !TMA_COLUMNS.contains(&columns) => {
+                Err(invalid("variant", format!("Tma {{ columns: {columns} }}: columns must be 8, 16, 32, 64 or 128")))
+            }
+            Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
+            Variant::Tma { .. } if !tensor_cores => needs_tensor_cores("TMA"),
             other => Ok(other),
         }
     }
 
     fn columns(self) -> u32 {
         match self {
-            Variant::Mma { columns } => columns,
+            Variant::Mma { columns } | Variant::Tma { columns } => columns,
             _ => N_TILE,
         }
     }
@@ -89,6 +103,12 @@ struct Kernel {
 
 fn launch_shape(name: &str) -> (u32, u32) {
     let stage1 = STAGE1_WARPS * 32;
+    let columns = |name: &str| -> u32 {
+        name.rsplit_once("_n").and_then(|(_, c)| c.parse().ok()).expect("kernel names end in _n<columns>")
+    };
+    if name.contains("_tma_") {
+        return (TMA_THREADS, tma_shared_bytes(columns(name)));
+    }
     if let Some(columns) = name.strip_prefix("fused_").and_then(|n| n.rsplit_once("_n")).map(|(_, c)| c) {
         return (stage1, fused_mma_shared_bytes(columns.parse().expect("kernel names end in _n<columns>")));
     }
@@ -105,6 +125,8 @@ fn launch_shape(name: &str) -> (u32, u32) {
 pub struct CudaLmHead {
     buffer: DeviceBuffer<u8>,
     shape: HeadShape,
+    /// The TMA descriptor (boxes of `TILE_ROWS` rows), when the TMA kernels can read it.
+    tensor_map: Option<DeviceBuffer<u64>>,
 }
 
 impl CudaLmHead {
@@ -123,6 +145,39 @@ pub struct CudaHidden {
     rows: usize,
     cols: usize,
     dtype: DType,
+    /// One TMA descriptor per width of [`TMA_COLUMNS`] (boxes of that many rows), when the
+    /// TMA kernels can read `H`.
+    tensor_maps: Option<DeviceBuffer<u64>>,
+}
+
+/// TMA descriptors for a `[rows, cols]` matrix at `address`, one per box height, stored
+/// back to back in device memory; `None` when the TMA kernels cannot read it (f32, or rows
+/// not a multiple of 16 bytes).
+fn tensor_maps(
+    what: &str,
+    address: u64,
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+    box_rows: &[u32],
+) -> Result<Option<DeviceBuffer<u64>>> {
+    let element = match dtype {
+        DType::BF16 => driver::TensorMapElement::Bf16,
+        DType::F16 => driver::TensorMapElement::F16,
+        DType::F32 => return Ok(None),
+    };
+    if !cols.is_multiple_of(8) {
+        return Ok(None);
+    }
+    let mut words = Vec::with_capacity(box_rows.len() * TENSOR_MAP_BYTES / 8);
+    for &height in box_rows {
+        words.extend(driver::encode_tensor_map_2d(what, element, address, rows, cols, height, TMA_K_BLOCK)?.0);
+    }
+    Ok(Some(driver::check(&format!("cuMemAlloc+cuMemcpyHtoD({what} tensor maps)"), DeviceBuffer::from_slice(&words))?))
+}
+
+fn missing_tensor_map(what: &str) -> Error {
+    invalid(what, "no TMA descriptor: the TMA kernels need BF16 or F16 and D % 8 == 0")
 }
 
 impl CudaHidden {
@@ -246,8 +301,12 @@ impl CudaSampler {
             let function = driver::check(&format!("cuModuleGetFunction({name})"), module.get_function(name))?.to_raw();
             let (threads, shared_bytes) = launch_shape(name);
             // SAFETY: `function` was just taken from the module we hold.
-            let blocks_per_multiprocessor =
-                unsafe { driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)? };
+            let blocks_per_multiprocessor = unsafe {
+                if shared_bytes > STATIC_SHARED_LIMIT_BYTES {
+                    driver::allow_dynamic_shared_memory(name, function, shared_bytes)?;
+                }
+                driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)?
+            };
             kernels.insert(name, Kernel { function, threads, shared_bytes, blocks_per_multiprocessor });
         }
         Ok(CudaSampler {
@@ -312,7 +371,7 @@ impl CudaSampler {
         self.make_current()?;
         let buffer =
             driver::check("cuMemAlloc+cuMemcpyHtoD(lm_head)", DeviceBuffer::from_slice(lm_head.elements().as_bytes()))?;
-        Ok(CudaLmHead { buffer, shape })
+        self.lm_head_from(buffer, shape)
     }
 
     /// Uploads hidden states, checked finite.
@@ -321,7 +380,7 @@ impl CudaSampler {
         self.make_current()?;
         let buffer =
             driver::check("cuMemAlloc+cuMemcpyHtoD(hidden)", DeviceBuffer::from_slice(hidden.elements().as_bytes()))?;
-        Ok(CudaHidden { buffer, rows: hidden.rows(), cols: hidden.cols(), dtype: hidden.dtype() })
+        self.hidden_from(buffer, hidden.rows(), hidden.cols(), hidden.dtype())
     }
 
     /// `samples` draws per row with the dispatcher's kernel, tokens returned to the host.
@@ -420,64 +479,110 @@ impl CudaSampler {
         variant: Variant,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
-        let variant = variant.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)?;
-        let name = match variant {
-            Variant::Mma { columns } => fused_kernel_name(lm_head.shape.dtype, columns),
-            _ => simt_kernel_name(lm_head.shape.dtype),
+        let shape = lm_head.shape;
+        let variant = variant.resolve(shape.dtype, shape.dim, hidden.rows)?;
+        let tiles = shape.vocab.div_ceil(TILE_ROWS as usize);
+        let name = fused_kernel_name(shape.dtype, variant);
+        let maps = match variant {
+            Variant::Tma { columns } => Some(tma_maps(lm_head, hidden, columns)?),
+            _ => None,
         };
-        let tiles = lm_head.shape.vocab.div_ceil(TILE_ROWS as usize);
         self.run_passes(hidden, rows, samples, tiles, tokens, |pass| {
+            let items = tiles as u64 * pass.batch.div_ceil(variant.columns()) as u64;
+            if let Some((lm_head_map, hidden_map)) = maps {
+                let args = TmaArgs {
+                    lm_head_map,
+                    hidden_map,
+                    rows: pass.rows,
+                    out: pass.candidates,
+                    vocab: shape.vocab as u32,
+                    dim: shape.dim as u32,
+                    batch: pass.batch,
+                    hidden_row0: pass.first_row as u32,
+                    sample_offset: pass.sample_offset,
+                    samples: pass.samples,
+                    tiles: tiles as u32,
+                    logits_stride: 0,
+                };
+                // SAFETY: the maps describe live buffers; the others are sized for this pass.
+                return unsafe { self.launch(name, items, &args) };
+            }
             let args = FusedArgs {
                 lm_head: lm_head.address(),
                 hidden: pass.hidden,
                 rows: pass.rows,
                 candidates: pass.candidates,
-                vocab: lm_head.shape.vocab as u32,
-                dim: lm_head.shape.dim as u32,
+                vocab: shape.vocab as u32,
+                dim: shape.dim as u32,
                 batch: pass.batch,
                 sample_offset: pass.sample_offset,
                 samples: pass.samples,
                 tiles: tiles as u32,
             };
-            let items = tiles as u64 * pass.batch.div_ceil(variant.columns()) as u64;
             // SAFETY: the addresses come from live buffers sized for this pass.
             unsafe { self.launch(name, items, &args) }
         })
     }
 
-    /// The unfused pipeline on the same inputs: a GEMM writes f32 logits `[B, V]`, a sampler
-    /// reads them back. Bit-identical logits to the fused mma kernels, so the same tokens.
+    /// The unfused pipeline on the same inputs: a GEMM (the tile of `variant`, an mma or TMA
+    /// one) writes f32 logits `[B, V]`, a sampler reads them back. The logits are bit-identical
+    /// to the fused kernel's of the same variant, so are the tokens.
     pub fn sample_unfused_into(
         &self,
         lm_head: &CudaLmHead,
         hidden: &CudaHidden,
         rows: &DeviceRows,
         samples: u32,
-        columns: u32,
+        variant: Variant,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
         self.check_device_rows(lm_head, hidden, rows, samples)?;
-        let Variant::Mma { columns } =
-            Variant::Mma { columns }.resolve(lm_head.shape.dtype, lm_head.shape.dim, hidden.rows)?
-        else {
-            unreachable!("resolve keeps an explicit mma variant")
-        };
         let shape = lm_head.shape;
+        let variant = match variant.resolve(shape.dtype, shape.dim, hidden.rows)? {
+            Variant::Simt => {
+                return Err(invalid(
+                    "variant",
+                    "the unfused pipeline has mma and TMA GEMMs only (BF16/F16, D % 8 == 0)",
+                ));
+            }
+            other => other,
+        };
         let stride = shape.vocab.next_multiple_of(4);
         let logits = ensure(&mut self.workspace.borrow_mut().logits, hidden.rows * stride, "logits")?;
-        let gemm = LogitsArgs {
-            lm_head: lm_head.address(),
-            hidden: hidden.buffer.as_device_ptr().as_raw(),
-            logits,
-            vocab: shape.vocab as u32,
-            dim: shape.dim as u32,
-            batch: hidden.rows as u32,
-            logits_stride: stride as u32,
-        };
-        let name = logits_kernel_name(shape.dtype, columns);
-        let items = shape.vocab.div_ceil(TILE_ROWS as usize) as u64 * hidden.rows.div_ceil(columns as usize) as u64;
-        // SAFETY: the logits buffer holds B × stride floats.
-        unsafe { self.launch(name, items, &gemm)? };
+        let name = logits_kernel_name(shape.dtype, variant);
+        let items =
+            shape.vocab.div_ceil(TILE_ROWS as usize) as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
+        if let Variant::Tma { columns } = variant {
+            let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, columns)?;
+            let gemm = TmaArgs {
+                lm_head_map,
+                hidden_map,
+                rows: 0,
+                out: logits,
+                vocab: shape.vocab as u32,
+                dim: shape.dim as u32,
+                batch: hidden.rows as u32,
+                hidden_row0: 0,
+                sample_offset: 0,
+                samples: 0,
+                tiles: shape.vocab.div_ceil(TILE_ROWS as usize) as u32,
+                logits_stride: stride as u32,
+            };
+            // SAFETY: the logits buffer holds B × stride floats; the maps describe live buffers.
+            unsafe { self.launch(name, items, &gemm)? };
+        } else {
+            let gemm = LogitsArgs {
+                lm_head: lm_head.address(),
+                hidden: hidden.buffer.as_device_ptr().as_raw(),
+                logits,
+                vocab: shape.vocab as u32,
+                dim: shape.dim as u32,
+                batch: hidden.rows as u32,
+                logits_stride: stride as u32,
+            };
+            // SAFETY: the logits buffer holds B × stride floats.
+            unsafe { self.launch(name, items, &gemm)? };
+        }
         let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
         self.run_passes(hidden, rows.address(), samples, tiles, tokens, |pass| {
             let args = LogitsSamplerArgs {
@@ -622,13 +727,25 @@ impl CudaSampler {
     /// An LM head of uniform values in `[-scale, scale)` made on the device (benchmarks, demo).
     pub fn random_lm_head(&self, vocab: usize, dim: usize, dtype: DType, seed: u64, scale: f32) -> Result<CudaLmHead> {
         let buffer = self.random_buffer(vocab * dim, dtype, seed, scale)?;
-        Ok(CudaLmHead { buffer, shape: HeadShape { vocab, dim, dtype } })
+        self.lm_head_from(buffer, HeadShape { vocab, dim, dtype })
     }
 
     /// Hidden states of uniform values made on the device.
     pub fn random_hidden(&self, rows: usize, cols: usize, dtype: DType, seed: u64, scale: f32) -> Result<CudaHidden> {
         let buffer = self.random_buffer(rows * cols, dtype, seed, scale)?;
-        Ok(CudaHidden { buffer, rows, cols, dtype })
+        self.hidden_from(buffer, rows, cols, dtype)
+    }
+
+    fn lm_head_from(&self, buffer: DeviceBuffer<u8>, shape: HeadShape) -> Result<CudaLmHead> {
+        let address = buffer.as_device_ptr().as_raw();
+        let tensor_map = tensor_maps("lm_head", address, shape.vocab, shape.dim, shape.dtype, &[TILE_ROWS])?;
+        Ok(CudaLmHead { buffer, shape, tensor_map })
+    }
+
+    fn hidden_from(&self, buffer: DeviceBuffer<u8>, rows: usize, cols: usize, dtype: DType) -> Result<CudaHidden> {
+        let address = buffer.as_device_ptr().as_raw();
+        let tensor_maps = tensor_maps("hidden", address, rows, cols, dtype, &TMA_COLUMNS)?;
+        Ok(CudaHidden { buffer, rows, cols, dtype, tensor_maps })
     }
 
     fn random_buffer(&self, count: usize, dtype: DType, seed: u64, scale: f32) -> Result<DeviceBuffer<u8>> {
@@ -707,15 +824,34 @@ fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
     }
 }
 
-fn fused_kernel_name(dtype: DType, columns: u32) -> &'static str {
-    match (dtype, columns) {
-        (DType::BF16, 8) => "fused_bf16_n8",
-        (DType::BF16, 16) => "fused_bf16_n16",
-        (DType::BF16, 32) => "fused_bf16_n32",
-        (DType::F16, 8) => "fused_f16_n8",
-        (DType::F16, 16) => "fused_f16_n16",
-        (DType::F16, 32) => "fused_f16_n32",
-        _ => unreachable!("Variant::resolve only returns mma variants for BF16/F16 with 8, 16 or 32 columns"),
+/// The device addresses of `W`'s tensor map and of `H`'s map for `columns`-row boxes.
+fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, columns: u32) -> Result<(u64, u64)> {
+    let lm_head_map = lm_head.tensor_map.as_ref().ok_or_else(|| missing_tensor_map("lm_head"))?;
+    let hidden_maps = hidden.tensor_maps.as_ref().ok_or_else(|| missing_tensor_map("hidden"))?;
+    let index = TMA_COLUMNS.iter().position(|&c| c == columns).expect("Variant::resolve checked the width");
+    Ok((lm_head_map.as_device_ptr().as_raw(), hidden_maps.as_device_ptr().as_raw() + (index * TENSOR_MAP_BYTES) as u64))
+}
+
+fn fused_kernel_name(dtype: DType, variant: Variant) -> &'static str {
+    match (dtype, variant) {
+        (DType::F32, _) | (_, Variant::Simt) => simt_kernel_name(dtype),
+        (DType::BF16, Variant::Mma { columns: 8 }) => "fused_bf16_n8",
+        (DType::BF16, Variant::Mma { columns: 16 }) => "fused_bf16_n16",
+        (DType::BF16, Variant::Mma { columns: 32 }) => "fused_bf16_n32",
+        (DType::F16, Variant::Mma { columns: 8 }) => "fused_f16_n8",
+        (DType::F16, Variant::Mma { columns: 16 }) => "fused_f16_n16",
+        (DType::F16, Variant::Mma { columns: 32 }) => "fused_f16_n32",
+        (DType::BF16, Variant::Tma { columns: 8 }) => "fused_tma_bf16_n8",
+        (DType::BF16, Variant::Tma { columns: 16 }) => "fused_tma_bf16_n16",
+        (DType::BF16, Variant::Tma { columns: 32 }) => "fused_tma_bf16_n32",
+        (DType::BF16, Variant::Tma { columns: 64 }) => "fused_tma_bf16_n64",
+        (DType::BF16, Variant::Tma { columns: 128 }) => "fused_tma_bf16_n128",
+        (DType::F16, Variant::Tma { columns: 8 }) => "fused_tma_f16_n8",
+        (DType::F16, Variant::Tma { columns: 16 }) => "fused_tma_f16_n16",
+        (DType::F16, Variant::Tma { columns: 32 }) => "fused_tma_f16_n32",
+        (DType::F16, Variant::Tma { columns: 64 }) => "fused_tma_f16_n64",
+        (DType::F16, Variant::Tma { columns: 128 }) => "fused_tma_f16_n128",
+        _ => unreachable!("Variant::resolve returns only the widths listed here"),
     }
 }
 
@@ -727,15 +863,25 @@ fn simt_kernel_name(dtype: DType) -> &'static str {
     }
 }
 
-fn logits_kernel_name(dtype: DType, columns: u32) -> &'static str {
-    match (dtype, columns) {
-        (DType::BF16, 8) => "logits_gemm_bf16_n8",
-        (DType::BF16, 16) => "logits_gemm_bf16_n16",
-        (DType::BF16, 32) => "logits_gemm_bf16_n32",
-        (DType::F16, 8) => "logits_gemm_f16_n8",
-        (DType::F16, 16) => "logits_gemm_f16_n16",
-        (DType::F16, 32) => "logits_gemm_f16_n32",
-        _ => unreachable!("Variant::resolve only returns mma variants for BF16/F16 with 8, 16 or 32 columns"),
+fn logits_kernel_name(dtype: DType, variant: Variant) -> &'static str {
+    match (dtype, variant) {
+        (DType::BF16, Variant::Mma { columns: 8 }) => "logits_gemm_bf16_n8",
+        (DType::BF16, Variant::Mma { columns: 16 }) => "logits_gemm_bf16_n16",
+        (DType::BF16, Variant::Mma { columns: 32 }) => "logits_gemm_bf16_n32",
+        (DType::F16, Variant::Mma { columns: 8 }) => "logits_gemm_f16_n8",
+        (DType::F16, Variant::Mma { columns: 16 }) => "logits_gemm_f16_n16",
+        (DType::F16, Variant::Mma { columns: 32 }) => "logits_gemm_f16_n32",
+        (DType::BF16, Variant::Tma { columns: 8 }) => "logits_tma_bf16_n8",
+        (DType::BF16, Variant::Tma { columns: 16 }) => "logits_tma_bf16_n16",
+        (DType::BF16, Variant::Tma { columns: 32 }) => "logits_tma_bf16_n32",
+        (DType::BF16, Variant::Tma { columns: 64 }) => "logits_tma_bf16_n64",
+        (DType::BF16, Variant::Tma { columns: 128 }) => "logits_tma_bf16_n128",
+        (DType::F16, Variant::Tma { columns: 8 }) => "logits_tma_f16_n8",
+        (DType::F16, Variant::Tma { columns: 16 }) => "logits_tma_f16_n16",
+        (DType::F16, Variant::Tma { columns: 32 }) => "logits_tma_f16_n32",
+        (DType::F16, Variant::Tma { columns: 64 }) => "logits_tma_f16_n64",
+        (DType::F16, Variant::Tma { columns: 128 }) => "logits_tma_f16_n128",
+        _ => unreachable!("the unfused pipeline takes resolved BF16/F16 mma and TMA variants only"),
     }
 }
 
@@ -747,13 +893,21 @@ mod tests {
     #[test]
     fn dispatched_kernel_names_are_loaded_kernels() {
         for dtype in [DType::BF16, DType::F16] {
-            for columns in [8, 16, 32] {
-                assert!(KERNELS.contains(&fused_kernel_name(dtype, columns)));
-                assert!(KERNELS.contains(&logits_kernel_name(dtype, columns)));
+            let variants = MMA_COLUMNS
+                .map(|columns| Variant::Mma { columns })
+                .into_iter()
+                .chain(TMA_COLUMNS.map(|columns| Variant::Tma { columns }));
+            for variant in variants {
+                assert!(KERNELS.contains(&fused_kernel_name(dtype, variant)));
+                assert!(KERNELS.contains(&logits_kernel_name(dtype, variant)));
             }
         }
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             assert!(KERNELS.contains(&simt_kernel_name(dtype)));
+        }
+        for batch in [1, 8, 9, 16, 17, 64, 65, 128, 129, 1024] {
+            let variant = Variant::Auto.resolve(DType::BF16, 4096, batch).unwrap();
+            assert!(KERNELS.contains(&fused_kernel_name(DType::BF16, variant)), "B = {batch}");
         }
     }
 }

@@ -1,0 +1,196 @@
+//! Hopper (sm_90a) primitives: shared-memory barriers (`mbarrier`), TMA tensor loads and the
+//! warpgroup tensor-core op `wgmma.mma_async`, as thin inline-PTX wrappers.
+//!
+//! Shared-memory operands are 32-bit addresses in the shared window ([`shared_address`]).
+//! None of the asm here is `pure`: each has an effect the compiler cannot see (barrier phase,
+//! asynchronous copy, asynchronous register writes), so it stays where and as often as written.
+
+use core::arch::asm;
+
+/// The shared-window address of a generic pointer into shared memory.
+#[inline(always)]
+pub fn shared_address<T>(pointer: *const T) -> u32 {
+    let address: u64;
+    // SAFETY: an address conversion; nothing is read.
+    unsafe {
+        asm!("cvta.to.shared.u64 {a}, {p};", a = out(reg64) address, p = in(reg64) pointer as u64,
+            options(pure, nomem, nostack));
+    }
+    address as u32
+}
+
+/// `mbarrier.init`: a barrier at `bar` expecting `count` arrivals per phase.
+///
+/// # Safety
+/// `bar` is an 8-byte aligned shared address no other thread uses until a block barrier.
+#[inline(always)]
+pub unsafe fn barrier_init(bar: u32, count: u32) {
+    unsafe { asm!("mbarrier.init.shared::cta.b64 [{b}], {c};", b = in(reg32) bar, c = in(reg32) count, options(nostack)) }
+}
+
+/// Makes initialised barriers visible to the asynchronous (TMA) proxy.
+///
+/// # Safety
+/// Call after [`barrier_init`] and before the block barrier that publishes the barriers.
+#[inline(always)]
+pub unsafe fn fence_barrier_init() {
+    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) }
+}
+
+/// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
+///
+/// # Safety
+/// `bar` is an initialised barrier.
+#[inline(always)]
+pub unsafe fn barrier_arrive_expect_bytes(bar: u32, bytes: u32) {
+    unsafe {
+        asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{b}], {n};", b = in(reg32) bar, n = in(reg32) bytes,
+            options(nostack))
+    }
+}
+
+/// One arrival.
+///
+/// # Safety
+/// `bar` is an initialised barrier.
+#[inline(always)]
+pub unsafe fn barrier_arrive(bar: u32) {
+    unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) bar, options(nostack)) }
+}
+
+/// Whether the phase of parity `parity` of `bar` has completed (`mbarrier.try_wait.parity`,
+/// which may suspend the thread for a while before answering false).
+///
+/// # Safety
+/// `bar` is an initialised barrier.
+#[inline(always)]
+pub unsafe fn barrier_try_wait(bar: u32, parity: u32) -> bool {
+    let done: u32;
+    unsafe {
+        asm!("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{b}], {q}; selp.u32 {d}, 1, 0, p; }}",
+            d = out(reg32) done, b = in(reg32) bar, q = in(reg32) parity, options(nostack));
+    }
+    done != 0
+}
+
+/// Spins until the phase of parity `parity` of `bar` has completed.
+///
+/// # Safety
+/// `bar` is an initialised barrier.
+#[inline(always)]
+pub unsafe fn barrier_wait(bar: u32, parity: u32) {
+    while !unsafe { barrier_try_wait(bar, parity) } {}
+}
+
+/// TMA: copies the box at element coordinates `(inner, outer)` of the tensor described by the
+/// `CUtensorMap` at global address `map` into shared memory at `destination`, and signals its
+/// bytes on `bar`. Coordinates outside the tensor read as zeros.
+///
+/// # Safety
+/// `map` is a valid tensor map in global memory that no one writes during the kernel;
+/// `destination` has room for the box and the alignment its swizzle needs; `bar` is an
+/// initialised barrier whose phase expects these bytes.
+#[inline(always)]
+pub unsafe fn tma_load_2d(destination: u32, map: u64, inner: i32, outer: i32, bar: u32) {
+    unsafe {
+        asm!("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{d}], [{m}, {{{x}, {y}}}], [{b}];",
+            d = in(reg32) destination, m = in(reg64) map, x = in(reg32) inner, y = in(reg32) outer, b = in(reg32) bar,
+            options(nostack));
+    }
+}
+
+/// `setmaxnreg.dec`: this warpgroup gives back registers down to `COUNT` per thread.
+///
+/// # Safety
+/// All 128 threads of the warpgroup execute it together; the kernel was compiled with a
+/// `.maxntid` bound and `COUNT` is a multiple of 8 in 24..=256.
+#[inline(always)]
+pub unsafe fn release_registers<const COUNT: u32>() {
+    unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) }
+}
+
+/// `setmaxnreg.inc`: this warpgroup waits for and takes registers up to `COUNT` per thread.
+///
+/// # Safety
+/// As [`release_registers`]; the registers must be available once other warpgroups release.
+#[inline(always)]
+pub unsafe fn claim_registers<const COUNT: u32>() {
+    unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) }
+}
+
+/// Orders register accesses before the next `wgmma.mma_async` of the warpgroup.
+///
+/// # Safety
+/// All 128 threads of the warpgroup execute it together.
+#[inline(always)]
+pub unsafe fn wgmma_fence() {
+    unsafe { asm!("wgmma.fence.sync.aligned;", options(nostack)) }
+}
+
+/// Closes the group of `wgmma.mma_async` issued since the last commit.
+///
+/// # Safety
+/// All 128 threads of the warpgroup execute it together.
+#[inline(always)]
+pub unsafe fn wgmma_commit() {
+    unsafe { asm!("wgmma.commit_group.sync.aligned;", options(nostack)) }
+}
+
+/// Waits until at most `PENDING` committed groups are still running.
+///
+/// # Safety
+/// All 128 threads of the warpgroup execute it together.
+#[inline(always)]
+pub unsafe fn wgmma_wait<const PENDING: u32>() {
+    unsafe { asm!("wgmma.wait_group.sync.aligned {n};", n = const PENDING, options(nostack)) }
+}
+
+/// Bytes per row of a swizzled tile: 64 16-bit elements, the span of the 128-byte swizzle.
+pub const SWIZZLE_ROW_BYTES: u32 = 128;
+
+/// The `wgmma` descriptor of a K-major operand in shared memory at `address`, laid out by a
+/// TMA load with 128-byte swizzle: rows of 128 bytes, 8-row atoms of 1024 bytes (the stride
+/// between 8-row groups, SBO). The leading offset is unused for this layout (set to 1).
+/// Stepping 16 elements of K inside a row is `address + 32`.
+#[inline(always)]
+pub fn swizzled_descriptor(address: u32) -> u64 {
+    const LAYOUT_SWIZZLE_128B: u64 = 1 << 62;
+    const STRIDE_BYTES: u64 = 8 * SWIZZLE_ROW_BYTES as u64;
+    ((address as u64 & 0x3_ffff) >> 4) | (1 << 16) | ((STRIDE_BYTES >> 4) << 32) | LAYOUT_SWIZZLE_128B
+}
+
+macro_rules! wgmma_shape {
+    ($bf16:ident, $f16:ident, $n:literal, $regs:literal, [$first:literal $(, $rest:literal)*]) => {
+        wgmma_shape!(@one $bf16, "bf16", $n, $regs, [$first $(, $rest)*]);
+        wgmma_shape!(@one $f16, "f16", $n, $regs, [$first $(, $rest)*]);
+    };
+    (@one $name:ident, $ty:literal, $n:literal, $regs:literal, [$first:literal $(, $rest:literal)*]) => {
+        /// `acc (+)= A·B` for a 64-row slice of `A` and all columns of `B`, both K-major in
+        /// shared memory (descriptors), f32 accumulators; `accumulate == 0` overwrites `acc`.
+        ///
+        /// # Safety
+        /// All 128 threads of the warpgroup issue it together after [`wgmma_fence`]; `acc` is
+        /// not read or written until a [`wgmma_wait`] covers the op's group.
+        #[inline(always)]
+        pub unsafe fn $name(acc: &mut [f32; $regs], a: u64, b: u64, accumulate: u32) {
+            unsafe {
+                asm!(
+                    concat!(
+                        "{{ .reg .pred p; setp.ne.b32 p, {flag}, 0; wgmma.mma_async.sync.aligned.m64n", $n,
+                        "k16.f32.", $ty, ".", $ty, " {{{", $first, "}" $(, ",{", $rest, "}")*,
+                        "}}, {da}, {db}, p, 1, 1, 0, 0; }}"
+                    ),
+                    inout(reg32) acc[$first], $(inout(reg32) acc[$rest],)*
+                    da = in(reg64) a, db = in(reg64) b, flag = in(reg32) accumulate,
+                    options(nostack)
+                );
+            }
+        }
+    };
+}
+
+wgmma_shape!(m64n8_bf16, m64n8_f16, "8", 4, [0, 1, 2, 3]);
+wgmma_shape!(m64n16_bf16, m64n16_f16, "16", 8, [0, 1, 2, 3, 4, 5, 6, 7]);
+wgmma_shape!(m64n32_bf16, m64n32_f16, "32", 16, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
+wgmma_shape!(m64n64_bf16, m64n64_f16, "64", 32, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]);
+wgmma_shape!(m64n128_bf16, m64n128_f16, "128", 64, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63]);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [tests] [demo] [bench] [ncu]     (no stage named = all)
+#   bash bundle/run.sh OUT [smoke] [tests] [demo] [bench] [ncu]   (none named = all but smoke)
 # Logs and CSVs go to OUT; a summary table is printed last.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,15 +27,22 @@ for stage in $stages; do
         done
         grep -E "test result|FAILED|panicked|chi2|disagreements|agree in" "$out/gpu-tests.log" | tail -40
         ;;
+    smoke)
+        # A quick look at every variant before the long tests: CPU agreement and the unfused
+        # pipeline, then one timing pass of the two headline shapes.
+        step smoke-tests timeout 180 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused >> "$out/smoke.log" 2>&1
+        grep -E "test result|FAILED|panicked" "$out/smoke.log" | tail -10
+        step smoke-bench timeout 240 bash -c "'$here/flashsample' bench --out '$out/smoke-bench' --shapes 4096x151936,8192x128256 --all-variants --runs 20 >> '$out/smoke.log' 2>&1"
+        ;;
     demo) step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
     bench)
         step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/bench.log' 2>&1"
-        step bench timeout 200 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' 2>&1 | tee -a '$out/bench.log'"
+        step bench timeout 420 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' --all-variants 2>&1 | tee -a '$out/bench.log'"
         ;;
     ncu)
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
-        step ncu timeout 150 bash -c "'$ncu' --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_gemm|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
-        grep -E "fused_|reduce_|logits_gemm|sample_logits|dram__bytes|gpu__time" "$out/ncu.log" | head -60
+        step ncu timeout 150 bash -c "'$ncu' --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
+        grep -E "fused_|reduce_|logits_|sample_logits|dram__bytes|gpu__time" "$out/ncu.log" | head -60
         ;;
     esac
 done

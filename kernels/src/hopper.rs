@@ -82,6 +82,17 @@ pub unsafe fn barrier_wait(bar: u32, parity: u32) {
     while !unsafe { barrier_try_wait(bar, parity) } {}
 }
 
+/// Acquires the tensor map at global address `map` for this thread's TMA operations: the host
+/// wrote it with a copy before the launch, and the CUDA programming guide requires this fence
+/// before a tensor map in global memory is used.
+///
+/// # Safety
+/// `map` is the global address of a 128-byte tensor map.
+#[inline(always)]
+pub unsafe fn fence_tensor_map(map: u64) {
+    unsafe { asm!("fence.proxy.tensormap::generic.acquire.sys [{m}], 128;", m = in(reg64) map, options(nostack)) }
+}
+
 /// TMA: copies the box at element coordinates `(inner, outer)` of the tensor described by the
 /// `CUtensorMap` at global address `map` into shared memory at `destination`, and signals its
 /// bytes on `bar`. Coordinates outside the tensor read as zeros.

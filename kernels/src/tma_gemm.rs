@@ -135,6 +135,10 @@ impl Iterator for Items {
 unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let stage_bytes = TMA_LM_HEAD_STAGE_BYTES + layout.hidden_stage_bytes;
+    unsafe {
+        hopper::fence_tensor_map(args.lm_head_map);
+        hopper::fence_tensor_map(args.hidden_map);
+    }
     let mut iteration = 0u32;
     for (tile, col0) in Items::new(args, columns) {
         for k_block in 0..k_blocks {

@@ -18,8 +18,8 @@ impl Default for Options {
 /// Where the host embeds the PTX from (`include_str!` in `host/src/module.rs`).
 pub const EMBEDDED_PTX: &str = "host/ptx/kernels.ptx";
 const TARGET: &str = "nvptx64-nvidia-cuda";
-/// PTX ISA 8.0: the first with `wgmma`, TMA and `sm_90a`.
-const PTX_FEATURE: &str = "-Ctarget-feature=+ptx80";
+/// PTX ISA 8.3: `wgmma`, TMA and `sm_90a` (8.0) and the tensor-map proxy fence (8.3).
+const PTX_FEATURE: &str = "-Ctarget-feature=+ptx83";
 
 pub fn build(options: &Options) -> Result<(), String> {
     let root = toolchain::workspace_root();

@@ -30,7 +30,7 @@ for stage in $stages; do
     smoke)
         # A quick look at every variant before the long tests: CPU agreement and the unfused
         # pipeline, then one timing pass of the two headline shapes.
-        step smoke-tests timeout 180 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused >> "$out/smoke.log" 2>&1
+        step smoke-tests timeout 180 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused tile_width >> "$out/smoke.log" 2>&1
         grep -E "test result|FAILED|panicked" "$out/smoke.log" | tail -10
         step smoke-bench timeout 240 bash -c "'$here/flashsample' bench --out '$out/smoke-bench' --shapes 4096x151936,8192x128256 --all-variants --runs 20 >> '$out/smoke.log' 2>&1"
         ;;

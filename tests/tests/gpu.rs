@@ -164,3 +164,25 @@ fn draws_do_not_depend_on_how_many_are_asked_for() {
         assert_eq!(few[row * 1000..(row + 1) * 1000], many[row * 200_000..row * 200_000 + 1000], "row {row}");
     }
 }
+
+/// The dispatcher picks the tile width from B, so a row's token must not depend on it: every
+/// width of one tile family sums each logit in the same order and gives identical tokens.
+/// (The two families sum in different orders; near-ties between them are covered by the CPU
+/// comparison's tolerance.)
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tile_width_does_not_change_tokens() {
+    let w = random_matrix(20_011, 4096, DType::BF16, 0.05, 91);
+    let h = random_matrix(130, 4096, DType::BF16, 2.0, 92);
+    let params = params_for(130, 1.0, 93);
+    let families = [
+        MMA_COLUMNS.map(|columns| Variant::Mma { columns }).to_vec(),
+        TMA_COLUMNS.map(|columns| Variant::Tma { columns }).to_vec(),
+    ];
+    for family in families {
+        let reference = Cuda::new(family[0]).sample(&w, &h, &params, 4).unwrap();
+        for &variant in &family[1..] {
+            assert_eq!(Cuda::new(variant).sample(&w, &h, &params, 4).unwrap(), reference, "{variant:?}");
+        }
+    }
+}

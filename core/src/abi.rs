@@ -38,9 +38,13 @@ pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * STAGE1_WARPS * 
 /// Dynamic shared memory of the stage-2 reduction.
 pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * 8;
 
-/// Warps of a TMA + `wgmma` kernel that compute: two warpgroups, each owning 64 of the
-/// tile's [`TILE_ROWS`] rows. A third warpgroup issues the TMA loads (one thread of it).
+/// Warps of a TMA + `wgmma` kernel that compute: two warpgroups, each working on its own work
+/// items (ping-pong: one multiplies while the other runs its sampling epilogue). A third
+/// warpgroup issues the TMA loads (one thread of it).
 pub const TMA_CONSUMER_WARPS: u32 = 8;
+/// Vocabulary rows per work item of a TMA kernel (the M of one warpgroup's `wgmma`); one
+/// candidate per such tile.
+pub const TMA_TILE_ROWS: u32 = 64;
 /// Threads per block of a TMA + `wgmma` kernel: three warpgroups.
 pub const TMA_THREADS: u32 = (TMA_CONSUMER_WARPS + 4) * 32;
 /// Registers per thread of the producer warpgroup after `setmaxnreg.dec`.
@@ -53,10 +57,10 @@ pub const TMA_K_BLOCK: u32 = 64;
 /// Shared memory the pipeline stages of a TMA kernel may fill.
 pub const TMA_STAGE_BUDGET_BYTES: u32 = 192 << 10;
 /// Most pipeline stages of a TMA kernel.
-pub const TMA_MAX_STAGES: u32 = 8;
+pub const TMA_MAX_STAGES: u32 = 16;
 
-/// Bytes of `W` one stage holds: [`TILE_ROWS`] rows × [`TMA_K_BLOCK`] 16-bit elements.
-pub const TMA_LM_HEAD_STAGE_BYTES: u32 = TILE_ROWS * TMA_K_BLOCK * 2;
+/// Bytes of `W` one stage holds: [`TMA_TILE_ROWS`] rows × [`TMA_K_BLOCK`] 16-bit elements.
+pub const TMA_LM_HEAD_STAGE_BYTES: u32 = TMA_TILE_ROWS * TMA_K_BLOCK * 2;
 
 /// Bytes of `H` one stage holds for a batch tile of `columns`.
 pub const fn tma_hidden_stage_bytes(columns: u32) -> u32 {
@@ -84,7 +88,8 @@ pub const TENSOR_MAP_BYTES: usize = 128;
 
 /// A TMA + `wgmma` kernel: the fused sampler (writes candidates as [`FusedArgs`] does) or the
 /// unfused GEMM (writes f32 logits as [`LogitsArgs`] does). `W` and `H` are read through
-/// tensor maps with boxes of [`TMA_K_BLOCK`] × [`TILE_ROWS`] and [`TMA_K_BLOCK`] × columns.
+/// tensor maps with boxes of [`TMA_K_BLOCK`] × [`TMA_TILE_ROWS`] and [`TMA_K_BLOCK`] × columns;
+/// `tiles = ⌈vocab / TMA_TILE_ROWS⌉`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TmaArgs {

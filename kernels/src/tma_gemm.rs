@@ -5,13 +5,15 @@
 //! A block has [`TMA_CONSUMER_WARPS`] consumer warps (two warpgroups) and a producer
 //! warpgroup, one thread of which issues the loads; `setmaxnreg` moves the producer's
 //! registers to the consumers, whose accumulators and sampling epilogue need them.
-//! Work item = (vocabulary tile of [`TILE_ROWS`] rows, batch tile of `N` columns), visited in the
-//! same grid-stride order by the producer and the consumers. Per item the producer streams
-//! `⌈dim / 64⌉` stages, each a 128 × 64 box of `W` and an `N` × 64 box of `H` in the 128-byte
-//! swizzled layout `wgmma` reads; warpgroup `wg` multiplies rows `64·wg .. 64·wg + 64` of each
-//! `W` box with all of `H`'s into `N / 2` f32 accumulators per thread. A stage is full when
-//! its TMA bytes land (`full` barrier, one arrival + bytes) and free again when all consumer
-//! warps are done reading it (`empty` barrier, one arrival per consumer warp).
+//! Work item = (vocabulary tile of [`TMA_TILE_ROWS`] rows, batch tile of `N` columns). The
+//! block's items, in grid-stride order, alternate between the two consumer warpgroups
+//! (ping-pong): while one runs the epilogue of its item (noise, merges), the other multiplies
+//! the next, so the tensor cores and the loads do not wait for the noise. The producer
+//! streams every item's `⌈dim / 64⌉` stages in that order, each a 64 × 64 box of `W` and an
+//! `N` × 64 box of `H` in the 128-byte swizzled layout `wgmma` reads, into `N / 2` f32
+//! accumulators per consumer thread. A stage is full when its TMA bytes land (`full` barrier,
+//! one arrival + bytes) and free again when the four warps of the warpgroup that read it are
+//! done (`empty` barrier, one arrival per warp).
 //!
 //! Architecture Invariant: the accumulator layout of `wgmma` m64nN (thread `4g + t` of warp
 //! `w` holds rows `16w + g` and `16w + g + 8`, columns `8j + 2t` and `8j + 2t + 1`) is turned
@@ -19,19 +21,22 @@
 //! by [`transpose_quad`], so noise stays keyed by vocabulary index, never by tile position.
 
 use flashsample_core::abi::{
-    TILE_ROWS, TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_LM_HEAD_STAGE_BYTES, TMA_PRODUCER_REGISTERS,
-    TmaArgs, tma_hidden_stage_bytes, tma_stages,
+    TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_LM_HEAD_STAGE_BYTES, TMA_PRODUCER_REGISTERS,
+    TMA_TILE_ROWS, TmaArgs, tma_hidden_stage_bytes, tma_stages,
 };
 use flashsample_core::{Candidate, RowParams, block_candidate};
 
 use crate::element::WgmmaElement;
-use crate::hopper::{self, SWIZZLE_ROW_BYTES};
+use crate::hopper;
 use crate::{arch, sample};
 
-/// The consumer warps' named barrier (0 is `__syncthreads`).
-const CONSUMER_BARRIER: u32 = 1;
-/// Rows of a `W` box each warpgroup multiplies.
-const WARPGROUP_ROWS: u32 = 64;
+/// Named barrier of consumer warpgroup `w` is `FIRST_WARPGROUP_BARRIER + w` (0 is
+/// `__syncthreads`).
+const FIRST_WARPGROUP_BARRIER: u32 = 1;
+/// Threads of a warpgroup.
+const WARPGROUP_THREADS: u32 = 128;
+/// Consumer warpgroups.
+const CONSUMER_WARPGROUPS: u32 = TMA_CONSUMER_WARPS / 4;
 
 /// Where the block's shared memory holds what (shared-window addresses, stages 1024-aligned).
 struct Layout {
@@ -79,7 +84,7 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const N: usize, const R: usize, const 
         for s in 0..layout.stages {
             unsafe {
                 hopper::barrier_init(layout.full + 8 * s, 1);
-                hopper::barrier_init(layout.empty + 8 * s, TMA_CONSUMER_WARPS);
+                hopper::barrier_init(layout.empty + 8 * s, 4);
             }
         }
         unsafe { hopper::fence_barrier_init() };
@@ -96,9 +101,12 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const N: usize, const R: usize, const 
     }
 }
 
-/// The work items of this block, in the order producer and consumers both follow.
+/// The work items of this block in grid-stride order, with their position in the block's
+/// sequence: the producer takes every one, consumer warpgroup `w` those at positions `w`,
+/// `w + 2`, ….
 struct Items {
-    next: u32,
+    position: u32,
+    step: u32,
     count: u32,
     column_tiles: u32,
     columns: u32,
@@ -106,24 +114,26 @@ struct Items {
 
 impl Items {
     #[inline(always)]
-    fn new(args: &TmaArgs, columns: u32) -> Items {
+    fn new(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
         let column_tiles = args.batch.div_ceil(columns);
-        Items { next: arch::block_index(), count: args.tiles * column_tiles, column_tiles, columns }
+        Items { position: first, step, count: args.tiles * column_tiles, column_tiles, columns }
     }
 }
 
 impl Iterator for Items {
-    /// `(tile, col0)`: batch tiles vary fastest, so blocks reading the same `W` rows run together.
-    type Item = (u32, u32);
+    /// `(position, tile, col0)`: batch tiles vary fastest, so blocks reading the same `W` rows
+    /// run together.
+    type Item = (u32, u32, u32);
 
     #[inline(always)]
-    fn next(&mut self) -> Option<(u32, u32)> {
-        if self.next >= self.count {
+    fn next(&mut self) -> Option<(u32, u32, u32)> {
+        let item = arch::block_index() + self.position * arch::grid_size();
+        if item >= self.count {
             return None;
         }
-        let item = self.next;
-        self.next += arch::grid_size();
-        Some((item / self.column_tiles, (item % self.column_tiles) * self.columns))
+        let position = self.position;
+        self.position += self.step;
+        Some((position, item / self.column_tiles, (item % self.column_tiles) * self.columns))
     }
 }
 
@@ -140,7 +150,7 @@ unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
         hopper::fence_tensor_map(args.hidden_map);
     }
     let mut iteration = 0u32;
-    for (tile, col0) in Items::new(args, columns) {
+    for (_, tile, col0) in Items::new(args, columns, 0, 1) {
         for k_block in 0..k_blocks {
             let stage = iteration % layout.stages;
             let phase = (iteration / layout.stages) & 1;
@@ -152,7 +162,7 @@ unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
                 hopper::barrier_wait(layout.empty + 8 * stage, phase ^ 1);
                 hopper::barrier_arrive_expect_bytes(full, stage_bytes);
                 let w = layout.lm_head + stage * TMA_LM_HEAD_STAGE_BYTES;
-                hopper::tma_load_2d(w, args.lm_head_map, k, (tile * TILE_ROWS) as i32, full);
+                hopper::tma_load_2d(w, args.lm_head_map, k, (tile * TMA_TILE_ROWS) as i32, full);
                 let h = layout.hidden + stage * layout.hidden_stage_bytes;
                 hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
             }
@@ -161,7 +171,7 @@ unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
     }
 }
 
-/// The consumers: multiply each item's stages, then run the epilogue.
+/// A consumer warpgroup: multiply each of its items' stages, then run the epilogue.
 ///
 /// # Safety
 /// As [`tma_kernel`]; called by all consumer threads.
@@ -169,16 +179,18 @@ unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
 unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool>(args: &TmaArgs, layout: &Layout) {
     let thread = arch::thread_index();
     let lane = thread % 32;
-    let warpgroup = thread / 128;
+    let warpgroup = thread / WARPGROUP_THREADS;
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
-    let rows_offset = warpgroup * WARPGROUP_ROWS * SWIZZLE_ROW_BYTES;
+    let staging = layout.staging.wrapping_add((warpgroup * 4 * N as u32) as usize);
     let mut acc = [0.0f32; R];
-    let mut iteration = 0u32;
-    for (tile, col0) in Items::new(args, N as u32) {
+    for (position, tile, col0) in Items::new(args, N as u32, warpgroup, CONSUMER_WARPGROUPS) {
+        // The producer fills stages in the block's item order, k-blocks within an item.
+        let first = position * k_blocks;
         for k_block in 0..k_blocks {
+            let iteration = first + k_block;
             let stage = iteration % layout.stages;
             let phase = (iteration / layout.stages) & 1;
-            let w = layout.lm_head + stage * TMA_LM_HEAD_STAGE_BYTES + rows_offset;
+            let w = layout.lm_head + stage * TMA_LM_HEAD_STAGE_BYTES;
             let h = layout.hidden + stage * layout.hidden_stage_bytes;
             unsafe {
                 hopper::barrier_wait(layout.full + 8 * stage, phase);
@@ -193,20 +205,19 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                 // The previous stage's group is done once at most this one is pending.
                 hopper::wgmma_wait::<1>();
                 if k_block > 0 && lane == 0 {
-                    hopper::barrier_arrive(layout.empty + 8 * ((iteration + layout.stages - 1) % layout.stages));
+                    hopper::barrier_arrive(layout.empty + 8 * ((iteration - 1) % layout.stages));
                 }
             }
-            iteration += 1;
         }
         unsafe {
             hopper::wgmma_wait::<0>();
             if lane == 0 {
-                hopper::barrier_arrive(layout.empty + 8 * ((iteration + layout.stages - 1) % layout.stages));
+                hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));
             }
         }
-        let place = Placement::new(thread, tile, col0);
+        let place = Placement::new(thread % WARPGROUP_THREADS, tile, col0);
         if FUSED {
-            unsafe { sample_epilogue::<N, R>(&acc, args, &place, layout.staging) };
+            unsafe { sample_epilogue::<N, R>(&acc, args, &place, staging, FIRST_WARPGROUP_BARRIER + warpgroup) };
         } else {
             unsafe { logits_epilogue::<N, R>(&acc, args, &place) };
         }
@@ -215,7 +226,9 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
 
 /// Where a consumer thread's transposed quads lie in the tile.
 struct Placement {
+    /// Thread index within the warpgroup.
     thread: u32,
+    /// Warp index within the warpgroup.
     warp: u32,
     lane: u32,
     tile: u32,
@@ -232,7 +245,7 @@ impl Placement {
         let warp = thread / 32;
         let lane = thread % 32;
         let quad = (lane / 4) % 4;
-        let row0 = tile * TILE_ROWS + warp * 16 + 4 * (lane / 16) + 8 * (quad / 2);
+        let row0 = tile * TMA_TILE_ROWS + warp * 16 + 4 * (lane / 16) + 8 * (quad / 2);
         Placement { thread, warp, lane, tile, col0, row0, column: 2 * (lane % 4) + quad % 2 }
     }
 }
@@ -301,21 +314,23 @@ unsafe fn transpose_quad(quad: [f32; 4], lane: u32) -> [f32; 4] {
     v
 }
 
-/// Per draw: each thread scores its quads, lanes of one column merge, warps merge through
-/// `staging`, and one candidate per (column, draw) is written for this tile.
+/// Per draw: each thread scores its quads, lanes of one column merge, the warpgroup's four
+/// warps merge through `staging`, and one candidate per (column, draw) is written for this
+/// tile.
 ///
 /// # Safety
-/// All consumer threads call it together; `staging` holds `TMA_CONSUMER_WARPS · N` candidates.
+/// All threads of one consumer warpgroup call it together; `staging` holds `4 · N` candidates
+/// of this warpgroup; `barrier` is this warpgroup's named barrier.
 #[inline(always)]
 unsafe fn sample_epilogue<const N: usize, const R: usize>(
     acc: &[f32; R],
     args: &TmaArgs,
     place: &Placement,
     staging: *mut Candidate,
+    barrier: u32,
 ) {
     let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
     let block = place.row0 / 4;
-    let consumers = TMA_CONSUMER_WARPS * 32;
     for j in 0..args.samples {
         // A run-time loop over the n8-tiles keeps one copy of the Philox and log code; the
         // epilogue of the GEMM, with no such code, unrolls instead.
@@ -335,21 +350,21 @@ unsafe fn sample_epilogue<const N: usize, const R: usize>(
             }
             tile_column += 1;
         }
-        unsafe { arch::sync_named(CONSUMER_BARRIER, consumers) };
+        unsafe { arch::sync_named(barrier, WARPGROUP_THREADS) };
         let mut column = place.thread;
         while column < N as u32 {
             let b = place.col0 + column;
             if b < args.batch {
                 let mut best = Candidate::NONE;
-                for w in 0..TMA_CONSUMER_WARPS {
+                for w in 0..4 {
                     best = best.merge(unsafe { *staging.add((w * N as u32 + column) as usize) });
                 }
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + place.tile as u64;
                 unsafe { *(args.out as *mut Candidate).add(at as usize) = best };
             }
-            column += consumers;
+            column += WARPGROUP_THREADS;
         }
-        unsafe { arch::sync_named(CONSUMER_BARRIER, consumers) };
+        unsafe { arch::sync_named(barrier, WARPGROUP_THREADS) };
     }
 }
 

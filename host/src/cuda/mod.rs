@@ -20,7 +20,8 @@ use cust::sys as raw;
 use flashsample_core::abi::{
     FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, N_TILE,
     REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TENSOR_MAP_BYTES, TILE_ROWS,
-    TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_shared_bytes,
+    TMA_K_BLOCK, TMA_THREADS, TMA_TILE_ROWS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes,
+    tma_shared_bytes,
 };
 use flashsample_core::{Candidate, RowParams};
 
@@ -92,6 +93,14 @@ impl Variant {
             _ => N_TILE,
         }
     }
+
+    /// Vocabulary rows per stage-1 work item (one candidate per row, draw and such tile).
+    fn tile_rows(self) -> u32 {
+        match self {
+            Variant::Tma { .. } => TMA_TILE_ROWS,
+            _ => TILE_ROWS,
+        }
+    }
 }
 
 struct Kernel {
@@ -125,7 +134,7 @@ fn launch_shape(name: &str) -> (u32, u32) {
 pub struct CudaLmHead {
     buffer: DeviceBuffer<u8>,
     shape: HeadShape,
-    /// The TMA descriptor (boxes of `TILE_ROWS` rows), when the TMA kernels can read it.
+    /// The TMA descriptor (boxes of `TMA_TILE_ROWS` rows), when the TMA kernels can read it.
     tensor_map: Option<DeviceBuffer<u64>>,
 }
 
@@ -481,7 +490,7 @@ impl CudaSampler {
     ) -> Result<()> {
         let shape = lm_head.shape;
         let variant = variant.resolve(shape.dtype, shape.dim, hidden.rows)?;
-        let tiles = shape.vocab.div_ceil(TILE_ROWS as usize);
+        let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let name = fused_kernel_name(shape.dtype, variant);
         let maps = match variant {
             Variant::Tma { columns } => Some(tma_maps(lm_head, hidden, columns)?),
@@ -550,8 +559,8 @@ impl CudaSampler {
         let stride = shape.vocab.next_multiple_of(4);
         let logits = ensure(&mut self.workspace.borrow_mut().logits, hidden.rows * stride, "logits")?;
         let name = logits_kernel_name(shape.dtype, variant);
-        let items =
-            shape.vocab.div_ceil(TILE_ROWS as usize) as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
+        let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
+        let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
         if let Variant::Tma { columns } = variant {
             let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, columns)?;
             let gemm = TmaArgs {
@@ -565,7 +574,7 @@ impl CudaSampler {
                 hidden_row0: 0,
                 sample_offset: 0,
                 samples: 0,
-                tiles: shape.vocab.div_ceil(TILE_ROWS as usize) as u32,
+                tiles: gemm_tiles as u32,
                 logits_stride: stride as u32,
             };
             // SAFETY: the logits buffer holds B × stride floats; the maps describe live buffers.
@@ -738,7 +747,7 @@ impl CudaSampler {
 
     fn lm_head_from(&self, buffer: DeviceBuffer<u8>, shape: HeadShape) -> Result<CudaLmHead> {
         let address = buffer.as_device_ptr().as_raw();
-        let tensor_map = tensor_maps("lm_head", address, shape.vocab, shape.dim, shape.dtype, &[TILE_ROWS])?;
+        let tensor_map = tensor_maps("lm_head", address, shape.vocab, shape.dim, shape.dtype, &[TMA_TILE_ROWS])?;
         Ok(CudaLmHead { buffer, shape, tensor_map })
     }
 

@@ -74,12 +74,14 @@ pub const fn tma_stages(columns: u32) -> u32 {
 }
 
 /// Dynamic shared memory of a TMA kernel: 1 KiB of slack to align the stages to the 1024-byte
-/// swizzle atom, the `W` stages, the `H` stages, a full and an empty barrier per stage, and
-/// one candidate per (consumer warp, column) for the cross-warp merge.
+/// swizzle atom, the `W` stages, the `H` stages, a full and an empty barrier per stage, a turn
+/// barrier per consumer warpgroup, and one candidate per (consumer warp, column) for the
+/// cross-warp merge.
 pub const fn tma_shared_bytes(columns: u32) -> u32 {
     let stages = tma_stages(columns);
     1024 + stages * (TMA_LM_HEAD_STAGE_BYTES + tma_hidden_stage_bytes(columns))
         + 2 * stages * 8
+        + (TMA_CONSUMER_WARPS / 4) * 8
         + TMA_CONSUMER_WARPS * columns * 8
 }
 

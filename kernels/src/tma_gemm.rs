@@ -46,6 +46,8 @@ struct Layout {
     hidden_stage_bytes: u32,
     full: u32,
     empty: u32,
+    /// `turn + 8·w`: consumer warpgroup `w` may start its next mainloop.
+    turn: u32,
     staging: *mut Candidate,
 }
 
@@ -60,8 +62,9 @@ impl Layout {
         let hidden = lm_head + stages * TMA_LM_HEAD_STAGE_BYTES;
         let full = hidden + stages * hidden_stage_bytes;
         let empty = full + stages * 8;
-        let staging = base.wrapping_add((empty + stages * 8 - shared) as usize).cast::<Candidate>();
-        Layout { stages, lm_head, hidden, hidden_stage_bytes, full, empty, staging }
+        let turn = empty + stages * 8;
+        let staging = base.wrapping_add((turn + CONSUMER_WARPGROUPS * 8 - shared) as usize).cast::<Candidate>();
+        Layout { stages, lm_head, hidden, hidden_stage_bytes, full, empty, turn, staging }
     }
 }
 
@@ -86,6 +89,9 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const N: usize, const R: usize, const 
                 hopper::barrier_init(layout.full + 8 * s, 1);
                 hopper::barrier_init(layout.empty + 8 * s, 4);
             }
+        }
+        for w in 0..CONSUMER_WARPGROUPS {
+            unsafe { hopper::barrier_init(layout.turn + 8 * w, 4) };
         }
         unsafe { hopper::fence_barrier_init() };
     }
@@ -183,7 +189,16 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let staging = layout.staging.wrapping_add((warpgroup * 4 * N as u32) as usize);
     let mut acc = [0.0f32; R];
+    let mut turns = 0u32;
     for (position, tile, col0) in Items::new(args, N as u32, warpgroup, CONSUMER_WARPGROUPS) {
+        // The mainloops take turns in item order: a warpgroup starts only once the other has
+        // issued all of the previous item's multiplies. Besides keeping one warpgroup on the
+        // tensor cores at a time, this keeps every stage wait within one lap of the ring (a
+        // parity wait cannot tell laps further apart). Warpgroup 0's first turn is free: a
+        // fresh barrier counts its (never run) previous phase as complete.
+        let parity = (turns & 1) ^ (warpgroup == 0) as u32;
+        unsafe { hopper::barrier_wait(layout.turn + 8 * warpgroup, parity) };
+        turns += 1;
         // The producer fills stages in the block's item order, k-blocks within an item.
         let first = position * k_blocks;
         for k_block in 0..k_blocks {
@@ -210,6 +225,9 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             }
         }
         unsafe {
+            if lane == 0 {
+                hopper::barrier_arrive(layout.turn + 8 * (CONSUMER_WARPGROUPS - 1 - warpgroup));
+            }
             hopper::wgmma_wait::<0>();
             if lane == 0 {
                 hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));

@@ -38,13 +38,18 @@ pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * STAGE1_WARPS * 
 /// Dynamic shared memory of the stage-2 reduction.
 pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * 8;
 
-/// Warps of a TMA + `wgmma` kernel that compute: two warpgroups, each working on its own work
-/// items (ping-pong: one multiplies while the other runs its sampling epilogue). A third
-/// warpgroup issues the TMA loads (one thread of it).
+/// Warps of a TMA + `wgmma` kernel that compute: two warpgroups. A third warpgroup issues
+/// the TMA loads (one thread of it).
 pub const TMA_CONSUMER_WARPS: u32 = 8;
-/// Vocabulary rows per work item of a TMA kernel (the M of one warpgroup's `wgmma`); one
-/// candidate per such tile.
-pub const TMA_TILE_ROWS: u32 = 64;
+/// Rows of `W` one warpgroup's `wgmma` multiplies (its M).
+pub const WARPGROUP_ROWS: u32 = 64;
+/// Vocabulary rows per work item of a TMA kernel, its "item height" (one candidate per row,
+/// draw and such tile):
+/// - 64, ping-pong: each consumer warpgroup works on its own items, and one multiplies while
+///   the other runs its sampling epilogue;
+/// - 128, cooperative: both warpgroups multiply one item (64 rows each), then both run the
+///   epilogue; half the `H` traffic per row of `W`.
+pub const TMA_ITEM_ROWS: [u32; 2] = [64, 128];
 /// Threads per block of a TMA + `wgmma` kernel: three warpgroups.
 pub const TMA_THREADS: u32 = (TMA_CONSUMER_WARPS + 4) * 32;
 /// Registers per thread of the producer warpgroup after `setmaxnreg.dec`.
@@ -59,17 +64,20 @@ pub const TMA_STAGE_BUDGET_BYTES: u32 = 192 << 10;
 /// Most pipeline stages of a TMA kernel.
 pub const TMA_MAX_STAGES: u32 = 16;
 
-/// Bytes of `W` one stage holds: [`TMA_TILE_ROWS`] rows × [`TMA_K_BLOCK`] 16-bit elements.
-pub const TMA_LM_HEAD_STAGE_BYTES: u32 = TMA_TILE_ROWS * TMA_K_BLOCK * 2;
+/// Bytes of `W` one stage holds: `rows` (the item height) × [`TMA_K_BLOCK`] 16-bit elements.
+pub const fn tma_lm_head_stage_bytes(rows: u32) -> u32 {
+    rows * TMA_K_BLOCK * 2
+}
 
 /// Bytes of `H` one stage holds for a batch tile of `columns`.
 pub const fn tma_hidden_stage_bytes(columns: u32) -> u32 {
     columns * TMA_K_BLOCK * 2
 }
 
-/// Pipeline stages of a TMA kernel with `columns` batch columns: as many as the budget holds.
-pub const fn tma_stages(columns: u32) -> u32 {
-    let stages = TMA_STAGE_BUDGET_BYTES / (TMA_LM_HEAD_STAGE_BYTES + tma_hidden_stage_bytes(columns));
+/// Pipeline stages of a TMA kernel with items of `rows` × `columns`: as many as the budget
+/// holds.
+pub const fn tma_stages(rows: u32, columns: u32) -> u32 {
+    let stages = TMA_STAGE_BUDGET_BYTES / (tma_lm_head_stage_bytes(rows) + tma_hidden_stage_bytes(columns));
     if stages < TMA_MAX_STAGES { stages } else { TMA_MAX_STAGES }
 }
 
@@ -77,9 +85,9 @@ pub const fn tma_stages(columns: u32) -> u32 {
 /// swizzle atom, the `W` stages, the `H` stages, a full and an empty barrier per stage, a turn
 /// barrier per consumer warpgroup, and one candidate per (consumer warp, column) for the
 /// cross-warp merge.
-pub const fn tma_shared_bytes(columns: u32) -> u32 {
-    let stages = tma_stages(columns);
-    1024 + stages * (TMA_LM_HEAD_STAGE_BYTES + tma_hidden_stage_bytes(columns))
+pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
+    let stages = tma_stages(rows, columns);
+    1024 + stages * (tma_lm_head_stage_bytes(rows) + tma_hidden_stage_bytes(columns))
         + 2 * stages * 8
         + (TMA_CONSUMER_WARPS / 4) * 8
         + TMA_CONSUMER_WARPS * columns * 8
@@ -90,8 +98,8 @@ pub const TENSOR_MAP_BYTES: usize = 128;
 
 /// A TMA + `wgmma` kernel: the fused sampler (writes candidates as [`FusedArgs`] does) or the
 /// unfused GEMM (writes f32 logits as [`LogitsArgs`] does). `W` and `H` are read through
-/// tensor maps with boxes of [`TMA_K_BLOCK`] × [`TMA_TILE_ROWS`] and [`TMA_K_BLOCK`] × columns;
-/// `tiles = ⌈vocab / TMA_TILE_ROWS⌉`.
+/// tensor maps with boxes of [`TMA_K_BLOCK`] × item height and [`TMA_K_BLOCK`] × columns;
+/// `tiles = ⌈vocab / item height⌉`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TmaArgs {

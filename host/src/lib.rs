@@ -28,7 +28,9 @@ pub mod tensor;
 pub mod timing;
 
 pub use cpu::{CpuLmHead, CpuSampler};
-pub use cuda::{CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, MMA_COLUMNS, TMA_COLUMNS, Variant};
+pub use cuda::{
+    CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, MMA_COLUMNS, TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
+};
 pub use error::{Error, Result};
 pub use params::{HeadShape, SamplingParams};
 pub use tensor::{DType, Elements, Matrix};

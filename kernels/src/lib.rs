@@ -180,7 +180,7 @@ logits_kernels! {
 }
 
 macro_rules! tma_kernels {
-    ($($name:ident => $element:ty, $columns:literal, $fused:literal;)*) => {$(
+    ($($name:ident => $element:ty, $rows:literal, $columns:literal, $fused:literal;)*) => {$(
         /// A TMA + `wgmma` kernel (sm_90a): fused sampling, or the unfused pipeline's GEMM.
         ///
         /// # Safety
@@ -188,32 +188,54 @@ macro_rules! tma_kernels {
         /// of dynamic shared memory and tensor maps made for this kernel's box shapes.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
-            unsafe { tma_gemm::tma_kernel::<$element, $columns, { $columns / 2 }, $fused>(&args, shared::<u8>()) }
+            unsafe {
+                tma_gemm::tma_kernel::<$element, $rows, $columns, { $columns / 2 }, $fused>(&args, shared::<u8>())
+            }
         }
     )*};
 }
 
 tma_kernels! {
-    fused_tma_bf16_n8 => Bf16, 8, true;
-    fused_tma_bf16_n16 => Bf16, 16, true;
-    fused_tma_bf16_n32 => Bf16, 32, true;
-    fused_tma_bf16_n64 => Bf16, 64, true;
-    fused_tma_bf16_n128 => Bf16, 128, true;
-    fused_tma_f16_n8 => F16, 8, true;
-    fused_tma_f16_n16 => F16, 16, true;
-    fused_tma_f16_n32 => F16, 32, true;
-    fused_tma_f16_n64 => F16, 64, true;
-    fused_tma_f16_n128 => F16, 128, true;
-    logits_tma_bf16_n8 => Bf16, 8, false;
-    logits_tma_bf16_n16 => Bf16, 16, false;
-    logits_tma_bf16_n32 => Bf16, 32, false;
-    logits_tma_bf16_n64 => Bf16, 64, false;
-    logits_tma_bf16_n128 => Bf16, 128, false;
-    logits_tma_f16_n8 => F16, 8, false;
-    logits_tma_f16_n16 => F16, 16, false;
-    logits_tma_f16_n32 => F16, 32, false;
-    logits_tma_f16_n64 => F16, 64, false;
-    logits_tma_f16_n128 => F16, 128, false;
+    fused_tma_bf16_m64_n8 => Bf16, 64, 8, true;
+    fused_tma_bf16_m64_n16 => Bf16, 64, 16, true;
+    fused_tma_bf16_m64_n32 => Bf16, 64, 32, true;
+    fused_tma_bf16_m64_n64 => Bf16, 64, 64, true;
+    fused_tma_bf16_m64_n128 => Bf16, 64, 128, true;
+    fused_tma_bf16_m128_n8 => Bf16, 128, 8, true;
+    fused_tma_bf16_m128_n16 => Bf16, 128, 16, true;
+    fused_tma_bf16_m128_n32 => Bf16, 128, 32, true;
+    fused_tma_bf16_m128_n64 => Bf16, 128, 64, true;
+    fused_tma_bf16_m128_n128 => Bf16, 128, 128, true;
+    fused_tma_f16_m64_n8 => F16, 64, 8, true;
+    fused_tma_f16_m64_n16 => F16, 64, 16, true;
+    fused_tma_f16_m64_n32 => F16, 64, 32, true;
+    fused_tma_f16_m64_n64 => F16, 64, 64, true;
+    fused_tma_f16_m64_n128 => F16, 64, 128, true;
+    fused_tma_f16_m128_n8 => F16, 128, 8, true;
+    fused_tma_f16_m128_n16 => F16, 128, 16, true;
+    fused_tma_f16_m128_n32 => F16, 128, 32, true;
+    fused_tma_f16_m128_n64 => F16, 128, 64, true;
+    fused_tma_f16_m128_n128 => F16, 128, 128, true;
+    logits_tma_bf16_m64_n8 => Bf16, 64, 8, false;
+    logits_tma_bf16_m64_n16 => Bf16, 64, 16, false;
+    logits_tma_bf16_m64_n32 => Bf16, 64, 32, false;
+    logits_tma_bf16_m64_n64 => Bf16, 64, 64, false;
+    logits_tma_bf16_m64_n128 => Bf16, 64, 128, false;
+    logits_tma_bf16_m128_n8 => Bf16, 128, 8, false;
+    logits_tma_bf16_m128_n16 => Bf16, 128, 16, false;
+    logits_tma_bf16_m128_n32 => Bf16, 128, 32, false;
+    logits_tma_bf16_m128_n64 => Bf16, 128, 64, false;
+    logits_tma_bf16_m128_n128 => Bf16, 128, 128, false;
+    logits_tma_f16_m64_n8 => F16, 64, 8, false;
+    logits_tma_f16_m64_n16 => F16, 64, 16, false;
+    logits_tma_f16_m64_n32 => F16, 64, 32, false;
+    logits_tma_f16_m64_n64 => F16, 64, 64, false;
+    logits_tma_f16_m64_n128 => F16, 64, 128, false;
+    logits_tma_f16_m128_n8 => F16, 128, 8, false;
+    logits_tma_f16_m128_n16 => F16, 128, 16, false;
+    logits_tma_f16_m128_n32 => F16, 128, 32, false;
+    logits_tma_f16_m128_n64 => F16, 128, 64, false;
+    logits_tma_f16_m128_n128 => F16, 128, 128, false;
 }
 
 /// The unfused pipeline's sampler over materialised logits.

@@ -5,15 +5,16 @@
 //! A block has [`TMA_CONSUMER_WARPS`] consumer warps (two warpgroups) and a producer
 //! warpgroup, one thread of which issues the loads; `setmaxnreg` moves the producer's
 //! registers to the consumers, whose accumulators and sampling epilogue need them.
-//! Work item = (vocabulary tile of [`TMA_TILE_ROWS`] rows, batch tile of `N` columns). The
-//! block's items, in grid-stride order, alternate between the two consumer warpgroups
-//! (ping-pong): while one runs the epilogue of its item (noise, merges), the other multiplies
-//! the next, so the tensor cores and the loads do not wait for the noise. The producer
-//! streams every item's `⌈dim / 64⌉` stages in that order, each a 64 × 64 box of `W` and an
-//! `N` × 64 box of `H` in the 128-byte swizzled layout `wgmma` reads, into `N / 2` f32
-//! accumulators per consumer thread. A stage is full when its TMA bytes land (`full` barrier,
-//! one arrival + bytes) and free again when the four warps of the warpgroup that read it are
-//! done (`empty` barrier, one arrival per warp).
+//! Work item = (`ROWS` vocabulary rows, `N` batch columns), visited in grid-stride order. The
+//! producer streams every item's `⌈dim / 64⌉` stages in that order, each a `ROWS` × 64 box of
+//! `W` and an `N` × 64 box of `H` in the 128-byte swizzled layout `wgmma` reads. A stage is
+//! full when its TMA bytes land (`full` barrier, one arrival + bytes) and free again when all
+//! the warps that read it are done (`empty` barrier, one arrival per warp). Two schedules:
+//! - `ROWS = 64`, ping-pong: the block's items alternate between the two warpgroups, which
+//!   take turns on the mainloop (`turn` barriers), so one multiplies while the other runs the
+//!   epilogue of its previous item;
+//! - `ROWS = 128`, cooperative: both warpgroups multiply every item (64 rows each), then both
+//!   run the epilogue; each byte of `H` staged serves twice the rows of `W`.
 //!
 //! Architecture Invariant: the accumulator layout of `wgmma` m64nN (thread `4g + t` of warp
 //! `w` holds rows `16w + g` and `16w + g + 8`, columns `8j + 2t` and `8j + 2t + 1`) is turned
@@ -21,8 +22,8 @@
 //! by [`transpose_quad`], so noise stays keyed by vocabulary index, never by tile position.
 
 use flashsample_core::abi::{
-    TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_LM_HEAD_STAGE_BYTES, TMA_PRODUCER_REGISTERS,
-    TMA_TILE_ROWS, TmaArgs, tma_hidden_stage_bytes, tma_stages,
+    TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_PRODUCER_REGISTERS, TmaArgs, WARPGROUP_ROWS,
+    tma_hidden_stage_bytes, tma_lm_head_stage_bytes, tma_stages,
 };
 use flashsample_core::{Candidate, RowParams, block_candidate};
 
@@ -30,9 +31,9 @@ use crate::element::WgmmaElement;
 use crate::hopper;
 use crate::{arch, sample};
 
-/// Named barrier of consumer warpgroup `w` is `FIRST_WARPGROUP_BARRIER + w` (0 is
+/// Named barrier of team `k` (the warps sharing an item) is `FIRST_TEAM_BARRIER + k` (0 is
 /// `__syncthreads`).
-const FIRST_WARPGROUP_BARRIER: u32 = 1;
+const FIRST_TEAM_BARRIER: u32 = 1;
 /// Threads of a warpgroup.
 const WARPGROUP_THREADS: u32 = 128;
 /// Consumer warpgroups.
@@ -42,6 +43,7 @@ const CONSUMER_WARPGROUPS: u32 = TMA_CONSUMER_WARPS / 4;
 struct Layout {
     stages: u32,
     lm_head: u32,
+    lm_head_stage_bytes: u32,
     hidden: u32,
     hidden_stage_bytes: u32,
     full: u32,
@@ -53,41 +55,61 @@ struct Layout {
 
 impl Layout {
     #[inline(always)]
-    fn new(base: *mut u8, columns: u32) -> Layout {
+    fn new(base: *mut u8, rows: u32, columns: u32) -> Layout {
         let shared = hopper::shared_address(base);
         let pad = shared.next_multiple_of(1024) - shared;
-        let stages = tma_stages(columns);
+        let stages = tma_stages(rows, columns);
+        let lm_head_stage_bytes = tma_lm_head_stage_bytes(rows);
         let hidden_stage_bytes = tma_hidden_stage_bytes(columns);
         let lm_head = shared + pad;
-        let hidden = lm_head + stages * TMA_LM_HEAD_STAGE_BYTES;
+        let hidden = lm_head + stages * lm_head_stage_bytes;
         let full = hidden + stages * hidden_stage_bytes;
         let empty = full + stages * 8;
         let turn = empty + stages * 8;
         let staging = base.wrapping_add((turn + CONSUMER_WARPGROUPS * 8 - shared) as usize).cast::<Candidate>();
-        Layout { stages, lm_head, hidden, hidden_stage_bytes, full, empty, turn, staging }
+        Layout { stages, lm_head, lm_head_stage_bytes, hidden, hidden_stage_bytes, full, empty, turn, staging }
+    }
+}
+
+/// How the consumer warps share the work items of height `rows`.
+#[derive(Clone, Copy)]
+struct Teams {
+    /// Warps that multiply one item together (4 or 8).
+    warps: u32,
+    /// Teams in the block (2 or 1); the block's items alternate between them.
+    count: u32,
+}
+
+impl Teams {
+    #[inline(always)]
+    fn new(rows: u32) -> Teams {
+        let warps = 4 * (rows / WARPGROUP_ROWS);
+        Teams { warps, count: TMA_CONSUMER_WARPS / warps }
     }
 }
 
 /// Both kinds of TMA kernel: `FUSED` samples (candidates out), otherwise f32 logits out.
-/// `N` batch columns per tile, `R = N / 2` accumulators per consumer thread.
+/// Items of `ROWS` (64 or 128) × `N` batch columns, `R = N / 2` accumulators per consumer
+/// thread.
 ///
 /// # Safety
-/// Launched with `TMA_THREADS` threads and `tma_shared_bytes(N)` bytes of dynamic shared
-/// memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes of 64 × 128 and
-/// 64 × `N` elements and 128-byte swizzle, and valid output buffers.
+/// Launched with `TMA_THREADS` threads and `tma_shared_bytes(ROWS, N)` bytes of dynamic
+/// shared memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes of
+/// 64 × `ROWS` and 64 × `N` elements and 128-byte swizzle, and valid output buffers.
 #[inline(always)]
-pub unsafe fn tma_kernel<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool>(
+pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usize, const FUSED: bool>(
     args: &TmaArgs,
     shared: *mut u8,
 ) {
     let thread = arch::thread_index();
     let warp = thread / 32;
-    let layout = Layout::new(shared, N as u32);
+    let layout = Layout::new(shared, ROWS, N as u32);
+    let teams = Teams::new(ROWS);
     if thread == 0 {
         for s in 0..layout.stages {
             unsafe {
                 hopper::barrier_init(layout.full + 8 * s, 1);
-                hopper::barrier_init(layout.empty + 8 * s, 4);
+                hopper::barrier_init(layout.empty + 8 * s, teams.warps);
             }
         }
         for w in 0..CONSUMER_WARPGROUPS {
@@ -99,17 +121,17 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const N: usize, const R: usize, const 
     if warp >= TMA_CONSUMER_WARPS {
         unsafe { hopper::release_registers::<TMA_PRODUCER_REGISTERS>() };
         if thread == TMA_CONSUMER_WARPS * 32 {
-            unsafe { produce(args, &layout, N as u32) };
+            unsafe { produce(args, &layout, ROWS, N as u32) };
         }
     } else {
         unsafe { hopper::claim_registers::<TMA_CONSUMER_REGISTERS>() };
-        unsafe { consume::<T, N, R, FUSED>(args, &layout) };
+        unsafe { consume::<T, N, R, FUSED>(args, &layout, ROWS, teams) };
     }
 }
 
 /// The work items of this block in grid-stride order, with their position in the block's
-/// sequence: the producer takes every one, consumer warpgroup `w` those at positions `w`,
-/// `w + 2`, ….
+/// sequence: the producer takes every one, consumer team `k` of `n` those at positions `k`,
+/// `k + n`, ….
 struct Items {
     position: u32,
     step: u32,
@@ -148,9 +170,9 @@ impl Iterator for Items {
 /// # Safety
 /// As [`tma_kernel`]; called by one thread of the producer warp.
 #[inline(always)]
-unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
+unsafe fn produce(args: &TmaArgs, layout: &Layout, rows: u32, columns: u32) {
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
-    let stage_bytes = TMA_LM_HEAD_STAGE_BYTES + layout.hidden_stage_bytes;
+    let stage_bytes = layout.lm_head_stage_bytes + layout.hidden_stage_bytes;
     unsafe {
         hopper::fence_tensor_map(args.lm_head_map);
         hopper::fence_tensor_map(args.hidden_map);
@@ -167,8 +189,8 @@ unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
                 // first lap through the ring does not wait.
                 hopper::barrier_wait(layout.empty + 8 * stage, phase ^ 1);
                 hopper::barrier_arrive_expect_bytes(full, stage_bytes);
-                let w = layout.lm_head + stage * TMA_LM_HEAD_STAGE_BYTES;
-                hopper::tma_load_2d(w, args.lm_head_map, k, (tile * TMA_TILE_ROWS) as i32, full);
+                let w = layout.lm_head + stage * layout.lm_head_stage_bytes;
+                hopper::tma_load_2d(w, args.lm_head_map, k, (tile * rows) as i32, full);
                 let h = layout.hidden + stage * layout.hidden_stage_bytes;
                 hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
             }
@@ -177,35 +199,48 @@ unsafe fn produce(args: &TmaArgs, layout: &Layout, columns: u32) {
     }
 }
 
-/// A consumer warpgroup: multiply each of its items' stages, then run the epilogue.
+/// A consumer warpgroup: multiply each of its team's items' stages (its 64 rows of them),
+/// then run the epilogue with its team.
 ///
 /// # Safety
 /// As [`tma_kernel`]; called by all consumer threads.
 #[inline(always)]
-unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool>(args: &TmaArgs, layout: &Layout) {
+unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool>(
+    args: &TmaArgs,
+    layout: &Layout,
+    rows: u32,
+    teams: Teams,
+) {
     let thread = arch::thread_index();
     let lane = thread % 32;
     let warpgroup = thread / WARPGROUP_THREADS;
+    let team = (thread / 32) / teams.warps;
+    let team_thread = thread % (32 * teams.warps);
+    // This warpgroup's 64 rows within the item's `W` box.
+    let rows_offset = (warpgroup % (rows / WARPGROUP_ROWS)) * WARPGROUP_ROWS;
+    let w_offset = rows_offset * 2 * TMA_K_BLOCK;
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
-    let staging = layout.staging.wrapping_add((warpgroup * 4 * N as u32) as usize);
+    let staging = layout.staging.wrapping_add((team * teams.warps * N as u32) as usize);
     let mut acc = [0.0f32; R];
     let mut turns = 0u32;
-    for (position, tile, col0) in Items::new(args, N as u32, warpgroup, CONSUMER_WARPGROUPS) {
-        // The mainloops take turns in item order: a warpgroup starts only once the other has
-        // issued all of the previous item's multiplies. Besides keeping one warpgroup on the
-        // tensor cores at a time, this keeps every stage wait within one lap of the ring (a
-        // parity wait cannot tell laps further apart). Warpgroup 0's first turn is free: a
-        // fresh barrier counts its (never run) previous phase as complete.
-        let parity = (turns & 1) ^ (warpgroup == 0) as u32;
-        unsafe { hopper::barrier_wait(layout.turn + 8 * warpgroup, parity) };
-        turns += 1;
+    for (position, tile, col0) in Items::new(args, N as u32, team, teams.count) {
+        // With two teams the mainloops take turns in item order: a team starts only once the
+        // other has issued all of the previous item's multiplies. Besides keeping one team on
+        // the tensor cores at a time, this keeps every stage wait within one lap of the ring
+        // (a parity wait cannot tell laps further apart). Team 0's first turn is free: a fresh
+        // barrier counts its (never run) previous phase as complete.
+        if teams.count > 1 {
+            let parity = (turns & 1) ^ (team == 0) as u32;
+            unsafe { hopper::barrier_wait(layout.turn + 8 * team, parity) };
+            turns += 1;
+        }
         // The producer fills stages in the block's item order, k-blocks within an item.
         let first = position * k_blocks;
         for k_block in 0..k_blocks {
             let iteration = first + k_block;
             let stage = iteration % layout.stages;
             let phase = (iteration / layout.stages) & 1;
-            let w = layout.lm_head + stage * TMA_LM_HEAD_STAGE_BYTES;
+            let w = layout.lm_head + stage * layout.lm_head_stage_bytes + w_offset;
             let h = layout.hidden + stage * layout.hidden_stage_bytes;
             unsafe {
                 hopper::barrier_wait(layout.full + 8 * stage, phase);
@@ -225,17 +260,18 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             }
         }
         unsafe {
-            if lane == 0 {
-                hopper::barrier_arrive(layout.turn + 8 * (CONSUMER_WARPGROUPS - 1 - warpgroup));
+            if teams.count > 1 && lane == 0 {
+                hopper::barrier_arrive(layout.turn + 8 * (teams.count - 1 - team));
             }
             hopper::wgmma_wait::<0>();
             if lane == 0 {
                 hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));
             }
         }
-        let place = Placement::new(thread % WARPGROUP_THREADS, tile, col0);
+        let place = Placement::new(team_thread, tile * rows + rows_offset, tile, col0);
         if FUSED {
-            unsafe { sample_epilogue::<N, R>(&acc, args, &place, staging, FIRST_WARPGROUP_BARRIER + warpgroup) };
+            let team_barrier = (FIRST_TEAM_BARRIER + team, 32 * teams.warps);
+            unsafe { sample_epilogue::<N, R>(&acc, args, &place, staging, team_barrier) };
         } else {
             unsafe { logits_epilogue::<N, R>(&acc, args, &place) };
         }
@@ -244,9 +280,9 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
 
 /// Where a consumer thread's transposed quads lie in the tile.
 struct Placement {
-    /// Thread index within the warpgroup.
+    /// Thread index within the team.
     thread: u32,
-    /// Warp index within the warpgroup.
+    /// Warp index within the team.
     warp: u32,
     lane: u32,
     tile: u32,
@@ -259,11 +295,12 @@ struct Placement {
 
 impl Placement {
     #[inline(always)]
-    fn new(thread: u32, tile: u32, col0: u32) -> Placement {
+    /// `thread` within the team; `first_row` = the first of this warpgroup's 64 rows.
+    fn new(thread: u32, first_row: u32, tile: u32, col0: u32) -> Placement {
         let warp = thread / 32;
         let lane = thread % 32;
         let quad = (lane / 4) % 4;
-        let row0 = tile * TMA_TILE_ROWS + warp * 16 + 4 * (lane / 16) + 8 * (quad / 2);
+        let row0 = first_row + (warp % 4) * 16 + 4 * (lane / 16) + 8 * (quad / 2);
         Placement { thread, warp, lane, tile, col0, row0, column: 2 * (lane % 4) + quad % 2 }
     }
 }
@@ -332,21 +369,21 @@ unsafe fn transpose_quad(quad: [f32; 4], lane: u32) -> [f32; 4] {
     v
 }
 
-/// Per draw: each thread scores its quads, lanes of one column merge, the warpgroup's four
-/// warps merge through `staging`, and one candidate per (column, draw) is written for this
-/// tile.
+/// Per draw: each thread scores its quads, lanes of one column merge, the team's warps merge
+/// through `staging`, and one candidate per (column, draw) is written for this tile.
 ///
 /// # Safety
-/// All threads of one consumer warpgroup call it together; `staging` holds `4 · N` candidates
-/// of this warpgroup; `barrier` is this warpgroup's named barrier.
+/// All threads of one team call it together; `staging` holds `warps · N` candidates of this
+/// team; `barrier` is the team's named barrier and its thread count.
 #[inline(always)]
 unsafe fn sample_epilogue<const N: usize, const R: usize>(
     acc: &[f32; R],
     args: &TmaArgs,
     place: &Placement,
     staging: *mut Candidate,
-    barrier: u32,
+    barrier: (u32, u32),
 ) {
+    let (barrier, threads) = barrier;
     let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
     let block = place.row0 / 4;
     for j in 0..args.samples {
@@ -368,21 +405,21 @@ unsafe fn sample_epilogue<const N: usize, const R: usize>(
             }
             tile_column += 1;
         }
-        unsafe { arch::sync_named(barrier, WARPGROUP_THREADS) };
+        unsafe { arch::sync_named(barrier, threads) };
         let mut column = place.thread;
         while column < N as u32 {
             let b = place.col0 + column;
             if b < args.batch {
                 let mut best = Candidate::NONE;
-                for w in 0..4 {
+                for w in 0..threads / 32 {
                     best = best.merge(unsafe { *staging.add((w * N as u32 + column) as usize) });
                 }
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + place.tile as u64;
                 unsafe { *(args.out as *mut Candidate).add(at as usize) = best };
             }
-            column += WARPGROUP_THREADS;
+            column += threads;
         }
-        unsafe { arch::sync_named(barrier, WARPGROUP_THREADS) };
+        unsafe { arch::sync_named(barrier, threads) };
     }
 }
 

@@ -2,16 +2,16 @@
 //! Ignored without a GPU; on the H200: `cargo xtask bundle`, then `run.sh` runs them with
 //! `--include-ignored`. χ² tests use α = 1e-3 and fixed seeds.
 
-use flashsample::{CudaSampler, DType, DeviceTokens, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, Variant};
+use flashsample::{CudaSampler, DType, DeviceTokens, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant};
 use flashsample_tests::*;
 
 const ALPHA: f64 = 1e-3;
 
 /// (variant, dtype, D): the tensor-core variants need 16-bit types and D % 8 == 0; D = 200
 /// leaves a partial 64-column chunk (mma) and a partial 64-element TMA box. Every width of
-/// both tensor-core tiles runs in BF16; F16 (which changes only the multiply instruction)
-/// runs every mma width and the narrowest and widest TMA tile. The SIMT variant runs every
-/// dtype at an odd D.
+/// the mma tile and of the ping-pong TMA tile runs in BF16, the cooperative TMA tile (same
+/// code, other schedule) at three widths; F16 (which changes only the multiply instruction)
+/// runs every mma width and two TMA tiles. The SIMT variant runs every dtype at an odd D.
 fn cases() -> Vec<(Variant, DType, usize)> {
     let mut cases = Vec::new();
     for columns in MMA_COLUMNS {
@@ -19,10 +19,13 @@ fn cases() -> Vec<(Variant, DType, usize)> {
         cases.push((Variant::Mma { columns }, DType::F16, 200));
     }
     for columns in TMA_COLUMNS {
-        cases.push((Variant::Tma { columns }, DType::BF16, 200));
+        cases.push((Variant::Tma { rows: 64, columns }, DType::BF16, 200));
     }
-    for columns in [8, 128] {
-        cases.push((Variant::Tma { columns }, DType::F16, 200));
+    for columns in [8, 64, 128] {
+        cases.push((Variant::Tma { rows: 128, columns }, DType::BF16, 200));
+    }
+    for (rows, columns) in [(64, 8), (128, 128)] {
+        cases.push((Variant::Tma { rows, columns }, DType::F16, 200));
     }
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         cases.push((Variant::Simt, dtype, 199));
@@ -130,7 +133,8 @@ fn identical_rows_draw_independently() {
 fn unfused_pipeline_gives_the_same_tokens() {
     let sampler = CudaSampler::new().unwrap();
     let variants = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
-    for variant in variants.into_iter().chain(TMA_COLUMNS.map(|columns| Variant::Tma { columns })) {
+    let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
+    for variant in variants.into_iter().chain(tma) {
         let w = random_matrix(3001, 136, DType::BF16, 0.3, 71);
         let h = random_matrix(45, 136, DType::BF16, 1.0, 72);
         let params: Vec<SamplingParams> =
@@ -165,8 +169,9 @@ fn draws_do_not_depend_on_how_many_are_asked_for() {
     }
 }
 
-/// The dispatcher picks the tile width from B, so a row's token must not depend on it: every
-/// width of one tile family sums each logit in the same order and gives identical tokens.
+/// The dispatcher picks the tile from B, so a row's token must not depend on it: every width
+/// (and item height) of one tile family sums each logit in the same order and gives identical
+/// tokens.
 /// (The two families sum in different orders; near-ties between them are covered by the CPU
 /// comparison's tolerance.)
 #[test]
@@ -177,7 +182,7 @@ fn tile_width_does_not_change_tokens() {
     let params = params_for(130, 1.0, 93);
     let families = [
         MMA_COLUMNS.map(|columns| Variant::Mma { columns }).to_vec(),
-        TMA_COLUMNS.map(|columns| Variant::Tma { columns }).to_vec(),
+        TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns })).collect(),
     ];
     for family in families {
         let reference = Cuda::new(family[0]).sample(&w, &h, &params, 4).unwrap();

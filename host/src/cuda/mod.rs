@@ -17,11 +17,11 @@ use cust::memory::{CopyDestination, DeviceBuffer, DeviceCopy};
 use cust::module::Module;
 use cust::stream::{Stream, StreamFlags};
 use cust::sys as raw;
+pub use flashsample_core::abi::TMA_ITEM_ROWS;
 use flashsample_core::abi::{
     FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, N_TILE,
     REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TENSOR_MAP_BYTES, TILE_ROWS,
-    TMA_K_BLOCK, TMA_THREADS, TMA_TILE_ROWS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes,
-    tma_shared_bytes,
+    TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_shared_bytes,
 };
 use flashsample_core::{Candidate, RowParams};
 
@@ -51,9 +51,9 @@ pub enum Variant {
     Auto,
     /// Register-direct `mma.sync` tile with 8, 16 or 32 batch columns (BF16/F16, `D % 8 == 0`).
     Mma { columns: u32 },
-    /// TMA + `wgmma` tile (sm_90) with 8, 16, 32, 64 or 128 batch columns (BF16/F16,
-    /// `D % 8 == 0`).
-    Tma { columns: u32 },
+    /// TMA + `wgmma` tile (sm_90) on items of `rows` (64: ping-pong warpgroups; 128: both
+    /// warpgroups on one item) × `columns` (8, 16, 32, 64 or 128); BF16/F16, `D % 8 == 0`.
+    Tma { rows: u32, columns: u32 },
     /// CUDA-core tile, any dtype and any D.
     Simt,
 }
@@ -72,14 +72,20 @@ impl Variant {
         };
         match self {
             Variant::Auto if !tensor_cores => Ok(Variant::Simt),
-            Variant::Auto => {
-                Ok(Variant::Tma { columns: TMA_COLUMNS.into_iter().find(|&c| c as usize >= batch).unwrap_or(128) })
-            }
+            Variant::Auto => Ok(Variant::Tma {
+                rows: 64,
+                columns: TMA_COLUMNS.into_iter().find(|&c| c as usize >= batch).unwrap_or(128),
+            }),
             Variant::Mma { columns } if !MMA_COLUMNS.contains(&columns) => {
                 Err(invalid("variant", format!("Mma {{ columns: {columns} }}: columns must be 8, 16 or 32")))
             }
-            Variant::Tma { columns } if !TMA_COLUMNS.contains(&columns) => {
-                Err(invalid("variant", format!("Tma {{ columns: {columns} }}: columns must be 8, 16, 32, 64 or 128")))
+            Variant::Tma { rows, columns } if !TMA_ITEM_ROWS.contains(&rows) || !TMA_COLUMNS.contains(&columns) => {
+                Err(invalid(
+                    "variant",
+                    format!(
+                        "Tma {{ rows: {rows}, columns: {columns} }}: rows must be 64 or 128, columns 8, 16, 32, 64 or 128"
+                    ),
+                ))
             }
             Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
             Variant::Tma { .. } if !tensor_cores => needs_tensor_cores("TMA"),
@@ -89,7 +95,7 @@ impl Variant {
 
     fn columns(self) -> u32 {
         match self {
-            Variant::Mma { columns } | Variant::Tma { columns } => columns,
+            Variant::Mma { columns } | Variant::Tma { columns, .. } => columns,
             _ => N_TILE,
         }
     }
@@ -97,7 +103,7 @@ impl Variant {
     /// Vocabulary rows per stage-1 work item (one candidate per row, draw and such tile).
     fn tile_rows(self) -> u32 {
         match self {
-            Variant::Tma { .. } => TMA_TILE_ROWS,
+            Variant::Tma { rows, .. } => rows,
             _ => TILE_ROWS,
         }
     }
@@ -116,7 +122,8 @@ fn launch_shape(name: &str) -> (u32, u32) {
         name.rsplit_once("_n").and_then(|(_, c)| c.parse().ok()).expect("kernel names end in _n<columns>")
     };
     if name.contains("_tma_") {
-        return (TMA_THREADS, tma_shared_bytes(columns(name)));
+        let rows = name.split("_m").nth(1).and_then(|r| r.split('_').next()).and_then(|r| r.parse().ok());
+        return (TMA_THREADS, tma_shared_bytes(rows.expect("TMA kernel names hold _m<rows>_"), columns(name)));
     }
     if let Some(columns) = name.strip_prefix("fused_").and_then(|n| n.rsplit_once("_n")).map(|(_, c)| c) {
         return (stage1, fused_mma_shared_bytes(columns.parse().expect("kernel names end in _n<columns>")));
@@ -134,7 +141,8 @@ fn launch_shape(name: &str) -> (u32, u32) {
 pub struct CudaLmHead {
     buffer: DeviceBuffer<u8>,
     shape: HeadShape,
-    /// The TMA descriptor (boxes of `TMA_TILE_ROWS` rows), when the TMA kernels can read it.
+    /// TMA descriptors, one per item height of `TMA_ITEM_ROWS` (boxes of that many rows),
+    /// when the TMA kernels can read `W`.
     tensor_map: Option<DeviceBuffer<u64>>,
 }
 
@@ -493,7 +501,7 @@ impl CudaSampler {
         let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let name = fused_kernel_name(shape.dtype, variant);
         let maps = match variant {
-            Variant::Tma { columns } => Some(tma_maps(lm_head, hidden, columns)?),
+            Variant::Tma { rows, columns } => Some(tma_maps(lm_head, hidden, rows, columns)?),
             _ => None,
         };
         self.run_passes(hidden, rows, samples, tiles, tokens, |pass| {
@@ -561,8 +569,8 @@ impl CudaSampler {
         let name = logits_kernel_name(shape.dtype, variant);
         let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
-        if let Variant::Tma { columns } = variant {
-            let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, columns)?;
+        if let Variant::Tma { rows, columns } = variant {
+            let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, rows, columns)?;
             let gemm = TmaArgs {
                 lm_head_map,
                 hidden_map,
@@ -747,7 +755,7 @@ impl CudaSampler {
 
     fn lm_head_from(&self, buffer: DeviceBuffer<u8>, shape: HeadShape) -> Result<CudaLmHead> {
         let address = buffer.as_device_ptr().as_raw();
-        let tensor_map = tensor_maps("lm_head", address, shape.vocab, shape.dim, shape.dtype, &[TMA_TILE_ROWS])?;
+        let tensor_map = tensor_maps("lm_head", address, shape.vocab, shape.dim, shape.dtype, &TMA_ITEM_ROWS)?;
         Ok(CudaLmHead { buffer, shape, tensor_map })
     }
 
@@ -833,12 +841,17 @@ fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
     }
 }
 
-/// The device addresses of `W`'s tensor map and of `H`'s map for `columns`-row boxes.
-fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, columns: u32) -> Result<(u64, u64)> {
-    let lm_head_map = lm_head.tensor_map.as_ref().ok_or_else(|| missing_tensor_map("lm_head"))?;
+/// The device addresses of `W`'s tensor map for `rows`-row boxes and of `H`'s map for
+/// `columns`-row boxes.
+fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, rows: u32, columns: u32) -> Result<(u64, u64)> {
+    let lm_head_maps = lm_head.tensor_map.as_ref().ok_or_else(|| missing_tensor_map("lm_head"))?;
     let hidden_maps = hidden.tensor_maps.as_ref().ok_or_else(|| missing_tensor_map("hidden"))?;
-    let index = TMA_COLUMNS.iter().position(|&c| c == columns).expect("Variant::resolve checked the width");
-    Ok((lm_head_map.as_device_ptr().as_raw(), hidden_maps.as_device_ptr().as_raw() + (index * TENSOR_MAP_BYTES) as u64))
+    let row_index = TMA_ITEM_ROWS.iter().position(|&r| r == rows).expect("Variant::resolve checked the height");
+    let column_index = TMA_COLUMNS.iter().position(|&c| c == columns).expect("Variant::resolve checked the width");
+    Ok((
+        lm_head_maps.as_device_ptr().as_raw() + (row_index * TENSOR_MAP_BYTES) as u64,
+        hidden_maps.as_device_ptr().as_raw() + (column_index * TENSOR_MAP_BYTES) as u64,
+    ))
 }
 
 fn fused_kernel_name(dtype: DType, variant: Variant) -> &'static str {
@@ -850,16 +863,26 @@ fn fused_kernel_name(dtype: DType, variant: Variant) -> &'static str {
         (DType::F16, Variant::Mma { columns: 8 }) => "fused_f16_n8",
         (DType::F16, Variant::Mma { columns: 16 }) => "fused_f16_n16",
         (DType::F16, Variant::Mma { columns: 32 }) => "fused_f16_n32",
-        (DType::BF16, Variant::Tma { columns: 8 }) => "fused_tma_bf16_n8",
-        (DType::BF16, Variant::Tma { columns: 16 }) => "fused_tma_bf16_n16",
-        (DType::BF16, Variant::Tma { columns: 32 }) => "fused_tma_bf16_n32",
-        (DType::BF16, Variant::Tma { columns: 64 }) => "fused_tma_bf16_n64",
-        (DType::BF16, Variant::Tma { columns: 128 }) => "fused_tma_bf16_n128",
-        (DType::F16, Variant::Tma { columns: 8 }) => "fused_tma_f16_n8",
-        (DType::F16, Variant::Tma { columns: 16 }) => "fused_tma_f16_n16",
-        (DType::F16, Variant::Tma { columns: 32 }) => "fused_tma_f16_n32",
-        (DType::F16, Variant::Tma { columns: 64 }) => "fused_tma_f16_n64",
-        (DType::F16, Variant::Tma { columns: 128 }) => "fused_tma_f16_n128",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 8 }) => "fused_tma_bf16_m64_n8",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 16 }) => "fused_tma_bf16_m64_n16",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 32 }) => "fused_tma_bf16_m64_n32",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 64 }) => "fused_tma_bf16_m64_n64",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 128 }) => "fused_tma_bf16_m64_n128",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 8 }) => "fused_tma_bf16_m128_n8",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 16 }) => "fused_tma_bf16_m128_n16",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 32 }) => "fused_tma_bf16_m128_n32",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 64 }) => "fused_tma_bf16_m128_n64",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 128 }) => "fused_tma_bf16_m128_n128",
+        (DType::F16, Variant::Tma { rows: 64, columns: 8 }) => "fused_tma_f16_m64_n8",
+        (DType::F16, Variant::Tma { rows: 64, columns: 16 }) => "fused_tma_f16_m64_n16",
+        (DType::F16, Variant::Tma { rows: 64, columns: 32 }) => "fused_tma_f16_m64_n32",
+        (DType::F16, Variant::Tma { rows: 64, columns: 64 }) => "fused_tma_f16_m64_n64",
+        (DType::F16, Variant::Tma { rows: 64, columns: 128 }) => "fused_tma_f16_m64_n128",
+        (DType::F16, Variant::Tma { rows: 128, columns: 8 }) => "fused_tma_f16_m128_n8",
+        (DType::F16, Variant::Tma { rows: 128, columns: 16 }) => "fused_tma_f16_m128_n16",
+        (DType::F16, Variant::Tma { rows: 128, columns: 32 }) => "fused_tma_f16_m128_n32",
+        (DType::F16, Variant::Tma { rows: 128, columns: 64 }) => "fused_tma_f16_m128_n64",
+        (DType::F16, Variant::Tma { rows: 128, columns: 128 }) => "fused_tma_f16_m128_n128",
         _ => unreachable!("Variant::resolve returns only the widths listed here"),
     }
 }
@@ -880,16 +903,26 @@ fn logits_kernel_name(dtype: DType, variant: Variant) -> &'static str {
         (DType::F16, Variant::Mma { columns: 8 }) => "logits_gemm_f16_n8",
         (DType::F16, Variant::Mma { columns: 16 }) => "logits_gemm_f16_n16",
         (DType::F16, Variant::Mma { columns: 32 }) => "logits_gemm_f16_n32",
-        (DType::BF16, Variant::Tma { columns: 8 }) => "logits_tma_bf16_n8",
-        (DType::BF16, Variant::Tma { columns: 16 }) => "logits_tma_bf16_n16",
-        (DType::BF16, Variant::Tma { columns: 32 }) => "logits_tma_bf16_n32",
-        (DType::BF16, Variant::Tma { columns: 64 }) => "logits_tma_bf16_n64",
-        (DType::BF16, Variant::Tma { columns: 128 }) => "logits_tma_bf16_n128",
-        (DType::F16, Variant::Tma { columns: 8 }) => "logits_tma_f16_n8",
-        (DType::F16, Variant::Tma { columns: 16 }) => "logits_tma_f16_n16",
-        (DType::F16, Variant::Tma { columns: 32 }) => "logits_tma_f16_n32",
-        (DType::F16, Variant::Tma { columns: 64 }) => "logits_tma_f16_n64",
-        (DType::F16, Variant::Tma { columns: 128 }) => "logits_tma_f16_n128",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 8 }) => "logits_tma_bf16_m64_n8",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 16 }) => "logits_tma_bf16_m64_n16",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 32 }) => "logits_tma_bf16_m64_n32",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 64 }) => "logits_tma_bf16_m64_n64",
+        (DType::BF16, Variant::Tma { rows: 64, columns: 128 }) => "logits_tma_bf16_m64_n128",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 8 }) => "logits_tma_bf16_m128_n8",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 16 }) => "logits_tma_bf16_m128_n16",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 32 }) => "logits_tma_bf16_m128_n32",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 64 }) => "logits_tma_bf16_m128_n64",
+        (DType::BF16, Variant::Tma { rows: 128, columns: 128 }) => "logits_tma_bf16_m128_n128",
+        (DType::F16, Variant::Tma { rows: 64, columns: 8 }) => "logits_tma_f16_m64_n8",
+        (DType::F16, Variant::Tma { rows: 64, columns: 16 }) => "logits_tma_f16_m64_n16",
+        (DType::F16, Variant::Tma { rows: 64, columns: 32 }) => "logits_tma_f16_m64_n32",
+        (DType::F16, Variant::Tma { rows: 64, columns: 64 }) => "logits_tma_f16_m64_n64",
+        (DType::F16, Variant::Tma { rows: 64, columns: 128 }) => "logits_tma_f16_m64_n128",
+        (DType::F16, Variant::Tma { rows: 128, columns: 8 }) => "logits_tma_f16_m128_n8",
+        (DType::F16, Variant::Tma { rows: 128, columns: 16 }) => "logits_tma_f16_m128_n16",
+        (DType::F16, Variant::Tma { rows: 128, columns: 32 }) => "logits_tma_f16_m128_n32",
+        (DType::F16, Variant::Tma { rows: 128, columns: 64 }) => "logits_tma_f16_m128_n64",
+        (DType::F16, Variant::Tma { rows: 128, columns: 128 }) => "logits_tma_f16_m128_n128",
         _ => unreachable!("the unfused pipeline takes resolved BF16/F16 mma and TMA variants only"),
     }
 }
@@ -902,10 +935,9 @@ mod tests {
     #[test]
     fn dispatched_kernel_names_are_loaded_kernels() {
         for dtype in [DType::BF16, DType::F16] {
-            let variants = MMA_COLUMNS
-                .map(|columns| Variant::Mma { columns })
-                .into_iter()
-                .chain(TMA_COLUMNS.map(|columns| Variant::Tma { columns }));
+            let variants = MMA_COLUMNS.map(|columns| Variant::Mma { columns }).into_iter().chain(
+                TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns })),
+            );
             for variant in variants {
                 assert!(KERNELS.contains(&fused_kernel_name(dtype, variant)));
                 assert!(KERNELS.contains(&logits_kernel_name(dtype, variant)));

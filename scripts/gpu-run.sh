@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [smoke] [tests] [demo] [bench] [ncu]   (none named = all but smoke)
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [demo] [bench] [ncu]
+# (none named = tests demo bench ncu). `quick` runs the three GPU tests that exercise every
+# kernel variant (CPU agreement, unfused = fused, tile width); `smoke` adds a short benchmark
+# of every variant on the two headline shapes.
 # Logs and CSVs go to OUT; a summary table is printed last.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,13 +30,14 @@ for stage in $stages; do
         done
         grep -E "test result|FAILED|panicked|chi2|disagreements|agree in" "$out/gpu-tests.log" | tail -40
         ;;
-    smoke)
-        # A quick look at every variant before the long tests: CPU agreement and the unfused
-        # pipeline, then one timing pass of the two headline shapes.
-        step smoke-tests timeout 180 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused tile_width >> "$out/smoke.log" 2>&1
+    quick|smoke)
+        step quick-tests timeout 120 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused tile_width >> "$out/smoke.log" 2>&1
         grep -E "test result|FAILED|panicked" "$out/smoke.log" | tail -10
+        ;;&
+    smoke)
         step smoke-bench timeout 240 bash -c "'$here/flashsample' bench --out '$out/smoke-bench' --shapes 4096x151936,8192x128256 --all-variants --runs 20 >> '$out/smoke.log' 2>&1"
         ;;
+    quick) ;;
     demo) step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
     bench)
         step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/bench.log' 2>&1"

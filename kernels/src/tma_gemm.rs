@@ -9,12 +9,19 @@
 //! producer streams every item's `⌈dim / 64⌉` stages in that order, each a `ROWS` × 64 box of
 //! `W` and an `N` × 64 box of `H` in the 128-byte swizzled layout `wgmma` reads. A stage is
 //! full when its TMA bytes land (`full` barrier, one arrival + bytes) and free again when all
-//! the warps that read it are done (`empty` barrier, one arrival per warp). Two schedules:
+//! the threads that read it are done (`empty` barrier, one arrival per thread). Two schedules:
 //! - `ROWS = 64`, ping-pong: the block's items alternate between the two warpgroups, which
 //!   take turns on the mainloop (`turn` barriers), so one multiplies while the other runs the
 //!   epilogue of its previous item;
 //! - `ROWS = 128`, cooperative: both warpgroups multiply every item (64 rows each), then both
 //!   run the epilogue; each byte of `H` staged serves twice the rows of `W`.
+//!
+//! Architecture Invariant: no lane-dependent branch sits next to a `.sync.aligned` op
+//! (`wgmma.*`, `setmaxnreg`): every consumer thread arrives on the barriers itself instead of
+//! one lane per warp. LLVM does not know inline asm is convergent; given `if lane == 0
+//! { arrive }` around `wgmma.wait_group` it duplicated the wait into both branches, so lane 0
+//! and the other lanes ran different instances of an aligned op and the warp hung (seen on
+//! the H200). `cargo xtask build-kernels` checks that each such op appears once per kernel.
 //!
 //! Architecture Invariant: the accumulator layout of `wgmma` m64nN (thread `4g + t` of warp
 //! `w` holds rows `16w + g` and `16w + g + 8`, columns `8j + 2t` and `8j + 2t + 1`) is turned
@@ -109,11 +116,11 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
         for s in 0..layout.stages {
             unsafe {
                 hopper::barrier_init(layout.full + 8 * s, 1);
-                hopper::barrier_init(layout.empty + 8 * s, teams.warps);
+                hopper::barrier_init(layout.empty + 8 * s, 32 * teams.warps);
             }
         }
         for w in 0..CONSUMER_WARPGROUPS {
-            unsafe { hopper::barrier_init(layout.turn + 8 * w, 4) };
+            unsafe { hopper::barrier_init(layout.turn + 8 * w, WARPGROUP_THREADS) };
         }
         unsafe { hopper::fence_barrier_init() };
     }
@@ -212,7 +219,6 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     teams: Teams,
 ) {
     let thread = arch::thread_index();
-    let lane = thread % 32;
     let warpgroup = thread / WARPGROUP_THREADS;
     let team = (thread / 32) / teams.warps;
     let team_thread = thread % (32 * teams.warps);
@@ -254,19 +260,17 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                 hopper::wgmma_commit();
                 // The previous stage's group is done once at most this one is pending.
                 hopper::wgmma_wait::<1>();
-                if k_block > 0 && lane == 0 {
+                if k_block > 0 {
                     hopper::barrier_arrive(layout.empty + 8 * ((iteration - 1) % layout.stages));
                 }
             }
         }
         unsafe {
-            if teams.count > 1 && lane == 0 {
+            if teams.count > 1 {
                 hopper::barrier_arrive(layout.turn + 8 * (teams.count - 1 - team));
             }
             hopper::wgmma_wait::<0>();
-            if lane == 0 {
-                hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));
-            }
+            hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));
         }
         let place = Placement::new(team_thread, tile * rows + rows_offset, tile, col0);
         if FUSED {

@@ -33,6 +33,7 @@ pub fn build(options: &Options) -> Result<(), String> {
     }
     let destination = root.join(EMBEDDED_PTX);
     let fresh = std::fs::read_to_string(&ptx).map_err(|e| format!("cannot read {}: {e}", ptx.display()))?;
+    check_aligned_ops_not_duplicated(&fresh)?;
     if options.check {
         let committed = std::fs::read_to_string(&destination).unwrap_or_default();
         if committed != fresh {
@@ -46,6 +47,42 @@ pub fn build(options: &Options) -> Result<(), String> {
         println!("wrote {EMBEDDED_PTX} ({} kernels, {} bytes)", count_entries(&fresh), fresh.len());
     }
     Ok(())
+}
+
+/// Warpgroup-collective `.sync.aligned` ops that the TMA kernels write once each: every thread
+/// of the warpgroup must execute the same instance. LLVM treats inline asm as ordinary code
+/// and may duplicate it into both arms of a branch (it did, around `if lane == 0`), which
+/// compiles but hangs on the GPU; a second copy in one kernel is that bug.
+const ALIGNED_OPS_WRITTEN_ONCE: [&str; 5] = [
+    "wgmma.commit_group.sync.aligned",
+    "wgmma.wait_group.sync.aligned 0",
+    "wgmma.wait_group.sync.aligned 1",
+    "setmaxnreg.dec.sync.aligned",
+    "setmaxnreg.inc.sync.aligned",
+];
+
+fn check_aligned_ops_not_duplicated(ptx: &str) -> Result<(), String> {
+    let mut problems = Vec::new();
+    for entry in ptx.split(".visible .entry ").skip(1) {
+        let name = entry.split('(').next().unwrap_or("");
+        if !name.contains("_tma_") {
+            continue;
+        }
+        for op in ALIGNED_OPS_WRITTEN_ONCE {
+            let copies = entry.lines().filter(|l| l.trim_start().starts_with(op)).count();
+            if copies != 1 {
+                problems.push(format!("{name}: `{op}` appears {copies} times (expected once)"));
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "warpgroup-aligned ops duplicated or missing (see ALIGNED_OPS_WRITTEN_ONCE):\n{}",
+            problems.join("\n")
+        ))
+    }
 }
 
 fn count_entries(ptx: &str) -> usize {

@@ -136,6 +136,29 @@ pub fn write_csv(path: &Path, rows: &[Row], dtype: DType) -> Result<()> {
     std::fs::write(path, out).map_err(|e| file_error(path, e))
 }
 
+/// Reads rows back from a CSV written by [`write_csv`] (`flashsample report` re-renders a
+/// GPU run's report and plot on any machine). Only the median is kept.
+pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(path, e))?;
+    let mut rows = Vec::new();
+    for (number, line) in text.lines().enumerate().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        let parse = |i: usize| f.get(i).and_then(|s| s.trim().parse::<usize>().ok());
+        let median = f.get(4).and_then(|s| s.trim().parse::<f64>().ok());
+        match (parse(0), parse(1), parse(2), f.get(3), median, parse(7)) {
+            (Some(dim), Some(vocab), Some(batch), Some(name), Some(us), Some(runs)) => rows.push(Row {
+                dim,
+                vocab,
+                batch,
+                variant: name.to_string(),
+                timing: Timing { median_us: us, min_us: us, max_us: us, runs },
+            }),
+            _ => return Err(file_error(path, format!("line {}: not a bench.csv row", number + 1))),
+        }
+    }
+    Ok(rows)
+}
+
 /// One peer timing from `scripts/peers.py` (`cublas_gemm` or `torch_sample`).
 #[derive(Clone, Debug)]
 pub struct PeerTiming {
@@ -300,6 +323,18 @@ mod tests {
             variant: variant.into(),
             timing: Timing { median_us: us, min_us: us, max_us: us, runs: 1 },
         }
+    }
+
+    /// A written CSV reads back to the same points.
+    #[test]
+    fn csv_round_trips() {
+        let rows = vec![row(0, "read_floor", 10.0), row(8, "fused_sample@tma_m64_n8", 13.25)];
+        let path = std::env::temp_dir().join(format!("flashsample-csv-{}.csv", std::process::id()));
+        write_csv(&path, &rows, DType::BF16).unwrap();
+        let back = read_csv(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(back.len(), 2);
+        assert_eq!((back[1].batch, back[1].variant.as_str(), back[1].timing.median_us), (8, "fused_sample@tma_m64_n8", 13.25));
     }
 
     /// The plot renders with the embedded font alone, and the report lists every batch.

@@ -83,6 +83,20 @@ enum Command {
         #[arg(long)]
         all_variants: bool,
     },
+    /// Re-render report.md and bench.png from a bench run's CSVs (no GPU needed).
+    Report {
+        /// bench.csv written by `flashsample bench`.
+        #[arg(long)]
+        bench: PathBuf,
+        /// peers.csv from scripts/peers.py.
+        #[arg(long)]
+        peers: Option<PathBuf>,
+        /// Folder for report.md and bench.png.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "bf16")]
+        dtype: DTypeArg,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -119,6 +133,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Demo => demo(),
+        Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
         Command::Bench { out, shapes, batches, dtype, warmup, runs, peers, all_variants } => {
             let options = |shapes| flashsample::bench::Options {
                 shapes,
@@ -256,6 +271,22 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
         unfused_time.median_us / fused_time.median_us
     );
     sampler.close()
+}
+
+fn report(bench: &std::path::Path, peers: Option<&std::path::Path>, out: &std::path::Path, dtype: DType) -> Result<()> {
+    let rows = flashsample::bench::read_csv(bench)?;
+    let peers = match peers {
+        Some(path) => flashsample::bench::read_peers(path)?,
+        None => Vec::new(),
+    };
+    std::fs::create_dir_all(out)
+        .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    flashsample::bench::plot(&out.join("bench.png"), &rows, &peers)?;
+    let report = flashsample::bench::report(&rows, &peers, dtype);
+    std::fs::write(out.join("report.md"), &report)
+        .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    println!("{report}");
+    Ok(())
 }
 
 fn bench(

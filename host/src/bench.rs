@@ -334,7 +334,10 @@ mod tests {
         let back = read_csv(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         assert_eq!(back.len(), 2);
-        assert_eq!((back[1].batch, back[1].variant.as_str(), back[1].timing.median_us), (8, "fused_sample@tma_m64_n8", 13.25));
+        assert_eq!(
+            (back[1].batch, back[1].variant.as_str(), back[1].timing.median_us),
+            (8, "fused_sample@tma_m64_n8", 13.25)
+        );
     }
 
     /// The plot renders with the embedded font alone, and the report lists every batch.

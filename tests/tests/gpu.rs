@@ -86,13 +86,19 @@ fn chi_square_v131071_f32_4m_draws() {
     check_distribution(&Cuda::new(Variant::Auto), &w, &h, 1.0, 1 << 22, 46, ALPHA);
 }
 
+/// Every variant against the exact distribution at 262,144 draws (1M draws each took the test
+/// binary past its time limit with 19 variants). The target is a variant-specific bug (wrong
+/// rows, columns or temperature): the scaled logits here have a standard deviation near 1.2,
+/// so a 10 % temperature error shifts χ² by about N·Var(0.1·z·1.2) ≈ 3,800 against a standard
+/// deviation of about 450 (an estimate, ≈ 8σ). The dispatched variant gets 4M draws above, and
+/// `tile_width_does_not_change_tokens` shows the widths of a family draw identical tokens.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn chi_square_every_variant_1m_draws() {
+fn chi_square_every_variant_256k_draws() {
     for (variant, dtype, dim) in cases() {
         let w = random_matrix(131_071, dim, dtype, 0.2, 51);
         let h = random_matrix(1, dim, dtype, 1.0, 52);
-        check_distribution(&Cuda::new(variant), &w, &h, 0.8, 1 << 20, 53, ALPHA);
+        check_distribution(&Cuda::new(variant), &w, &h, 0.8, 1 << 18, 53, ALPHA);
     }
 }
 

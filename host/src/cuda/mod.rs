@@ -499,7 +499,7 @@ impl CudaSampler {
         let shape = lm_head.shape;
         let variant = variant.resolve(shape.dtype, shape.dim, hidden.rows)?;
         let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
-        let name = fused_kernel_name(shape.dtype, variant);
+        let name = kernel_name(Stage1::Fused, shape.dtype, variant);
         let maps = match variant {
             Variant::Tma { rows, columns } => Some(tma_maps(lm_head, hidden, rows, columns)?),
             _ => None,
@@ -566,7 +566,7 @@ impl CudaSampler {
         };
         let stride = shape.vocab.next_multiple_of(4);
         let logits = ensure(&mut self.workspace.borrow_mut().logits, hidden.rows * stride, "logits")?;
-        let name = logits_kernel_name(shape.dtype, variant);
+        let name = kernel_name(Stage1::Logits, shape.dtype, variant);
         let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
         if let Variant::Tma { rows, columns } = variant {
@@ -854,77 +854,32 @@ fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, rows: u32, columns: u32) 
     ))
 }
 
-fn fused_kernel_name(dtype: DType, variant: Variant) -> &'static str {
-    match (dtype, variant) {
-        (DType::F32, _) | (_, Variant::Simt) => simt_kernel_name(dtype),
-        (DType::BF16, Variant::Mma { columns: 8 }) => "fused_bf16_n8",
-        (DType::BF16, Variant::Mma { columns: 16 }) => "fused_bf16_n16",
-        (DType::BF16, Variant::Mma { columns: 32 }) => "fused_bf16_n32",
-        (DType::F16, Variant::Mma { columns: 8 }) => "fused_f16_n8",
-        (DType::F16, Variant::Mma { columns: 16 }) => "fused_f16_n16",
-        (DType::F16, Variant::Mma { columns: 32 }) => "fused_f16_n32",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 8 }) => "fused_tma_bf16_m64_n8",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 16 }) => "fused_tma_bf16_m64_n16",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 32 }) => "fused_tma_bf16_m64_n32",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 64 }) => "fused_tma_bf16_m64_n64",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 128 }) => "fused_tma_bf16_m64_n128",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 8 }) => "fused_tma_bf16_m128_n8",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 16 }) => "fused_tma_bf16_m128_n16",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 32 }) => "fused_tma_bf16_m128_n32",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 64 }) => "fused_tma_bf16_m128_n64",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 128 }) => "fused_tma_bf16_m128_n128",
-        (DType::F16, Variant::Tma { rows: 64, columns: 8 }) => "fused_tma_f16_m64_n8",
-        (DType::F16, Variant::Tma { rows: 64, columns: 16 }) => "fused_tma_f16_m64_n16",
-        (DType::F16, Variant::Tma { rows: 64, columns: 32 }) => "fused_tma_f16_m64_n32",
-        (DType::F16, Variant::Tma { rows: 64, columns: 64 }) => "fused_tma_f16_m64_n64",
-        (DType::F16, Variant::Tma { rows: 64, columns: 128 }) => "fused_tma_f16_m64_n128",
-        (DType::F16, Variant::Tma { rows: 128, columns: 8 }) => "fused_tma_f16_m128_n8",
-        (DType::F16, Variant::Tma { rows: 128, columns: 16 }) => "fused_tma_f16_m128_n16",
-        (DType::F16, Variant::Tma { rows: 128, columns: 32 }) => "fused_tma_f16_m128_n32",
-        (DType::F16, Variant::Tma { rows: 128, columns: 64 }) => "fused_tma_f16_m128_n64",
-        (DType::F16, Variant::Tma { rows: 128, columns: 128 }) => "fused_tma_f16_m128_n128",
-        _ => unreachable!("Variant::resolve returns only the widths listed here"),
-    }
+/// What a stage-1 kernel writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage1 {
+    /// Candidates (fused sampling).
+    Fused,
+    /// f32 logits (the unfused pipeline's GEMM).
+    Logits,
 }
 
-fn simt_kernel_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "fused_simt_f32",
-        DType::BF16 => "fused_simt_bf16",
-        DType::F16 => "fused_simt_f16",
-    }
-}
-
-fn logits_kernel_name(dtype: DType, variant: Variant) -> &'static str {
-    match (dtype, variant) {
-        (DType::BF16, Variant::Mma { columns: 8 }) => "logits_gemm_bf16_n8",
-        (DType::BF16, Variant::Mma { columns: 16 }) => "logits_gemm_bf16_n16",
-        (DType::BF16, Variant::Mma { columns: 32 }) => "logits_gemm_bf16_n32",
-        (DType::F16, Variant::Mma { columns: 8 }) => "logits_gemm_f16_n8",
-        (DType::F16, Variant::Mma { columns: 16 }) => "logits_gemm_f16_n16",
-        (DType::F16, Variant::Mma { columns: 32 }) => "logits_gemm_f16_n32",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 8 }) => "logits_tma_bf16_m64_n8",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 16 }) => "logits_tma_bf16_m64_n16",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 32 }) => "logits_tma_bf16_m64_n32",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 64 }) => "logits_tma_bf16_m64_n64",
-        (DType::BF16, Variant::Tma { rows: 64, columns: 128 }) => "logits_tma_bf16_m64_n128",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 8 }) => "logits_tma_bf16_m128_n8",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 16 }) => "logits_tma_bf16_m128_n16",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 32 }) => "logits_tma_bf16_m128_n32",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 64 }) => "logits_tma_bf16_m128_n64",
-        (DType::BF16, Variant::Tma { rows: 128, columns: 128 }) => "logits_tma_bf16_m128_n128",
-        (DType::F16, Variant::Tma { rows: 64, columns: 8 }) => "logits_tma_f16_m64_n8",
-        (DType::F16, Variant::Tma { rows: 64, columns: 16 }) => "logits_tma_f16_m64_n16",
-        (DType::F16, Variant::Tma { rows: 64, columns: 32 }) => "logits_tma_f16_m64_n32",
-        (DType::F16, Variant::Tma { rows: 64, columns: 64 }) => "logits_tma_f16_m64_n64",
-        (DType::F16, Variant::Tma { rows: 64, columns: 128 }) => "logits_tma_f16_m64_n128",
-        (DType::F16, Variant::Tma { rows: 128, columns: 8 }) => "logits_tma_f16_m128_n8",
-        (DType::F16, Variant::Tma { rows: 128, columns: 16 }) => "logits_tma_f16_m128_n16",
-        (DType::F16, Variant::Tma { rows: 128, columns: 32 }) => "logits_tma_f16_m128_n32",
-        (DType::F16, Variant::Tma { rows: 128, columns: 64 }) => "logits_tma_f16_m128_n64",
-        (DType::F16, Variant::Tma { rows: 128, columns: 128 }) => "logits_tma_f16_m128_n128",
-        _ => unreachable!("the unfused pipeline takes resolved BF16/F16 mma and TMA variants only"),
-    }
+/// The entry point that runs `variant` for `dtype`, as named in `kernels/src/lib.rs`. Only
+/// resolved variants come here; the unfused pipeline has no SIMT or f32 GEMM.
+fn kernel_name(stage: Stage1, dtype: DType, variant: Variant) -> &'static str {
+    let element = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+    };
+    let name = match (stage, variant) {
+        (Stage1::Fused, Variant::Simt) => format!("fused_simt_{element}"),
+        (Stage1::Fused, Variant::Mma { columns }) => format!("fused_{element}_n{columns}"),
+        (Stage1::Logits, Variant::Mma { columns }) => format!("logits_gemm_{element}_n{columns}"),
+        (Stage1::Fused, Variant::Tma { rows, columns }) => format!("fused_tma_{element}_m{rows}_n{columns}"),
+        (Stage1::Logits, Variant::Tma { rows, columns }) => format!("logits_tma_{element}_m{rows}_n{columns}"),
+        (_, other) => unreachable!("{stage:?} kernel for an unresolved or unsupported variant {other:?}"),
+    };
+    KERNELS.iter().copied().find(|&k| k == name).unwrap_or_else(|| unreachable!("{name} is not in KERNELS"))
 }
 
 #[cfg(test)]
@@ -939,16 +894,16 @@ mod tests {
                 TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns })),
             );
             for variant in variants {
-                assert!(KERNELS.contains(&fused_kernel_name(dtype, variant)));
-                assert!(KERNELS.contains(&logits_kernel_name(dtype, variant)));
+                assert!(KERNELS.contains(&kernel_name(Stage1::Fused, dtype, variant)));
+                assert!(KERNELS.contains(&kernel_name(Stage1::Logits, dtype, variant)));
             }
         }
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            assert!(KERNELS.contains(&simt_kernel_name(dtype)));
+            assert!(KERNELS.contains(&kernel_name(Stage1::Fused, dtype, Variant::Simt)));
         }
         for batch in [1, 8, 9, 16, 17, 64, 65, 128, 129, 1024] {
             let variant = Variant::Auto.resolve(DType::BF16, 4096, batch).unwrap();
-            assert!(KERNELS.contains(&fused_kernel_name(DType::BF16, variant)), "B = {batch}");
+            assert!(KERNELS.contains(&kernel_name(Stage1::Fused, DType::BF16, variant)), "B = {batch}");
         }
     }
 }

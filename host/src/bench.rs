@@ -235,6 +235,34 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
             writeln!(out, "| {d} | {v} | read floor | {f:.1} µs = {gbps:.0} GB/s over W | | | | | | | |").unwrap();
         }
     }
+    out.push_str(&variants_table(rows));
+    out
+}
+
+/// With `--all-variants`: per point, the dispatched time beside the fastest forced variant.
+fn variants_table(rows: &[Row]) -> String {
+    let mut out = String::new();
+    let points: Vec<(usize, usize, usize, f64)> = rows
+        .iter()
+        .filter(|r| r.variant == "fused_sample")
+        .map(|r| (r.dim, r.vocab, r.batch, r.timing.median_us))
+        .collect();
+    for (d, v, b, dispatched) in points {
+        let fastest = rows
+            .iter()
+            .filter(|r| r.dim == d && r.vocab == v && r.batch == b)
+            .filter_map(|r| r.variant.strip_prefix("fused_sample@").map(|name| (name, r.timing.median_us)))
+            .min_by(|x, y| x.1.total_cmp(&y.1));
+        if let Some((name, us)) = fastest {
+            if out.is_empty() {
+                out.push_str(
+                    "\n| D | V | B | dispatched µs | fastest forced variant | its µs | dispatched / fastest |\n",
+                );
+                out.push_str("|---|---|---|---|---|---|---|\n");
+            }
+            writeln!(out, "| {d} | {v} | {b} | {dispatched:.1} | {name} | {us:.1} | {:.3} |", dispatched / us).unwrap();
+        }
+    }
     out
 }
 
@@ -348,6 +376,8 @@ mod tests {
             row(1, "fused_sample", 12.0),
             row(1, "fused_greedy", 11.5),
             row(8, "fused_sample", 13.0),
+            row(8, "fused_sample@tma_m64_n8", 13.0),
+            row(8, "fused_sample@tma_m128_n16", 12.5),
         ];
         let peers = vec![PeerTiming { dim: 64, vocab: 1000, batch: 1, variant: "cublas_gemm".into(), median_us: 11.0 }];
         let path = std::env::temp_dir().join(format!("flashsample-plot-{}.png", std::process::id()));
@@ -361,5 +391,6 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("1.091"), "sample/cuBLAS ratio 12/11 missing: {text}");
+        assert!(text.contains("| 64 | 1000 | 8 | 13.0 | tma_m128_n16 | 12.5 | 1.040 |"), "variants table: {text}");
     }
 }

@@ -9,20 +9,19 @@ const ALPHA: f64 = 1e-3;
 
 /// (variant, dtype, D): the tensor-core variants need 16-bit types and D % 8 == 0; D = 200
 /// leaves a partial 64-column chunk (mma) and a partial 64-element TMA box. Every width of
-/// the mma tile and of the ping-pong TMA tile runs in BF16, the cooperative TMA tile (same
-/// code, other schedule) at three widths; F16 (which changes only the multiply instruction)
-/// runs every mma width and two TMA tiles. The SIMT variant runs every dtype at an odd D.
+/// the mma tile and of both TMA schedules runs in BF16; F16 (which changes only the multiply
+/// instruction) runs every mma width and two TMA tiles. The SIMT variant runs every dtype at
+/// an odd D.
 fn cases() -> Vec<(Variant, DType, usize)> {
     let mut cases = Vec::new();
     for columns in MMA_COLUMNS {
         cases.push((Variant::Mma { columns }, DType::BF16, 200));
         cases.push((Variant::Mma { columns }, DType::F16, 200));
     }
-    for columns in TMA_COLUMNS {
-        cases.push((Variant::Tma { rows: 64, columns }, DType::BF16, 200));
-    }
-    for columns in [8, 64, 128] {
-        cases.push((Variant::Tma { rows: 128, columns }, DType::BF16, 200));
+    for rows in TMA_ITEM_ROWS {
+        for columns in TMA_COLUMNS {
+            cases.push((Variant::Tma { rows, columns }, DType::BF16, 200));
+        }
     }
     for (rows, columns) in [(64, 8), (128, 128)] {
         cases.push((Variant::Tma { rows, columns }, DType::F16, 200));

@@ -2,8 +2,10 @@
 //! warpgroup tensor-core op `wgmma.mma_async`, as thin inline-PTX wrappers.
 //!
 //! Shared-memory operands are 32-bit addresses in the shared window ([`shared_address`]).
-//! None of the asm here is `pure`: each has an effect the compiler cannot see (barrier phase,
-//! asynchronous copy, asynchronous register writes), so it stays where and as often as written.
+//! Only the address conversion is `pure`; every other asm here has an effect the compiler
+//! cannot see (barrier phase, asynchronous copy, asynchronous register writes), so LLVM keeps
+//! it in order, but it may still duplicate it into both arms of a branch: see the invariant in
+//! `tma_gemm.rs` on aligned ops.
 
 use core::arch::asm;
 

@@ -9,7 +9,7 @@ use cust::memory::DeviceBuffer;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::SamplingParams;
-use crate::cuda::{CudaSampler, DeviceTokens, MMA_COLUMNS, TMA_COLUMNS, TMA_ITEM_ROWS, Variant, driver};
+use crate::cuda::{CudaSampler, DeviceTokens, Variant, driver};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use crate::timing::{Timer, Timing};
@@ -38,11 +38,13 @@ pub struct Options {
 
 /// Every tensor-core stage-1 variant, with its label in the CSV.
 fn tensor_core_variants() -> Vec<(String, Variant)> {
-    let mma = MMA_COLUMNS.map(|columns| (format!("mma_n{columns}"), Variant::Mma { columns }));
-    let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| {
-        TMA_COLUMNS.map(|columns| (format!("tma_m{rows}_n{columns}"), Variant::Tma { rows, columns }))
-    });
-    mma.into_iter().chain(tma).collect()
+    Variant::tensor_core()
+        .map(|variant| match variant {
+            Variant::Mma { columns } => (format!("mma_n{columns}"), variant),
+            Variant::Tma { rows, columns } => (format!("tma_m{rows}_n{columns}"), variant),
+            other => unreachable!("Variant::tensor_core lists mma and TMA variants only, not {other:?}"),
+        })
+        .collect()
 }
 
 fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {

@@ -137,9 +137,7 @@ fn identical_rows_draw_independently() {
 #[ignore = "needs a CUDA GPU"]
 fn unfused_pipeline_gives_the_same_tokens() {
     let sampler = CudaSampler::new().unwrap();
-    let variants = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
-    let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
-    for variant in variants.into_iter().chain(tma) {
+    for variant in Variant::tensor_core() {
         let w = random_matrix(3001, 136, DType::BF16, 0.3, 71);
         let h = random_matrix(45, 136, DType::BF16, 1.0, 72);
         let params: Vec<SamplingParams> =
@@ -186,8 +184,8 @@ fn tile_width_does_not_change_tokens() {
     let h = random_matrix(130, 4096, DType::BF16, 2.0, 92);
     let params = params_for(130, 1.0, 93);
     let families = [
-        MMA_COLUMNS.map(|columns| Variant::Mma { columns }).to_vec(),
-        TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns })).collect(),
+        Variant::tensor_core().filter(|v| matches!(v, Variant::Mma { .. })).collect::<Vec<_>>(),
+        Variant::tensor_core().filter(|v| matches!(v, Variant::Tma { .. })).collect(),
     ];
     for family in families {
         let reference = Cuda::new(family[0]).sample(&w, &h, &params, 4).unwrap();

@@ -45,7 +45,7 @@ pub const MMA_COLUMNS: [u32; 3] = [8, 16, 32];
 pub const TMA_COLUMNS: [u32; 5] = [8, 16, 32, 64, 128];
 
 /// Which stage-1 kernel computes the logits tile.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
     /// The dispatcher's choice for the dtype, D and B.
     Auto,
@@ -91,6 +91,14 @@ impl Variant {
             Variant::Tma { .. } if !tensor_cores => needs_tensor_cores("TMA"),
             other => Ok(other),
         }
+    }
+
+    /// Every tensor-core variant that can be forced: the mma widths, then both TMA item
+    /// heights at every width.
+    pub fn tensor_core() -> impl Iterator<Item = Variant> {
+        let mma = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
+        let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
+        mma.into_iter().chain(tma)
     }
 
     fn columns(self) -> u32 {
@@ -285,6 +293,9 @@ fn row_params_bytes(rows: &[RowParams]) -> &[u8] {
 /// The fused sampler on one CUDA device.
 pub struct CudaSampler {
     kernels: HashMap<&'static str, Kernel>,
+    /// The entry point of every (stage, dtype, resolved variant), named once at start-up so
+    /// a call does no formatting or search.
+    stage1_names: HashMap<(Stage1, DType, Variant), &'static str>,
     workspace: RefCell<Workspace>,
     closed: bool,
     // Declared after everything that lives in the context, so they drop first.
@@ -328,6 +339,7 @@ impl CudaSampler {
         }
         Ok(CudaSampler {
             kernels,
+            stage1_names: stage1_names(),
             workspace: RefCell::default(),
             closed: false,
             _module: module,
@@ -499,7 +511,7 @@ impl CudaSampler {
         let shape = lm_head.shape;
         let variant = variant.resolve(shape.dtype, shape.dim, hidden.rows)?;
         let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
-        let name = kernel_name(Stage1::Fused, shape.dtype, variant);
+        let name = self.stage1_names[&(Stage1::Fused, shape.dtype, variant)];
         let maps = match variant {
             Variant::Tma { rows, columns } => Some(tma_maps(lm_head, hidden, rows, columns)?),
             _ => None,
@@ -566,7 +578,7 @@ impl CudaSampler {
         };
         let stride = shape.vocab.next_multiple_of(4);
         let logits = ensure(&mut self.workspace.borrow_mut().logits, hidden.rows * stride, "logits")?;
-        let name = kernel_name(Stage1::Logits, shape.dtype, variant);
+        let name = self.stage1_names[&(Stage1::Logits, shape.dtype, variant)];
         let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
         if let Variant::Tma { rows, columns } = variant {
@@ -855,7 +867,7 @@ fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, rows: u32, columns: u32) 
 }
 
 /// What a stage-1 kernel writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Stage1 {
     /// Candidates (fused sampling).
     Fused,
@@ -882,6 +894,16 @@ fn kernel_name(stage: Stage1, dtype: DType, variant: Variant) -> &'static str {
     KERNELS.iter().copied().find(|&k| k == name).unwrap_or_else(|| unreachable!("{name} is not in KERNELS"))
 }
 
+/// Names every stage-1 kernel a resolved variant can launch (see [`kernel_name`]).
+fn stage1_names() -> HashMap<(Stage1, DType, Variant), &'static str> {
+    let simt = [DType::F32, DType::BF16, DType::F16].map(|dtype| (Stage1::Fused, dtype, Variant::Simt));
+    let tensor_core = [DType::BF16, DType::F16].into_iter().flat_map(|dtype| {
+        Variant::tensor_core()
+            .flat_map(move |variant| [(Stage1::Fused, dtype, variant), (Stage1::Logits, dtype, variant)])
+    });
+    simt.into_iter().chain(tensor_core).map(|key| (key, kernel_name(key.0, key.1, key.2))).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -889,21 +911,19 @@ mod tests {
     /// Every name the dispatcher can launch is one the sampler loads (and the PTX holds).
     #[test]
     fn dispatched_kernel_names_are_loaded_kernels() {
+        let names = stage1_names();
         for dtype in [DType::BF16, DType::F16] {
-            let variants = MMA_COLUMNS.map(|columns| Variant::Mma { columns }).into_iter().chain(
-                TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns })),
-            );
-            for variant in variants {
-                assert!(KERNELS.contains(&kernel_name(Stage1::Fused, dtype, variant)));
-                assert!(KERNELS.contains(&kernel_name(Stage1::Logits, dtype, variant)));
+            for variant in Variant::tensor_core() {
+                assert!(KERNELS.contains(&names[&(Stage1::Fused, dtype, variant)]));
+                assert!(KERNELS.contains(&names[&(Stage1::Logits, dtype, variant)]));
             }
         }
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            assert!(KERNELS.contains(&kernel_name(Stage1::Fused, dtype, Variant::Simt)));
+            assert!(KERNELS.contains(&names[&(Stage1::Fused, dtype, Variant::Simt)]));
         }
         for batch in [1, 8, 9, 16, 17, 64, 65, 128, 129, 1024] {
             let variant = Variant::Auto.resolve(DType::BF16, 4096, batch).unwrap();
-            assert!(KERNELS.contains(&kernel_name(Stage1::Fused, DType::BF16, variant)), "B = {batch}");
+            assert!(KERNELS.contains(&names[&(Stage1::Fused, DType::BF16, variant)]), "B = {batch}");
         }
     }
 }

@@ -83,14 +83,15 @@ pub const fn tma_stages(rows: u32, columns: u32) -> u32 {
 
 /// Dynamic shared memory of a TMA kernel: 1 KiB of slack to align the stages to the 1024-byte
 /// swizzle atom, the `W` stages, the `H` stages, a full and an empty barrier per stage, a turn
-/// barrier per consumer warpgroup, and one candidate per (consumer warp, column) for the
-/// cross-warp merge.
+/// barrier per consumer warpgroup, one candidate per (consumer warp, column) for the
+/// cross-warp merge, and each consumer warpgroup's copy of its item's row parameters.
 pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
     let stages = tma_stages(rows, columns);
     1024 + stages * (tma_lm_head_stage_bytes(rows) + tma_hidden_stage_bytes(columns))
         + 2 * stages * 8
         + (TMA_CONSUMER_WARPS / 4) * 8
         + TMA_CONSUMER_WARPS * columns * 8
+        + (TMA_CONSUMER_WARPS / 4) * columns * core::mem::size_of::<crate::RowParams>() as u32
 }
 
 /// Size of a `CUtensorMap` (the driver's TMA descriptor), which lives in global memory.
@@ -206,4 +207,13 @@ pub struct ReadProbeArgs {
     pub source: u64,
     pub bytes: u64,
     pub sink: u64,
+}
+
+/// Writes to the `u32` at `out` (zeroed by the host) the bits of the largest
+/// `|gumbel_estimate(x) − gumbel(x)|` over all 2³² words `x`, with the device's `lg2.approx`
+/// (+∞ if any difference is NaN): the check of [`crate::estimate::GUMBEL_ESTIMATE_ERROR`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EstimateErrorArgs {
+    pub out: u64,
 }

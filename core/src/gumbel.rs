@@ -24,7 +24,7 @@ const LN2_HI: f32 = f32::from_bits(0x3f31_7180);
 const LN2_LO: f32 = f32::from_bits(0x3717_f7d1);
 const SQRT_2: f32 = core::f32::consts::SQRT_2;
 /// 2⁻³³, exact.
-const TWO_POW_NEG_33: f32 = f32::from_bits((127 - 33) << 23);
+pub(crate) const TWO_POW_NEG_33: f32 = f32::from_bits((127 - 33) << 23);
 
 /// The largest noise any word gives: `gumbel(u32::MAX)`, `−ln(−ln(1 − 2⁻³³)) ≈ 33·ln 2`.
 pub const GUMBEL_MAX: f32 = 22.873_857;

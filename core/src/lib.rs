@@ -3,17 +3,20 @@
 //! Everything that decides *which* token a row gets lives here and nowhere else: the
 //! Philox4x32-10 generator ([`philox`]), the mapping from a draw's identity to Philox's key
 //! and counter ([`noise`]), the uniform → Gumbel transform ([`gumbel`]), the perturbed score
-//! and the (score, index) candidate merge ([`candidate`]). The crate is `no_std` and uses only
+//! and the (score, index) candidate merge ([`candidate`]), plus the cheap first pass
+//! ([`estimate`]) that lets a kernel skip the exact noise for entries that cannot win. The crate is `no_std` and uses only
 //! integer operations and IEEE `+ - * /` on `f32`, which rustc's NVPTX backend and the host
 //! CPU both round to nearest without contraction, so the GPU kernels and the CPU sampler
 //! compute the same bits for the same inputs.
 //!
 //! Architecture Invariant: nothing here may call a math library (`ln`, `exp`, `fma`); those
-//! differ between the GPU and the CPU and would break bit-identical noise.
+//! differ between the GPU and the CPU and would break bit-identical noise. ([`estimate`] takes
+//! the hardware's logarithm as an argument, and only to choose which entries get exact scores.)
 #![no_std]
 
 pub mod abi;
 pub mod candidate;
+pub mod estimate;
 pub mod gumbel;
 pub mod noise;
 pub mod philox;

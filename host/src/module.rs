@@ -70,6 +70,7 @@ pub const KERNELS: &[&str] = &[
     "fill_uniform_f16",
     "fill_uniform_f32",
     "read_probe",
+    "gumbel_estimate_error",
 ];
 
 #[cfg(test)]

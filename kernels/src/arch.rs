@@ -44,6 +44,16 @@ unsafe extern "C" {
     fn nvvm_bar_warp_sync(member_mask: u32);
     #[link_name = "llvm.nvvm.barrier.sync.cnt"]
     fn nvvm_barrier_sync_cnt(id: u32, threads: u32);
+    #[link_name = "llvm.nvvm.lg2.approx.ftz.f"]
+    fn nvvm_lg2_approx_ftz_f(x: f32) -> f32;
+}
+
+/// The hardware's approximate base-2 logarithm (`lg2.approx.ftz.f32`, one MUFU op). Not
+/// bit-reproducible on the CPU: only the filter of `flashsample_core::estimate` may use it.
+#[inline(always)]
+pub fn log2_approx(x: f32) -> f32 {
+    // SAFETY: a pure arithmetic intrinsic.
+    unsafe { nvvm_lg2_approx_ftz_f(x) }
 }
 
 /// Named barrier `id` (`bar.sync id, threads`) for a subset of the block's warps.

@@ -1,6 +1,11 @@
-//! Benchmark helpers: random inputs made on the device, and the read-bandwidth probe.
+//! Benchmark and check helpers: random inputs made on the device, the read-bandwidth probe,
+//! and the exhaustive check of the noise estimate's error bound.
 
-use flashsample_core::abi::{FillArgs, ReadProbeArgs};
+use core::sync::atomic::{AtomicU32, Ordering};
+
+use flashsample_core::abi::{EstimateErrorArgs, FillArgs, ReadProbeArgs};
+use flashsample_core::estimate::gumbel_estimate;
+use flashsample_core::gumbel::gumbel;
 use flashsample_core::noise::key;
 use flashsample_core::philox::philox4x32_10;
 
@@ -88,5 +93,32 @@ pub unsafe fn read_probe(args: &ReadProbeArgs) {
     // A data-dependent store the compiler cannot drop; it almost never happens.
     if checksum == 0x9e37_79b9 {
         unsafe { *(args.sink as *mut u32) = checksum };
+    }
+}
+
+/// # Safety
+/// `args.out` is a zeroed, writable `u32`; every thread of the grid calls it.
+#[inline(always)]
+pub unsafe fn gumbel_estimate_error(args: &EstimateErrorArgs) {
+    let (thread, stride) = global_thread();
+    let mut worst = 0.0f32;
+    let mut x = thread;
+    while x < 1 << 32 {
+        let word = x as u32;
+        let difference = gumbel_estimate(word, arch::log2_approx) - gumbel(word);
+        let error = if difference < 0.0 { -difference } else { difference };
+        // NaN fails every comparison; it counts as an infinite error.
+        worst = if error > worst || error.is_nan() { if error.is_nan() { f32::INFINITY } else { error } } else { worst };
+        x += stride;
+    }
+    // Non-negative floats order as their bits do, so an integer max merges them.
+    let mut bits = worst.to_bits();
+    for mask in [16, 8, 4, 2, 1] {
+        let other = unsafe { arch::shuffle_xor(bits, mask) };
+        bits = if other > bits { other } else { bits };
+    }
+    if arch::thread_index() % 32 == 0 {
+        // SAFETY: `out` is a valid, aligned u32 per this function's contract.
+        unsafe { AtomicU32::from_ptr(args.out as *mut u32) }.fetch_max(bits, Ordering::Relaxed);
     }
 }

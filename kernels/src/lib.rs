@@ -36,7 +36,7 @@ mod tma_gemm;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
+    EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
     TILE_ROWS, TmaArgs, WARP_ROWS, fused_mma_shared_bytes,
 };
 
@@ -290,4 +290,13 @@ pub unsafe extern "ptx-kernel" fn fill_uniform_f32(args: FillArgs) {
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn read_probe(args: ReadProbeArgs) {
     unsafe { fill::read_probe(&args) }
+}
+
+/// The exhaustive check of the noise estimate's error bound (see [`fill::gumbel_estimate_error`]).
+///
+/// # Safety
+/// As the crate-level safety section; `args.out` is a zeroed `u32`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gumbel_estimate_error(args: EstimateErrorArgs) {
+    unsafe { fill::gumbel_estimate_error(&args) }
 }

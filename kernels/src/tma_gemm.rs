@@ -32,7 +32,8 @@ use flashsample_core::abi::{
     TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_PRODUCER_REGISTERS, TmaArgs, WARPGROUP_ROWS,
     tma_hidden_stage_bytes, tma_lm_head_stage_bytes, tma_stages,
 };
-use flashsample_core::{Candidate, RowParams, block_candidate};
+use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
+use flashsample_core::{Candidate, RowParams};
 
 use crate::element::WgmmaElement;
 use crate::hopper;
@@ -46,6 +47,24 @@ const WARPGROUP_THREADS: u32 = 128;
 /// Consumer warpgroups.
 const CONSUMER_WARPGROUPS: u32 = TMA_CONSUMER_WARPS / 4;
 
+/// Runs `$body` with `$k` = 0, 1, 2, 3 for those below `$count` (a constant), as straight-line
+/// code: LLVM leaves a loop with a long body rolled, and a rolled loop over an array moves the
+/// array to local memory and keeps the iterations from interleaving.
+macro_rules! unrolled {
+    ($k:ident < $count:expr, $body:block) => {{
+        unrolled!(@one 0, $k, $count, $body);
+        unrolled!(@one 1, $k, $count, $body);
+        unrolled!(@one 2, $k, $count, $body);
+        unrolled!(@one 3, $k, $count, $body);
+    }};
+    (@one $i:literal, $k:ident, $count:expr, $body:block) => {
+        if $i < $count {
+            let $k: usize = $i;
+            $body
+        }
+    };
+}
+
 /// Where the block's shared memory holds what (shared-window addresses, stages 1024-aligned).
 struct Layout {
     stages: u32,
@@ -58,6 +77,8 @@ struct Layout {
     /// `turn + 8·w`: consumer warpgroup `w` may start its next mainloop.
     turn: u32,
     staging: *mut Candidate,
+    /// Row parameters of each team's current item: `N` per team.
+    rows: *mut RowParams,
 }
 
 impl Layout {
@@ -74,7 +95,8 @@ impl Layout {
         let empty = full + stages * 8;
         let turn = empty + stages * 8;
         let staging = base.wrapping_add((turn + CONSUMER_WARPGROUPS * 8 - shared) as usize).cast::<Candidate>();
-        Layout { stages, lm_head, lm_head_stage_bytes, hidden, hidden_stage_bytes, full, empty, turn, staging }
+        let rows = staging.wrapping_add((TMA_CONSUMER_WARPS * columns) as usize).cast::<RowParams>();
+        Layout { stages, lm_head, lm_head_stage_bytes, hidden, hidden_stage_bytes, full, empty, turn, staging, rows }
     }
 }
 
@@ -150,7 +172,9 @@ struct Items {
 impl Items {
     #[inline(always)]
     fn new(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
-        let column_tiles = args.batch.div_ceil(columns);
+        // At least one, so the divisions below need no zero check (the host never launches
+        // an empty batch).
+        let column_tiles = args.batch.div_ceil(columns).max(1);
         Items { position: first, step, count: args.tiles * column_tiles, column_tiles, columns }
     }
 }
@@ -227,9 +251,19 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let w_offset = rows_offset * 2 * TMA_K_BLOCK;
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let staging = layout.staging.wrapping_add((team * teams.warps * N as u32) as usize);
+    let team_rows = layout.rows.wrapping_add((team * N as u32) as usize);
     let mut acc = [0.0f32; R];
     let mut turns = 0u32;
     for (position, tile, col0) in Items::new(args, N as u32, team, teams.count) {
+        // The item's row parameters (one column per thread, N ≤ team threads) are loaded
+        // now and stored to shared memory after the mainloop, so the load's latency hides
+        // under it and the epilogue reads them from shared memory.
+        let b = col0 + team_thread;
+        let staged_row = if FUSED && team_thread < N as u32 && b < args.batch {
+            unsafe { load_row_words(args.rows as *const u64, b) }
+        } else {
+            PAD_ROW_WORDS
+        };
         // With two teams the mainloops take turns in item order: a team starts only once the
         // other has issued all of the previous item's multiplies. Besides keeping one team on
         // the tensor cores at a time, this keeps every stage wait within one lap of the ring
@@ -274,8 +308,21 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
         }
         let place = Placement::new(team_thread, tile * rows + rows_offset, tile, col0);
         if FUSED {
+            // The team's previous epilogue ended at a team barrier: no thread still reads
+            // the previous item's rows.
+            if team_thread < N as u32 {
+                let words = team_rows.cast::<u64>().wrapping_add(ROW_WORDS * team_thread as usize);
+                for (w, &word) in staged_row.iter().enumerate() {
+                    unsafe { *words.add(w) = word };
+                }
+            }
             let team_barrier = (FIRST_TEAM_BARRIER + team, 32 * teams.warps);
-            unsafe { sample_epilogue::<N, R>(&acc, args, &place, staging, team_barrier) };
+            let epilogue = match N / 8 {
+                1 => sample_epilogue::<N, R, 1>,
+                2 => sample_epilogue::<N, R, 2>,
+                _ => sample_epilogue::<N, R, 4>,
+            };
+            unsafe { epilogue(&acc, args, &place, team_rows, staging, team_barrier) };
         } else {
             unsafe { logits_epilogue::<N, R>(&acc, args, &place) };
         }
@@ -309,17 +356,38 @@ impl Placement {
     }
 }
 
-/// The four accumulators of n8-tile `j` (a run-time index), through a chain of selects so
-/// `acc` stays in registers.
+/// The four accumulators of n8-tile `round · K + k` (`round` a run-time index), through a
+/// chain of selects over the rounds so `acc` stays in registers.
 #[inline(always)]
-fn pick_quad<const R: usize>(acc: &[f32; R], j: usize) -> [f32; 4] {
-    let mut quad = [acc[0], acc[1], acc[2], acc[3]];
-    for k in 1..R / 4 {
-        if j == k {
-            quad = [acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]];
+fn pick_quad<const R: usize, const K: usize>(acc: &[f32; R], round: usize, k: usize) -> [f32; 4] {
+    let mut quad = [acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]];
+    for other in 1..R / 4 / K {
+        if round == other {
+            let j = 4 * (other * K + k);
+            quad = [acc[j], acc[j + 1], acc[j + 2], acc[j + 3]];
         }
     }
     quad
+}
+
+/// Stands in for the row parameters of columns past the batch: greedy, so it draws no noise.
+const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, inv_temperature: 0.0, greedy: 1 };
+
+/// A [`RowParams`] as 8-byte words: copied word by word, it stays in registers (a struct copy
+/// across the mainloop went through local memory).
+const ROW_WORDS: usize = core::mem::size_of::<RowParams>() / 8;
+
+/// [`PAD_ROW`] as words: seed; stream and step; `inv_temperature` = 0.0 and `greedy` = 1.
+const PAD_ROW_WORDS: [u64; ROW_WORDS] = [0, 0, 1 << 32];
+
+/// The words of row `b` of the `[batch]` array of [`RowParams`] at `rows`.
+///
+/// # Safety
+/// `rows` holds at least `b + 1` row parameters.
+#[inline(always)]
+unsafe fn load_row_words(rows: *const u64, b: u32) -> [u64; ROW_WORDS] {
+    let at = ROW_WORDS * b as usize;
+    unsafe { [*rows.add(at), *rows.add(at + 1), *rows.add(at + 2)] }
 }
 
 /// Calls `$body(j, quad)` for every n8-tile `j < R / 4` of the accumulators `$acc: [f32; R]`
@@ -373,41 +441,49 @@ unsafe fn transpose_quad(quad: [f32; 4], lane: u32) -> [f32; 4] {
     v
 }
 
-/// Per draw: each thread scores its quads, lanes of one column merge, the team's warps merge
-/// through `staging`, and one candidate per (column, draw) is written for this tile.
+/// Per draw: each thread scores its quads `K` at a time ([`race_round`]), lanes of one column
+/// merge, the team's warps merge through `staging`, and one candidate per (column, draw) is
+/// written for this tile.
 ///
 /// # Safety
-/// All threads of one team call it together; `staging` holds `warps · N` candidates of this
-/// team; `barrier` is the team's named barrier and its thread count.
+/// All threads of one team call it together; `rows` holds the `N` row parameters of the item
+/// (written by the team before the call), `staging` `warps · N` candidates of this team;
+/// `barrier` is the team's named barrier and its thread count.
 #[inline(always)]
-unsafe fn sample_epilogue<const N: usize, const R: usize>(
+unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
     acc: &[f32; R],
     args: &TmaArgs,
     place: &Placement,
+    rows: *const RowParams,
     staging: *mut Candidate,
     barrier: (u32, u32),
 ) {
     let (barrier, threads) = barrier;
+    unsafe { arch::sync_named(barrier, threads) };
     let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
     let block = place.row0 / 4;
     for j in 0..args.samples {
-        // A run-time loop over the n8-tiles keeps one copy of the Philox and log code; the
-        // epilogue of the GEMM, with no such code, unrolls instead.
-        let mut tile_column = 0;
-        while tile_column < N / 8 {
-            let logits = unsafe { transpose_quad(pick_quad(acc, tile_column), place.lane) };
-            let column = 8 * tile_column as u32 + place.column;
-            let mut best = Candidate::NONE;
-            // Columns past the batch draw no noise; their lanes still join the shuffles.
-            if place.col0 + column < args.batch {
-                let row = unsafe { *(args.rows as *const RowParams).add((place.col0 + column) as usize) };
-                best = block_candidate(&row, args.sample_offset + j, block, logits, rows_valid);
-            }
-            best = unsafe { sample::merge_over_lanes(best, 8, 16) };
-            if place.lane < 8 {
-                unsafe { *staging.add((place.warp * N as u32 + column) as usize) = best };
-            }
-            tile_column += 1;
+        // A run-time loop over rounds keeps one copy of the Philox and log code.
+        let mut round = 0;
+        while round < N / 8 / K {
+            let mut logits = [[0.0f32; 4]; K];
+            let mut row = [PAD_ROW; K];
+            let mut column = [0u32; K];
+            let mut in_batch = [false; K];
+            unrolled!(k < K, {
+                logits[k] = unsafe { transpose_quad(pick_quad::<R, K>(acc, round, k), place.lane) };
+                column[k] = 8 * (round * K + k) as u32 + place.column;
+                row[k] = unsafe { *rows.add(column[k] as usize) };
+                in_batch[k] = place.col0 + column[k] < args.batch;
+            });
+            let winners = unsafe { race_round(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
+            unrolled!(k < K, {
+                let best = unsafe { sample::merge_over_lanes(winners[k], 8, 16) };
+                if place.lane < 8 {
+                    unsafe { *staging.add((place.warp * N as u32 + column[k]) as usize) = best };
+                }
+            });
+            round += 1;
         }
         unsafe { arch::sync_named(barrier, threads) };
         let mut column = place.thread;
@@ -425,6 +501,81 @@ unsafe fn sample_epilogue<const N: usize, const R: usize>(
         }
         unsafe { arch::sync_named(barrier, threads) };
     }
+}
+
+/// `values[r]` through selects with constant indices (an indexed load would move the array to
+/// local memory).
+#[inline(always)]
+fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
+    let [v0, v1, v2, v3] = values;
+    let low = if r & 1 != 0 { v1 } else { v0 };
+    let high = if r & 1 != 0 { v3 } else { v2 };
+    if r & 2 != 0 { high } else { low }
+}
+
+/// The winners of `K` quads (four consecutive rows each, one column each) of draw `sample`
+/// among the 16 rows their column has in this warp (lanes `l`, `l ^ 8`, `l ^ 16`, `l ^ 24`):
+/// each lane returns its own best contender, exactly scored, so merging the four lanes gives
+/// what [`flashsample_core::block_candidate`] merged over the 16 rows gives.
+///
+/// Estimates first ([`flashsample_core::estimate`]): branch-free over the `K` quads, so the
+/// scheduler interleaves their Philox chains and logarithms. Then only the contenders get
+/// exact scores, one per loop trip and lane, usually a single trip per quad for the warp.
+///
+/// # Safety
+/// All 32 lanes call it together; lanes `l ^ 8`, `l ^ 16` hold the same columns.
+#[inline(always)]
+unsafe fn race_round<const K: usize>(
+    row: &[RowParams; K],
+    sample: u32,
+    block: u32,
+    logits: &[[f32; 4]; K],
+    rows_valid: u32,
+    in_batch: [bool; K],
+) -> [Candidate; K] {
+    let mut estimates = [BlockEstimate::plain([0.0; 4], 0); K];
+    // No early exit (as `any` would have): a loop with one keeps `row` out of registers.
+    let mut sampling = false;
+    unrolled!(k < K, {
+        sampling |= in_batch[k] & (row[k].greedy == 0);
+    });
+    if sampling {
+        unrolled!(k < K, {
+            estimates[k] = block_estimate(&row[k], sample, block, logits[k], rows_valid, arch::log2_approx);
+        });
+    } else {
+        unrolled!(k < K, {
+            estimates[k] = BlockEstimate::plain(logits[k], rows_valid);
+        });
+    }
+    let mut pending = 0u32;
+    unrolled!(k < K, {
+        let mut best = estimates[k].best();
+        let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), 8) });
+        if other > best {
+            best = other;
+        }
+        let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), 16) });
+        if other > best {
+            best = other;
+        }
+        if in_batch[k] {
+            pending |= contenders(&estimates[k], race_threshold(&row[k], best)) << (4 * k);
+        }
+    });
+    let mut winners = [Candidate::NONE; K];
+    unrolled!(k < K, {
+        let mut mask = (pending >> (4 * k)) & 0xf;
+        // Lowest bit first: the entries are offered in increasing index order.
+        while mask != 0 {
+            let r = mask.trailing_zeros();
+            mask &= mask - 1;
+            let word = pick_of_four(estimates[k].words, r);
+            let score = exact_score(&row[k], word, pick_of_four(logits[k], r));
+            winners[k].offer_in_order(score, 4 * block + r);
+        }
+    });
+    winners
 }
 
 /// The unfused GEMM's epilogue: each transposed quad is four consecutive logits of one

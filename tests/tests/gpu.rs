@@ -194,3 +194,15 @@ fn tile_width_does_not_change_tokens() {
         }
     }
 }
+
+/// The fused kernels score every entry with `gumbel_estimate` (the hardware's `lg2.approx`)
+/// and give exact scores only to entries within the bound's margin of the best; tokens are
+/// exact only if the bound holds. It is checked here for every one of the 2³² words.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gumbel_estimate_is_within_its_bound_for_every_word() {
+    use flashsample_core::estimate::GUMBEL_ESTIMATE_ERROR;
+    let worst = CudaSampler::new().unwrap().gumbel_estimate_max_error().unwrap();
+    println!("largest |gumbel_estimate - gumbel| over all 2^32 words: {worst:e} (bound {GUMBEL_ESTIMATE_ERROR:e})");
+    assert!(worst <= GUMBEL_ESTIMATE_ERROR, "{worst:e} exceeds the bound {GUMBEL_ESTIMATE_ERROR:e}");
+}

@@ -1,0 +1,267 @@
+//! A cheap first pass over the race that leaves the winner exactly as [`block_candidate`]
+//! picks it.
+//!
+//! The exact noise ([`gumbel`]) costs two software logarithms with a division each. A kernel
+//! first scores every entry with [`gumbel_estimate`], which takes the hardware's approximate
+//! base-2 logarithm, and whose error is at most [`GUMBEL_ESTIMATE_ERROR`]. Among entries whose
+//! estimated scores top out at `m`, only those estimated at or above [`race_threshold`]`(m)`
+//! can hold the exact maximum, so only they get the exact noise ([`contenders`],
+//! [`exact_score`]); the rest lose to the exact winner whatever their exact scores are.
+//!
+//! Why the threshold is safe. Let `s` be an exact score `fl(fl(l·(1/T)) + g)` and `s'` its
+//! estimate `fl(fl(l·(1/T)) + g')`, `|g − g'| ≤ δ`. Then `|s − s'| ≤ δ + 2⁻²⁴(|s| + |s'|)`. If
+//! `k` holds the largest estimate `m` and `j` the exact maximum, `s'_j ≥ s_j − E_j ≥ s_k − E_j ≥
+//! m − E_k − E_j`, and for entries near `m` each `E ≤ (δ + 2⁻²³·|m|)(1 + 2⁻²¹)`. The margin
+//! `3δ + 2⁻²⁰·|m|` covers both with room for the roundings of the margin itself. Entries tied
+//! with the exact maximum pass too, so the lowest index among ties still wins.
+//!
+//! Architecture Invariant: the estimate only decides which entries get the exact score; every
+//! score a candidate carries is an exact one, so tokens are bit-identical with and without the
+//! filter, on every backend.
+//!
+//! Architecture Invariant: [`GUMBEL_ESTIMATE_ERROR`] bounds the estimate for the `log2` a
+//! kernel passes; for `lg2.approx.ftz.f32` on sm_90 the GPU test
+//! `gumbel_estimate_is_within_its_bound_for_every_word` checks all 2³² words.
+//!
+//! [`block_candidate`]: crate::noise::block_candidate
+//! [`gumbel`]: crate::gumbel::gumbel
+
+use crate::candidate::perturbed_score;
+use crate::gumbel::{TWO_POW_NEG_33, gumbel};
+use crate::noise::{RowParams, counter, key};
+use crate::philox::philox4x32_10;
+
+/// Bound on `|gumbel_estimate(x) − gumbel(x)|` over every word `x` (2⁻¹⁴). The analysis of
+/// `gumbel_estimate` with `log2` within 2⁻²² absolute on [½, 2] and 2 ulp elsewhere gives
+/// about 1.3·10⁻⁵; the margin is for hardware that is a little worse than documented.
+pub const GUMBEL_ESTIMATE_ERROR: f32 = 1.0 / 16384.0;
+
+const LN_2: f32 = core::f32::consts::LN_2;
+
+/// Where `1 − t` would round away too many of `t`'s digits, `−ln(1 − t)` comes from its series.
+const SERIES_BELOW: f32 = 1.0 / 32.0;
+
+/// An estimate of [`gumbel`]`(x)` from an approximate base-2 logarithm, with no division.
+///
+/// Same uniform as [`gumbel`]: `t = (2y + 1)·2⁻³³ ≤ ½` with `y = x` in the lower half and
+/// `y = !x` in the upper one, where `e = −ln(1 − t)`. For `t < 1/32` that is
+/// `t + t²/2 + t³/3 + t⁴/4` (relative error below 2⁻²²); otherwise `log2` of `1 − t`, whose
+/// rounding costs at most 2⁻²⁴ absolute on `e ≥ 0.031`. Then `g = −ln e`.
+#[inline(always)]
+pub fn gumbel_estimate(x: u32, log2: impl Fn(f32) -> f32) -> f32 {
+    let upper = x >= 0x8000_0000;
+    let y = if upper { !x } else { x };
+    let t = (y.wrapping_mul(2) | 1) as f32 * TWO_POW_NEG_33;
+    let series = t * (1.0 + t * (0.5 + t * (1.0 / 3.0 + t * 0.25)));
+    let from_log = -LN_2 * log2(if upper { 1.0 - t } else { t });
+    let e = if upper && t < SERIES_BELOW { series } else { from_log };
+    -LN_2 * log2(e)
+}
+
+/// The Philox words of a four-entry block and the estimated racing scores of its entries.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockEstimate {
+    pub words: [u32; 4],
+    /// `logit · (1/T) + gumbel_estimate(word)`; the plain logit for a greedy row (exact);
+    /// −∞ for entries past the vocabulary.
+    pub scores: [f32; 4],
+}
+
+/// Estimates the racing scores of the entries `4·block ..` of draw `sample`, of which the first
+/// `valid` exist. Branch-free: Philox runs for greedy rows too, so a kernel can interleave
+/// several blocks; a caller with only greedy rows can skip it (see [`BlockEstimate::plain`]).
+#[inline(always)]
+pub fn block_estimate(
+    row: &RowParams,
+    sample: u32,
+    block: u32,
+    logits: [f32; 4],
+    valid: u32,
+    log2: impl Fn(f32) -> f32 + Copy,
+) -> BlockEstimate {
+    let words = philox4x32_10(counter(block, sample, row.step, row.stream), key(row.seed));
+    let mut scores = [f32::NEG_INFINITY; 4];
+    for r in 0..4 {
+        let noisy = perturbed_score(logits[r], row.inv_temperature, gumbel_estimate(words[r], log2));
+        let score = if row.greedy != 0 { logits[r] } else { noisy };
+        scores[r] = if (r as u32) < valid { score } else { f32::NEG_INFINITY };
+    }
+    BlockEstimate { words, scores }
+}
+
+impl BlockEstimate {
+    /// The estimate of a greedy row's block: its logits, which are its exact scores.
+    #[inline(always)]
+    pub fn plain(logits: [f32; 4], valid: u32) -> BlockEstimate {
+        let mut scores = [f32::NEG_INFINITY; 4];
+        for r in 0..4 {
+            scores[r] = if (r as u32) < valid { logits[r] } else { f32::NEG_INFINITY };
+        }
+        BlockEstimate { words: [0; 4], scores }
+    }
+
+    /// The largest estimated score (NaN never wins; −∞ when none is above it).
+    #[inline(always)]
+    pub fn best(&self) -> f32 {
+        let mut best = f32::NEG_INFINITY;
+        for r in 0..4 {
+            if self.scores[r] > best {
+                best = self.scores[r];
+            }
+        }
+        best
+    }
+}
+
+/// The lowest estimate an entry may have and still hold the exact maximum, given the largest
+/// estimate `best` among the entries that race together. A greedy row's estimates are exact.
+#[inline(always)]
+pub fn race_threshold(row: &RowParams, best: f32) -> f32 {
+    if row.greedy != 0 || !best.is_finite() {
+        // −∞: nothing can win; +∞: only the +∞ entries can.
+        return best;
+    }
+    let magnitude = if best < 0.0 { -best } else { best };
+    best - (3.0 * GUMBEL_ESTIMATE_ERROR + magnitude * (1.0 / 1_048_576.0))
+}
+
+/// Bit `r` set for each entry of the block that may hold the exact maximum: estimated at or
+/// above `threshold`, and above −∞ (an entry at −∞ is −∞ exactly and never taken).
+#[inline(always)]
+pub fn contenders(estimate: &BlockEstimate, threshold: f32) -> u32 {
+    let mut mask = 0;
+    for r in 0..4 {
+        let score = estimate.scores[r];
+        if score >= threshold && score > f32::NEG_INFINITY {
+            mask |= 1 << r;
+        }
+    }
+    mask
+}
+
+/// The exact racing score of one entry from its Philox word: what [`block_candidate`] gives it.
+///
+/// [`block_candidate`]: crate::noise::block_candidate
+#[inline(always)]
+pub fn exact_score(row: &RowParams, word: u32, logit: f32) -> f32 {
+    if row.greedy != 0 { logit } else { perturbed_score(logit, row.inv_temperature, gumbel(word)) }
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+    use crate::Candidate;
+    use crate::noise::block_candidate;
+    use crate::philox::philox4x32_10;
+    use std::vec::Vec;
+
+    /// A base-2 logarithm as bad as `lg2.approx` is documented to be, pushed to the edge of
+    /// its error in the direction `sign`: 2⁻²² absolute on [½, 2], 2 ulp elsewhere.
+    fn worst_log2(sign: f64) -> impl Fn(f32) -> f32 + Copy {
+        move |x: f32| {
+            let exact = (x as f64).log2();
+            let error = if (0.5..=2.0).contains(&x) { 2f64.powi(-22) } else { 2.0 * ulp(exact as f32) as f64 };
+            (exact + sign * error) as f32
+        }
+    }
+
+    fn ulp(x: f32) -> f32 {
+        let a = x.abs();
+        f32::from_bits(a.to_bits() + 1) - a
+    }
+
+    fn words() -> Vec<u32> {
+        let mut w: Vec<u32> = (0..4096).chain(u32::MAX - 4095..=u32::MAX).collect();
+        w.extend((0..=u16::MAX as u32).map(|i| i.wrapping_mul(65_537).wrapping_add(0x9e37_79b9)));
+        for edge in [1u32 << 31, ((1u64 << 32) as f64 * (1.0 - SERIES_BELOW as f64)) as u32] {
+            w.extend(edge - 64..edge + 64);
+        }
+        w
+    }
+
+    #[test]
+    fn estimate_is_within_the_bound_with_a_worst_case_log2() {
+        for sign in [-1.0, 1.0] {
+            let log2 = worst_log2(sign);
+            let worst = words().into_iter().map(|x| (gumbel_estimate(x, log2) - gumbel(x)).abs()).fold(0.0, f32::max);
+            assert!(worst <= GUMBEL_ESTIMATE_ERROR / 2.0, "error {worst} with log2 off by {sign}");
+        }
+    }
+
+    /// Entries race in groups of four blocks (as four lanes do on the GPU): the filtered
+    /// winner of each group equals the exact one, score and index, for near-ties too.
+    fn filtered_matches_exact(row: RowParams, logit_of: impl Fn(u32) -> f32) {
+        for sign in [-1.0, 1.0] {
+            let log2 = worst_log2(sign);
+            for group in 0..2000u32 {
+                let blocks: Vec<u32> = (0..4).map(|b| 4 * group + b).collect();
+                let logits: Vec<[f32; 4]> = blocks.iter().map(|&b| core::array::from_fn(|r| logit_of(4 * b + r as u32))).collect();
+                let valid = |b: u32| if b == 4 * 1999 + 3 { 2 } else { 4 };
+                let mut exact = Candidate::NONE;
+                let estimates: Vec<BlockEstimate> =
+                    blocks.iter().zip(&logits).map(|(&b, &l)| block_estimate(&row, 3, b, l, valid(b), log2)).collect();
+                let best = estimates.iter().map(BlockEstimate::best).fold(f32::NEG_INFINITY, f32::max);
+                let threshold = race_threshold(&row, best);
+                let mut filtered = Candidate::NONE;
+                for ((&b, l), estimate) in blocks.iter().zip(&logits).zip(&estimates) {
+                    exact = exact.merge(block_candidate(&row, 3, b, *l, valid(b)));
+                    let mut mask = contenders(estimate, threshold);
+                    let mut own = Candidate::NONE;
+                    while mask != 0 {
+                        let r = mask.trailing_zeros();
+                        mask &= mask - 1;
+                        own.offer_in_order(exact_score(&row, estimate.words[r as usize], l[r as usize]), 4 * b + r);
+                    }
+                    filtered = filtered.merge(own);
+                }
+                assert_eq!(filtered, exact, "group {group}");
+            }
+        }
+    }
+
+    fn sampling_row(inv_temperature: f32) -> RowParams {
+        RowParams { seed: 99, stream: 4, step: 7, inv_temperature, greedy: 0 }
+    }
+
+    #[test]
+    fn filter_keeps_the_exact_winner_for_spread_logits() {
+        filtered_matches_exact(sampling_row(1.0), |i| ((i * 2_654_435_761) % 1000) as f32 * 0.01);
+        filtered_matches_exact(sampling_row(0.05), |i| ((i * 2_654_435_761) % 1000) as f32 * -3.7 - 4000.0);
+    }
+
+    #[test]
+    fn filter_keeps_the_exact_winner_among_near_ties() {
+        // Equal logits: the race is decided by the noise alone, often by a few ulps.
+        filtered_matches_exact(sampling_row(1.0), |_| 2.5);
+        filtered_matches_exact(sampling_row(1.0), |i| if i % 3 == 0 { f32::NEG_INFINITY } else { 1e6 });
+    }
+
+    #[test]
+    fn filter_keeps_the_exact_winner_when_scores_differ_by_less_than_the_estimate_error() {
+        // Logits that cancel each entry's exact noise, plus offsets of the order of the
+        // estimate's error: the estimates often rank the entries wrongly, and only the
+        // threshold's margin keeps the exact winner among the contenders.
+        let row = sampling_row(1.0);
+        let noise = move |i: u32| gumbel(philox4x32_10(counter(i / 4, 3, row.step, row.stream), key(row.seed))[i as usize % 4]);
+        let offset = |i: u32| ((i.wrapping_mul(2_654_435_761) >> 16) % 64) as f32 * (GUMBEL_ESTIMATE_ERROR / 16.0);
+        filtered_matches_exact(row, move |i| 8.0 - noise(i) + offset(i));
+        filtered_matches_exact(row, move |i| -300.0 - noise(i) + 4.0 * offset(i));
+    }
+
+    #[test]
+    fn filter_handles_greedy_and_infinite_rows() {
+        let greedy = RowParams { greedy: 1, ..sampling_row(1.0) };
+        filtered_matches_exact(greedy, |i| (i % 7) as f32);
+        filtered_matches_exact(sampling_row(1.0), |i| if i % 5 == 2 { f32::INFINITY } else { 0.0 });
+        filtered_matches_exact(sampling_row(1.0), |_| f32::NEG_INFINITY);
+        filtered_matches_exact(sampling_row(1.0), |i| if i % 2 == 0 { f32::NAN } else { -1.0 });
+    }
+
+    #[test]
+    fn estimate_words_are_the_noise_words() {
+        let row = sampling_row(1.0);
+        let estimate = block_estimate(&row, 5, 77, [0.0; 4], 4, worst_log2(1.0));
+        assert_eq!(estimate.words, philox4x32_10(counter(77, 5, row.step, row.stream), key(row.seed)));
+    }
+}

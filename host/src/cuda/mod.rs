@@ -59,11 +59,12 @@ pub enum Variant {
 }
 
 impl Variant {
-    /// The variant for this problem: tensor cores when the dtype and D allow. Up to
-    /// B = 16 the cooperative TMA tile with 16 columns (`Tma { rows: 128, columns: 16 }`;
-    /// measured 0.5–2.4 % faster than the ping-pong tile there, docs/PERF.md); above it the
-    /// ping-pong TMA tile with the narrowest batch tile that covers B (at most 128 columns;
-    /// more rows of `H` are more batch tiles).
+    /// The variant for this problem: tensor cores when the dtype and D allow, then by B
+    /// (the fastest forced variants of the bench, docs/PERF.md):
+    /// - B ≤ 16: the cooperative TMA tile with 16 columns (`Tma { rows: 128, columns: 16 }`);
+    /// - 16 < B ≤ 128: the ping-pong TMA tile with the narrowest batch tile that covers B;
+    /// - B > 128: the cooperative tile with 128 columns, which stages each byte of `H` for
+    ///   twice the rows of `W` (more rows of `H` are more batch tiles).
     pub fn resolve(self, dtype: DType, dim: usize, batch: usize) -> Result<Variant> {
         let tensor_cores = dtype != DType::F32 && dim.is_multiple_of(8);
         let needs_tensor_cores = |name: &str| {
@@ -75,6 +76,7 @@ impl Variant {
         match self {
             Variant::Auto if !tensor_cores => Ok(Variant::Simt),
             Variant::Auto if batch <= 16 => Ok(Variant::Tma { rows: 128, columns: 16 }),
+            Variant::Auto if batch > 128 => Ok(Variant::Tma { rows: 128, columns: 128 }),
             Variant::Auto => Ok(Variant::Tma {
                 rows: 64,
                 columns: TMA_COLUMNS.into_iter().find(|&c| c as usize >= batch).unwrap_or(128),

@@ -167,3 +167,51 @@ pub unsafe fn mma_f16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
             options(nomem, nostack));
     }
 }
+
+/// `fence.acq_rel.gpu`: orders this thread's memory operations before and after it for every
+/// thread of the GPU (release before a flag update, acquire after seeing one).
+///
+/// # Safety
+/// None beyond those of inline assembly; kept `unsafe` like the other wrappers.
+#[inline(always)]
+pub unsafe fn fence_gpu() {
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+}
+
+/// `atom.relaxed.gpu.global.add.u32`: adds `value` to the word at `address`, returns the old
+/// value.
+///
+/// # Safety
+/// `address` must be a 4-byte aligned global address of a writable `u32`.
+#[inline(always)]
+pub unsafe fn atomic_add_gpu(address: u64, value: u32) -> u32 {
+    let old: u32;
+    unsafe {
+        asm!("atom.relaxed.gpu.global.add.u32 {old}, [{p}], {v};",
+            old = out(reg32) old, p = in(reg64) address, v = in(reg32) value, options(nostack));
+    }
+    old
+}
+
+/// `st.relaxed.gpu.global.u32`.
+///
+/// # Safety
+/// `address` must be a 4-byte aligned global address of a writable `u32`.
+#[inline(always)]
+pub unsafe fn store_relaxed_gpu(address: u64, value: u32) {
+    unsafe { asm!("st.relaxed.gpu.global.u32 [{p}], {v};", p = in(reg64) address, v = in(reg32) value, options(nostack)) };
+}
+
+/// `ld.relaxed.gpu.global.f32`: a load that sees other multiprocessors' stores ordered before
+/// it by a fence (it is not served from this multiprocessor's possibly stale L1).
+///
+/// # Safety
+/// `address` must be a 4-byte aligned global address of a readable `f32`.
+#[inline(always)]
+pub unsafe fn load_relaxed_gpu(address: u64) -> f32 {
+    let value: f32;
+    unsafe {
+        asm!("ld.relaxed.gpu.global.f32 {v}, [{p}];", v = out(reg32) value, p = in(reg64) address, options(nostack));
+    }
+    value
+}

@@ -84,8 +84,7 @@ pub const fn tma_stages(rows: u32, columns: u32) -> u32 {
 /// Dynamic shared memory of a TMA kernel: 1 KiB of slack to align the stages to the 1024-byte
 /// swizzle atom, the `W` stages, the `H` stages, a full and an empty barrier per stage, a turn
 /// barrier per consumer warpgroup, one candidate per (consumer warp, column) for the
-/// cross-warp merge, each consumer warpgroup's copy of its item's row parameters, and a flag
-/// word per consumer warpgroup for the parts of split items.
+/// cross-warp merge, and each consumer warpgroup's copy of its item's row parameters.
 pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
     let stages = tma_stages(rows, columns);
     1024 + stages * (tma_lm_head_stage_bytes(rows) + tma_hidden_stage_bytes(columns))
@@ -93,7 +92,6 @@ pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
         + (TMA_CONSUMER_WARPS / 4) * 8
         + TMA_CONSUMER_WARPS * columns * 8
         + (TMA_CONSUMER_WARPS / 4) * columns * core::mem::size_of::<crate::RowParams>() as u32
-        + (TMA_CONSUMER_WARPS / 4) * 4
 }
 
 /// Size of a `CUtensorMap` (the driver's TMA descriptor), which lives in global memory.
@@ -124,41 +122,6 @@ pub struct TmaArgs {
     pub tiles: u32,
     /// Row stride of the logits in elements (GEMM), a multiple of 4 and at least `vocab`.
     pub logits_stride: u32,
-    /// Parts of `dim` each item of the last, partial wave is split into ([`tma_tail_parts`]);
-    /// 1: no split.
-    pub tail_parts: u32,
-    /// f32 scratch for the parts of split items: at least `tail_parts · (items % grid)` ×
-    /// item rows × columns floats.
-    pub partials: u64,
-    /// One `u32` per split item, zero before the launch; the kernel leaves them zero.
-    pub part_counts: u64,
-}
-
-/// Most parts a last-wave item of a TMA kernel is split into.
-pub const TMA_MAX_TAIL_PARTS: u32 = 8;
-
-/// How many parts of `dim` to split each item of the last, partial wave into, for `items`
-/// work items of `k_blocks` stages on `grid` persistent blocks. With `tail = items % grid`
-/// split into `s` parts, the last wave takes `⌈tail · s / grid⌉ / s` of an item's time instead
-/// of one; the smallest `s ≤ min(k_blocks, TMA_MAX_TAIL_PARTS)` that saves at least 10 % of
-/// it, else the best, else 1 (no split: full waves, a single wave, or no gain).
-pub const fn tma_tail_parts(items: u32, grid: u32, k_blocks: u32) -> u32 {
-    if grid == 0 || items <= grid || items % grid == 0 {
-        return 1;
-    }
-    let tail = items % grid;
-    // The best so far takes `best_waves / best` of an item's time.
-    let (mut best, mut best_waves) = (1, 1);
-    let mut parts = 2;
-    while parts <= TMA_MAX_TAIL_PARTS && parts <= k_blocks {
-        let waves = (tail * parts).div_ceil(grid);
-        if 10 * waves * best <= 9 * best_waves * parts {
-            best = parts;
-            best_waves = waves;
-        }
-        parts += 1;
-    }
-    best
 }
 
 /// Stage 1: `candidates[(b · samples + j) · tiles + tile]` for each batch row `b < batch`,
@@ -253,28 +216,4 @@ pub struct ReadProbeArgs {
 #[derive(Clone, Copy, Debug)]
 pub struct EstimateErrorArgs {
     pub out: u64,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tail_parts_spread_the_last_wave() {
-        // 1002 items of 128 rows (V = 128256) on 132 blocks: 78 in the last wave; in 5 parts
-        // they take 3 of 5 sub-waves, 0.6 of an item's time.
-        assert_eq!(tma_tail_parts(1002, 132, 128), 5);
-        // 2004 items of 64 rows: 24 in the last wave, 5 parts fill 120 of 132 blocks.
-        assert_eq!(tma_tail_parts(2004, 132, 128), 5);
-        // A last wave 131 blocks wide cannot gain; neither full waves nor one wave split.
-        assert_eq!(tma_tail_parts(1187, 132, 64), 1);
-        assert_eq!(tma_tail_parts(1056, 132, 64), 1);
-        assert_eq!(tma_tail_parts(100, 132, 64), 1);
-        // Never more parts than stages.
-        assert_eq!(tma_tail_parts(133, 132, 3), 3);
-        for items in 133..1400 {
-            let parts = tma_tail_parts(items, 132, 16);
-            assert!((1..=TMA_MAX_TAIL_PARTS).contains(&parts));
-        }
-    }
 }

@@ -47,30 +47,21 @@ const WARPGROUP_THREADS: u32 = 128;
 /// Consumer warpgroups.
 const CONSUMER_WARPGROUPS: u32 = TMA_CONSUMER_WARPS / 4;
 
-/// Runs `$body` with `$k` = 0, 1, 2, 3 (or each index of the list given) for those below
-/// `$count` (a constant), as straight-line code: LLVM leaves a loop with a long body (or many
-/// trips) rolled, and a rolled loop over an array moves the array to local memory and keeps
-/// the iterations from interleaving.
+/// Runs `$body` with `$k` = 0, 1, 2, 3 for those below `$count` (a constant), as straight-line
+/// code: LLVM leaves a loop with a long body rolled, and a rolled loop over an array moves the
+/// array to local memory and keeps the iterations from interleaving.
 macro_rules! unrolled {
-    ($k:ident < $count:expr, [$($i:literal),*], $body:block) => {{
-        $(
-            if $i < $count {
-                let $k: usize = $i;
-                $body
-            }
-        )*
+    ($k:ident < $count:expr, $body:block) => {{
+        unrolled!(@one 0, $k, $count, $body);
+        unrolled!(@one 1, $k, $count, $body);
+        unrolled!(@one 2, $k, $count, $body);
+        unrolled!(@one 3, $k, $count, $body);
     }};
-    ($k:ident < $count:expr, $body:block) => {
-        unrolled!($k < $count, [0, 1, 2, 3], $body)
-    };
-}
-
-/// Every accumulator index of the widest tile (`R` ≤ 64), for [`unrolled!`].
-macro_rules! each_accumulator {
-    ($r:ident < $count:expr, $body:block) => {
-        unrolled!($r < $count, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
-            23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48,
-            49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63], $body)
+    (@one $i:literal, $k:ident, $count:expr, $body:block) => {
+        if $i < $count {
+            let $k: usize = $i;
+            $body
+        }
     };
 }
 
@@ -88,8 +79,6 @@ struct Layout {
     staging: *mut Candidate,
     /// Row parameters of each team's current item: `N` per team.
     rows: *mut RowParams,
-    /// One word per team: "this team adds the last part" (see [`combine_parts`]).
-    flags: *mut u32,
 }
 
 impl Layout {
@@ -107,8 +96,7 @@ impl Layout {
         let turn = empty + stages * 8;
         let staging = base.wrapping_add((turn + CONSUMER_WARPGROUPS * 8 - shared) as usize).cast::<Candidate>();
         let rows = staging.wrapping_add((TMA_CONSUMER_WARPS * columns) as usize).cast::<RowParams>();
-        let flags = rows.wrapping_add((CONSUMER_WARPGROUPS * columns) as usize).cast::<u32>();
-        Layout { stages, lm_head, lm_head_stage_bytes, hidden, hidden_stage_bytes, full, empty, turn, staging, rows, flags }
+        Layout { stages, lm_head, lm_head_stage_bytes, hidden, hidden_stage_bytes, full, empty, turn, staging, rows }
     }
 }
 
@@ -170,98 +158,41 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
     }
 }
 
-/// One piece of work: the `k_blocks` range `k_begin..k_end` of `dim` for the item (`tile`,
-/// `col0`), whose stages are the block's `first`-th and on. A unit that covers only part of
-/// `dim` is one of `parts` parts of a last-wave item (see [`Items`]); its team adds the parts
-/// up in [`combine_parts`].
-#[derive(Clone, Copy)]
-struct Unit {
-    first: u32,
-    tile: u32,
-    col0: u32,
-    k_begin: u32,
-    k_end: u32,
-    /// `Some((slot, part))` for a part of a split item: `slot` numbers the split items.
-    split: Option<(u32, u32)>,
-}
-
-/// The work units of this block in grid-stride order: the producer takes every one, consumer
-/// team `k` of `n` those at positions `k`, `k + n`, … of the block's sequence.
-///
-/// With `args.tail_parts = s > 1` each of the `items % grid` items of the last, partial wave
-/// is split into `s` parts of `dim`, so the last wave spreads over more blocks
-/// ([`flashsample_core::abi::tma_tail_parts`]). The whole items come first (a multiple of
-/// the grid); the stage count of every unit of the block is summed as the iterator walks, so
-/// each unit knows where its stages start in the ring.
+/// The work items of this block in grid-stride order, with their position in the block's
+/// sequence: the producer takes every one, consumer team `k` of `n` those at positions `k`,
+/// `k + n`, ….
 struct Items {
     position: u32,
-    team: u32,
-    teams: u32,
+    step: u32,
     count: u32,
-    whole: u32,
-    parts: u32,
-    k_blocks: u32,
     column_tiles: u32,
     columns: u32,
-    stages_before: u32,
 }
 
 impl Items {
     #[inline(always)]
-    fn new(args: &TmaArgs, columns: u32, team: u32, teams: u32) -> Items {
+    fn new(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
         // At least one, so the divisions below need no zero check (the host never launches
         // an empty batch).
         let column_tiles = args.batch.div_ceil(columns).max(1);
-        let items = args.tiles * column_tiles;
-        let parts = args.tail_parts.max(1);
-        let split = if parts > 1 { items % arch::grid_size() } else { 0 };
-        let whole = items - split;
-        let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
-        Items {
-            position: 0,
-            team,
-            teams,
-            count: whole + split * parts,
-            whole,
-            parts,
-            k_blocks,
-            column_tiles,
-            columns,
-            stages_before: 0,
-        }
+        Items { position: first, step, count: args.tiles * column_tiles, column_tiles, columns }
     }
 }
 
 impl Iterator for Items {
-    /// Batch tiles vary fastest, so blocks reading the same `W` rows run together.
-    type Item = Unit;
+    /// `(position, tile, col0)`: batch tiles vary fastest, so blocks reading the same `W` rows
+    /// run together.
+    type Item = (u32, u32, u32);
 
     #[inline(always)]
-    fn next(&mut self) -> Option<Unit> {
-        loop {
-            let unit = arch::block_index() + self.position * arch::grid_size();
-            if unit >= self.count {
-                return None;
-            }
-            let (item, k_begin, k_end, split) = if unit < self.whole {
-                (unit, 0, self.k_blocks, None)
-            } else {
-                let slot = (unit - self.whole) / self.parts;
-                let part = (unit - self.whole) % self.parts;
-                let begin = part * self.k_blocks / self.parts;
-                let end = (part + 1) * self.k_blocks / self.parts;
-                (self.whole + slot, begin, end, Some((slot, part)))
-            };
-            let first = self.stages_before;
-            self.stages_before += k_end - k_begin;
-            let mine = self.position % self.teams == self.team;
-            self.position += 1;
-            if mine {
-                let tile = item / self.column_tiles;
-                let col0 = (item % self.column_tiles) * self.columns;
-                return Some(Unit { first, tile, col0, k_begin, k_end, split });
-            }
+    fn next(&mut self) -> Option<(u32, u32, u32)> {
+        let item = arch::block_index() + self.position * arch::grid_size();
+        if item >= self.count {
+            return None;
         }
+        let position = self.position;
+        self.position += self.step;
+        Some((position, item / self.column_tiles, (item % self.column_tiles) * self.columns))
     }
 }
 
@@ -271,14 +202,15 @@ impl Iterator for Items {
 /// As [`tma_kernel`]; called by one thread of the producer warp.
 #[inline(always)]
 unsafe fn produce(args: &TmaArgs, layout: &Layout, rows: u32, columns: u32) {
+    let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let stage_bytes = layout.lm_head_stage_bytes + layout.hidden_stage_bytes;
     unsafe {
         hopper::fence_tensor_map(args.lm_head_map);
         hopper::fence_tensor_map(args.hidden_map);
     }
     let mut iteration = 0u32;
-    for Unit { tile, col0, k_begin, k_end, .. } in Items::new(args, columns, 0, 1) {
-        for k_block in k_begin..k_end {
+    for (_, tile, col0) in Items::new(args, columns, 0, 1) {
+        for k_block in 0..k_blocks {
             let stage = iteration % layout.stages;
             let phase = (iteration / layout.stages) & 1;
             let full = layout.full + 8 * stage;
@@ -318,13 +250,11 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let rows_offset = (warpgroup % (rows / WARPGROUP_ROWS)) * WARPGROUP_ROWS;
     let w_offset = rows_offset * 2 * TMA_K_BLOCK;
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
-    let team_barrier = (FIRST_TEAM_BARRIER + team, 32 * teams.warps);
     let staging = layout.staging.wrapping_add((team * teams.warps * N as u32) as usize);
     let team_rows = layout.rows.wrapping_add((team * N as u32) as usize);
     let mut acc = [0.0f32; R];
     let mut turns = 0u32;
-    for unit in Items::new(args, N as u32, team, teams.count) {
-        let Unit { first, tile, col0, k_begin, k_end, split } = unit;
+    for (position, tile, col0) in Items::new(args, N as u32, team, teams.count) {
         // The item's row parameters (one column per thread, N ≤ team threads) are loaded
         // now and stored to shared memory after the mainloop, so the load's latency hides
         // under it and the epilogue reads them from shared memory.
@@ -344,9 +274,10 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             unsafe { hopper::barrier_wait(layout.turn + 8 * team, parity) };
             turns += 1;
         }
-        // The producer fills stages in the block's unit order, k-blocks within a unit.
-        for k_block in k_begin..k_end {
-            let iteration = first + k_block - k_begin;
+        // The producer fills stages in the block's item order, k-blocks within an item.
+        let first = position * k_blocks;
+        for k_block in 0..k_blocks {
+            let iteration = first + k_block;
             let stage = iteration % layout.stages;
             let phase = (iteration / layout.stages) & 1;
             let w = layout.lm_head + stage * layout.lm_head_stage_bytes + w_offset;
@@ -358,12 +289,12 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                     // 16 elements of K are 32 bytes along the swizzled row.
                     let a = hopper::swizzled_descriptor(w + 32 * step);
                     let b = hopper::swizzled_descriptor(h + 32 * step);
-                    T::wgmma::<R>(&mut acc, a, b, (k_block > k_begin || step > 0) as u32);
+                    T::wgmma::<R>(&mut acc, a, b, (k_block > 0 || step > 0) as u32);
                 }
                 hopper::wgmma_commit();
                 // The previous stage's group is done once at most this one is pending.
                 hopper::wgmma_wait::<1>();
-                if k_block > k_begin {
+                if k_block > 0 {
                     hopper::barrier_arrive(layout.empty + 8 * ((iteration - 1) % layout.stages));
                 }
             }
@@ -373,14 +304,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                 hopper::barrier_arrive(layout.turn + 8 * (teams.count - 1 - team));
             }
             hopper::wgmma_wait::<0>();
-            hopper::barrier_arrive(layout.empty + 8 * ((first + k_end - k_begin - 1) % layout.stages));
-        }
-        if let Some((slot, part)) = split {
-            let flag = layout.flags.wrapping_add(team as usize);
-            // Only the team that adds the last part runs the epilogue of the item.
-            if !unsafe { combine_parts(&mut acc, args, slot, part, team_thread, team_barrier, flag) } {
-                continue;
-            }
+            hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));
         }
         let place = Placement::new(team_thread, tile * rows + rows_offset, tile, col0);
         if FUSED {
@@ -392,6 +316,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                     unsafe { *words.add(w) = word };
                 }
             }
+            let team_barrier = (FIRST_TEAM_BARRIER + team, 32 * teams.warps);
             let epilogue = match N / 8 {
                 1 => sample_epilogue::<N, R, 1>,
                 2 => sample_epilogue::<N, R, 2>,
@@ -402,70 +327,6 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             unsafe { logits_epilogue::<N, R>(&acc, args, &place) };
         }
     }
-}
-
-/// Adds up the parts of a split item: each part's team stores its accumulators to
-/// `args.partials` (slot `slot · parts + part`, thread-major so the stores coalesce) and
-/// counts itself in `args.part_counts[slot]`; the team that counts last sums every part in
-/// part order (so the logits do not depend on which part finished last), resets the count
-/// for the next launch, and returns true with the item's accumulators in `acc`.
-///
-/// Architecture Invariant: a split item's logits are `((p₀ + p₁) + …)` over its parts in part
-/// order; they can differ from the unsplit item's in the last bits, like any other change of
-/// summation order (a different tile family, the CPU).
-///
-/// # Safety
-/// All threads of one team call it together; `flag` is the team's own word of shared
-/// memory; `args.partials` holds `tail_parts · (items % grid)` parts of `32 · team warps · R`
-/// floats and `args.part_counts` one zeroed `u32` per split item.
-#[inline(always)]
-unsafe fn combine_parts<const R: usize>(
-    acc: &mut [f32; R],
-    args: &TmaArgs,
-    slot: u32,
-    part: u32,
-    team_thread: u32,
-    barrier: (u32, u32),
-    flag: *mut u32,
-) -> bool {
-    let (barrier, threads) = barrier;
-    let parts = args.tail_parts;
-    let part_floats = R as u64 * threads as u64;
-    let partials = args.partials as *mut f32;
-    let mine = partials.wrapping_add(((slot * parts + part) as u64 * part_floats) as usize);
-    each_accumulator!(r < R, {
-        unsafe { *mine.add(r * threads as usize + team_thread as usize) = acc[r] };
-    });
-    // Release: this thread's stores, before the count that tells the last team to read them.
-    unsafe { arch::fence_gpu() };
-    unsafe { arch::sync_named(barrier, threads) };
-    if team_thread == 0 {
-        let count = args.part_counts + 4 * slot as u64;
-        let before = unsafe { arch::atomic_add_gpu(count, 1) };
-        let last = before == parts - 1;
-        if last {
-            unsafe { arch::store_relaxed_gpu(count, 0) };
-        }
-        unsafe { *flag = last as u32 };
-    }
-    unsafe { arch::sync_named(barrier, threads) };
-    let last = unsafe { *flag } != 0;
-    // Every thread reads the flag before it reaches the first barrier of the team's next
-    // split unit, after which thread 0 writes it again.
-    if last {
-        // Acquire: the other parts' stores, counted before ours.
-        unsafe { arch::fence_gpu() };
-        let mut sum = [0.0f32; R];
-        for p in 0..parts {
-            let part_base = partials.wrapping_add(((slot * parts + p) as u64 * part_floats) as usize);
-            each_accumulator!(r < R, {
-                let at = part_base.wrapping_add(r * threads as usize + team_thread as usize);
-                sum[r] += unsafe { arch::load_relaxed_gpu(at as u64) };
-            });
-        }
-        *acc = sum;
-    }
-    last
 }
 
 /// Where a consumer thread's transposed quads lie in the tile.

@@ -21,7 +21,7 @@ pub use flashsample_core::abi::TMA_ITEM_ROWS;
 use flashsample_core::abi::{
     FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, N_TILE,
     EstimateErrorArgs, REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TENSOR_MAP_BYTES, TILE_ROWS,
-    TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, tma_tail_parts, fused_simt_shared_bytes, tma_shared_bytes,
+    TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_shared_bytes,
 };
 use flashsample_core::{Candidate, RowParams};
 
@@ -276,10 +276,6 @@ struct Workspace {
     rows: Option<DeviceBuffer<u8>>,
     candidates: Option<DeviceBuffer<u64>>,
     logits: Option<DeviceBuffer<f32>>,
-    /// Parts of the TMA kernels' split last-wave items, and their counts (zero between
-    /// launches: the kernel that counts last resets each).
-    partials: Option<DeviceBuffer<f32>>,
-    part_counts: Option<DeviceBuffer<u32>>,
 }
 
 fn ensure<T: DeviceCopy>(slot: &mut Option<DeviceBuffer<T>>, len: usize, what: &str) -> Result<u64> {
@@ -292,25 +288,6 @@ fn ensure<T: DeviceCopy>(slot: &mut Option<DeviceBuffer<T>>, len: usize, what: &
         *slot = Some(buffer);
     }
     Ok(slot.as_ref().expect("just ensured").as_device_ptr().as_raw())
-}
-
-/// Like [`ensure`], but a new buffer starts zeroed.
-fn ensure_zeroed(slot: &mut Option<DeviceBuffer<u32>>, len: usize, what: &str) -> Result<u64> {
-    if slot.as_ref().is_none_or(|b| b.len() < len) {
-        *slot = None;
-        let zeros = vec![0u32; len.max(1)];
-        *slot = Some(driver::check(&format!("cuMemAlloc+cuMemcpyHtoD({what}, {len} elements)"), DeviceBuffer::from_slice(&zeros))?);
-    }
-    Ok(slot.as_ref().expect("just ensured").as_device_ptr().as_raw())
-}
-
-/// How a TMA launch covers its items: `units` to launch, the split of the last wave and the
-/// scratch it needs (see `TmaArgs::tail_parts`).
-struct TmaSplit {
-    units: u64,
-    tail_parts: u32,
-    partials: u64,
-    part_counts: u64,
 }
 
 fn row_params_bytes(rows: &[RowParams]) -> &[u8] {
@@ -415,24 +392,6 @@ impl CudaSampler {
                 args,
             )
         }
-    }
-
-    /// Splits the last, partial wave of a TMA launch of `items` items of `rows` × `columns`
-    /// into parts of `dim` ([`tma_tail_parts`]), so it keeps every block busy; allocates the
-    /// scratch for the parts.
-    fn tma_split(&self, name: &'static str, items: u64, dim: usize, rows: u32, columns: u32) -> Result<TmaSplit> {
-        let kernel = &self.kernels[name];
-        let resident = kernel.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
-        let grid = items.clamp(1, resident);
-        let items = u32::try_from(items).map_err(|_| invalid("lm_head", "too many work items for one launch"))?;
-        let tail_parts = tma_tail_parts(items, grid as u32, dim.div_ceil(TMA_K_BLOCK as usize) as u32);
-        let split_items = if tail_parts > 1 { items as u64 % grid } else { 0 };
-        let units = items as u64 - split_items + split_items * tail_parts as u64;
-        let mut workspace = self.workspace.borrow_mut();
-        let floats = (split_items * tail_parts as u64 * rows as u64 * columns as u64) as usize;
-        let partials = ensure(&mut workspace.partials, floats, "split partials")?;
-        let part_counts = ensure_zeroed(&mut workspace.part_counts, split_items as usize, "split part counts")?;
-        Ok(TmaSplit { units, tail_parts, partials, part_counts })
     }
 
     /// Waits for all queued work; a kernel fault is reported as failing `after`.
@@ -564,8 +523,7 @@ impl CudaSampler {
         };
         self.run_passes(hidden, rows, samples, tiles, tokens, |pass| {
             let items = tiles as u64 * pass.batch.div_ceil(variant.columns()) as u64;
-            if let (Some((lm_head_map, hidden_map)), Variant::Tma { rows, columns }) = (maps, variant) {
-                let split = self.tma_split(name, items, shape.dim, rows, columns)?;
+            if let Some((lm_head_map, hidden_map)) = maps {
                 let args = TmaArgs {
                     lm_head_map,
                     hidden_map,
@@ -579,12 +537,9 @@ impl CudaSampler {
                     samples: pass.samples,
                     tiles: tiles as u32,
                     logits_stride: 0,
-                    tail_parts: split.tail_parts,
-                    partials: split.partials,
-                    part_counts: split.part_counts,
                 };
                 // SAFETY: the maps describe live buffers; the others are sized for this pass.
-                return unsafe { self.launch(name, split.units, &args) };
+                return unsafe { self.launch(name, items, &args) };
             }
             let args = FusedArgs {
                 lm_head: lm_head.address(),
@@ -633,7 +588,6 @@ impl CudaSampler {
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
         if let Variant::Tma { rows, columns } = variant {
             let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, rows, columns)?;
-            let split = self.tma_split(name, items, shape.dim, rows, columns)?;
             let gemm = TmaArgs {
                 lm_head_map,
                 hidden_map,
@@ -647,12 +601,9 @@ impl CudaSampler {
                 samples: 0,
                 tiles: gemm_tiles as u32,
                 logits_stride: stride as u32,
-                tail_parts: split.tail_parts,
-                partials: split.partials,
-                part_counts: split.part_counts,
             };
             // SAFETY: the logits buffer holds B × stride floats; the maps describe live buffers.
-            unsafe { self.launch(name, split.units, &gemm)? };
+            unsafe { self.launch(name, items, &gemm)? };
         } else {
             let gemm = LogitsArgs {
                 lm_head: lm_head.address(),

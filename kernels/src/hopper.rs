@@ -112,6 +112,76 @@ pub unsafe fn tma_load_2d(destination: u32, map: u64, inner: i32, outer: i32, ba
     }
 }
 
+/// TMA multicast: like [`tma_load_2d`], but the box lands at `destination` in the shared
+/// memory of every block of the cluster whose rank bit is set in `blocks`, and signals its
+/// bytes on the barrier at `bar` in each of them.
+///
+/// # Safety
+/// As [`tma_load_2d`], in every destination block; the kernel runs as clusters.
+#[inline(always)]
+pub unsafe fn tma_load_2d_multicast(destination: u32, map: u64, inner: i32, outer: i32, bar: u32, blocks: u16) {
+    unsafe {
+        asm!("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{m}, {{{x}, {y}}}], [{b}], {k};",
+            d = in(reg32) destination, m = in(reg64) map, x = in(reg32) inner, y = in(reg32) outer, b = in(reg32) bar,
+            k = in(reg16) blocks, options(nostack));
+    }
+}
+
+/// This block's cluster (`%clusterid.x`) and the number of clusters (`%nclusterid.x`) of a
+/// one-dimensional grid.
+#[inline(always)]
+pub fn cluster_index_and_count() -> (u32, u32) {
+    let (index, count): (u32, u32);
+    // SAFETY: reads special registers.
+    unsafe {
+        asm!("mov.u32 {i}, %clusterid.x;", "mov.u32 {n}, %nclusterid.x;", i = out(reg32) index, n = out(reg32) count,
+            options(pure, nomem, nostack));
+    }
+    (index, count)
+}
+
+/// This block's rank in its cluster (`%cluster_ctarank`).
+#[inline(always)]
+pub fn cluster_rank() -> u32 {
+    let rank: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {r}, %cluster_ctarank;", r = out(reg32) rank, options(pure, nomem, nostack)) };
+    rank
+}
+
+/// The shared-window address in block `rank` of the cluster of this block's shared address
+/// `address` (`mapa`).
+#[inline(always)]
+pub fn peer_address(address: u32, rank: u32) -> u32 {
+    let peer: u32;
+    // SAFETY: an address computation; nothing is read.
+    unsafe {
+        asm!("mapa.shared::cluster.u32 {p}, {a}, {r};", p = out(reg32) peer, a = in(reg32) address, r = in(reg32) rank,
+            options(pure, nomem, nostack));
+    }
+    peer
+}
+
+/// One arrival on a barrier of another block of the cluster (`peer` from [`peer_address`]),
+/// releasing this thread's prior reads of shared memory at cluster scope.
+///
+/// # Safety
+/// `peer` is an initialised barrier of a block of this cluster that has not exited.
+#[inline(always)]
+pub unsafe fn barrier_arrive_peer(peer: u32) {
+    unsafe { asm!("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{b}];", b = in(reg32) peer, options(nostack)) }
+}
+
+/// Cluster-wide barrier (`barrier.cluster.arrive.release` + `wait.acquire`): every thread of
+/// every block of the cluster arrives before any goes on.
+///
+/// # Safety
+/// Every thread of every block of the cluster reaches it the same number of times.
+#[inline(always)]
+pub unsafe fn cluster_sync() {
+    unsafe { asm!("barrier.cluster.arrive.release;", "barrier.cluster.wait.acquire;", options(nostack)) }
+}
+
 /// `setmaxnreg.dec`: this warpgroup gives back registers down to `COUNT` per thread.
 ///
 /// # Safety

@@ -149,19 +149,27 @@ pub fn cluster_rank() -> u32 {
     rank
 }
 
-/// One arrival on the barrier at this block's shared address `bar` in block `rank` of the
-/// cluster, made only where `signal` is true: the predicate lives inside the asm, so no branch
-/// of the caller's code sits next to the warpgroup-aligned ops around it.
+/// The shared-window address in block `rank` of the cluster of this block's shared address
+/// `address` (`mapa`).
+#[inline(always)]
+pub fn peer_address(address: u32, rank: u32) -> u32 {
+    let peer: u32;
+    // SAFETY: an address computation; nothing is read.
+    unsafe {
+        asm!("mapa.shared::cluster.u32 {p}, {a}, {r};", p = out(reg32) peer, a = in(reg32) address, r = in(reg32) rank,
+            options(pure, nomem, nostack));
+    }
+    peer
+}
+
+/// One arrival on a barrier of another block of the cluster (`peer` from [`peer_address`]),
+/// releasing this thread's prior reads of shared memory at cluster scope.
 ///
 /// # Safety
-/// `bar` is an initialised barrier in every block of the cluster, and block `rank` has not
-/// exited.
+/// `peer` is an initialised barrier of a block of this cluster that has not exited.
 #[inline(always)]
-pub unsafe fn barrier_arrive_peer_if(bar: u32, rank: u32, signal: bool) {
-    unsafe {
-        asm!("{{ .reg .pred p; .reg .b32 peer; setp.ne.u32 p, {s}, 0; @p mapa.shared::cluster.u32 peer, {b}, {r}; @p mbarrier.arrive.shared::cluster.b64 _, [peer]; }}",
-            s = in(reg32) signal as u32, b = in(reg32) bar, r = in(reg32) rank, options(nostack));
-    }
+pub unsafe fn barrier_arrive_peer(peer: u32) {
+    unsafe { asm!("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{b}];", b = in(reg32) peer, options(nostack)) }
 }
 
 /// Cluster-wide barrier (`barrier.cluster.arrive.release` + `wait.acquire`): every thread of

@@ -144,9 +144,7 @@ pub unsafe fn tma_kernel<
     let warp = thread / 32;
     let layout = Layout::new(shared, ROWS, N as u32);
     let teams = Teams::new(ROWS);
-    // Every consumer thread of the team arrives here; in a pair kernel lane 0 of each of the
-    // other block's team warps arrives too.
-    let readers = 32 * teams.warps + if PAIR { teams.warps } else { 0 };
+    let readers = if PAIR { TMA_PAIR } else { 1 } * 32 * teams.warps;
     if thread == 0 {
         for s in 0..layout.stages {
             unsafe {
@@ -304,14 +302,12 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let mut acc = [0.0f32; R];
     let mut turns = 0u32;
     let peer = hopper::cluster_rank() ^ 1;
-    let lane_zero = thread % 32 == 0;
     // Frees stage `s` here and, in a pair kernel, in the other block, whose producer also
-    // writes into this block's stages (one arrival per warp there: the warp's reads are all
-    // done once its `wgmma.wait_group` returns).
+    // writes into this block's stages.
     let release = |s: u32| unsafe {
         hopper::barrier_arrive(layout.empty + 8 * s);
         if PAIR {
-            hopper::barrier_arrive_peer_if(layout.empty + 8 * s, peer, lane_zero);
+            hopper::barrier_arrive_peer(hopper::peer_address(layout.empty + 8 * s, peer));
         }
     };
     for (position, tile, col0) in Items::new::<PAIR>(args, N as u32, team, teams.count) {

@@ -94,11 +94,6 @@ pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
         + (TMA_CONSUMER_WARPS / 4) * columns * core::mem::size_of::<crate::RowParams>() as u32
 }
 
-/// Blocks of a pair kernel's cluster (`fused_tma_*_x2`): two blocks on two multiprocessors
-/// work on different rows of `W` against the same batch tile, and each loads half of every
-/// `H` box for both (TMA multicast), halving the `H` traffic from L2.
-pub const TMA_PAIR: u32 = 2;
-
 /// Size of a `CUtensorMap` (the driver's TMA descriptor), which lives in global memory.
 pub const TENSOR_MAP_BYTES: usize = 128;
 

@@ -42,7 +42,6 @@ fn tensor_core_variants() -> Vec<(String, Variant)> {
         .map(|variant| match variant {
             Variant::Mma { columns } => (format!("mma_n{columns}"), variant),
             Variant::Tma { rows, columns } => (format!("tma_m{rows}_n{columns}"), variant),
-            Variant::TmaPair { columns } => (format!("tma_x2_n{columns}"), variant),
             other => unreachable!("Variant::tensor_core lists mma and TMA variants only, not {other:?}"),
         })
         .collect()

@@ -180,7 +180,7 @@ logits_kernels! {
 }
 
 macro_rules! tma_kernels {
-    ($($name:ident => $element:ty, $rows:literal, $columns:literal, $fused:literal $(, $pair:literal)?;)*) => {$(
+    ($($name:ident => $element:ty, $rows:literal, $columns:literal, $fused:literal;)*) => {$(
         /// A TMA + `wgmma` kernel (sm_90a): fused sampling, or the unfused pipeline's GEMM.
         ///
         /// # Safety
@@ -189,10 +189,7 @@ macro_rules! tma_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
             unsafe {
-                tma_gemm::tma_kernel::<$element, $rows, $columns, { $columns / 2 }, $fused, { false $(|| $pair)? }>(
-                    &args,
-                    shared::<u8>(),
-                )
+                tma_gemm::tma_kernel::<$element, $rows, $columns, { $columns / 2 }, $fused>(&args, shared::<u8>())
             }
         }
     )*};
@@ -239,22 +236,6 @@ tma_kernels! {
     logits_tma_f16_m128_n32 => F16, 128, 32, false;
     logits_tma_f16_m128_n64 => F16, 128, 64, false;
     logits_tma_f16_m128_n128 => F16, 128, 128, false;
-    fused_tma_bf16_m64_n16_x2 => Bf16, 64, 16, true, true;
-    fused_tma_bf16_m64_n32_x2 => Bf16, 64, 32, true, true;
-    fused_tma_bf16_m64_n64_x2 => Bf16, 64, 64, true, true;
-    fused_tma_bf16_m64_n128_x2 => Bf16, 64, 128, true, true;
-    fused_tma_f16_m64_n16_x2 => F16, 64, 16, true, true;
-    fused_tma_f16_m64_n32_x2 => F16, 64, 32, true, true;
-    fused_tma_f16_m64_n64_x2 => F16, 64, 64, true, true;
-    fused_tma_f16_m64_n128_x2 => F16, 64, 128, true, true;
-    logits_tma_bf16_m64_n16_x2 => Bf16, 64, 16, false, true;
-    logits_tma_bf16_m64_n32_x2 => Bf16, 64, 32, false, true;
-    logits_tma_bf16_m64_n64_x2 => Bf16, 64, 64, false, true;
-    logits_tma_bf16_m64_n128_x2 => Bf16, 64, 128, false, true;
-    logits_tma_f16_m64_n16_x2 => F16, 64, 16, false, true;
-    logits_tma_f16_m64_n32_x2 => F16, 64, 32, false, true;
-    logits_tma_f16_m64_n64_x2 => F16, 64, 64, false, true;
-    logits_tma_f16_m64_n128_x2 => F16, 64, 128, false, true;
 }
 
 /// The unfused pipeline's sampler over materialised logits.

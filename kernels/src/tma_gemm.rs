@@ -29,7 +29,7 @@
 //! by [`transpose_quad`], so noise stays keyed by vocabulary index, never by tile position.
 
 use flashsample_core::abi::{
-    TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_PAIR, TMA_PRODUCER_REGISTERS, TmaArgs, WARPGROUP_ROWS,
+    TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_PRODUCER_REGISTERS, TmaArgs, WARPGROUP_ROWS,
     tma_hidden_stage_bytes, tma_lm_head_stage_bytes, tma_stages,
 };
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
@@ -119,24 +119,14 @@ impl Teams {
 
 /// Both kinds of TMA kernel: `FUSED` samples (candidates out), otherwise f32 logits out.
 /// Items of `ROWS` (64 or 128) × `N` batch columns, `R = N / 2` accumulators per consumer
-/// thread. `PAIR`: the kernel runs as clusters of [`TMA_PAIR`] blocks that take neighbouring
-/// `W` tiles against the same batch tile, each loading half of every `H` box for both
-/// (multicast); every stage is then freed by the consumers of both blocks.
+/// thread.
 ///
 /// # Safety
 /// Launched with `TMA_THREADS` threads and `tma_shared_bytes(ROWS, N)` bytes of dynamic
-/// shared memory at `shared` (and, for `PAIR`, as clusters of two with an even grid);
-/// `args` holds tensor maps of `W` and `H` with boxes of 64 × `ROWS` and 64 × `N` (`PAIR`:
-/// 64 × `N / 2`) elements and 128-byte swizzle, and valid output buffers.
+/// shared memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes of
+/// 64 × `ROWS` and 64 × `N` elements and 128-byte swizzle, and valid output buffers.
 #[inline(always)]
-pub unsafe fn tma_kernel<
-    T: WgmmaElement,
-    const ROWS: u32,
-    const N: usize,
-    const R: usize,
-    const FUSED: bool,
-    const PAIR: bool,
->(
+pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usize, const FUSED: bool>(
     args: &TmaArgs,
     shared: *mut u8,
 ) {
@@ -144,12 +134,11 @@ pub unsafe fn tma_kernel<
     let warp = thread / 32;
     let layout = Layout::new(shared, ROWS, N as u32);
     let teams = Teams::new(ROWS);
-    let readers = if PAIR { TMA_PAIR } else { 1 } * 32 * teams.warps;
     if thread == 0 {
         for s in 0..layout.stages {
             unsafe {
                 hopper::barrier_init(layout.full + 8 * s, 1);
-                hopper::barrier_init(layout.empty + 8 * s, readers);
+                hopper::barrier_init(layout.empty + 8 * s, 32 * teams.warps);
             }
         }
         for w in 0..CONSUMER_WARPGROUPS {
@@ -158,61 +147,35 @@ pub unsafe fn tma_kernel<
         unsafe { hopper::fence_barrier_init() };
     }
     unsafe { arch::sync_threads() };
-    if PAIR {
-        // The other block's barriers exist before this one multicasts into it or arrives on them.
-        unsafe { hopper::cluster_sync() };
-    }
     if warp >= TMA_CONSUMER_WARPS {
         unsafe { hopper::release_registers::<TMA_PRODUCER_REGISTERS>() };
         if thread == TMA_CONSUMER_WARPS * 32 {
-            unsafe { produce::<PAIR>(args, &layout, ROWS, N as u32) };
+            unsafe { produce(args, &layout, ROWS, N as u32) };
         }
     } else {
         unsafe { hopper::claim_registers::<TMA_CONSUMER_REGISTERS>() };
-        unsafe { consume::<T, N, R, FUSED, PAIR>(args, &layout, ROWS, teams) };
-    }
-    if PAIR {
-        // Neither block exits while the other may still arrive on its barriers or load into
-        // its shared memory.
-        unsafe { hopper::cluster_sync() };
+        unsafe { consume::<T, N, R, FUSED>(args, &layout, ROWS, teams) };
     }
 }
 
 /// The work items of this block in grid-stride order, with their position in the block's
 /// sequence: the producer takes every one, consumer team `k` of `n` those at positions `k`,
-/// `k + n`, …. In a pair kernel the cluster walks pairs of neighbouring tiles (same batch
-/// tile) in grid-stride order over clusters, and block `rank` of the pair takes tile
-/// `2·pair + rank`; when the tile count is odd the last such tile lies past the vocabulary
-/// (its `W` box reads as zeros and the epilogue writes nothing for it), so both blocks run the
-/// same sequence of stages.
+/// `k + n`, ….
 struct Items {
     position: u32,
     step: u32,
     count: u32,
     column_tiles: u32,
     columns: u32,
-    /// The block (or, in a pair kernel, the cluster) and how many there are.
-    worker: u32,
-    workers: u32,
-    /// 1, or the pair size with this block's rank in its cluster.
-    tiles_per_work: u32,
-    rank: u32,
 }
 
 impl Items {
     #[inline(always)]
-    fn new<const PAIR: bool>(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
+    fn new(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
         // At least one, so the divisions below need no zero check (the host never launches
         // an empty batch).
         let column_tiles = args.batch.div_ceil(columns).max(1);
-        let (worker, workers, tiles_per_work, rank) = if PAIR {
-            let (cluster, clusters) = hopper::cluster_index_and_count();
-            (cluster, clusters, TMA_PAIR, hopper::cluster_rank())
-        } else {
-            (arch::block_index(), arch::grid_size(), 1, 0)
-        };
-        let count = args.tiles.div_ceil(tiles_per_work) * column_tiles;
-        Items { position: first, step, count, column_tiles, columns, worker, workers, tiles_per_work, rank }
+        Items { position: first, step, count: args.tiles * column_tiles, column_tiles, columns }
     }
 }
 
@@ -223,14 +186,13 @@ impl Iterator for Items {
 
     #[inline(always)]
     fn next(&mut self) -> Option<(u32, u32, u32)> {
-        let work = self.worker + self.position * self.workers;
-        if work >= self.count {
+        let item = arch::block_index() + self.position * arch::grid_size();
+        if item >= self.count {
             return None;
         }
         let position = self.position;
         self.position += self.step;
-        let tile = (work / self.column_tiles) * self.tiles_per_work + self.rank;
-        Some((position, tile, (work % self.column_tiles) * self.columns))
+        Some((position, item / self.column_tiles, (item % self.column_tiles) * self.columns))
     }
 }
 
@@ -239,18 +201,15 @@ impl Iterator for Items {
 /// # Safety
 /// As [`tma_kernel`]; called by one thread of the producer warp.
 #[inline(always)]
-unsafe fn produce<const PAIR: bool>(args: &TmaArgs, layout: &Layout, rows: u32, columns: u32) {
+unsafe fn produce(args: &TmaArgs, layout: &Layout, rows: u32, columns: u32) {
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
-    // A pair kernel's block loads rows `rank · N/2 ..` of each `H` box for both blocks.
-    let rank = if PAIR { hopper::cluster_rank() } else { 0 };
-    let half_bytes = layout.hidden_stage_bytes / TMA_PAIR;
     let stage_bytes = layout.lm_head_stage_bytes + layout.hidden_stage_bytes;
     unsafe {
         hopper::fence_tensor_map(args.lm_head_map);
         hopper::fence_tensor_map(args.hidden_map);
     }
     let mut iteration = 0u32;
-    for (_, tile, col0) in Items::new::<PAIR>(args, columns, 0, 1) {
+    for (_, tile, col0) in Items::new(args, columns, 0, 1) {
         for k_block in 0..k_blocks {
             let stage = iteration % layout.stages;
             let phase = (iteration / layout.stages) & 1;
@@ -264,13 +223,7 @@ unsafe fn produce<const PAIR: bool>(args: &TmaArgs, layout: &Layout, rows: u32, 
                 let w = layout.lm_head + stage * layout.lm_head_stage_bytes;
                 hopper::tma_load_2d(w, args.lm_head_map, k, (tile * rows) as i32, full);
                 let h = layout.hidden + stage * layout.hidden_stage_bytes;
-                if PAIR {
-                    let half = h + rank * half_bytes;
-                    let row = args.hidden_row0 + col0 + rank * (columns / TMA_PAIR);
-                    hopper::tma_load_2d_multicast(half, args.hidden_map, k, row as i32, full, (1 << TMA_PAIR) - 1);
-                } else {
-                    hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
-                }
+                hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
             }
             iteration += 1;
         }
@@ -283,7 +236,7 @@ unsafe fn produce<const PAIR: bool>(args: &TmaArgs, layout: &Layout, rows: u32, 
 /// # Safety
 /// As [`tma_kernel`]; called by all consumer threads.
 #[inline(always)]
-unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool, const PAIR: bool>(
+unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool>(
     args: &TmaArgs,
     layout: &Layout,
     rows: u32,
@@ -301,16 +254,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let team_rows = layout.rows.wrapping_add((team * N as u32) as usize);
     let mut acc = [0.0f32; R];
     let mut turns = 0u32;
-    let peer = hopper::cluster_rank() ^ 1;
-    // Frees stage `s` here and, in a pair kernel, in the other block, whose producer also
-    // writes into this block's stages.
-    let release = |s: u32| unsafe {
-        hopper::barrier_arrive(layout.empty + 8 * s);
-        if PAIR {
-            hopper::barrier_arrive_peer(hopper::peer_address(layout.empty + 8 * s, peer));
-        }
-    };
-    for (position, tile, col0) in Items::new::<PAIR>(args, N as u32, team, teams.count) {
+    for (position, tile, col0) in Items::new(args, N as u32, team, teams.count) {
         // The item's row parameters (one column per thread, N ≤ team threads) are loaded
         // now and stored to shared memory after the mainloop, so the load's latency hides
         // under it and the epilogue reads them from shared memory.
@@ -351,7 +295,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                 // The previous stage's group is done once at most this one is pending.
                 hopper::wgmma_wait::<1>();
                 if k_block > 0 {
-                    release((iteration - 1) % layout.stages);
+                    hopper::barrier_arrive(layout.empty + 8 * ((iteration - 1) % layout.stages));
                 }
             }
         }
@@ -360,8 +304,8 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                 hopper::barrier_arrive(layout.turn + 8 * (teams.count - 1 - team));
             }
             hopper::wgmma_wait::<0>();
+            hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));
         }
-        release((first + k_blocks - 1) % layout.stages);
         let place = Placement::new(team_thread, tile * rows + rows_offset, tile, col0);
         if FUSED {
             // The team's previous epilogue ended at a team barrier: no thread still reads
@@ -545,7 +489,7 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
         let mut column = place.thread;
         while column < N as u32 {
             let b = place.col0 + column;
-            if b < args.batch && place.tile < args.tiles {
+            if b < args.batch {
                 let mut best = Candidate::NONE;
                 for w in 0..threads / 32 {
                     best = best.merge(unsafe { *staging.add((w * N as u32 + column) as usize) });

@@ -90,12 +90,9 @@ fn matrix_with_wrong_element_count_is_rejected() {
 
 #[test]
 fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
-    for variant in [
-        Variant::Mma { columns: 8 },
-        Variant::Tma { rows: 64, columns: 64 },
-        Variant::Tma { rows: 128, columns: 8 },
-        Variant::TmaPair { columns: 32 },
-    ] {
+    for variant in
+        [Variant::Mma { columns: 8 }, Variant::Tma { rows: 64, columns: 64 }, Variant::Tma { rows: 128, columns: 8 }]
+    {
         assert_eq!(invalid_argument(variant.resolve(DType::F32, 64, 1)), "variant");
         assert_eq!(invalid_argument(variant.resolve(DType::BF16, 63, 1)), "variant");
         assert_eq!(variant.resolve(DType::F16, 64, 1).unwrap(), variant);
@@ -104,7 +101,6 @@ fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
     assert_eq!(invalid_argument(Variant::Mma { columns: 64 }.resolve(DType::BF16, 64, 1)), "variant");
     assert_eq!(invalid_argument(Variant::Tma { rows: 64, columns: 256 }.resolve(DType::BF16, 64, 1)), "variant");
     assert_eq!(invalid_argument(Variant::Tma { rows: 32, columns: 8 }.resolve(DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::TmaPair { columns: 8 }.resolve(DType::BF16, 64, 1)), "variant");
     assert_eq!(Variant::Auto.resolve(DType::F32, 64, 1).unwrap(), Variant::Simt);
     assert_eq!(Variant::Auto.resolve(DType::BF16, 63, 9).unwrap(), Variant::Simt);
     for batch in [1, 9, 100, 5000] {

@@ -2,18 +2,16 @@
 //! Ignored without a GPU; on the H200: `cargo xtask bundle`, then `run.sh` runs them with
 //! `--include-ignored`. χ² tests use α = 1e-3 and fixed seeds.
 
-use flashsample::{
-    CudaSampler, DType, DeviceTokens, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, TMA_PAIR_COLUMNS, Variant,
-};
+use flashsample::{CudaSampler, DType, DeviceTokens, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant};
 use flashsample_tests::*;
 
 const ALPHA: f64 = 1e-3;
 
 /// (variant, dtype, D): the tensor-core variants need 16-bit types and D % 8 == 0; D = 200
 /// leaves a partial 64-column chunk (mma) and a partial 64-element TMA box. Every width of
-/// the mma tile, of both TMA schedules and of the pair kernels runs in BF16; F16 (which
-/// changes only the multiply instruction) runs every mma width and three TMA tiles. The SIMT
-/// variant runs every dtype at an odd D.
+/// the mma tile and of both TMA schedules runs in BF16; F16 (which changes only the multiply
+/// instruction) runs every mma width and two TMA tiles. The SIMT variant runs every dtype at
+/// an odd D.
 fn cases() -> Vec<(Variant, DType, usize)> {
     let mut cases = Vec::new();
     for columns in MMA_COLUMNS {
@@ -28,10 +26,6 @@ fn cases() -> Vec<(Variant, DType, usize)> {
     for (rows, columns) in [(64, 8), (128, 128)] {
         cases.push((Variant::Tma { rows, columns }, DType::F16, 200));
     }
-    for columns in TMA_PAIR_COLUMNS {
-        cases.push((Variant::TmaPair { columns }, DType::BF16, 200));
-    }
-    cases.push((Variant::TmaPair { columns: 128 }, DType::F16, 200));
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         cases.push((Variant::Simt, dtype, 199));
     }
@@ -191,7 +185,7 @@ fn tile_width_does_not_change_tokens() {
     let params = params_for(130, 1.0, 93);
     let families = [
         Variant::tensor_core().filter(|v| matches!(v, Variant::Mma { .. })).collect::<Vec<_>>(),
-        Variant::tensor_core().filter(|v| matches!(v, Variant::Tma { .. } | Variant::TmaPair { .. })).collect(),
+        Variant::tensor_core().filter(|v| matches!(v, Variant::Tma { .. })).collect(),
     ];
     for family in families {
         let reference = Cuda::new(family[0]).sample(&w, &h, &params, 4).unwrap();

@@ -68,23 +68,17 @@ pub fn run(args: &[String]) -> Result<(), String> {
 
 /// Adds `.maxntid` to the TMA kernels, which run `TMA_THREADS` threads: without it ptxas
 /// assumes any block size and may use more registers per thread than such a block can have.
-/// The pair kernels (`_x2`) also get their cluster shape, two blocks, so a plain launch runs
-/// them as clusters. (rustc has no attribute for NVVM launch bounds or cluster dimensions.)
+/// (rustc has no attribute for NVVM launch bounds.)
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 1024);
     let mut in_tma_header = false;
-    let mut pair = false;
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
         if line.starts_with(".visible .entry ") {
             in_tma_header = line.contains("_tma_");
-            pair = line.contains("_x2(");
         } else if in_tma_header && line.starts_with(')') {
             out.push_str(&format!(".maxntid {}, 1, 1\n", flashsample_core::abi::TMA_THREADS));
-            if pair {
-                out.push_str(&format!(".explicitcluster\n.reqnctapercluster {}, 1, 1\n", flashsample_core::abi::TMA_PAIR));
-            }
             in_tma_header = false;
         }
     }

@@ -97,28 +97,6 @@ pub unsafe fn blocks_per_multiprocessor(
     Ok(blocks.max(1) as u32)
 }
 
-/// How many clusters of a kernel compiled with a cluster shape (`.reqnctapercluster`) can run
-/// at once with blocks of `block` threads and `shared_bytes` of dynamic shared memory.
-///
-/// # Safety
-/// `function` must be a live handle of a loaded module in the current context.
-pub unsafe fn max_active_clusters(name: &str, function: raw::CUfunction, block: u32, shared_bytes: u32) -> Result<u32> {
-    let config = LaunchConfig {
-        grid: [1024, 1, 1],
-        block: [block, 1, 1],
-        shared_bytes,
-        stream: std::ptr::null_mut(),
-        attributes: std::ptr::null_mut(),
-        attribute_count: 0,
-    };
-    let mut clusters = 0i32;
-    // SAFETY: per this function's contract; `config` is a complete CUlaunchConfig without
-    // attributes (the cluster shape comes from the kernel) and the call writes one int.
-    let result = unsafe { cuOccupancyMaxActiveClusters(&mut clusters, function, &config) };
-    check_raw(&format!("cuOccupancyMaxActiveClusters({name})"), result)?;
-    Ok(clusters.max(1) as u32)
-}
-
 /// Lets `function` use `bytes` of dynamic shared memory (needed above 48 KiB).
 ///
 /// # Safety
@@ -147,22 +125,9 @@ pub enum TensorMapElement {
     Bf16 = 9,
 }
 
-/// `CUlaunchConfig` (CUDA 12.0), for the occupancy query of cluster kernels.
-#[repr(C)]
-struct LaunchConfig {
-    grid: [u32; 3],
-    block: [u32; 3],
-    shared_bytes: u32,
-    stream: raw::CUstream,
-    attributes: *mut c_void,
-    attribute_count: u32,
-}
-
-// These entry points are newer than cust's bindings; libcuda (12.0+) exports them.
+// The tensor-map entry point is newer than cust's bindings; libcuda (12.0+) exports it.
 #[link(name = "cuda")]
 unsafe extern "C" {
-    fn cuOccupancyMaxActiveClusters(clusters: *mut i32, function: raw::CUfunction, config: *const LaunchConfig)
-    -> raw::CUresult;
     fn cuTensorMapEncodeTiled(
         map: *mut TensorMap,
         element: u32,

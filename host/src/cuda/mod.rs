@@ -21,7 +21,7 @@ pub use flashsample_core::abi::TMA_ITEM_ROWS;
 use flashsample_core::abi::{
     FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, N_TILE,
     EstimateErrorArgs, REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TENSOR_MAP_BYTES, TILE_ROWS,
-    TMA_K_BLOCK, TMA_PAIR, TMA_THREADS, TmaArgs, WARPGROUP_ROWS, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_shared_bytes,
+    TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_shared_bytes,
 };
 use flashsample_core::{Candidate, RowParams};
 
@@ -43,9 +43,6 @@ const CANDIDATE_BUDGET_BYTES: usize = 256 << 20;
 pub const MMA_COLUMNS: [u32; 3] = [8, 16, 32];
 /// Batch-tile widths of the TMA + `wgmma` kernels.
 pub const TMA_COLUMNS: [u32; 5] = [8, 16, 32, 64, 128];
-/// Batch-tile widths of the pair kernels (each block loads half of every `H` box, at least
-/// one 8-row swizzle atom).
-pub const TMA_PAIR_COLUMNS: [u32; 4] = [16, 32, 64, 128];
 
 /// Which stage-1 kernel computes the logits tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -57,10 +54,6 @@ pub enum Variant {
     /// TMA + `wgmma` tile (sm_90) on items of `rows` (64: ping-pong warpgroups; 128: both
     /// warpgroups on one item) × `columns` (8, 16, 32, 64 or 128); BF16/F16, `D % 8 == 0`.
     Tma { rows: u32, columns: u32 },
-    /// The ping-pong TMA tile (64-row items) run as clusters of two blocks that take
-    /// neighbouring `W` tiles against the same batch tile and multicast each half of every
-    /// `H` box to both: half the `H` traffic from L2. `columns` 16, 32, 64 or 128.
-    TmaPair { columns: u32 },
     /// CUDA-core tile, any dtype and any D.
     Simt,
 }
@@ -99,27 +92,23 @@ impl Variant {
                     ),
                 ))
             }
-            Variant::TmaPair { columns } if !TMA_PAIR_COLUMNS.contains(&columns) => {
-                Err(invalid("variant", format!("TmaPair {{ columns: {columns} }}: columns must be 16, 32, 64 or 128")))
-            }
             Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
-            Variant::Tma { .. } | Variant::TmaPair { .. } if !tensor_cores => needs_tensor_cores("TMA"),
+            Variant::Tma { .. } if !tensor_cores => needs_tensor_cores("TMA"),
             other => Ok(other),
         }
     }
 
-    /// Every tensor-core variant that can be forced: the mma widths, both TMA item heights at
-    /// every width, then the pair widths.
+    /// Every tensor-core variant that can be forced: the mma widths, then both TMA item
+    /// heights at every width.
     pub fn tensor_core() -> impl Iterator<Item = Variant> {
         let mma = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
         let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
-        let pair = TMA_PAIR_COLUMNS.map(|columns| Variant::TmaPair { columns });
-        mma.into_iter().chain(tma).chain(pair)
+        mma.into_iter().chain(tma)
     }
 
     fn columns(self) -> u32 {
         match self {
-            Variant::Mma { columns } | Variant::Tma { columns, .. } | Variant::TmaPair { columns } => columns,
+            Variant::Mma { columns } | Variant::Tma { columns, .. } => columns,
             _ => N_TILE,
         }
     }
@@ -128,17 +117,7 @@ impl Variant {
     fn tile_rows(self) -> u32 {
         match self {
             Variant::Tma { rows, .. } => rows,
-            Variant::TmaPair { .. } => WARPGROUP_ROWS,
             _ => TILE_ROWS,
-        }
-    }
-
-    /// The TMA tile shape (item rows, batch columns, pair) of a TMA variant.
-    fn tma_shape(self) -> Option<(u32, u32, bool)> {
-        match self {
-            Variant::Tma { rows, columns } => Some((rows, columns, false)),
-            Variant::TmaPair { columns } => Some((WARPGROUP_ROWS, columns, true)),
-            _ => None,
         }
     }
 }
@@ -147,14 +126,11 @@ struct Kernel {
     function: raw::CUfunction,
     threads: u32,
     shared_bytes: u32,
-    /// Blocks that run at once: blocks per multiprocessor × multiprocessors, or for a pair
-    /// kernel its concurrent clusters × 2.
-    resident: u32,
+    blocks_per_multiprocessor: u32,
 }
 
 fn launch_shape(name: &str) -> (u32, u32) {
     let stage1 = STAGE1_WARPS * 32;
-    let name = name.strip_suffix("_x2").unwrap_or(name);
     let columns = |name: &str| -> u32 {
         name.rsplit_once("_n").and_then(|(_, c)| c.parse().ok()).expect("kernel names end in _n<columns>")
     };
@@ -358,17 +334,13 @@ impl CudaSampler {
             let function = driver::check(&format!("cuModuleGetFunction({name})"), module.get_function(name))?.to_raw();
             let (threads, shared_bytes) = launch_shape(name);
             // SAFETY: `function` was just taken from the module we hold.
-            let resident = unsafe {
+            let blocks_per_multiprocessor = unsafe {
                 if shared_bytes > STATIC_SHARED_LIMIT_BYTES {
                     driver::allow_dynamic_shared_memory(name, function, shared_bytes)?;
                 }
-                if name.ends_with("_x2") {
-                    TMA_PAIR * driver::max_active_clusters(name, function, threads, shared_bytes)?
-                } else {
-                    multiprocessors * driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)?
-                }
+                driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)?
             };
-            kernels.insert(name, Kernel { function, threads, shared_bytes, resident });
+            kernels.insert(name, Kernel { function, threads, shared_bytes, blocks_per_multiprocessor });
         }
         Ok(CudaSampler {
             kernels,
@@ -406,8 +378,8 @@ impl CudaSampler {
     /// `args` must be the kernel's argument block with valid device addresses.
     unsafe fn launch<A>(&self, name: &'static str, items: u64, args: &A) -> Result<()> {
         let kernel = &self.kernels[name];
-        // Pair kernels launch whole clusters: `items` and `resident` are both even.
-        let grid = items.clamp(1, kernel.resident as u64) as u32;
+        let resident = kernel.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
+        let grid = items.clamp(1, resident) as u32;
         // SAFETY: per this function's contract; threads and shared memory come from launch_shape.
         unsafe {
             driver::launch(
@@ -545,12 +517,12 @@ impl CudaSampler {
         let variant = variant.resolve(shape.dtype, shape.dim, hidden.rows)?;
         let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let name = self.stage1_names[&(Stage1::Fused, shape.dtype, variant)];
-        let maps = match variant.tma_shape() {
-            Some((rows, columns, pair)) => Some(tma_maps(lm_head, hidden, rows, columns, pair)?),
-            None => None,
+        let maps = match variant {
+            Variant::Tma { rows, columns } => Some(tma_maps(lm_head, hidden, rows, columns)?),
+            _ => None,
         };
         self.run_passes(hidden, rows, samples, tiles, tokens, |pass| {
-            let items = stage1_blocks(variant, tiles, pass.batch as usize);
+            let items = tiles as u64 * pass.batch.div_ceil(variant.columns()) as u64;
             if let Some((lm_head_map, hidden_map)) = maps {
                 let args = TmaArgs {
                     lm_head_map,
@@ -613,9 +585,9 @@ impl CudaSampler {
         let logits = ensure(&mut self.workspace.borrow_mut().logits, hidden.rows * stride, "logits")?;
         let name = self.stage1_names[&(Stage1::Logits, shape.dtype, variant)];
         let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
-        let items = stage1_blocks(variant, gemm_tiles, hidden.rows);
-        if let Some((rows, columns, pair)) = variant.tma_shape() {
-            let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, rows, columns, pair)?;
+        let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
+        if let Variant::Tma { rows, columns } = variant {
+            let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, rows, columns)?;
             let gemm = TmaArgs {
                 lm_head_map,
                 hidden_map,
@@ -902,29 +874,15 @@ fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
 
 /// The device addresses of `W`'s tensor map for `rows`-row boxes and of `H`'s map for
 /// `columns`-row boxes.
-/// The tensor maps a TMA kernel of `rows` × `columns` items reads: `W` boxes of `rows`, `H`
-/// boxes of `columns` (a pair kernel's block loads half a box: `columns / 2`).
-fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, rows: u32, columns: u32, pair: bool) -> Result<(u64, u64)> {
+fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, rows: u32, columns: u32) -> Result<(u64, u64)> {
     let lm_head_maps = lm_head.tensor_map.as_ref().ok_or_else(|| missing_tensor_map("lm_head"))?;
     let hidden_maps = hidden.tensor_maps.as_ref().ok_or_else(|| missing_tensor_map("hidden"))?;
-    let box_rows = if pair { columns / TMA_PAIR } else { columns };
     let row_index = TMA_ITEM_ROWS.iter().position(|&r| r == rows).expect("Variant::resolve checked the height");
-    let column_index = TMA_COLUMNS.iter().position(|&c| c == box_rows).expect("Variant::resolve checked the width");
+    let column_index = TMA_COLUMNS.iter().position(|&c| c == columns).expect("Variant::resolve checked the width");
     Ok((
         lm_head_maps.as_device_ptr().as_raw() + (row_index * TENSOR_MAP_BYTES) as u64,
         hidden_maps.as_device_ptr().as_raw() + (column_index * TENSOR_MAP_BYTES) as u64,
     ))
-}
-
-/// How many blocks a stage-1 launch of `variant` can keep busy for `tiles` vocabulary tiles
-/// and `batch` rows: one per (tile, batch tile); a pair kernel's clusters take two
-/// neighbouring tiles each, so an odd tile count gets one more (idle-tile) block.
-fn stage1_blocks(variant: Variant, tiles: usize, batch: usize) -> u64 {
-    let batch_tiles = batch.div_ceil(variant.columns() as usize) as u64;
-    match variant {
-        Variant::TmaPair { .. } => tiles.div_ceil(TMA_PAIR as usize) as u64 * TMA_PAIR as u64 * batch_tiles,
-        _ => tiles as u64 * batch_tiles,
-    }
 }
 
 /// What a stage-1 kernel writes.
@@ -950,8 +908,6 @@ fn kernel_name(stage: Stage1, dtype: DType, variant: Variant) -> &'static str {
         (Stage1::Logits, Variant::Mma { columns }) => format!("logits_gemm_{element}_n{columns}"),
         (Stage1::Fused, Variant::Tma { rows, columns }) => format!("fused_tma_{element}_m{rows}_n{columns}"),
         (Stage1::Logits, Variant::Tma { rows, columns }) => format!("logits_tma_{element}_m{rows}_n{columns}"),
-        (Stage1::Fused, Variant::TmaPair { columns }) => format!("fused_tma_{element}_m64_n{columns}_x2"),
-        (Stage1::Logits, Variant::TmaPair { columns }) => format!("logits_tma_{element}_m64_n{columns}_x2"),
         (_, other) => unreachable!("{stage:?} kernel for an unresolved or unsupported variant {other:?}"),
     };
     KERNELS.iter().copied().find(|&k| k == name).unwrap_or_else(|| unreachable!("{name} is not in KERNELS"))

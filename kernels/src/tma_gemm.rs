@@ -1,6 +1,9 @@
 //! The Hopper tile: TMA loads `W` and `H` into a ring of shared-memory stages, two warpgroups
-//! multiply them with `wgmma`, and the same sampling (or logits-writing) epilogue as the
-//! register-direct tile finishes each work item.
+//! multiply them with `wgmma`, and a sampling (or logits-writing) epilogue finishes each work
+//! item. The sampling epilogue reads the item's row parameters from shared memory (loaded
+//! during the mainloop), estimates every score with [`flashsample_core::estimate`] in
+//! straight-line code over 1, 2 or 4 quads at a time, and computes the exact noise only for
+//! the contenders ([`race_round`]).
 //!
 //! A block has [`TMA_CONSUMER_WARPS`] consumer warps (two warpgroups) and a producer
 //! warpgroup, one thread of which issues the loads; `setmaxnreg` moves the producer's

@@ -196,7 +196,8 @@ mod tests {
             let log2 = worst_log2(sign);
             for group in 0..2000u32 {
                 let blocks: Vec<u32> = (0..4).map(|b| 4 * group + b).collect();
-                let logits: Vec<[f32; 4]> = blocks.iter().map(|&b| core::array::from_fn(|r| logit_of(4 * b + r as u32))).collect();
+                let logits: Vec<[f32; 4]> =
+                    blocks.iter().map(|&b| core::array::from_fn(|r| logit_of(4 * b + r as u32))).collect();
                 let valid = |b: u32| if b == 4 * 1999 + 3 { 2 } else { 4 };
                 let mut exact = Candidate::NONE;
                 let estimates: Vec<BlockEstimate> =
@@ -243,7 +244,8 @@ mod tests {
         // estimate's error: the estimates often rank the entries wrongly, and only the
         // threshold's margin keeps the exact winner among the contenders.
         let row = sampling_row(1.0);
-        let noise = move |i: u32| gumbel(philox4x32_10(counter(i / 4, 3, row.step, row.stream), key(row.seed))[i as usize % 4]);
+        let noise =
+            move |i: u32| gumbel(philox4x32_10(counter(i / 4, 3, row.step, row.stream), key(row.seed))[i as usize % 4]);
         let offset = |i: u32| ((i.wrapping_mul(2_654_435_761) >> 16) % 64) as f32 * (GUMBEL_ESTIMATE_ERROR / 16.0);
         filtered_matches_exact(row, move |i| 8.0 - noise(i) + offset(i));
         filtered_matches_exact(row, move |i| -300.0 - noise(i) + 4.0 * offset(i));

@@ -108,7 +108,8 @@ pub unsafe fn gumbel_estimate_error(args: &EstimateErrorArgs) {
         let difference = gumbel_estimate(word, arch::log2_approx) - gumbel(word);
         let error = if difference < 0.0 { -difference } else { difference };
         // NaN fails every comparison; it counts as an infinite error.
-        worst = if error > worst || error.is_nan() { if error.is_nan() { f32::INFINITY } else { error } } else { worst };
+        worst =
+            if error > worst || error.is_nan() { if error.is_nan() { f32::INFINITY } else { error } } else { worst };
         x += stride;
     }
     // Non-negative floats order as their bits do, so an integer max merges them.

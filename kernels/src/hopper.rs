@@ -27,7 +27,9 @@ pub fn shared_address<T>(pointer: *const T) -> u32 {
 /// `bar` is an 8-byte aligned shared address no other thread uses until a block barrier.
 #[inline(always)]
 pub unsafe fn barrier_init(bar: u32, count: u32) {
-    unsafe { asm!("mbarrier.init.shared::cta.b64 [{b}], {c};", b = in(reg32) bar, c = in(reg32) count, options(nostack)) }
+    unsafe {
+        asm!("mbarrier.init.shared::cta.b64 [{b}], {c};", b = in(reg32) bar, c = in(reg32) count, options(nostack))
+    }
 }
 
 /// Makes initialised barriers visible to the asynchronous (TMA) proxy.
@@ -205,5 +207,24 @@ macro_rules! wgmma_shape {
 wgmma_shape!(m64n8_bf16, m64n8_f16, "8", 4, [0, 1, 2, 3]);
 wgmma_shape!(m64n16_bf16, m64n16_f16, "16", 8, [0, 1, 2, 3, 4, 5, 6, 7]);
 wgmma_shape!(m64n32_bf16, m64n32_f16, "32", 16, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
-wgmma_shape!(m64n64_bf16, m64n64_f16, "64", 32, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]);
-wgmma_shape!(m64n128_bf16, m64n128_f16, "128", 64, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63]);
+wgmma_shape!(
+    m64n64_bf16,
+    m64n64_f16,
+    "64",
+    32,
+    [
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
+        30, 31
+    ]
+);
+wgmma_shape!(
+    m64n128_bf16,
+    m64n128_f16,
+    "128",
+    64,
+    [
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
+        30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57,
+        58, 59, 60, 61, 62, 63
+    ]
+);

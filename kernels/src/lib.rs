@@ -36,8 +36,8 @@ mod tma_gemm;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
-    TILE_ROWS, TmaArgs, WARP_ROWS, fused_mma_shared_bytes,
+    EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs,
+    SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, TmaArgs, WARP_ROWS, fused_mma_shared_bytes,
 };
 
 use element::{Bf16, Element, F16, F32, MmaElement};

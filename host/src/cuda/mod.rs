@@ -19,9 +19,10 @@ use cust::stream::{Stream, StreamFlags};
 use cust::sys as raw;
 pub use flashsample_core::abi::TMA_ITEM_ROWS;
 use flashsample_core::abi::{
-    FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, N_TILE,
-    EstimateErrorArgs, REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS, TENSOR_MAP_BYTES, TILE_ROWS,
-    TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_shared_bytes,
+    EstimateErrorArgs, FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs,
+    LogitsSamplerArgs, N_TILE, REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS,
+    TENSOR_MAP_BYTES, TILE_ROWS, TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes,
+    tma_shared_bytes,
 };
 use flashsample_core::{Candidate, RowParams};
 

@@ -60,8 +60,9 @@ pub enum Variant {
 }
 
 impl Variant {
-    /// The variant for this problem: tensor cores when the dtype and D allow, then by B
-    /// (the fastest forced variants of the bench, docs/PERF.md):
+    /// The variant for this problem: tensor cores when the dtype and D allow, then by B (from
+    /// the forced variants of the session-3 bench, docs/PERF.md; at B = 32 and 64 on
+    /// (8192, 128256) the cooperative tile of the same width measured 1.1–2.8 % faster):
     /// - B ≤ 16: the cooperative TMA tile with 16 columns (`Tma { rows: 128, columns: 16 }`);
     /// - 16 < B ≤ 128: the ping-pong TMA tile with the narrowest batch tile that covers B;
     /// - B > 128: the cooperative tile with 128 columns, which stages each byte of `H` for

@@ -33,6 +33,7 @@ mod hopper;
 mod sample;
 mod tile;
 mod tma_gemm;
+mod tma_handoff;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
@@ -193,6 +194,34 @@ macro_rules! tma_kernels {
             }
         }
     )*};
+}
+
+macro_rules! tma_handoff_kernels {
+    ($($name:ident => $element:ty, $columns:literal, $scored:literal;)*) => {$(
+        /// A TMA + `wgmma` fused sampling kernel (sm_90a) whose epilogue runs in warps of its
+        /// own, scoring `$scored` batch columns at a time per warp.
+        ///
+        /// # Safety
+        /// As the crate-level safety section, with `TMA_HANDOFF_THREADS` threads,
+        /// `tma_handoff_shared_bytes` of dynamic shared memory and tensor maps made for this
+        /// kernel's box shapes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
+            unsafe {
+                tma_handoff::tma_handoff_kernel::<$element, $columns, { $columns / 2 }, $scored>(
+                    &args,
+                    shared::<u8>(),
+                )
+            }
+        }
+    )*};
+}
+
+tma_handoff_kernels! {
+    fused_tma_bf16_h128_n64 => Bf16, 64, 2;
+    fused_tma_bf16_h128_n128 => Bf16, 128, 2;
+    fused_tma_f16_h128_n64 => F16, 64, 2;
+    fused_tma_f16_h128_n128 => F16, 128, 2;
 }
 
 tma_kernels! {

@@ -46,9 +46,9 @@ use crate::{arch, sample};
 /// `__syncthreads`).
 const FIRST_TEAM_BARRIER: u32 = 1;
 /// Threads of a warpgroup.
-const WARPGROUP_THREADS: u32 = 128;
+pub(crate) const WARPGROUP_THREADS: u32 = 128;
 /// Consumer warpgroups.
-const CONSUMER_WARPGROUPS: u32 = TMA_CONSUMER_WARPS / 4;
+pub(crate) const CONSUMER_WARPGROUPS: u32 = TMA_CONSUMER_WARPS / 4;
 
 /// Runs `$body` with `$k` = 0, 1, 2, 3 for those below `$count` (a constant), as straight-line
 /// code: LLVM leaves a loop with a long body rolled, and a rolled loop over an array moves the
@@ -67,9 +67,13 @@ macro_rules! unrolled {
         }
     };
 }
+pub(crate) use unrolled;
 
-/// Where the block's shared memory holds what (shared-window addresses, stages 1024-aligned).
-struct Layout {
+/// The ring of pipeline stages in shared memory and its barriers: stage `s` holds a
+/// `rows` × 64 box of `W` and a `columns` × 64 box of `H`; `full + 8·s` completes when its
+/// TMA bytes land, `empty + 8·s` when every consumer thread is done reading it.
+#[derive(Clone, Copy)]
+pub(crate) struct Ring {
     stages: u32,
     lm_head: u32,
     lm_head_stage_bytes: u32,
@@ -77,6 +81,144 @@ struct Layout {
     hidden_stage_bytes: u32,
     full: u32,
     empty: u32,
+}
+
+impl Ring {
+    /// `stages` stages from the 1024-aligned shared address `start`, the `W` boxes first,
+    /// then the `H` boxes, then `barriers` (the barriers' own shared address).
+    #[inline(always)]
+    pub(crate) fn new(start: u32, stages: u32, rows: u32, columns: u32, barriers: u32) -> Ring {
+        let lm_head_stage_bytes = tma_lm_head_stage_bytes(rows);
+        let hidden = start + stages * lm_head_stage_bytes;
+        let hidden_stage_bytes = tma_hidden_stage_bytes(columns);
+        Ring {
+            stages,
+            lm_head: start,
+            lm_head_stage_bytes,
+            hidden,
+            hidden_stage_bytes,
+            full: barriers,
+            empty: barriers + stages * 8,
+        }
+    }
+
+    /// The first shared address after the stages' boxes.
+    #[inline(always)]
+    pub(crate) fn boxes_end(&self) -> u32 {
+        self.hidden + self.stages * self.hidden_stage_bytes
+    }
+
+    /// The first shared address after the ring's barriers.
+    #[inline(always)]
+    pub(crate) fn barriers_end(&self) -> u32 {
+        self.empty + self.stages * 8
+    }
+
+    /// Initialises the barriers: one arrival (plus bytes) fills a stage, `readers` free it.
+    ///
+    /// # Safety
+    /// One thread calls it before the block barrier that publishes the barriers.
+    #[inline(always)]
+    pub(crate) unsafe fn init(&self, readers: u32) {
+        for s in 0..self.stages {
+            unsafe {
+                hopper::barrier_init(self.full + 8 * s, 1);
+                hopper::barrier_init(self.empty + 8 * s, readers);
+            }
+        }
+    }
+
+    /// The producer (one thread): fills stages in ring order as the consumers free them,
+    /// every k-block of every item of the block in [`Items`] order.
+    ///
+    /// # Safety
+    /// As [`tma_kernel`]; called by one thread, after the barriers are published.
+    #[inline(always)]
+    pub(crate) unsafe fn produce(&self, args: &TmaArgs, rows: u32, columns: u32) {
+        let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
+        let stage_bytes = self.lm_head_stage_bytes + self.hidden_stage_bytes;
+        unsafe {
+            hopper::fence_tensor_map(args.lm_head_map);
+            hopper::fence_tensor_map(args.hidden_map);
+        }
+        let mut iteration = 0u32;
+        for (_, tile, col0) in Items::new(args, columns, 0, 1) {
+            for k_block in 0..k_blocks {
+                let stage = iteration % self.stages;
+                let phase = (iteration / self.stages) & 1;
+                let full = self.full + 8 * stage;
+                let k = (k_block * TMA_K_BLOCK) as i32;
+                unsafe {
+                    // A fresh barrier counts its (never run) previous phase as complete, so the
+                    // first lap through the ring does not wait.
+                    hopper::barrier_wait(self.empty + 8 * stage, phase ^ 1);
+                    hopper::barrier_arrive_expect_bytes(full, stage_bytes);
+                    let w = self.lm_head + stage * self.lm_head_stage_bytes;
+                    hopper::tma_load_2d(w, args.lm_head_map, k, (tile * rows) as i32, full);
+                    let h = self.hidden + stage * self.hidden_stage_bytes;
+                    hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
+                }
+                iteration += 1;
+            }
+        }
+    }
+
+    /// A consumer warpgroup issues the multiplies of one item, whose first stage is ring
+    /// iteration `first`, on its 64 rows (`w_offset` bytes into each `W` box), freeing each
+    /// stage but the last once its group is done. The last group may still be running.
+    ///
+    /// # Safety
+    /// All 128 threads of the warpgroup call it together; `acc` is not touched until
+    /// [`Ring::finish`].
+    #[inline(always)]
+    pub(crate) unsafe fn multiply<T: WgmmaElement, const R: usize>(
+        &self,
+        first: u32,
+        k_blocks: u32,
+        w_offset: u32,
+        acc: &mut [f32; R],
+    ) {
+        for k_block in 0..k_blocks {
+            let iteration = first + k_block;
+            let stage = iteration % self.stages;
+            let phase = (iteration / self.stages) & 1;
+            let w = self.lm_head + stage * self.lm_head_stage_bytes + w_offset;
+            let h = self.hidden + stage * self.hidden_stage_bytes;
+            unsafe {
+                hopper::barrier_wait(self.full + 8 * stage, phase);
+                hopper::wgmma_fence();
+                for step in 0..TMA_K_BLOCK / 16 {
+                    // 16 elements of K are 32 bytes along the swizzled row.
+                    let a = hopper::swizzled_descriptor(w + 32 * step);
+                    let b = hopper::swizzled_descriptor(h + 32 * step);
+                    T::wgmma::<R>(acc, a, b, (k_block > 0 || step > 0) as u32);
+                }
+                hopper::wgmma_commit();
+                // The previous stage's group is done once at most this one is pending.
+                hopper::wgmma_wait::<1>();
+                if k_block > 0 {
+                    hopper::barrier_arrive(self.empty + 8 * ((iteration - 1) % self.stages));
+                }
+            }
+        }
+    }
+
+    /// Waits for the item's last group (its accumulators are final) and frees its stage.
+    ///
+    /// # Safety
+    /// As [`Ring::multiply`], right after it (or after work that does not touch `acc`).
+    #[inline(always)]
+    pub(crate) unsafe fn finish(&self, first: u32, k_blocks: u32) {
+        unsafe {
+            hopper::wgmma_wait::<0>();
+            hopper::barrier_arrive(self.empty + 8 * ((first + k_blocks - 1) % self.stages));
+        }
+    }
+}
+
+/// Where the block's shared memory holds what (shared-window addresses, stages 1024-aligned).
+struct Layout {
+    ring: Ring,
     /// `turn + 8·w`: consumer warpgroup `w` may start its next mainloop.
     turn: u32,
     staging: *mut Candidate,
@@ -88,18 +230,14 @@ impl Layout {
     #[inline(always)]
     fn new(base: *mut u8, rows: u32, columns: u32) -> Layout {
         let shared = hopper::shared_address(base);
-        let pad = shared.next_multiple_of(1024) - shared;
+        let start = shared.next_multiple_of(1024);
         let stages = tma_stages(rows, columns);
-        let lm_head_stage_bytes = tma_lm_head_stage_bytes(rows);
-        let hidden_stage_bytes = tma_hidden_stage_bytes(columns);
-        let lm_head = shared + pad;
-        let hidden = lm_head + stages * lm_head_stage_bytes;
-        let full = hidden + stages * hidden_stage_bytes;
-        let empty = full + stages * 8;
-        let turn = empty + stages * 8;
+        let boxes = Ring::new(start, stages, rows, columns, 0).boxes_end();
+        let ring = Ring::new(start, stages, rows, columns, boxes);
+        let turn = ring.barriers_end();
         let staging = base.wrapping_add((turn + CONSUMER_WARPGROUPS * 8 - shared) as usize).cast::<Candidate>();
         let rows = staging.wrapping_add((TMA_CONSUMER_WARPS * columns) as usize).cast::<RowParams>();
-        Layout { stages, lm_head, lm_head_stage_bytes, hidden, hidden_stage_bytes, full, empty, turn, staging, rows }
+        Layout { ring, turn, staging, rows }
     }
 }
 
@@ -138,12 +276,7 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
     let layout = Layout::new(shared, ROWS, N as u32);
     let teams = Teams::new(ROWS);
     if thread == 0 {
-        for s in 0..layout.stages {
-            unsafe {
-                hopper::barrier_init(layout.full + 8 * s, 1);
-                hopper::barrier_init(layout.empty + 8 * s, 32 * teams.warps);
-            }
-        }
+        unsafe { layout.ring.init(32 * teams.warps) };
         for w in 0..CONSUMER_WARPGROUPS {
             unsafe { hopper::barrier_init(layout.turn + 8 * w, WARPGROUP_THREADS) };
         }
@@ -153,7 +286,7 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
     if warp >= TMA_CONSUMER_WARPS {
         unsafe { hopper::release_registers::<TMA_PRODUCER_REGISTERS>() };
         if thread == TMA_CONSUMER_WARPS * 32 {
-            unsafe { produce(args, &layout, ROWS, N as u32) };
+            unsafe { layout.ring.produce(args, ROWS, N as u32) };
         }
     } else {
         unsafe { hopper::claim_registers::<TMA_CONSUMER_REGISTERS>() };
@@ -164,7 +297,7 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
 /// The work items of this block in grid-stride order, with their position in the block's
 /// sequence: the producer takes every one, consumer team `k` of `n` those at positions `k`,
 /// `k + n`, ….
-struct Items {
+pub(crate) struct Items {
     position: u32,
     step: u32,
     count: u32,
@@ -174,7 +307,7 @@ struct Items {
 
 impl Items {
     #[inline(always)]
-    fn new(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
+    pub(crate) fn new(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
         // At least one, so the divisions below need no zero check (the host never launches
         // an empty batch).
         let column_tiles = args.batch.div_ceil(columns).max(1);
@@ -196,40 +329,6 @@ impl Iterator for Items {
         let position = self.position;
         self.position += self.step;
         Some((position, item / self.column_tiles, (item % self.column_tiles) * self.columns))
-    }
-}
-
-/// The producer (one thread): fills stages in ring order as the consumers free them.
-///
-/// # Safety
-/// As [`tma_kernel`]; called by one thread of the producer warp.
-#[inline(always)]
-unsafe fn produce(args: &TmaArgs, layout: &Layout, rows: u32, columns: u32) {
-    let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
-    let stage_bytes = layout.lm_head_stage_bytes + layout.hidden_stage_bytes;
-    unsafe {
-        hopper::fence_tensor_map(args.lm_head_map);
-        hopper::fence_tensor_map(args.hidden_map);
-    }
-    let mut iteration = 0u32;
-    for (_, tile, col0) in Items::new(args, columns, 0, 1) {
-        for k_block in 0..k_blocks {
-            let stage = iteration % layout.stages;
-            let phase = (iteration / layout.stages) & 1;
-            let full = layout.full + 8 * stage;
-            let k = (k_block * TMA_K_BLOCK) as i32;
-            unsafe {
-                // A fresh barrier counts its (never run) previous phase as complete, so the
-                // first lap through the ring does not wait.
-                hopper::barrier_wait(layout.empty + 8 * stage, phase ^ 1);
-                hopper::barrier_arrive_expect_bytes(full, stage_bytes);
-                let w = layout.lm_head + stage * layout.lm_head_stage_bytes;
-                hopper::tma_load_2d(w, args.lm_head_map, k, (tile * rows) as i32, full);
-                let h = layout.hidden + stage * layout.hidden_stage_bytes;
-                hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
-            }
-            iteration += 1;
-        }
     }
 }
 
@@ -279,35 +378,12 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
         }
         // The producer fills stages in the block's item order, k-blocks within an item.
         let first = position * k_blocks;
-        for k_block in 0..k_blocks {
-            let iteration = first + k_block;
-            let stage = iteration % layout.stages;
-            let phase = (iteration / layout.stages) & 1;
-            let w = layout.lm_head + stage * layout.lm_head_stage_bytes + w_offset;
-            let h = layout.hidden + stage * layout.hidden_stage_bytes;
-            unsafe {
-                hopper::barrier_wait(layout.full + 8 * stage, phase);
-                hopper::wgmma_fence();
-                for step in 0..TMA_K_BLOCK / 16 {
-                    // 16 elements of K are 32 bytes along the swizzled row.
-                    let a = hopper::swizzled_descriptor(w + 32 * step);
-                    let b = hopper::swizzled_descriptor(h + 32 * step);
-                    T::wgmma::<R>(&mut acc, a, b, (k_block > 0 || step > 0) as u32);
-                }
-                hopper::wgmma_commit();
-                // The previous stage's group is done once at most this one is pending.
-                hopper::wgmma_wait::<1>();
-                if k_block > 0 {
-                    hopper::barrier_arrive(layout.empty + 8 * ((iteration - 1) % layout.stages));
-                }
-            }
-        }
         unsafe {
+            layout.ring.multiply::<T, R>(first, k_blocks, w_offset, &mut acc);
             if teams.count > 1 {
                 hopper::barrier_arrive(layout.turn + 8 * (teams.count - 1 - team));
             }
-            hopper::wgmma_wait::<0>();
-            hopper::barrier_arrive(layout.empty + 8 * ((first + k_blocks - 1) % layout.stages));
+            layout.ring.finish(first, k_blocks);
         }
         let place = Placement::new(team_thread, tile * rows + rows_offset, tile, col0);
         if FUSED {
@@ -374,7 +450,7 @@ fn pick_quad<const R: usize, const K: usize>(acc: &[f32; R], round: usize, k: us
 }
 
 /// Stands in for the row parameters of columns past the batch: greedy, so it draws no noise.
-const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, inv_temperature: 0.0, greedy: 1 };
+pub(crate) const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, inv_temperature: 0.0, greedy: 1 };
 
 /// A [`RowParams`] as 8-byte words: copied word by word, it stays in registers (a struct copy
 /// across the mainloop went through local memory).
@@ -409,6 +485,7 @@ macro_rules! for_each_quad {
         )*
     }};
 }
+pub(crate) use for_each_quad;
 
 /// Exchanges `v[k]` and `v[k | bit]` with lane `lane ^ mask`, where `mask` is the lane bit
 /// that plays the role of `bit`: one step of a 4 × 4 transpose over four lanes.
@@ -479,7 +556,8 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
                 row[k] = unsafe { *rows.add(column[k] as usize) };
                 in_batch[k] = place.col0 + column[k] < args.batch;
             });
-            let winners = unsafe { race_round(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
+            let winners =
+                unsafe { race_round::<K, 8>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
             unrolled!(k < K, {
                 let best = unsafe { sample::merge_over_lanes(winners[k], 8, 16) };
                 if place.lane < 8 {
@@ -517,18 +595,21 @@ fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
 }
 
 /// The winners of `K` quads (four consecutive rows each, one column each) of draw `sample`
-/// among the 16 rows their column has in this warp (lanes `l`, `l ^ 8`, `l ^ 16`, `l ^ 24`):
-/// each lane returns its own best contender, exactly scored, so merging the four lanes gives
-/// what [`flashsample_core::block_candidate`] merged over the 16 rows gives.
+/// among the rows their column has in this warp: lanes `l ^ m` for the masks `m` from
+/// `FIRST_MASK` up to 16 hold the same columns (`FIRST_MASK` = 8: the 16 rows of lanes `l`,
+/// `l ^ 8`, `l ^ 16`, `l ^ 24`; 1: all 128 rows of the warp). Each lane returns its own best
+/// contender, exactly scored, so merging those lanes gives what
+/// [`flashsample_core::block_candidate`] merged over the rows gives.
 ///
 /// Estimates first ([`flashsample_core::estimate`]): branch-free over the `K` quads, so the
 /// scheduler interleaves their Philox chains and logarithms. Then only the contenders get
 /// exact scores, one per loop trip and lane, usually a single trip per quad for the warp.
 ///
 /// # Safety
-/// All 32 lanes call it together; lanes `l ^ 8`, `l ^ 16` hold the same columns.
+/// All 32 lanes call it together; lanes `l ^ m` (`FIRST_MASK ≤ m ≤ 16`) hold the same
+/// columns.
 #[inline(always)]
-unsafe fn race_round<const K: usize>(
+pub(crate) unsafe fn race_round<const K: usize, const FIRST_MASK: u32>(
     row: &[RowParams; K],
     sample: u32,
     block: u32,
@@ -554,13 +635,13 @@ unsafe fn race_round<const K: usize>(
     let mut pending = 0u32;
     unrolled!(k < K, {
         let mut best = estimates[k].best();
-        let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), 8) });
-        if other > best {
-            best = other;
-        }
-        let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), 16) });
-        if other > best {
-            best = other;
+        let mut mask = FIRST_MASK;
+        while mask <= 16 {
+            let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) });
+            if other > best {
+                best = other;
+            }
+            mask <<= 1;
         }
         if in_batch[k] {
             pending |= contenders(&estimates[k], race_threshold(&row[k], best)) << (4 * k);

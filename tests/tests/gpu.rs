@@ -2,16 +2,18 @@
 //! Ignored without a GPU; on the H200: `cargo xtask bundle`, then `run.sh` runs them with
 //! `--include-ignored`. χ² tests use α = 1e-3 and fixed seeds.
 
-use flashsample::{CudaSampler, DType, DeviceTokens, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant};
+use flashsample::{
+    CudaSampler, DType, DeviceTokens, HANDOFF_COLUMNS, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
+};
 use flashsample_tests::*;
 
 const ALPHA: f64 = 1e-3;
 
 /// (variant, dtype, D): the tensor-core variants need 16-bit types and D % 8 == 0; D = 200
 /// leaves a partial 64-column chunk (mma) and a partial 64-element TMA box. Every width of
-/// the mma tile and of both TMA schedules runs in BF16; F16 (which changes only the multiply
-/// instruction) runs every mma width and two TMA tiles. The SIMT variant runs every dtype at
-/// an odd D.
+/// the mma tile and of the three TMA schedules runs in BF16; F16 (which changes only the
+/// multiply instruction) runs every mma width and three TMA tiles. The SIMT variant runs
+/// every dtype at an odd D.
 fn cases() -> Vec<(Variant, DType, usize)> {
     let mut cases = Vec::new();
     for columns in MMA_COLUMNS {
@@ -23,9 +25,13 @@ fn cases() -> Vec<(Variant, DType, usize)> {
             cases.push((Variant::Tma { rows, columns }, DType::BF16, 200));
         }
     }
+    for columns in HANDOFF_COLUMNS {
+        cases.push((Variant::TmaHandoff { columns }, DType::BF16, 200));
+    }
     for (rows, columns) in [(64, 8), (128, 128)] {
         cases.push((Variant::Tma { rows, columns }, DType::F16, 200));
     }
+    cases.push((Variant::TmaHandoff { columns: 128 }, DType::F16, 200));
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         cases.push((Variant::Simt, dtype, 199));
     }
@@ -173,8 +179,8 @@ fn draws_do_not_depend_on_how_many_are_asked_for() {
 }
 
 /// The dispatcher picks the tile from B, so a row's token must not depend on it: every width
-/// (and item height) of one tile family sums each logit in the same order and gives identical
-/// tokens.
+/// (and item height, and schedule) of one tile family sums each logit in the same order and
+/// gives identical tokens.
 /// (The two families sum in different orders; near-ties between them are covered by the CPU
 /// comparison's tolerance.)
 #[test]
@@ -185,7 +191,7 @@ fn tile_width_does_not_change_tokens() {
     let params = params_for(130, 1.0, 93);
     let families = [
         Variant::tensor_core().filter(|v| matches!(v, Variant::Mma { .. })).collect::<Vec<_>>(),
-        Variant::tensor_core().filter(|v| matches!(v, Variant::Tma { .. })).collect(),
+        Variant::tensor_core().filter(|v| matches!(v, Variant::Tma { .. } | Variant::TmaHandoff { .. })).collect(),
     ];
     for family in families {
         let reference = Cuda::new(family[0]).sample(&w, &h, &params, 4).unwrap();

@@ -52,13 +52,14 @@ pub fn build(options: &Options) -> Result<(), String> {
 /// Warpgroup-collective `.sync.aligned` ops that the TMA kernels write once each: every thread
 /// of the warpgroup must execute the same instance. LLVM treats inline asm as ordinary code
 /// and may duplicate it into both arms of a branch (it did, around `if lane == 0`), which
-/// compiles but hangs on the GPU; a second copy in one kernel is that bug.
-const ALIGNED_OPS_WRITTEN_ONCE: [&str; 5] = [
-    "wgmma.commit_group.sync.aligned",
-    "wgmma.wait_group.sync.aligned 0",
-    "wgmma.wait_group.sync.aligned 1",
-    "setmaxnreg.dec.sync.aligned",
-    "setmaxnreg.inc.sync.aligned",
+/// compiles but hangs on the GPU; a second copy in one kernel is that bug. The `wgmma` ops
+/// appear exactly once; `setmaxnreg` at most once (the handoff kernels do without it).
+const ALIGNED_OPS_WRITTEN_ONCE: [(&str, std::ops::RangeInclusive<usize>); 5] = [
+    ("wgmma.commit_group.sync.aligned", 1..=1),
+    ("wgmma.wait_group.sync.aligned 0", 1..=1),
+    ("wgmma.wait_group.sync.aligned 1", 1..=1),
+    ("setmaxnreg.dec.sync.aligned", 0..=1),
+    ("setmaxnreg.inc.sync.aligned", 0..=1),
 ];
 
 fn check_aligned_ops_not_duplicated(ptx: &str) -> Result<(), String> {
@@ -68,10 +69,10 @@ fn check_aligned_ops_not_duplicated(ptx: &str) -> Result<(), String> {
         if !name.contains("_tma_") {
             continue;
         }
-        for op in ALIGNED_OPS_WRITTEN_ONCE {
+        for (op, allowed) in ALIGNED_OPS_WRITTEN_ONCE {
             let copies = entry.lines().filter(|l| l.trim_start().starts_with(op)).count();
-            if copies != 1 {
-                problems.push(format!("{name}: `{op}` appears {copies} times (expected once)"));
+            if !allowed.contains(&copies) {
+                problems.push(format!("{name}: `{op}` appears {copies} times (expected {allowed:?})"));
             }
         }
     }

@@ -66,20 +66,21 @@ pub fn run(args: &[String]) -> Result<(), String> {
     std::fs::write(&output, add_launch_bounds(&ptx)).map_err(|e| format!("cannot write {}: {e}", output.display()))
 }
 
-/// Adds `.maxntid` to the TMA kernels, which run `TMA_THREADS` threads: without it ptxas
-/// assumes any block size and may use more registers per thread than such a block can have.
-/// (rustc has no attribute for NVVM launch bounds.)
+/// Adds `.maxntid` to the TMA kernels, which run `TMA_THREADS` threads (the handoff kernels
+/// `TMA_HANDOFF_THREADS`, see `tma_kernel_threads`): without it ptxas assumes any block size
+/// and may use more registers per thread than such a block can have. (rustc has no
+/// attribute for NVVM launch bounds.)
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 1024);
-    let mut in_tma_header = false;
+    let mut tma_threads = None;
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
-        if line.starts_with(".visible .entry ") {
-            in_tma_header = line.contains("_tma_");
-        } else if in_tma_header && line.starts_with(')') {
-            out.push_str(&format!(".maxntid {}, 1, 1\n", flashsample_core::abi::TMA_THREADS));
-            in_tma_header = false;
+        if let Some(entry) = line.strip_prefix(".visible .entry ") {
+            tma_threads = entry.contains("_tma_").then(|| flashsample_core::abi::tma_kernel_threads(entry));
+        } else if let Some(threads) = tma_threads.filter(|_| line.starts_with(')')) {
+            out.push_str(&format!(".maxntid {threads}, 1, 1\n"));
+            tma_threads = None;
         }
     }
     out

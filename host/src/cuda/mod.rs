@@ -17,13 +17,13 @@ use cust::memory::{CopyDestination, DeviceBuffer, DeviceCopy};
 use cust::module::Module;
 use cust::stream::{Stream, StreamFlags};
 use cust::sys as raw;
-pub use flashsample_core::abi::TMA_ITEM_ROWS;
 use flashsample_core::abi::{
-    EstimateErrorArgs, FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs,
+    EstimateErrorArgs, FillArgs, FusedArgs, HANDOFF_ROWS, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs,
     LogitsSamplerArgs, N_TILE, REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS,
-    TENSOR_MAP_BYTES, TILE_ROWS, TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes,
-    tma_shared_bytes,
+    TENSOR_MAP_BYTES, TILE_ROWS, TMA_HANDOFF_THREADS, TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes,
+    fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_kernel_threads, tma_shared_bytes,
 };
+pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 use flashsample_core::{Candidate, RowParams};
 
 use crate::error::{Error, Result, invalid};
@@ -55,6 +55,10 @@ pub enum Variant {
     /// TMA + `wgmma` tile (sm_90) on items of `rows` (64: ping-pong warpgroups; 128: both
     /// warpgroups on one item) × `columns` (8, 16, 32, 64 or 128); BF16/F16, `D % 8 == 0`.
     Tma { rows: u32, columns: u32 },
+    /// The cooperative TMA + `wgmma` tile on items of 128 rows × `columns` (64 or 128) whose
+    /// sampling epilogue runs in warps of its own while the next item multiplies; BF16/F16,
+    /// `D % 8 == 0`. The unfused pipeline runs `Tma { rows: 128, columns }` for it.
+    TmaHandoff { columns: u32 },
     /// CUDA-core tile, any dtype and any D.
     Simt,
 }
@@ -94,23 +98,27 @@ impl Variant {
                     ),
                 ))
             }
+            Variant::TmaHandoff { columns } if !HANDOFF_COLUMNS.contains(&columns) => {
+                Err(invalid("variant", format!("TmaHandoff {{ columns: {columns} }}: columns must be 64 or 128")))
+            }
             Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
-            Variant::Tma { .. } if !tensor_cores => needs_tensor_cores("TMA"),
+            Variant::Tma { .. } | Variant::TmaHandoff { .. } if !tensor_cores => needs_tensor_cores("TMA"),
             other => Ok(other),
         }
     }
 
-    /// Every tensor-core variant that can be forced: the mma widths, then both TMA item
-    /// heights at every width.
+    /// Every tensor-core variant that can be forced: the mma widths, both TMA item heights at
+    /// every width, then the handoff widths.
     pub fn tensor_core() -> impl Iterator<Item = Variant> {
         let mma = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
         let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
-        mma.into_iter().chain(tma)
+        let handoff = HANDOFF_COLUMNS.map(|columns| Variant::TmaHandoff { columns });
+        mma.into_iter().chain(tma).chain(handoff)
     }
 
     fn columns(self) -> u32 {
         match self {
-            Variant::Mma { columns } | Variant::Tma { columns, .. } => columns,
+            Variant::Mma { columns } | Variant::Tma { columns, .. } | Variant::TmaHandoff { columns } => columns,
             _ => N_TILE,
         }
     }
@@ -119,7 +127,17 @@ impl Variant {
     fn tile_rows(self) -> u32 {
         match self {
             Variant::Tma { rows, .. } => rows,
+            Variant::TmaHandoff { .. } => HANDOFF_ROWS,
             _ => TILE_ROWS,
+        }
+    }
+
+    /// The TMA boxes a TMA variant reads: (rows of `W`, rows of `H`).
+    fn tma_boxes(self) -> Option<(u32, u32)> {
+        match self {
+            Variant::Tma { rows, columns } => Some((rows, columns)),
+            Variant::TmaHandoff { columns } => Some((HANDOFF_ROWS, columns)),
+            _ => None,
         }
     }
 }
@@ -137,6 +155,9 @@ fn launch_shape(name: &str) -> (u32, u32) {
         name.rsplit_once("_n").and_then(|(_, c)| c.parse().ok()).expect("kernel names end in _n<columns>")
     };
     if name.contains("_tma_") {
+        if tma_kernel_threads(name) == TMA_HANDOFF_THREADS {
+            return (TMA_HANDOFF_THREADS, tma_handoff_shared_bytes(columns(name)));
+        }
         let rows = name.split("_m").nth(1).and_then(|r| r.split('_').next()).and_then(|r| r.parse().ok());
         return (TMA_THREADS, tma_shared_bytes(rows.expect("TMA kernel names hold _m<rows>_"), columns(name)));
     }
@@ -519,9 +540,9 @@ impl CudaSampler {
         let variant = variant.resolve(shape.dtype, shape.dim, hidden.rows)?;
         let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let name = self.stage1_names[&(Stage1::Fused, shape.dtype, variant)];
-        let maps = match variant {
-            Variant::Tma { rows, columns } => Some(tma_maps(lm_head, hidden, rows, columns)?),
-            _ => None,
+        let maps = match variant.tma_boxes() {
+            Some((rows, columns)) => Some(tma_maps(lm_head, hidden, rows, columns)?),
+            None => None,
         };
         self.run_passes(hidden, rows, samples, tiles, tokens, |pass| {
             let items = tiles as u64 * pass.batch.div_ceil(variant.columns()) as u64;
@@ -588,7 +609,7 @@ impl CudaSampler {
         let name = self.stage1_names[&(Stage1::Logits, shape.dtype, variant)];
         let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
-        if let Variant::Tma { rows, columns } = variant {
+        if let Some((rows, columns)) = variant.tma_boxes() {
             let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, rows, columns)?;
             let gemm = TmaArgs {
                 lm_head_map,
@@ -910,6 +931,8 @@ fn kernel_name(stage: Stage1, dtype: DType, variant: Variant) -> &'static str {
         (Stage1::Logits, Variant::Mma { columns }) => format!("logits_gemm_{element}_n{columns}"),
         (Stage1::Fused, Variant::Tma { rows, columns }) => format!("fused_tma_{element}_m{rows}_n{columns}"),
         (Stage1::Logits, Variant::Tma { rows, columns }) => format!("logits_tma_{element}_m{rows}_n{columns}"),
+        (Stage1::Fused, Variant::TmaHandoff { columns }) => format!("fused_tma_{element}_h{HANDOFF_ROWS}_n{columns}"),
+        (Stage1::Logits, Variant::TmaHandoff { columns }) => format!("logits_tma_{element}_m{HANDOFF_ROWS}_n{columns}"),
         (_, other) => unreachable!("{stage:?} kernel for an unresolved or unsupported variant {other:?}"),
     };
     KERNELS.iter().copied().find(|&k| k == name).unwrap_or_else(|| unreachable!("{name} is not in KERNELS"))

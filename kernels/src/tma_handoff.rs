@@ -1,0 +1,204 @@
+//! The handoff tile: the cooperative TMA + `wgmma` mainloop of [`crate::tma_gemm`] on items of
+//! [`HANDOFF_ROWS`] × `N`, with the sampling epilogue moved to warps of its own, so the
+//! tensor cores never wait for it.
+//!
+//! Warps 0–7 (two consumer warpgroups) multiply each item (64 rows each), store the f32
+//! accumulators into a column-major logits buffer in shared memory and go on to the next
+//! item at once. Warp 8 holds the producer thread. Warps 9–15 ([`HANDOFF_EPILOGUE_WARPS`])
+//! score the buffer: one warp per batch column at a time, lane `l` holding rows `4l..4l+4`
+//! (one Philox block), so a column's race over the item's 128 rows ends in one warp merge.
+//! Two barriers pass the buffer back and forth: `logits_full` (the consumers' 256 arrivals)
+//! and `logits_empty` (the epilogue warps' arrivals); the epilogue of item `i` overlaps the
+//! mainloop of item `i + 1`.
+//!
+//! The block has 512 threads, so ptxas gives each at most 128 registers: enough for the
+//! consumers' 64 accumulators and for the epilogue, with no `setmaxnreg`.
+//!
+//! Architecture Invariant: the buffer holds the exact f32 accumulators (no narrowing), and
+//! the epilogue scores them with [`race_round`] keyed by vocabulary row, so the tokens are
+//! those of every other tile.
+
+use flashsample_core::abi::{
+    HANDOFF_COLUMN_STRIDE, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TmaArgs,
+    WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
+};
+use flashsample_core::{Candidate, RowParams};
+
+use crate::element::WgmmaElement;
+use crate::tma_gemm::{Items, PAD_ROW, Ring, WARPGROUP_THREADS, for_each_quad, race_round, unrolled};
+use crate::{arch, hopper, sample};
+
+/// Four consecutive logits of one column, read from the buffer with one 16-byte load.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct Quad([f32; 4]);
+
+/// Where the block's shared memory holds what: the ring's boxes (1024-aligned), the logits
+/// buffer, the ring's barriers, then the buffer's two barriers.
+struct HandoffLayout {
+    ring: Ring,
+    /// `N` columns of [`HANDOFF_COLUMN_STRIDE`] floats: row `r` of column `c` at
+    /// `c · stride + r`.
+    logits: *mut f32,
+    /// Completes when the consumers have stored an item's logits.
+    logits_full: u32,
+    /// Completes when the epilogue warps are done reading them.
+    logits_empty: u32,
+}
+
+impl HandoffLayout {
+    #[inline(always)]
+    fn new(base: *mut u8, columns: u32) -> HandoffLayout {
+        let shared = hopper::shared_address(base);
+        let start = shared.next_multiple_of(1024);
+        let stages = tma_handoff_stages(columns);
+        let logits_address = Ring::new(start, stages, HANDOFF_ROWS, columns, 0).boxes_end();
+        let ring = Ring::new(start, stages, HANDOFF_ROWS, columns, logits_address + handoff_logits_bytes(columns));
+        let logits_full = ring.barriers_end();
+        let logits = base.wrapping_add((logits_address - shared) as usize).cast::<f32>();
+        HandoffLayout { ring, logits, logits_full, logits_empty: logits_full + 8 }
+    }
+}
+
+/// Consumer threads, which arrive on `logits_full` and on the ring's `empty` barriers.
+const CONSUMER_THREADS: u32 = TMA_CONSUMER_WARPS * 32;
+/// The warp whose lane 0 is the producer.
+const PRODUCER_WARP: u32 = TMA_CONSUMER_WARPS;
+
+/// The handoff sampling kernel on items of [`HANDOFF_ROWS`] × `N`, `R = N / 2` accumulators
+/// per consumer thread, `K` columns scored at a time by an epilogue warp.
+///
+/// # Safety
+/// Launched with `TMA_HANDOFF_THREADS` threads and `tma_handoff_shared_bytes(N)` bytes of
+/// dynamic shared memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes of
+/// 64 × [`HANDOFF_ROWS`] and 64 × `N` elements and 128-byte swizzle, and valid row
+/// parameters and candidate buffers.
+#[inline(always)]
+pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize, const K: usize>(
+    args: &TmaArgs,
+    shared: *mut u8,
+) {
+    let thread = arch::thread_index();
+    let warp = thread / 32;
+    let layout = HandoffLayout::new(shared, N as u32);
+    if thread == 0 {
+        unsafe {
+            layout.ring.init(CONSUMER_THREADS);
+            hopper::barrier_init(layout.logits_full, CONSUMER_THREADS);
+            hopper::barrier_init(layout.logits_empty, HANDOFF_EPILOGUE_WARPS * 32);
+            hopper::fence_barrier_init();
+        }
+    }
+    unsafe { arch::sync_threads() };
+    if warp < TMA_CONSUMER_WARPS {
+        unsafe { consume::<T, N, R>(args, &layout, thread) };
+    } else if warp == PRODUCER_WARP {
+        if thread == PRODUCER_WARP * 32 {
+            unsafe { layout.ring.produce(args, HANDOFF_ROWS, N as u32) };
+        }
+    } else {
+        unsafe { score::<N, K>(args, &layout, warp - PRODUCER_WARP - 1, thread % 32) };
+    }
+}
+
+/// A consumer thread: multiplies every item of the block with the other consumers (its
+/// warpgroup's 64 rows), waits until the epilogue has read the previous item's logits, and
+/// stores its accumulators into the buffer.
+///
+/// # Safety
+/// As [`tma_handoff_kernel`]; called by all consumer threads.
+#[inline(always)]
+unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
+    args: &TmaArgs,
+    layout: &HandoffLayout,
+    thread: u32,
+) {
+    let warpgroup = thread / WARPGROUP_THREADS;
+    let w_offset = warpgroup * WARPGROUP_ROWS * 2 * TMA_K_BLOCK;
+    let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
+    let lane = thread % 32;
+    // `wgmma` m64nN: lane `4g + t` of warp `w` holds rows `16w + g` and `16w + g + 8`,
+    // columns `8j + 2t` and `8j + 2t + 1` of n8-tile `j`.
+    let row = warpgroup * WARPGROUP_ROWS + 16 * ((thread / 32) % 4) + lane / 4;
+    let column = 2 * (lane % 4);
+    let mut acc = [0.0f32; R];
+    let mut handoffs = 0u32;
+    for (position, _, _) in Items::new(args, N as u32, 0, 1) {
+        let first = position * k_blocks;
+        unsafe {
+            layout.ring.multiply::<T, R>(first, k_blocks, w_offset, &mut acc);
+            layout.ring.finish(first, k_blocks);
+            // A fresh barrier counts its (never run) previous phase as complete: the first
+            // item does not wait.
+            hopper::barrier_wait(layout.logits_empty, (handoffs & 1) ^ 1);
+        }
+        let store = |j: usize, quad: [f32; 4]| {
+            let at = |c: u32, r: u32| {
+                layout.logits.wrapping_add(((8 * j as u32 + column + c) * HANDOFF_COLUMN_STRIDE + row + r) as usize)
+            };
+            // SAFETY: inside the buffer (column < N, row < HANDOFF_ROWS); the epilogue does not
+            // read it until `logits_full`.
+            unsafe {
+                *at(0, 0) = quad[0];
+                *at(1, 0) = quad[1];
+                *at(0, 8) = quad[2];
+                *at(1, 8) = quad[3];
+            }
+        };
+        for_each_quad!(&acc, store);
+        unsafe { hopper::barrier_arrive(layout.logits_full) };
+        handoffs += 1;
+    }
+}
+
+/// Epilogue warp `warp` (of [`HANDOFF_EPILOGUE_WARPS`]): for every item of the block, once its
+/// logits are in the buffer, scores columns `warp`, `warp + 7`, … `K` at a time for every
+/// draw and writes one candidate per (column, draw) for the item's tile.
+///
+/// # Safety
+/// As [`tma_handoff_kernel`]; all 32 lanes of each epilogue warp call it.
+#[inline(always)]
+unsafe fn score<const N: usize, const K: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
+    let rows = args.rows as *const RowParams;
+    let out = args.out as *mut Candidate;
+    let mut handoffs = 0u32;
+    for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
+        let row0 = tile * HANDOFF_ROWS + 4 * lane;
+        let rows_valid = args.vocab.saturating_sub(row0).min(4);
+        let block = row0 / 4;
+        unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
+        let mut first = warp;
+        while first < N as u32 && col0 + first < args.batch {
+            let mut logits = [[0.0f32; 4]; K];
+            let mut row = [PAD_ROW; K];
+            let mut in_batch = [false; K];
+            unrolled!(k < K, {
+                let column = first + HANDOFF_EPILOGUE_WARPS * k as u32;
+                in_batch[k] = column < N as u32 && col0 + column < args.batch;
+                if in_batch[k] {
+                    // SAFETY: column < N and lane < 32 lie in the buffer; b < batch rows exist.
+                    unsafe {
+                        let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * lane) as usize);
+                        logits[k] = (*at.cast::<Quad>()).0;
+                        row[k] = *rows.add((col0 + column) as usize);
+                    }
+                }
+            });
+            for j in 0..args.samples {
+                let winners =
+                    unsafe { race_round::<K, 1>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
+                unrolled!(k < K, {
+                    let best = unsafe { sample::merge_over_lanes(winners[k], 1, 16) };
+                    let b = col0 + first + HANDOFF_EPILOGUE_WARPS * k as u32;
+                    if lane == 0 && in_batch[k] {
+                        let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                        unsafe { *out.add(at as usize) = best };
+                    }
+                });
+            }
+            first += HANDOFF_EPILOGUE_WARPS * K as u32;
+        }
+        unsafe { hopper::barrier_arrive(layout.logits_empty) };
+        handoffs += 1;
+    }
+}

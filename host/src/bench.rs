@@ -31,8 +31,9 @@ pub struct Options {
     pub dtype: DType,
     pub warmup: usize,
     pub runs: usize,
-    /// Also time fused sampling with every tensor-core variant that can run the point
-    /// (rows `fused_sample@mma_n16`, `fused_sample@tma_n64`, …), to check the dispatcher.
+    /// Also time fused sampling and greedy decoding with every tensor-core variant that can
+    /// run the point (rows `fused_sample@mma_n16`, `fused_greedy@tma_m64_n64`, …), to check
+    /// the dispatcher.
     pub all_variants: bool,
 }
 
@@ -54,7 +55,7 @@ fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {
 
 pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
     let mut timer = Timer::new()?;
-    let extra = if options.all_variants { tensor_core_variants().len() } else { 0 };
+    let extra = if options.all_variants { 2 * tensor_core_variants().len() } else { 0 };
     let points = options.shapes.len() * (1 + (3 + extra) * options.batches.len());
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
@@ -102,8 +103,11 @@ pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
                         time(&format!("fused_sample@{label}"), &mut || {
                             sampler.sample_rows_into(&head, &hidden, &sampling, 1, variant, &mut tokens)
                         })?;
+                        time(&format!("fused_greedy@{label}"), &mut || {
+                            sampler.sample_rows_into(&head, &hidden, &greedy, 1, variant, &mut tokens)
+                        })?;
                     } else {
-                        progress.inc(1);
+                        progress.inc(2);
                     }
                 }
             }

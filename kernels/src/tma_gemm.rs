@@ -171,7 +171,7 @@ impl Ring {
     /// All 128 threads of the warpgroup call it together; `acc` is not touched until
     /// [`Ring::finish`].
     #[inline(always)]
-    pub(crate) unsafe fn multiply<T: WgmmaElement, const R: usize>(
+    pub(crate) unsafe fn multiply<T: WgmmaElement, const R: usize, const PENDING: u32>(
         &self,
         first: u32,
         k_blocks: u32,
@@ -195,8 +195,10 @@ impl Ring {
                 }
                 hopper::wgmma_commit();
                 // The previous stage's group is done once at most this one is pending.
-                hopper::wgmma_wait::<1>();
-                if k_block > 0 {
+                hopper::wgmma_wait::<PENDING>();
+                if PENDING == 0 {
+                    hopper::barrier_arrive(self.empty + 8 * (iteration % self.stages));
+                } else if k_block > 0 {
                     hopper::barrier_arrive(self.empty + 8 * ((iteration - 1) % self.stages));
                 }
             }
@@ -379,7 +381,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
         // The producer fills stages in the block's item order, k-blocks within an item.
         let first = position * k_blocks;
         unsafe {
-            layout.ring.multiply::<T, R>(first, k_blocks, w_offset, &mut acc);
+            layout.ring.multiply::<T, R, 1>(first, k_blocks, w_offset, &mut acc);
             if teams.count > 1 {
                 hopper::barrier_arrive(layout.turn + 8 * (teams.count - 1 - team));
             }
@@ -587,7 +589,7 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
 /// `values[r]` through selects with constant indices (an indexed load would move the array to
 /// local memory).
 #[inline(always)]
-fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
+pub(crate) fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
     let [v0, v1, v2, v3] = values;
     let low = if r & 1 != 0 { v1 } else { v0 };
     let high = if r & 1 != 0 { v3 } else { v2 };
@@ -609,7 +611,7 @@ fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
 /// All 32 lanes call it together; lanes `l ^ m` (`FIRST_MASK ≤ m ≤ 16`) hold the same
 /// columns.
 #[inline(always)]
-pub(crate) unsafe fn race_round<const K: usize, const FIRST_MASK: u32>(
+unsafe fn race_round<const K: usize, const FIRST_MASK: u32>(
     row: &[RowParams; K],
     sample: u32,
     block: u32,

@@ -22,10 +22,11 @@ use flashsample_core::abi::{
     HANDOFF_COLUMN_STRIDE, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TmaArgs,
     WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
 };
+use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
 
 use crate::element::WgmmaElement;
-use crate::tma_gemm::{Items, PAD_ROW, Ring, WARPGROUP_THREADS, for_each_quad, race_round, unrolled};
+use crate::tma_gemm::{Items, PAD_ROW, Ring, WARPGROUP_THREADS, for_each_quad, pick_of_four, unrolled};
 use crate::{arch, hopper, sample};
 
 /// Four consecutive logits of one column, read from the buffer with one 16-byte load.
@@ -66,7 +67,7 @@ const CONSUMER_THREADS: u32 = TMA_CONSUMER_WARPS * 32;
 const PRODUCER_WARP: u32 = TMA_CONSUMER_WARPS;
 
 /// The handoff sampling kernel on items of [`HANDOFF_ROWS`] × `N`, `R = N / 2` accumulators
-/// per consumer thread, `K` columns scored at a time by an epilogue warp.
+/// per consumer thread.
 ///
 /// # Safety
 /// Launched with `TMA_HANDOFF_THREADS` threads and `tma_handoff_shared_bytes(N)` bytes of
@@ -74,10 +75,7 @@ const PRODUCER_WARP: u32 = TMA_CONSUMER_WARPS;
 /// 64 × [`HANDOFF_ROWS`] and 64 × `N` elements and 128-byte swizzle, and valid row
 /// parameters and candidate buffers.
 #[inline(always)]
-pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize, const K: usize>(
-    args: &TmaArgs,
-    shared: *mut u8,
-) {
+pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize>(args: &TmaArgs, shared: *mut u8) {
     let thread = arch::thread_index();
     let warp = thread / 32;
     let layout = HandoffLayout::new(shared, N as u32);
@@ -97,7 +95,7 @@ pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize
             unsafe { layout.ring.produce(args, HANDOFF_ROWS, N as u32) };
         }
     } else {
-        unsafe { score::<N, K>(args, &layout, warp - PRODUCER_WARP - 1, thread % 32) };
+        unsafe { score::<N>(args, &layout, warp - PRODUCER_WARP - 1, thread % 32) };
     }
 }
 
@@ -126,8 +124,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     for (position, _, _) in Items::new(args, N as u32, 0, 1) {
         let first = position * k_blocks;
         unsafe {
-            layout.ring.multiply::<T, R>(first, k_blocks, w_offset, &mut acc);
-            layout.ring.finish(first, k_blocks);
+            layout.ring.multiply::<T, R, 0>(first, k_blocks, w_offset, &mut acc);
             // A fresh barrier counts its (never run) previous phase as complete: the first
             // item does not wait.
             hopper::barrier_wait(layout.logits_empty, (handoffs & 1) ^ 1);
@@ -151,54 +148,116 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     }
 }
 
+/// Lanes that score one batch column together: lane `l` of an epilogue warp scores column
+/// `l / 8` of the warp's current group of [`GROUP_COLUMNS`], quads `l % 8 + 8i` of it.
+const COLUMN_LANES: u32 = 16;
+/// Batch columns an epilogue warp scores at a time.
+const GROUP_COLUMNS: u32 = 32 / COLUMN_LANES;
+/// Quads (four consecutive rows) of one column each lane scores.
+const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
+
 /// Epilogue warp `warp` (of [`HANDOFF_EPILOGUE_WARPS`]): for every item of the block, once its
-/// logits are in the buffer, scores columns `warp`, `warp + 7`, … `K` at a time for every
-/// draw and writes one candidate per (column, draw) for the item's tile.
+/// logits are in the buffer, scores the groups of [`GROUP_COLUMNS`] columns `warp`,
+/// `warp + 7`, … for every draw and writes one candidate per (column, draw) for the item's
+/// tile.
 ///
 /// # Safety
 /// As [`tma_handoff_kernel`]; all 32 lanes of each epilogue warp call it.
 #[inline(always)]
-unsafe fn score<const N: usize, const K: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
+unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
     let rows = args.rows as *const RowParams;
     let out = args.out as *mut Candidate;
+    let slot = lane % COLUMN_LANES;
     let mut handoffs = 0u32;
     for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
-        let row0 = tile * HANDOFF_ROWS + 4 * lane;
-        let rows_valid = args.vocab.saturating_sub(row0).min(4);
-        let block = row0 / 4;
+        // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
+        let first_block = tile * HANDOFF_ROWS / 4 + slot;
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
-        let mut first = warp;
-        while first < N as u32 && col0 + first < args.batch {
-            let mut logits = [[0.0f32; 4]; K];
-            let mut row = [PAD_ROW; K];
-            let mut in_batch = [false; K];
-            unrolled!(k < K, {
-                let column = first + HANDOFF_EPILOGUE_WARPS * k as u32;
-                in_batch[k] = column < N as u32 && col0 + column < args.batch;
-                if in_batch[k] {
-                    // SAFETY: column < N and lane < 32 lie in the buffer; b < batch rows exist.
-                    unsafe {
-                        let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * lane) as usize);
-                        logits[k] = (*at.cast::<Quad>()).0;
-                        row[k] = *rows.add((col0 + column) as usize);
-                    }
-                }
+        let mut group = warp;
+        while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
+            let column = group * GROUP_COLUMNS + lane / COLUMN_LANES;
+            let b = col0 + column;
+            // Lanes of a column past the batch still take part in the shuffles, as greedy
+            // rows (no noise), and write nothing.
+            let in_batch = b < args.batch;
+            // SAFETY: b < batch rows exist.
+            let row = if in_batch { unsafe { *rows.add(b as usize) } } else { PAD_ROW };
+            let mut logits = [[0.0f32; 4]; LANE_QUADS];
+            unrolled!(i < LANE_QUADS, {
+                let quad = slot + COLUMN_LANES * i as u32;
+                let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize);
+                // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte
+                // aligned (the stride is a multiple of 4 floats).
+                logits[i] = unsafe { (*at.cast::<Quad>()).0 };
             });
             for j in 0..args.samples {
-                let winners =
-                    unsafe { race_round::<K, 1>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
-                unrolled!(k < K, {
-                    let best = unsafe { sample::merge_over_lanes(winners[k], 1, 16) };
-                    let b = col0 + first + HANDOFF_EPILOGUE_WARPS * k as u32;
-                    if lane == 0 && in_batch[k] {
-                        let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
-                        unsafe { *out.add(at as usize) = best };
-                    }
-                });
+                let winner = unsafe { race_column(&row, args.sample_offset + j, first_block, &logits, args.vocab) };
+                let best = unsafe { sample::merge_over_lanes(winner, 1, COLUMN_LANES / 2) };
+                if slot == 0 && in_batch {
+                    let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                    unsafe { *out.add(at as usize) = best };
+                }
             }
-            first += HANDOFF_EPILOGUE_WARPS * K as u32;
+            group += HANDOFF_EPILOGUE_WARPS;
         }
         unsafe { hopper::barrier_arrive(layout.logits_empty) };
         handoffs += 1;
     }
+}
+
+/// This lane's best exactly scored contender of draw `sample` among its [`LANE_QUADS`] quads
+/// of one column (Philox blocks `first_block + 8i`), raced against the best estimate of the
+/// [`COLUMN_LANES`] lanes that hold the column's rows: merging those lanes' results gives
+/// what [`flashsample_core::block_candidate`] merged over the column's rows gives.
+///
+/// The quads' estimates ([`flashsample_core::estimate`]) are independent chains the scheduler
+/// interleaves; only the contenders get the exact transform, in increasing index order.
+///
+/// # Safety
+/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < 8`) hold one
+/// column.
+#[inline(always)]
+unsafe fn race_column(
+    row: &RowParams,
+    sample: u32,
+    first_block: u32,
+    logits: &[[f32; 4]; LANE_QUADS],
+    vocab: u32,
+) -> Candidate {
+    let mut estimates = [BlockEstimate::plain([0.0; 4], 0); LANE_QUADS];
+    let block = |i: usize| first_block + COLUMN_LANES * i as u32;
+    let valid = |i: usize| vocab.saturating_sub(4 * block(i)).min(4);
+    if row.greedy == 0 {
+        unrolled!(i < LANE_QUADS, {
+            estimates[i] = block_estimate(row, sample, block(i), logits[i], valid(i), arch::log2_approx);
+        });
+    } else {
+        unrolled!(i < LANE_QUADS, {
+            estimates[i] = BlockEstimate::plain(logits[i], valid(i));
+        });
+    }
+    let mut best = estimates[0].best();
+    unrolled!(i < LANE_QUADS, {
+        best = best.max(estimates[i].best());
+    });
+    let mut mask = 1;
+    while mask < COLUMN_LANES {
+        let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) });
+        if other > best {
+            best = other;
+        }
+        mask <<= 1;
+    }
+    let threshold = race_threshold(row, best);
+    let mut winner = Candidate::NONE;
+    unrolled!(i < LANE_QUADS, {
+        let mut pending = contenders(&estimates[i], threshold);
+        while pending != 0 {
+            let r = pending.trailing_zeros();
+            pending &= pending - 1;
+            let score = exact_score(row, pick_of_four(estimates[i].words, r), pick_of_four(logits[i], r));
+            winner.offer_in_order(score, 4 * block(i) + r);
+        }
+    });
+    winner
 }

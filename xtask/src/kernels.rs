@@ -57,7 +57,7 @@ pub fn build(options: &Options) -> Result<(), String> {
 const ALIGNED_OPS_WRITTEN_ONCE: [(&str, std::ops::RangeInclusive<usize>); 5] = [
     ("wgmma.commit_group.sync.aligned", 1..=1),
     ("wgmma.wait_group.sync.aligned 0", 1..=1),
-    ("wgmma.wait_group.sync.aligned 1", 1..=1),
+    ("wgmma.wait_group.sync.aligned 1", 0..=1),
     ("setmaxnreg.dec.sync.aligned", 0..=1),
     ("setmaxnreg.inc.sync.aligned", 0..=1),
 ];

@@ -78,8 +78,9 @@ enum Command {
         /// CSV from scripts/peers.py (cuBLAS and torch in the same GPU run) for the report.
         #[arg(long)]
         peers: Option<PathBuf>,
-        /// Also time fused sampling with every tensor-core kernel variant (CSV rows
-        /// `fused_sample@<variant>`), to check the dispatcher's choice.
+        /// Also time fused sampling and greedy decoding with every tensor-core kernel variant
+        /// (CSV rows `fused_sample@<variant>`, `fused_greedy@<variant>`), to check the
+        /// dispatcher's choice.
         #[arg(long)]
         all_variants: bool,
     },

@@ -26,7 +26,7 @@ for stage in $stages; do
         export FLASHSAMPLE_BIN="$here/flashsample"
         for t in "$here"/tests/*; do
             echo "=== $(basename "$t")" >> "$out/gpu-tests.log"
-            step "$(basename "$t")" timeout 420 "$t" --include-ignored --test-threads=1 --nocapture >> "$out/gpu-tests.log" 2>&1
+            step "$(basename "$t")" timeout 560 "$t" --include-ignored --test-threads=1 --nocapture >> "$out/gpu-tests.log" 2>&1
         done
         grep -E "test result|FAILED|panicked|chi2|disagreements|agree in" "$out/gpu-tests.log" | tail -40
         ;;

@@ -96,35 +96,24 @@ pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
 
 /// Dynamic shared memory one block of a multiprocessor may have on sm_90 (227 KiB).
 pub const SM90_SHARED_LIMIT_BYTES: u32 = 227 << 10;
-/// Vocabulary rows per work item of the handoff kernels: one consumer warpgroup multiplies
-/// 64-row items, two multiply 128-row items together (64 rows each).
-pub const HANDOFF_ITEM_ROWS: [u32; 2] = [64, 128];
+/// Vocabulary rows per work item of the handoff kernels: both consumer warpgroups multiply
+/// one item (64 rows each), as in the cooperative schedule.
+pub const HANDOFF_ROWS: u32 = 128;
 /// Batch-tile widths of the handoff kernels.
 pub const HANDOFF_COLUMNS: [u32; 2] = [64, 128];
-/// Threads per block of a handoff kernel: 16 warps, the consumer warpgroups first, then the
-/// warp that holds the producer thread, then the epilogue warps.
-pub const TMA_HANDOFF_THREADS: u32 = 16 * 32;
-
-/// Consumer warps of a handoff kernel with items of `rows`: a warpgroup per 64 rows.
-pub const fn handoff_consumer_warps(rows: u32) -> u32 {
-    4 * (rows / WARPGROUP_ROWS)
-}
-
-/// Warps of a handoff kernel that run the sampling epilogue: all but the consumers and the
-/// producer's warp (11 for 64-row items, 7 for 128).
-pub const fn handoff_epilogue_warps(rows: u32) -> u32 {
-    TMA_HANDOFF_THREADS / 32 - handoff_consumer_warps(rows) - 1
-}
-
+/// Warps of a handoff kernel that run the sampling epilogue: warps 9..16 (warp 8 holds the
+/// producer thread).
+pub const HANDOFF_EPILOGUE_WARPS: u32 = 7;
+/// Threads per block of a handoff kernel: two consumer warpgroups, the producer's warp and
+/// the epilogue warps, four warpgroups in all.
+pub const TMA_HANDOFF_THREADS: u32 = (TMA_CONSUMER_WARPS + 1 + HANDOFF_EPILOGUE_WARPS) * 32;
 /// Floats per batch column of the handed-off logits in shared memory: the item's rows plus
 /// 4, so the consumers' stores of one `wgmma` register hit 32 different banks.
-pub const fn handoff_column_stride(rows: u32) -> u32 {
-    rows + 4
-}
+pub const HANDOFF_COLUMN_STRIDE: u32 = HANDOFF_ROWS + 4;
 
-/// Bytes of the handed-off f32 logits of one item (column-major, [`handoff_column_stride`]).
-pub const fn handoff_logits_bytes(rows: u32, columns: u32) -> u32 {
-    columns * handoff_column_stride(rows) * 4
+/// Bytes of the handed-off f32 logits of one item (column-major, [`HANDOFF_COLUMN_STRIDE`]).
+pub const fn handoff_logits_bytes(columns: u32) -> u32 {
+    columns * HANDOFF_COLUMN_STRIDE * 4
 }
 
 /// Bytes of a handoff kernel's shared memory besides the stages and the logits: the
@@ -132,36 +121,28 @@ pub const fn handoff_logits_bytes(rows: u32, columns: u32) -> u32 {
 /// the logits buffer's full and empty barriers).
 const HANDOFF_OTHER_BYTES: u32 = 1024 + 2 * TMA_MAX_STAGES * 8 + 2 * 8;
 
-/// Pipeline stages of a handoff kernel with items of `rows` × `columns`: as many as fit
-/// beside the logits.
-pub const fn tma_handoff_stages(rows: u32, columns: u32) -> u32 {
-    let room = SM90_SHARED_LIMIT_BYTES - HANDOFF_OTHER_BYTES - handoff_logits_bytes(rows, columns);
-    let stages = room / (tma_lm_head_stage_bytes(rows) + tma_hidden_stage_bytes(columns));
+/// Pipeline stages of a handoff kernel with `columns`: as many as fit beside the logits.
+pub const fn tma_handoff_stages(columns: u32) -> u32 {
+    let room = SM90_SHARED_LIMIT_BYTES - HANDOFF_OTHER_BYTES - handoff_logits_bytes(columns);
+    let stages = room / (tma_lm_head_stage_bytes(HANDOFF_ROWS) + tma_hidden_stage_bytes(columns));
     if stages < TMA_MAX_STAGES { stages } else { TMA_MAX_STAGES }
 }
 
 /// Dynamic shared memory of a handoff kernel: the stages, then the logits buffer, then the
 /// barriers (see [`tma_handoff_stages`]).
-pub const fn tma_handoff_shared_bytes(rows: u32, columns: u32) -> u32 {
-    let stages = tma_handoff_stages(rows, columns);
-    1024 + stages * (tma_lm_head_stage_bytes(rows) + tma_hidden_stage_bytes(columns))
-        + handoff_logits_bytes(rows, columns)
+pub const fn tma_handoff_shared_bytes(columns: u32) -> u32 {
+    let stages = tma_handoff_stages(columns);
+    1024 + stages * (tma_lm_head_stage_bytes(HANDOFF_ROWS) + tma_hidden_stage_bytes(columns))
+        + handoff_logits_bytes(columns)
         + 2 * stages * 8
         + 2 * 8
 }
 
 /// Threads per block of the TMA kernel named `name`: the handoff kernels are named
-/// `…_tma_<element>_h<rows>_n<columns>`, the other TMA kernels
+/// `…_tma_<element>_h128_n<columns>` ([`HANDOFF_ROWS`]), the other TMA kernels
 /// `…_tma_<element>_m<rows>_n<columns>`.
 pub fn tma_kernel_threads(name: &str) -> u32 {
-    if handoff_rows(name).is_some() { TMA_HANDOFF_THREADS } else { TMA_THREADS }
-}
-
-/// The item height of a handoff kernel's name (`…_h<rows>_n<columns>`), `None` for others.
-pub fn handoff_rows(name: &str) -> Option<u32> {
-    let (_, rest) = name.split_once("_tma_")?;
-    let (_, rest) = rest.split_once("_h")?;
-    rest.split_once("_n")?.0.parse().ok()
+    if name.contains("_h128_") { TMA_HANDOFF_THREADS } else { TMA_THREADS }
 }
 
 /// Size of a `CUtensorMap` (the driver's TMA descriptor), which lives in global memory.

@@ -43,7 +43,7 @@ fn tensor_core_variants() -> Vec<(String, Variant)> {
         .map(|variant| match variant {
             Variant::Mma { columns } => (format!("mma_n{columns}"), variant),
             Variant::Tma { rows, columns } => (format!("tma_m{rows}_n{columns}"), variant),
-            Variant::TmaHandoff { rows, columns } => (format!("tma_h{rows}_n{columns}"), variant),
+            Variant::TmaHandoff { columns } => (format!("tma_h128_n{columns}"), variant),
             other => unreachable!("Variant::tensor_core lists mma and TMA variants only, not {other:?}"),
         })
         .collect()

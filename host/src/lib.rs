@@ -29,8 +29,8 @@ pub mod timing;
 
 pub use cpu::{CpuLmHead, CpuSampler};
 pub use cuda::{
-    CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, HANDOFF_COLUMNS, HANDOFF_ITEM_ROWS, MMA_COLUMNS,
-    TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
+    CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, HANDOFF_COLUMNS, MMA_COLUMNS, TMA_COLUMNS,
+    TMA_ITEM_ROWS, Variant,
 };
 pub use error::{Error, Result};
 pub use params::{HeadShape, SamplingParams};

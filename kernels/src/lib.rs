@@ -197,7 +197,7 @@ macro_rules! tma_kernels {
 }
 
 macro_rules! tma_handoff_kernels {
-    ($($name:ident => $element:ty, $rows:literal, $columns:literal;)*) => {$(
+    ($($name:ident => $element:ty, $columns:literal;)*) => {$(
         /// A TMA + `wgmma` fused sampling kernel (sm_90a) whose epilogue runs in warps of its
         /// own.
         ///
@@ -208,7 +208,7 @@ macro_rules! tma_handoff_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
             unsafe {
-                tma_handoff::tma_handoff_kernel::<$element, $rows, $columns, { $columns / 2 }>(
+                tma_handoff::tma_handoff_kernel::<$element, $columns, { $columns / 2 }>(
                     &args,
                     shared::<u8>(),
                 )
@@ -218,14 +218,10 @@ macro_rules! tma_handoff_kernels {
 }
 
 tma_handoff_kernels! {
-    fused_tma_bf16_h64_n64 => Bf16, 64, 64;
-    fused_tma_bf16_h64_n128 => Bf16, 64, 128;
-    fused_tma_bf16_h128_n64 => Bf16, 128, 64;
-    fused_tma_bf16_h128_n128 => Bf16, 128, 128;
-    fused_tma_f16_h64_n64 => F16, 64, 64;
-    fused_tma_f16_h64_n128 => F16, 64, 128;
-    fused_tma_f16_h128_n64 => F16, 128, 64;
-    fused_tma_f16_h128_n128 => F16, 128, 128;
+    fused_tma_bf16_h128_n64 => Bf16, 64;
+    fused_tma_bf16_h128_n128 => Bf16, 128;
+    fused_tma_f16_h128_n64 => F16, 64;
+    fused_tma_f16_h128_n128 => F16, 128;
 }
 
 tma_kernels! {

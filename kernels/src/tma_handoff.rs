@@ -1,27 +1,29 @@
-//! The handoff tile: the TMA + `wgmma` mainloop of [`crate::tma_gemm`] on items of `ROWS`
-//! (64 or 128) × `N`, with the sampling epilogue moved to warps of its own, so the tensor
-//! cores never wait for it.
+//! The handoff tile: the cooperative TMA + `wgmma` mainloop of [`crate::tma_gemm`] on items of
+//! [`HANDOFF_ROWS`] × `N`, with the sampling epilogue moved to warps of its own, so the
+//! tensor cores do not wait for it.
 //!
-//! The consumer warpgroups (one per 64 rows) multiply each item, store the f32 accumulators
-//! into a column-major logits buffer in shared memory and go on to the next item at once.
-//! The next warp holds the producer thread; the remaining warps of the 16
-//! ([`handoff_epilogue_warps`]: 11 for 64-row items, 7 for 128) score the buffer a group of
-//! columns at a time, [`column_lanes`] lanes per column and [`LANE_QUADS`] quads (four
-//! consecutive rows, one Philox block each) per lane, so a column's race over the item's
-//! rows ends in a merge over those lanes. Two barriers pass the buffer back and forth:
-//! `logits_full` (the consumers' arrivals) and `logits_empty` (the epilogue warps'
-//! arrivals); the epilogue of item `i` overlaps the mainloop of item `i + 1`.
+//! Warps 0–7 (two consumer warpgroups) multiply each item (64 rows each), store the f32
+//! accumulators into a column-major logits buffer in shared memory and go on to the next
+//! item at once. Warp 8 holds the producer thread. Warps 9–15 ([`HANDOFF_EPILOGUE_WARPS`])
+//! score the buffer, two columns at a time per warp: [`COLUMN_LANES`] lanes per column, each
+//! holding [`LANE_QUADS`] quads (four consecutive rows, one Philox block each), so a
+//! column's race over the item's 128 rows ends in a merge over those lanes. Two barriers
+//! pass the buffer back and forth: `logits_full` (the consumers' 256 arrivals) and
+//! `logits_empty` (the epilogue warps' arrivals); the epilogue of item `i` overlaps the
+//! mainloop of item `i + 1`.
 //!
 //! The block has 512 threads, so ptxas gives each at most 128 registers: enough for the
-//! consumers' 64 accumulators and for the epilogue, with no `setmaxnreg`.
+//! consumers' 64 accumulators and for the epilogue, with no `setmaxnreg` (ptxas allocates
+//! for the block's cap, not for a warpgroup's `setmaxnreg` share: tried, the epilogue with
+//! four quads per lane still spilled).
 //!
 //! Architecture Invariant: the buffer holds the exact f32 accumulators (no narrowing), and
 //! the epilogue scores them with the estimate-then-exact race keyed by vocabulary row, so
 //! the tokens are those of every other tile.
 
 use flashsample_core::abi::{
-    TMA_K_BLOCK, TmaArgs, WARPGROUP_ROWS, handoff_column_stride, handoff_consumer_warps, handoff_epilogue_warps,
-    handoff_logits_bytes, tma_handoff_stages,
+    HANDOFF_COLUMN_STRIDE, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TmaArgs,
+    WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
 };
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
@@ -39,7 +41,7 @@ struct Quad([f32; 4]);
 /// buffer, the ring's barriers, then the buffer's two barriers.
 struct HandoffLayout {
     ring: Ring,
-    /// `N` columns of [`handoff_column_stride`] floats: row `r` of column `c` at
+    /// `N` columns of [`HANDOFF_COLUMN_STRIDE`] floats: row `r` of column `c` at
     /// `c · stride + r`.
     logits: *mut f32,
     /// Completes when the consumers have stored an item's logits.
@@ -50,64 +52,64 @@ struct HandoffLayout {
 
 impl HandoffLayout {
     #[inline(always)]
-    fn new(base: *mut u8, rows: u32, columns: u32) -> HandoffLayout {
+    fn new(base: *mut u8, columns: u32) -> HandoffLayout {
         let shared = hopper::shared_address(base);
         let start = shared.next_multiple_of(1024);
-        let stages = tma_handoff_stages(rows, columns);
-        let logits_address = Ring::new(start, stages, rows, columns, 0).boxes_end();
-        let ring = Ring::new(start, stages, rows, columns, logits_address + handoff_logits_bytes(rows, columns));
+        let stages = tma_handoff_stages(columns);
+        let logits_address = Ring::new(start, stages, HANDOFF_ROWS, columns, 0).boxes_end();
+        let ring = Ring::new(start, stages, HANDOFF_ROWS, columns, logits_address + handoff_logits_bytes(columns));
         let logits_full = ring.barriers_end();
         let logits = base.wrapping_add((logits_address - shared) as usize).cast::<f32>();
         HandoffLayout { ring, logits, logits_full, logits_empty: logits_full + 8 }
     }
 }
 
-/// The handoff sampling kernel on items of `ROWS` × `N`, `R = N / 2` accumulators per
-/// consumer thread.
+/// Consumer threads, which arrive on `logits_full` and on the ring's `empty` barriers.
+const CONSUMER_THREADS: u32 = TMA_CONSUMER_WARPS * 32;
+/// The warp whose lane 0 is the producer.
+const PRODUCER_WARP: u32 = TMA_CONSUMER_WARPS;
+
+/// The handoff sampling kernel on items of [`HANDOFF_ROWS`] × `N`, `R = N / 2` accumulators
+/// per consumer thread.
 ///
 /// # Safety
-/// Launched with `TMA_HANDOFF_THREADS` threads and `tma_handoff_shared_bytes(ROWS, N)` bytes
-/// of dynamic shared memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes
-/// of 64 × `ROWS` and 64 × `N` elements and 128-byte swizzle, and valid row parameters and
-/// candidate buffers.
+/// Launched with `TMA_HANDOFF_THREADS` threads and `tma_handoff_shared_bytes(N)` bytes of
+/// dynamic shared memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes of
+/// 64 × [`HANDOFF_ROWS`] and 64 × `N` elements and 128-byte swizzle, and valid row
+/// parameters and candidate buffers.
 #[inline(always)]
-pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usize>(
-    args: &TmaArgs,
-    shared: *mut u8,
-) {
+pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize>(args: &TmaArgs, shared: *mut u8) {
     let thread = arch::thread_index();
     let warp = thread / 32;
-    let consumer_warps = handoff_consumer_warps(ROWS);
-    let layout = HandoffLayout::new(shared, ROWS, N as u32);
+    let layout = HandoffLayout::new(shared, N as u32);
     if thread == 0 {
         unsafe {
-            layout.ring.init(32 * consumer_warps);
-            hopper::barrier_init(layout.logits_full, 32 * consumer_warps);
-            hopper::barrier_init(layout.logits_empty, 32 * handoff_epilogue_warps(ROWS));
+            layout.ring.init(CONSUMER_THREADS);
+            hopper::barrier_init(layout.logits_full, CONSUMER_THREADS);
+            hopper::barrier_init(layout.logits_empty, HANDOFF_EPILOGUE_WARPS * 32);
             hopper::fence_barrier_init();
         }
     }
     unsafe { arch::sync_threads() };
-    // The warp after the consumers holds the producer thread (its lane 0).
-    if warp < consumer_warps {
-        unsafe { consume::<T, ROWS, N, R>(args, &layout, thread) };
-    } else if warp == consumer_warps {
-        if thread == 32 * consumer_warps {
-            unsafe { layout.ring.produce(args, ROWS, N as u32) };
+    if warp < TMA_CONSUMER_WARPS {
+        unsafe { consume::<T, N, R>(args, &layout, thread) };
+    } else if warp == PRODUCER_WARP {
+        if thread == PRODUCER_WARP * 32 {
+            unsafe { layout.ring.produce(args, HANDOFF_ROWS, N as u32) };
         }
     } else {
-        unsafe { score::<ROWS, N>(args, &layout, warp - consumer_warps - 1, thread % 32) };
+        unsafe { score::<N>(args, &layout, warp - PRODUCER_WARP - 1, thread % 32) };
     }
 }
 
-/// A consumer thread: multiplies every item of the block (its warpgroup's 64 rows of it),
-/// waits until the epilogue has read the previous item's logits, and stores its
-/// accumulators into the buffer.
+/// A consumer thread: multiplies every item of the block with the other consumers (its
+/// warpgroup's 64 rows), waits until the epilogue has read the previous item's logits, and
+/// stores its accumulators into the buffer.
 ///
 /// # Safety
 /// As [`tma_handoff_kernel`]; called by all consumer threads.
 #[inline(always)]
-unsafe fn consume<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usize>(
+unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     args: &TmaArgs,
     layout: &HandoffLayout,
     thread: u32,
@@ -116,7 +118,6 @@ unsafe fn consume<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usi
     let w_offset = warpgroup * WARPGROUP_ROWS * 2 * TMA_K_BLOCK;
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let lane = thread % 32;
-    let stride = handoff_column_stride(ROWS);
     // `wgmma` m64nN: lane `4g + t` of warp `w` holds rows `16w + g` and `16w + g + 8`,
     // columns `8j + 2t` and `8j + 2t + 1` of n8-tile `j`.
     let row = warpgroup * WARPGROUP_ROWS + 16 * ((thread / 32) % 4) + lane / 4;
@@ -134,10 +135,11 @@ unsafe fn consume<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usi
             hopper::barrier_wait(layout.logits_empty, (handoffs & 1) ^ 1);
         }
         let store = |j: usize, quad: [f32; 4]| {
-            let at =
-                |c: u32, r: u32| layout.logits.wrapping_add(((8 * j as u32 + column + c) * stride + row + r) as usize);
-            // SAFETY: inside the buffer (column < N, row < ROWS); the epilogue does not read
-            // it until `logits_full`.
+            let at = |c: u32, r: u32| {
+                layout.logits.wrapping_add(((8 * j as u32 + column + c) * HANDOFF_COLUMN_STRIDE + row + r) as usize)
+            };
+            // SAFETY: inside the buffer (column < N, row < HANDOFF_ROWS); the epilogue does not
+            // read it until `logits_full`.
             unsafe {
                 *at(0, 0) = quad[0];
                 *at(1, 0) = quad[1];
@@ -151,41 +153,36 @@ unsafe fn consume<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usi
     }
 }
 
-/// Quads (four consecutive rows, one Philox block) of one column each epilogue lane scores:
-/// two independent chains per lane (four would need more than the 128 registers).
-const LANE_QUADS: usize = 2;
+/// Lanes that score one batch column together: lane `l` of an epilogue warp scores column
+/// `l / 16` of the warp's current group of [`GROUP_COLUMNS`], quads `l % 16 + 16i` of it.
+/// (Eight lanes with four quads each, fewer shuffles per entry, need more than 128
+/// registers.)
+const COLUMN_LANES: u32 = 16;
+/// Batch columns an epilogue warp scores at a time.
+const GROUP_COLUMNS: u32 = 32 / COLUMN_LANES;
+/// Quads (four consecutive rows) of one column each lane scores: two independent chains.
+const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
 
-/// Lanes of an epilogue warp that score one batch column of a `rows`-row item together (8 or
-/// 16): lane `l` scores column `l / column_lanes` of the warp's current group, quads
-/// `l % column_lanes + column_lanes · i` of it.
-const fn column_lanes(rows: u32) -> u32 {
-    rows / 4 / LANE_QUADS as u32
-}
-
-/// Epilogue warp `warp` (of [`handoff_epilogue_warps`]): for every item of the block, once its
-/// logits are in the buffer, scores the groups of `32 / column_lanes` columns `warp`,
-/// `warp + epilogue warps`, … for every draw and writes one candidate per (column, draw) for
-/// the item's tile.
+/// Epilogue warp `warp` (of [`HANDOFF_EPILOGUE_WARPS`]): for every item of the block, once its
+/// logits are in the buffer, scores the groups of [`GROUP_COLUMNS`] columns `warp`,
+/// `warp + 7`, … for every draw and writes one candidate per (column, draw) for the item's
+/// tile.
 ///
 /// # Safety
 /// As [`tma_handoff_kernel`]; all 32 lanes of each epilogue warp call it.
 #[inline(always)]
-unsafe fn score<const ROWS: u32, const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
+unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
     let rows = args.rows as *const RowParams;
     let out = args.out as *mut Candidate;
-    let lanes = column_lanes(ROWS);
-    let group_columns = 32 / lanes;
-    let warps = handoff_epilogue_warps(ROWS);
-    let stride = handoff_column_stride(ROWS);
-    let slot = lane % lanes;
+    let slot = lane % COLUMN_LANES;
     let mut handoffs = 0u32;
     for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
-        // This lane's quad `i` is the Philox block `first_block + lanes · i` (4 rows a block).
-        let first_block = tile * ROWS / 4 + slot;
+        // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
+        let first_block = tile * HANDOFF_ROWS / 4 + slot;
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
         let mut group = warp;
-        while group * group_columns < N as u32 && col0 + group * group_columns < args.batch {
-            let column = group * group_columns + lane / lanes;
+        while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
+            let column = group * GROUP_COLUMNS + lane / COLUMN_LANES;
             let b = col0 + column;
             // Lanes of a column past the batch still take part in the shuffles, as greedy
             // rows (no noise), and write nothing.
@@ -194,22 +191,21 @@ unsafe fn score<const ROWS: u32, const N: usize>(args: &TmaArgs, layout: &Handof
             let row = if in_batch { unsafe { *rows.add(b as usize) } } else { PAD_ROW };
             let mut logits = [[0.0f32; 4]; LANE_QUADS];
             unrolled!(i < LANE_QUADS, {
-                let quad = slot + lanes * i as u32;
-                let at = layout.logits.wrapping_add((column * stride + 4 * quad) as usize);
-                // SAFETY: column < N and quad < ROWS / 4 lie in the buffer, 16-byte aligned
-                // (the stride is a multiple of 4 floats).
+                let quad = slot + COLUMN_LANES * i as u32;
+                let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize);
+                // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte
+                // aligned (the stride is a multiple of 4 floats).
                 logits[i] = unsafe { (*at.cast::<Quad>()).0 };
             });
             for j in 0..args.samples {
-                let winner =
-                    unsafe { race_column(&row, args.sample_offset + j, first_block, lanes, &logits, args.vocab) };
-                let best = unsafe { sample::merge_over_lanes(winner, 1, lanes / 2) };
+                let winner = unsafe { race_column(&row, args.sample_offset + j, first_block, &logits, args.vocab) };
+                let best = unsafe { sample::merge_over_lanes(winner, 1, COLUMN_LANES / 2) };
                 if slot == 0 && in_batch {
                     let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
                     unsafe { *out.add(at as usize) = best };
                 }
             }
-            group += warps;
+            group += HANDOFF_EPILOGUE_WARPS;
         }
         unsafe { hopper::barrier_arrive(layout.logits_empty) };
         handoffs += 1;
@@ -217,27 +213,26 @@ unsafe fn score<const ROWS: u32, const N: usize>(args: &TmaArgs, layout: &Handof
 }
 
 /// This lane's best exactly scored contender of draw `sample` among its [`LANE_QUADS`] quads
-/// of one column (Philox blocks `first_block + lanes · i`), raced against the best estimate
-/// of the `lanes` lanes that hold the column's rows: merging those lanes' results gives what
-/// [`flashsample_core::block_candidate`] merged over the column's rows gives.
+/// of one column (Philox blocks `first_block + 8i`), raced against the best estimate of the
+/// [`COLUMN_LANES`] lanes that hold the column's rows: merging those lanes' results gives
+/// what [`flashsample_core::block_candidate`] merged over the column's rows gives.
 ///
 /// The quads' estimates ([`flashsample_core::estimate`]) are independent chains the scheduler
 /// interleaves; only the contenders get the exact transform, in increasing index order.
 ///
 /// # Safety
-/// All 32 lanes call it together; the `lanes` lanes `l ^ m` (`m < lanes`, a power of two)
-/// hold one column.
+/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < 8`) hold one
+/// column.
 #[inline(always)]
 unsafe fn race_column(
     row: &RowParams,
     sample: u32,
     first_block: u32,
-    lanes: u32,
     logits: &[[f32; 4]; LANE_QUADS],
     vocab: u32,
 ) -> Candidate {
     let mut estimates = [BlockEstimate::plain([0.0; 4], 0); LANE_QUADS];
-    let block = |i: usize| first_block + lanes * i as u32;
+    let block = |i: usize| first_block + COLUMN_LANES * i as u32;
     let valid = |i: usize| vocab.saturating_sub(4 * block(i)).min(4);
     if row.greedy == 0 {
         unrolled!(i < LANE_QUADS, {
@@ -253,7 +248,7 @@ unsafe fn race_column(
         best = best.max(estimates[i].best());
     });
     let mut mask = 1;
-    while mask < lanes {
+    while mask < COLUMN_LANES {
         let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) });
         if other > best {
             best = other;

@@ -18,12 +18,12 @@ use cust::module::Module;
 use cust::stream::{Stream, StreamFlags};
 use cust::sys as raw;
 use flashsample_core::abi::{
-    EstimateErrorArgs, FillArgs, FusedArgs, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs,
+    EstimateErrorArgs, FillArgs, FusedArgs, HANDOFF_ROWS, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs,
     LogitsSamplerArgs, N_TILE, REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS,
-    TENSOR_MAP_BYTES, TILE_ROWS, TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes, fused_simt_shared_bytes,
-    handoff_rows, tma_handoff_shared_bytes, tma_kernel_threads, tma_shared_bytes,
+    TENSOR_MAP_BYTES, TILE_ROWS, TMA_HANDOFF_THREADS, TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes,
+    fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_kernel_threads, tma_shared_bytes,
 };
-pub use flashsample_core::abi::{HANDOFF_COLUMNS, HANDOFF_ITEM_ROWS, TMA_ITEM_ROWS};
+pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 use flashsample_core::{Candidate, RowParams};
 
 use crate::error::{Error, Result, invalid};
@@ -55,11 +55,10 @@ pub enum Variant {
     /// TMA + `wgmma` tile (sm_90) on items of `rows` (64: ping-pong warpgroups; 128: both
     /// warpgroups on one item) × `columns` (8, 16, 32, 64 or 128); BF16/F16, `D % 8 == 0`.
     Tma { rows: u32, columns: u32 },
-    /// TMA + `wgmma` tile on items of `rows` (64 or 128: one or two consumer warpgroups) ×
-    /// `columns` (64 or 128) whose sampling epilogue runs in warps of its own while the next
-    /// item multiplies; BF16/F16, `D % 8 == 0`. The unfused pipeline runs `Tma { rows,
-    /// columns }` for it.
-    TmaHandoff { rows: u32, columns: u32 },
+    /// The cooperative TMA + `wgmma` tile on items of 128 rows × `columns` (64 or 128) whose
+    /// sampling epilogue runs in warps of its own while the next item multiplies; BF16/F16,
+    /// `D % 8 == 0`. The unfused pipeline runs `Tma { rows: 128, columns }` for it.
+    TmaHandoff { columns: u32 },
     /// CUDA-core tile, any dtype and any D.
     Simt,
 }
@@ -84,8 +83,8 @@ impl Variant {
             Variant::Auto if !tensor_cores => Ok(Variant::Simt),
             Variant::Auto if batch <= 16 => Ok(Variant::Tma { rows: 128, columns: 16 }),
             Variant::Auto if batch <= 32 => Ok(Variant::Tma { rows: 64, columns: 32 }),
-            Variant::Auto if batch <= 64 => Ok(Variant::TmaHandoff { rows: 128, columns: 64 }),
-            Variant::Auto => Ok(Variant::TmaHandoff { rows: 128, columns: 128 }),
+            Variant::Auto if batch <= 64 => Ok(Variant::TmaHandoff { columns: 64 }),
+            Variant::Auto => Ok(Variant::TmaHandoff { columns: 128 }),
             Variant::Mma { columns } if !MMA_COLUMNS.contains(&columns) => {
                 Err(invalid("variant", format!("Mma {{ columns: {columns} }}: columns must be 8, 16 or 32")))
             }
@@ -97,13 +96,8 @@ impl Variant {
                     ),
                 ))
             }
-            Variant::TmaHandoff { rows, columns }
-                if !HANDOFF_ITEM_ROWS.contains(&rows) || !HANDOFF_COLUMNS.contains(&columns) =>
-            {
-                Err(invalid(
-                    "variant",
-                    format!("TmaHandoff {{ rows: {rows}, columns: {columns} }}: rows and columns must be 64 or 128"),
-                ))
+            Variant::TmaHandoff { columns } if !HANDOFF_COLUMNS.contains(&columns) => {
+                Err(invalid("variant", format!("TmaHandoff {{ columns: {columns} }}: columns must be 64 or 128")))
             }
             Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
             Variant::Tma { .. } | Variant::TmaHandoff { .. } if !tensor_cores => needs_tensor_cores("TMA"),
@@ -116,15 +110,13 @@ impl Variant {
     pub fn tensor_core() -> impl Iterator<Item = Variant> {
         let mma = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
         let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
-        let handoff = HANDOFF_ITEM_ROWS
-            .into_iter()
-            .flat_map(|rows| HANDOFF_COLUMNS.map(|columns| Variant::TmaHandoff { rows, columns }));
+        let handoff = HANDOFF_COLUMNS.map(|columns| Variant::TmaHandoff { columns });
         mma.into_iter().chain(tma).chain(handoff)
     }
 
     fn columns(self) -> u32 {
         match self {
-            Variant::Mma { columns } | Variant::Tma { columns, .. } | Variant::TmaHandoff { columns, .. } => columns,
+            Variant::Mma { columns } | Variant::Tma { columns, .. } | Variant::TmaHandoff { columns } => columns,
             _ => N_TILE,
         }
     }
@@ -132,7 +124,8 @@ impl Variant {
     /// Vocabulary rows per stage-1 work item (one candidate per row, draw and such tile).
     fn tile_rows(self) -> u32 {
         match self {
-            Variant::Tma { rows, .. } | Variant::TmaHandoff { rows, .. } => rows,
+            Variant::Tma { rows, .. } => rows,
+            Variant::TmaHandoff { .. } => HANDOFF_ROWS,
             _ => TILE_ROWS,
         }
     }
@@ -140,7 +133,8 @@ impl Variant {
     /// The TMA boxes a TMA variant reads: (rows of `W`, rows of `H`).
     fn tma_boxes(self) -> Option<(u32, u32)> {
         match self {
-            Variant::Tma { rows, columns } | Variant::TmaHandoff { rows, columns } => Some((rows, columns)),
+            Variant::Tma { rows, columns } => Some((rows, columns)),
+            Variant::TmaHandoff { columns } => Some((HANDOFF_ROWS, columns)),
             _ => None,
         }
     }
@@ -159,8 +153,8 @@ fn launch_shape(name: &str) -> (u32, u32) {
         name.rsplit_once("_n").and_then(|(_, c)| c.parse().ok()).expect("kernel names end in _n<columns>")
     };
     if name.contains("_tma_") {
-        if let Some(rows) = handoff_rows(name) {
-            return (tma_kernel_threads(name), tma_handoff_shared_bytes(rows, columns(name)));
+        if tma_kernel_threads(name) == TMA_HANDOFF_THREADS {
+            return (TMA_HANDOFF_THREADS, tma_handoff_shared_bytes(columns(name)));
         }
         let rows = name.split("_m").nth(1).and_then(|r| r.split('_').next()).and_then(|r| r.parse().ok());
         return (TMA_THREADS, tma_shared_bytes(rows.expect("TMA kernel names hold _m<rows>_"), columns(name)));
@@ -935,8 +929,8 @@ fn kernel_name(stage: Stage1, dtype: DType, variant: Variant) -> &'static str {
         (Stage1::Logits, Variant::Mma { columns }) => format!("logits_gemm_{element}_n{columns}"),
         (Stage1::Fused, Variant::Tma { rows, columns }) => format!("fused_tma_{element}_m{rows}_n{columns}"),
         (Stage1::Logits, Variant::Tma { rows, columns }) => format!("logits_tma_{element}_m{rows}_n{columns}"),
-        (Stage1::Fused, Variant::TmaHandoff { rows, columns }) => format!("fused_tma_{element}_h{rows}_n{columns}"),
-        (Stage1::Logits, Variant::TmaHandoff { rows, columns }) => format!("logits_tma_{element}_m{rows}_n{columns}"),
+        (Stage1::Fused, Variant::TmaHandoff { columns }) => format!("fused_tma_{element}_h{HANDOFF_ROWS}_n{columns}"),
+        (Stage1::Logits, Variant::TmaHandoff { columns }) => format!("logits_tma_{element}_m{HANDOFF_ROWS}_n{columns}"),
         (_, other) => unreachable!("{stage:?} kernel for an unresolved or unsupported variant {other:?}"),
     };
     KERNELS.iter().copied().find(|&k| k == name).unwrap_or_else(|| unreachable!("{name} is not in KERNELS"))

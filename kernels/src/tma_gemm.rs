@@ -598,10 +598,10 @@ pub(crate) fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
 
 /// The winners of `K` quads (four consecutive rows each, one column each) of draw `sample`
 /// among the rows their column has in this warp: lanes `l ^ m` for the masks `m` from
-/// `FIRST_MASK` up to 16 hold the same columns (`FIRST_MASK` = 8: the 16 rows of lanes `l`,
-/// `l ^ 8`, `l ^ 16`, `l ^ 24`; 1: all 128 rows of the warp). Each lane returns its own best
-/// contender, exactly scored, so merging those lanes gives what
-/// [`flashsample_core::block_candidate`] merged over the rows gives.
+/// `FIRST_MASK` up to 16 hold the same columns (the epilogue passes 8: the 16 rows of lanes
+/// `l`, `l ^ 8`, `l ^ 16`, `l ^ 24`). Each lane returns its own best contender, exactly
+/// scored, so merging those lanes gives what [`flashsample_core::block_candidate`] merged
+/// over the rows gives.
 ///
 /// Estimates first ([`flashsample_core::estimate`]): branch-free over the `K` quads, so the
 /// scheduler interleaves their Philox chains and logarithms. Then only the contenders get

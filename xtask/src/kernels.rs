@@ -52,8 +52,9 @@ pub fn build(options: &Options) -> Result<(), String> {
 /// Warpgroup-collective `.sync.aligned` ops that the TMA kernels write once each: every thread
 /// of the warpgroup must execute the same instance. LLVM treats inline asm as ordinary code
 /// and may duplicate it into both arms of a branch (it did, around `if lane == 0`), which
-/// compiles but hangs on the GPU; a second copy in one kernel is that bug. The `wgmma` ops
-/// appear exactly once; `setmaxnreg` at most once (the handoff kernels do without it).
+/// compiles but hangs on the GPU; a second copy in one kernel is that bug. The commit and
+/// `wait_group 0` appear exactly once; `wait_group 1` and `setmaxnreg` at most once (the
+/// handoff kernels wait with `wait_group 0` only and do without `setmaxnreg`).
 const ALIGNED_OPS_WRITTEN_ONCE: [(&str, std::ops::RangeInclusive<usize>); 5] = [
     ("wgmma.commit_group.sync.aligned", 1..=1),
     ("wgmma.wait_group.sync.aligned 0", 1..=1),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [demo] [bench] [ncu]
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [demo] [bench] [ncu] [iso]
 # (none named = tests demo bench ncu). `quick` runs the three GPU tests that exercise every
 # kernel variant (CPU agreement, unfused = fused, tile width); `smoke` adds a short benchmark
 # of every variant on the two headline shapes.
@@ -42,6 +42,21 @@ for stage in $stages; do
     bench)
         step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/bench.log' 2>&1"
         step bench timeout 420 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' --all-variants 2>&1 | tee -a '$out/bench.log'"
+        ;;
+    iso)
+        # Kernel-only times (each kernel alone under ncu, caches flushed by ncu): ours at B = 128
+        # and 256 against the cuBLAS GEMM that torch launches for x @ W.T on the same shape.
+        # Immune to the clock drift of a long sweep.
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+        step iso-ours timeout 200 bash -c "LD_LIBRARY_PATH= '$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused_tma|reduce_candidates' '$here/flashsample' bench --out /tmp/iso-bench --shapes 4096x151936,8192x128256 --batches 128,256 --runs 1 --warmup 0 > '$out/iso-ours.log' 2>&1"
+        step iso-cublas timeout 200 bash -c "LD_LIBRARY_PATH= '$ncu' --clock-control none --metrics gpu__time_duration.sum python3 -c 'import torch
+for d, v in [(4096, 151936), (8192, 128256)]:
+    w = torch.rand(v, d, device=\"cuda\", dtype=torch.bfloat16)
+    for b in [128, 256]:
+        x = torch.rand(b, d, device=\"cuda\", dtype=torch.bfloat16)
+        y = x @ w.T
+torch.cuda.synchronize()' > '$out/iso-cublas.log' 2>&1"
+        grep -hE "^  [a-zA-Z_]|gpu__time" "$out/iso-ours.log" "$out/iso-cublas.log" | head -60
         ;;
     ncu)
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use cust::memory::DeviceBuffer;
+use flashsample_core::abi::HANDOFF_ROWS;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::SamplingParams;
@@ -43,7 +44,7 @@ fn tensor_core_variants() -> Vec<(String, Variant)> {
         .map(|variant| match variant {
             Variant::Mma { columns } => (format!("mma_n{columns}"), variant),
             Variant::Tma { rows, columns } => (format!("tma_m{rows}_n{columns}"), variant),
-            Variant::TmaHandoff { columns } => (format!("tma_h128_n{columns}"), variant),
+            Variant::TmaHandoff { columns } => (format!("tma_h{HANDOFF_ROWS}_n{columns}"), variant),
             other => unreachable!("Variant::tensor_core lists mma and TMA variants only, not {other:?}"),
         })
         .collect()

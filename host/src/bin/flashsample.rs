@@ -1,6 +1,6 @@
 //! `flashsample`: sample tokens from an LM head and hidden states, run the demo, benchmark.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -274,16 +274,28 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     sampler.close()
 }
 
-fn report(bench: &std::path::Path, peers: Option<&std::path::Path>, out: &std::path::Path, dtype: DType) -> Result<()> {
+fn report(bench: &Path, peers: Option<&Path>, out: &Path, dtype: DType) -> Result<()> {
     let rows = flashsample::bench::read_csv(bench)?;
-    let peers = match peers {
-        Some(path) => flashsample::bench::read_peers(path)?,
-        None => Vec::new(),
-    };
+    let peers = read_optional_peers(peers)?;
     std::fs::create_dir_all(out)
         .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
     flashsample::bench::plot(&out.join("bench.png"), &rows, &peers)?;
-    let report = flashsample::bench::report(&rows, &peers, dtype);
+    write_report(out, &rows, &peers, dtype)
+}
+
+/// The peers' CSV when one is named, else none.
+fn read_optional_peers(peers: Option<&Path>) -> Result<Vec<flashsample::bench::PeerTiming>> {
+    peers.map_or(Ok(Vec::new()), flashsample::bench::read_peers)
+}
+
+/// Writes `report.md` into `out` and prints it.
+fn write_report(
+    out: &Path,
+    rows: &[flashsample::bench::Row],
+    peers: &[flashsample::bench::PeerTiming],
+    dtype: DType,
+) -> Result<()> {
+    let report = flashsample::bench::report(rows, peers, dtype);
     std::fs::write(out.join("report.md"), &report)
         .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
     println!("{report}");
@@ -321,17 +333,11 @@ fn bench(
     );
     let rows = flashsample::bench::run(&sampler, &options)?;
     flashsample::bench::write_csv(&out.join("bench.csv"), &rows, dtype)?;
-    let peers = match peers {
-        Some(path) => flashsample::bench::read_peers(&path)?,
-        None => Vec::new(),
-    };
-    // The plot needs a system font; without one the CSV and report still stand.
+    let peers = read_optional_peers(peers.as_deref())?;
+    // After a GPU run a failed plot costs only the picture: the CSV and report still stand.
     if let Err(e) = flashsample::bench::plot(&out.join("bench.png"), &rows, &peers) {
         eprintln!("warning: no plot: {e}");
     }
-    let report = flashsample::bench::report(&rows, &peers, dtype);
-    std::fs::write(out.join("report.md"), &report)
-        .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
-    println!("{report}");
+    write_report(&out, &rows, &peers, dtype)?;
     sampler.close()
 }

@@ -7,7 +7,8 @@
 //!
 //! A block has [`TMA_CONSUMER_WARPS`] consumer warps (two warpgroups) and a producer
 //! warpgroup, one thread of which issues the loads; `setmaxnreg` moves the producer's
-//! registers to the consumers, whose accumulators and sampling epilogue need them.
+//! registers to the consumers at run time (ptxas still compiles every thread for the 168
+//! registers a 384-thread block allows, so the consumers' code must fit in those).
 //! Work item = (`ROWS` vocabulary rows, `N` batch columns), visited in grid-stride order. The
 //! producer streams every item's `⌈dim / 64⌉` stages in that order, each a `ROWS` × 64 box of
 //! `W` and an `N` × 64 box of `H` in the 128-byte swizzled layout `wgmma` reads. A stage is

@@ -2,22 +2,27 @@
 //! picks it.
 //!
 //! The exact noise ([`gumbel`]) costs two software logarithms with a division each. A kernel
-//! first scores every entry with [`gumbel_estimate`], which takes the hardware's approximate
-//! base-2 logarithm, and whose error is at most [`GUMBEL_ESTIMATE_ERROR`]. Among entries whose
-//! estimated scores top out at `m`, only those estimated at or above [`race_threshold`]`(m)`
-//! can hold the exact maximum, so only they get the exact noise ([`contenders`],
-//! [`exact_score`]); the rest lose to the exact winner whatever their exact scores are.
+//! first scores every entry with [`score_estimate`], which takes the hardware's approximate
+//! base-2 logarithm and fused multiply-adds, and whose noise part ([`gumbel_estimate`]) is off
+//! by at most [`GUMBEL_ESTIMATE_ERROR`]. Among entries whose estimated scores top out at `m`,
+//! only those estimated at or above [`race_threshold`]`(m)` can hold the exact maximum, so only
+//! they get the exact noise ([`contenders`], [`exact_score`]); the rest lose to the exact
+//! winner whatever their exact scores are.
 //!
-//! Why the threshold is safe. Let `s` be an exact score `fl(fl(l·(1/T)) + g)` and `s'` its
-//! estimate `fl(fl(l·(1/T)) + g')`, `|g − g'| ≤ δ`. Then `|s − s'| ≤ δ + 2⁻²⁴(|s| + |s'|)`. If
-//! `k` holds the largest estimate `m` and `j` the exact maximum, `s'_j ≥ s_j − E_j ≥ s_k − E_j ≥
-//! m − E_k − E_j`, and for entries near `m` each `E ≤ (δ + 2⁻²³·|m|)(1 + 2⁻²¹)`. The margin
-//! `3δ + 2⁻²⁰·|m|` covers both with room for the roundings of the margin itself. Entries tied
-//! with the exact maximum pass too, so the lowest index among ties still wins.
+//! Why the threshold is safe. Let `s = fl(fl(l·(1/T)) + g)` be an exact score and
+//! `s' = fl(fl(l·(1/T) + c) − ln 2 · L)` its estimate (two fused multiply-adds, `c = −ln ln 2`,
+//! `L` the logarithm [`gumbel_estimate`] also starts from), and `δ` the bound on
+//! `|gumbel_estimate − g|`. With `a = l·(1/T)`, `|a| ≤ |s| + 23` (every `|g| < 23`), the
+//! roundings give `|s − s'| ≤ δ + 2⁻²⁴(23 + 2|a| + ½ + |s| + |s'|)`, which for entries near
+//! the largest estimate `m` is at most `E = δ + 2⁻¹⁷ + 2⁻²²·|m|`. If `k` holds `m` and `j` the
+//! exact maximum, `s'_j ≥ s_j − E ≥ s_k − E ≥ m − 2E`, and the margin `3δ + 2⁻²⁰·|m|` covers
+//! `2E` (`δ = 2⁻¹⁴ > 2⁻¹⁶`) with room for the roundings of the margin itself.
+//! Entries tied with the exact maximum pass too, so the lowest index among ties still wins.
 //!
 //! Architecture Invariant: the estimate only decides which entries get the exact score; every
 //! score a candidate carries is an exact one, so tokens are bit-identical with and without the
-//! filter, on every backend.
+//! filter, on every backend. That is why this module alone may use a hardware logarithm and
+//! `mul_add`: its results never reach a token, only the bound does.
 //!
 //! Architecture Invariant: [`GUMBEL_ESTIMATE_ERROR`] bounds the estimate for the `log2` a
 //! kernel passes; for `lg2.approx.ftz.f32` on sm_90 the GPU test
@@ -26,43 +31,64 @@
 //! [`block_candidate`]: crate::noise::block_candidate
 //! [`gumbel`]: crate::gumbel::gumbel
 
-use crate::candidate::perturbed_score;
+use core::f32::consts::{LN_2, LOG2_E};
+use core::f32::math::mul_add;
+
 use crate::gumbel::{TWO_POW_NEG_33, gumbel};
+use crate::candidate::perturbed_score;
 use crate::noise::{RowParams, counter, key};
 use crate::philox::philox4x32_10;
 
 /// Bound on `|gumbel_estimate(x) − gumbel(x)|` over every word `x` (2⁻¹⁴). The analysis of
-/// `gumbel_estimate` with `log2` within 2⁻²² absolute on [½, 2] and 2 ulp elsewhere gives
-/// about 1.3·10⁻⁵; the margin is for hardware that is a little worse than documented.
+/// the estimate with `log2` within 2⁻²² absolute on [½, 2] and 2 ulp elsewhere gives about
+/// 1.3·10⁻⁵; the margin is for hardware that is a little worse than documented.
 pub const GUMBEL_ESTIMATE_ERROR: f32 = 1.0 / 16384.0;
-
-const LN_2: f32 = core::f32::consts::LN_2;
 
 /// Where `1 − t` would round away too many of `t`'s digits, `−ln(1 − t)` comes from its series.
 const SERIES_BELOW: f32 = 1.0 / 32.0;
 
-/// An estimate of [`gumbel`]`(x)` from an approximate base-2 logarithm, with no division.
+/// `−ln ln 2`: the noise is `−ln e = c − ln 2 · log₂(e · log₂ e)`.
+const NOISE_OFFSET: f32 = 0.366_512_92;
+
+/// `log₂(e · log₂ e)` for the word's Exp(1) variate `e`, from an approximate base-2
+/// logarithm, with no division.
 ///
-/// Same uniform as [`gumbel`]: `t = (2y + 1)·2⁻³³ ≤ ½` with `y = x` in the lower half and
-/// `y = !x` in the upper one, where `e = −ln(1 − t)`. For `t < 1/32` that is
-/// `t + t²/2 + t³/3 + t⁴/4` (relative error below 2⁻²²); otherwise `log2` of `1 − t`, whose
-/// rounding costs at most 2⁻²⁴ absolute on `e ≥ 0.031`. Then `g = −ln e`.
+/// Same uniform as [`gumbel`]: `t = (2y + 1)·2⁻³³ ≤ ½` with `y = x` in the lower half, where
+/// `e · log₂ e = −log₂ t`, and `y = !x` in the upper one, where `e · log₂ e = −log₂(1 − t)`:
+/// for `t < 1/32` that is `log₂ e · (t + t²/2 + t³/3 + t⁴/4)` (relative error below 2⁻²²),
+/// otherwise `log2` of `1 − t`, whose rounding costs at most 2⁻²⁴ absolute on `e ≥ 0.031`.
+/// Folding `log₂ e` into the series spares the multiplication by `−ln 2` between the two
+/// logarithms.
 #[inline(always)]
-pub fn gumbel_estimate(x: u32, log2: impl Fn(f32) -> f32) -> f32 {
+fn log2_scaled_exponential(x: u32, log2: impl Fn(f32) -> f32) -> f32 {
     let upper = x >= 0x8000_0000;
     let y = if upper { !x } else { x };
     let t = (y.wrapping_mul(2) | 1) as f32 * TWO_POW_NEG_33;
-    let series = t * (1.0 + t * (0.5 + t * (1.0 / 3.0 + t * 0.25)));
-    let from_log = -LN_2 * log2(if upper { 1.0 - t } else { t });
-    let e = if upper && t < SERIES_BELOW { series } else { from_log };
-    -LN_2 * log2(e)
+    let series = t * mul_add(t, mul_add(t, mul_add(t, LOG2_E / 4.0, LOG2_E / 3.0), LOG2_E / 2.0), LOG2_E);
+    let from_log = -log2(if upper { 1.0 - t } else { t });
+    log2(if upper && t < SERIES_BELOW { series } else { from_log })
+}
+
+/// An estimate of [`gumbel`]`(x)`, within [`GUMBEL_ESTIMATE_ERROR`] (what the bound and the
+/// GPU test measure; the race itself uses [`score_estimate`]).
+#[inline(always)]
+pub fn gumbel_estimate(x: u32, log2: impl Fn(f32) -> f32) -> f32 {
+    mul_add(log2_scaled_exponential(x, log2), -LN_2, NOISE_OFFSET)
+}
+
+/// The estimated racing score of a sampling row's entry with logit `logit` and Philox word
+/// `x`: `logit · (1/T) + gumbel_estimate(x)` in two fused multiply-adds (the module docs bound
+/// its distance to the exact score).
+#[inline(always)]
+pub fn score_estimate(logit: f32, inv_temperature: f32, x: u32, log2: impl Fn(f32) -> f32) -> f32 {
+    mul_add(log2_scaled_exponential(x, log2), -LN_2, mul_add(logit, inv_temperature, NOISE_OFFSET))
 }
 
 /// The Philox words of a four-entry block and the estimated racing scores of its entries.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockEstimate {
     pub words: [u32; 4],
-    /// `logit · (1/T) + gumbel_estimate(word)`; the plain logit for a greedy row (exact);
+    /// [`score_estimate`]; the plain logit for a greedy row (exact);
     /// −∞ for entries past the vocabulary.
     pub scores: [f32; 4],
 }
@@ -82,7 +108,7 @@ pub fn block_estimate(
     let words = philox4x32_10(counter(block, sample, row.step, row.stream), key(row.seed));
     let mut scores = [f32::NEG_INFINITY; 4];
     for r in 0..4 {
-        let noisy = perturbed_score(logits[r], row.inv_temperature, gumbel_estimate(words[r], log2));
+        let noisy = score_estimate(logits[r], row.inv_temperature, words[r], log2);
         let score = if row.greedy != 0 { logits[r] } else { noisy };
         scores[r] = if (r as u32) < valid { score } else { f32::NEG_INFINITY };
     }
@@ -103,11 +129,10 @@ impl BlockEstimate {
     /// The largest estimated score (NaN never wins; −∞ when none is above it).
     #[inline(always)]
     pub fn best(&self) -> f32 {
+        // `max` ignores a NaN operand, and the sign of a zero maximum does not matter here.
         let mut best = f32::NEG_INFINITY;
         for r in 0..4 {
-            if self.scores[r] > best {
-                best = self.scores[r];
-            }
+            best = best.max(self.scores[r]);
         }
         best
     }
@@ -115,10 +140,15 @@ impl BlockEstimate {
 
 /// The lowest estimate an entry may have and still hold the exact maximum, given the largest
 /// estimate `best` among the entries that race together. A greedy row's estimates are exact.
+/// Never −∞ or NaN, so an entry at −∞ (which is −∞ exactly) or NaN never passes it.
 #[inline(always)]
 pub fn race_threshold(row: &RowParams, best: f32) -> f32 {
-    if row.greedy != 0 || !best.is_finite() {
-        // −∞: nothing can win; +∞: only the +∞ entries can.
+    if best == f32::NEG_INFINITY {
+        // Every entry is −∞ or NaN: none can win.
+        return f32::INFINITY;
+    }
+    if row.greedy != 0 || best == f32::INFINITY {
+        // +∞: only the +∞ entries can win.
         return best;
     }
     let magnitude = if best < 0.0 { -best } else { best };
@@ -126,13 +156,12 @@ pub fn race_threshold(row: &RowParams, best: f32) -> f32 {
 }
 
 /// Bit `r` set for each entry of the block that may hold the exact maximum: estimated at or
-/// above `threshold`, and above −∞ (an entry at −∞ is −∞ exactly and never taken).
+/// above `threshold` (from [`race_threshold`]).
 #[inline(always)]
 pub fn contenders(estimate: &BlockEstimate, threshold: f32) -> u32 {
     let mut mask = 0;
     for r in 0..4 {
-        let score = estimate.scores[r];
-        if score >= threshold && score > f32::NEG_INFINITY {
+        if estimate.scores[r] >= threshold {
             mask |= 1 << r;
         }
     }

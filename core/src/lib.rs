@@ -9,10 +9,12 @@
 //! CPU both round to nearest without contraction, so the GPU kernels and the CPU sampler
 //! compute the same bits for the same inputs.
 //!
-//! Architecture Invariant: nothing here may call a math library (`ln`, `exp`, `fma`); those
-//! differ between the GPU and the CPU and would break bit-identical noise. ([`estimate`] takes
-//! the hardware's logarithm as an argument, and only to choose which entries get exact scores.)
+//! Architecture Invariant: nothing that decides a token may call a math library (`ln`, `exp`,
+//! `fma`); those differ between the GPU and the CPU and would break bit-identical noise.
+//! ([`estimate`] takes the hardware's logarithm as an argument and uses `mul_add`, only to
+//! choose which entries get exact scores.)
 #![no_std]
+#![feature(core_float_math)]
 
 pub mod abi;
 pub mod candidate;

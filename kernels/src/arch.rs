@@ -40,6 +40,8 @@ pub unsafe fn sync_threads() {
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn nvvm_shfl_sync_bfly_i32(member_mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.vote.ballot.sync"]
+    fn nvvm_vote_ballot_sync(member_mask: u32, predicate: bool) -> u32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
     fn nvvm_bar_warp_sync(member_mask: u32);
     #[link_name = "llvm.nvvm.barrier.sync.cnt"]
@@ -81,6 +83,15 @@ pub unsafe fn sync_warp() {
 #[inline(always)]
 pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
     unsafe { nvvm_shfl_sync_bfly_i32(0xffff_ffff, value, mask, 0x1f) }
+}
+
+/// `vote.sync.ballot`: bit `l` set where lane `l`'s `predicate` holds.
+///
+/// # Safety
+/// All 32 lanes of the warp must execute this call together (full mask).
+#[inline(always)]
+pub unsafe fn ballot(predicate: bool) -> u32 {
+    unsafe { nvvm_vote_ballot_sync(0xffff_ffff, predicate) }
 }
 
 /// 16-byte read-only global load (`ld.global.nc.v4.u32`).

@@ -22,8 +22,8 @@
 //! the tokens are those of every other tile.
 
 use flashsample_core::abi::{
-    HANDOFF_COLUMN_STRIDE, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TmaArgs,
-    WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
+    HANDOFF_COLUMN_STRIDE, HANDOFF_COLUMNS, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK,
+    TmaArgs, WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
 };
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
@@ -162,75 +162,202 @@ const COLUMN_LANES: u32 = 16;
 const GROUP_COLUMNS: u32 = 32 / COLUMN_LANES;
 /// Quads (four consecutive rows) of one column each lane scores: two independent chains.
 const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
+/// Columns one epilogue warp scores per item, at most: one per lane when it scores their
+/// deferred winners.
+const fn warp_columns(columns: u32) -> u32 {
+    (columns / GROUP_COLUMNS).div_ceil(HANDOFF_EPILOGUE_WARPS) * GROUP_COLUMNS
+}
+const _: () = assert!(warp_columns(HANDOFF_COLUMNS[0]) <= 32 && warp_columns(HANDOFF_COLUMNS[1]) <= 32);
+
+/// Where a column's deferred winner waits: the four floats of padding that end the column in
+/// the buffer (rows `HANDOFF_ROWS ..`), as (word, logit, index, unused).
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct Deferred {
+    word: u32,
+    logit: f32,
+    index: u32,
+    unused: u32,
+}
+
+/// The index a column's slot holds when its candidate is already written.
+const RESOLVED: u32 = u32::MAX;
 
 /// Epilogue warp `warp` (of [`HANDOFF_EPILOGUE_WARPS`]): for every item of the block, once its
 /// logits are in the buffer, scores the groups of [`GROUP_COLUMNS`] columns `warp`,
 /// `warp + 7`, … for every draw and writes one candidate per (column, draw) for the item's
 /// tile.
 ///
+/// Usually the estimates leave a column a single contender, which then wins: the lane holding
+/// it parks it in the column's padding ([`Deferred`]), and once the warp has raced all its
+/// columns, one lane per column gives the parked winners their exact scores together, instead
+/// of running the exact transform on one or two lanes per group. Columns with several
+/// contenders (or none) are resolved at once.
+///
 /// # Safety
 /// As [`tma_handoff_kernel`]; all 32 lanes of each epilogue warp call it.
 #[inline(always)]
 unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
     let rows = args.rows as *const RowParams;
-    let out = args.out as *mut Candidate;
     let slot = lane % COLUMN_LANES;
+    let half = lane / COLUMN_LANES;
+    let parked = |column: u32| {
+        layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + HANDOFF_ROWS) as usize).cast::<Deferred>()
+    };
     let mut handoffs = 0u32;
     for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
-        // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
+        // This lane's quad `i` is the Philox block `first_block + 16i` (4 rows per block).
         let first_block = tile * HANDOFF_ROWS / 4 + slot;
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
-        let mut group = warp;
-        while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
-            let column = group * GROUP_COLUMNS + lane / COLUMN_LANES;
+        for j in 0..args.samples {
+            let draw = args.sample_offset + j;
+            let mut group = warp;
+            while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
+                let first_column = col0 + group * GROUP_COLUMNS;
+                let column = group * GROUP_COLUMNS + half;
+                let b = col0 + column;
+                // Lanes of a column past the batch still take part in the shuffles, as greedy
+                // rows (no noise), and write nothing.
+                let in_batch = [first_column < args.batch, first_column + 1 < args.batch];
+                // SAFETY: b < batch rows exist.
+                let row = if b < args.batch { unsafe { *rows.add(b as usize) } } else { PAD_ROW };
+                let mut logits = [[0.0f32; 4]; LANE_QUADS];
+                unrolled!(i < LANE_QUADS, {
+                    let quad = slot + COLUMN_LANES * i as u32;
+                    let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize);
+                    // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte
+                    // aligned (the stride is a multiple of 4 floats).
+                    logits[i] = unsafe { (*at.cast::<Quad>()).0 };
+                });
+                let race = unsafe { estimate_column(&row, draw, first_block, &logits, args.vocab) };
+                let holders = unsafe { arch::ballot(race.contenders != 0) };
+                let crowded = unsafe { arch::ballot(race.contenders & race.contenders.wrapping_sub(1) != 0) };
+                let lanes_of = |bits: u32, h: u32| (bits >> (COLUMN_LANES * h)) & 0xffff;
+                // A column is decided by one entry when one lane holds exactly one contender.
+                let sole = |h: u32| lanes_of(holders, h).count_ones() == 1 && lanes_of(crowded, h) == 0;
+                let resolve = [!sole(0) && in_batch[0], !sole(1) && in_batch[1]];
+                if sole(half) && race.contenders != 0 && b < args.batch {
+                    let entry = race.first_contender(first_block, &logits);
+                    let deferred = Deferred { word: entry.word, logit: entry.logit, index: entry.index, unused: 0 };
+                    // SAFETY: the column's padding, read by this warp only, after `sync_warp`.
+                    unsafe { *parked(column) = deferred };
+                }
+                if resolve[0] || resolve[1] {
+                    let own = if half == 0 { resolve[0] } else { resolve[1] };
+                    let winner = if own { race.exact_winner(&row, first_block, &logits) } else { Candidate::NONE };
+                    let best = unsafe { sample::merge_over_lanes(winner, 1, COLUMN_LANES / 2) };
+                    if slot == 0 && own {
+                        unsafe { write_candidate(args, tile, b, j, best) };
+                        let resolved = Deferred { word: 0, logit: 0.0, index: RESOLVED, unused: 0 };
+                        // SAFETY: as above.
+                        unsafe { *parked(column) = resolved };
+                    }
+                }
+                group += HANDOFF_EPILOGUE_WARPS;
+            }
+            unsafe { arch::sync_warp() };
+            // Lane `l` scores the parked winner of the warp's column `l`: group `warp + 7(l / 2)`.
+            let column =
+                (warp + HANDOFF_EPILOGUE_WARPS * (lane / GROUP_COLUMNS)) * GROUP_COLUMNS + lane % GROUP_COLUMNS;
             let b = col0 + column;
-            // Lanes of a column past the batch still take part in the shuffles, as greedy
-            // rows (no noise), and write nothing.
-            let in_batch = b < args.batch;
-            // SAFETY: b < batch rows exist.
-            let row = if in_batch { unsafe { *rows.add(b as usize) } } else { PAD_ROW };
-            let mut logits = [[0.0f32; 4]; LANE_QUADS];
-            unrolled!(i < LANE_QUADS, {
-                let quad = slot + COLUMN_LANES * i as u32;
-                let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize);
-                // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte
-                // aligned (the stride is a multiple of 4 floats).
-                logits[i] = unsafe { (*at.cast::<Quad>()).0 };
-            });
-            for j in 0..args.samples {
-                let winner = unsafe { race_column(&row, args.sample_offset + j, first_block, &logits, args.vocab) };
-                let best = unsafe { sample::merge_over_lanes(winner, 1, COLUMN_LANES / 2) };
-                if slot == 0 && in_batch {
-                    let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
-                    unsafe { *out.add(at as usize) = best };
+            if column < N as u32 && b < args.batch {
+                // SAFETY: written for every column of the batch above, before `sync_warp`.
+                let deferred = unsafe { *parked(column) };
+                if deferred.index != RESOLVED {
+                    // SAFETY: b < batch rows exist.
+                    let row = unsafe { *rows.add(b as usize) };
+                    let score = exact_score(&row, deferred.word, deferred.logit);
+                    unsafe { write_candidate(args, tile, b, j, Candidate { score, index: deferred.index }) };
                 }
             }
-            group += HANDOFF_EPILOGUE_WARPS;
+            unsafe { arch::sync_warp() };
         }
         unsafe { hopper::barrier_arrive(layout.logits_empty) };
         handoffs += 1;
     }
 }
 
-/// This lane's best exactly scored contender of draw `sample` among its [`LANE_QUADS`] quads
-/// of one column (Philox blocks `first_block + 8i`), raced against the best estimate of the
-/// [`COLUMN_LANES`] lanes that hold the column's rows: merging those lanes' results gives
-/// what [`flashsample_core::block_candidate`] merged over the column's rows gives.
-///
-/// The quads' estimates ([`flashsample_core::estimate`]) are independent chains the scheduler
-/// interleaves; only the contenders get the exact transform, in increasing index order.
+/// Writes the candidate of (batch column `b`, draw `j`) for `tile`.
 ///
 /// # Safety
-/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < 8`) hold one
+/// `b < args.batch`, `j < args.samples`, `tile < args.tiles`; `args.out` holds
+/// `batch × samples × tiles` candidates.
+#[inline(always)]
+unsafe fn write_candidate(args: &TmaArgs, tile: u32, b: u32, j: u32, candidate: Candidate) {
+    let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+    unsafe { *(args.out as *mut Candidate).add(at as usize) = candidate };
+}
+
+/// One lane's part of a column's race for one draw, after the estimates.
+struct LaneRace {
+    estimates: [BlockEstimate; LANE_QUADS],
+    /// Bit `4i + r` set where entry `r` of quad `i` may hold the column's exact maximum.
+    contenders: u32,
+}
+
+/// The entry a lane passes on for deferral.
+struct Entry {
+    word: u32,
+    logit: f32,
+    index: u32,
+}
+
+impl LaneRace {
+    /// The lowest contender of this lane (meaningless when it has none).
+    #[inline(always)]
+    fn first_contender(&self, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Entry {
+        let bit = self.contenders.trailing_zeros();
+        let (i, r) = (bit / 4, bit % 4);
+        let (mut words, mut quad) = (self.estimates[0].words, logits[0]);
+        unrolled!(q < LANE_QUADS, {
+            if q as u32 == i {
+                (words, quad) = (self.estimates[q].words, logits[q]);
+            }
+        });
+        Entry {
+            word: pick_of_four(words, r),
+            logit: pick_of_four(quad, r),
+            index: 4 * (first_block + COLUMN_LANES * i) + r,
+        }
+    }
+
+    /// This lane's best exactly scored contender, offered in increasing index order.
+    #[inline(always)]
+    fn exact_winner(&self, row: &RowParams, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Candidate {
+        let mut winner = Candidate::NONE;
+        unrolled!(i < LANE_QUADS, {
+            let mut pending = (self.contenders >> (4 * i)) & 0xf;
+            while pending != 0 {
+                let r = pending.trailing_zeros();
+                pending &= pending - 1;
+                let score = exact_score(row, pick_of_four(self.estimates[i].words, r), pick_of_four(logits[i], r));
+                winner.offer_in_order(score, 4 * (first_block + COLUMN_LANES * i as u32) + r);
+            }
+        });
+        winner
+    }
+}
+
+/// Estimates this lane's [`LANE_QUADS`] quads of one column for draw `sample` (Philox blocks
+/// `first_block + 16i`), finds the best estimate of the [`COLUMN_LANES`] lanes that hold the
+/// column's rows, and marks this lane's entries that may hold the column's exact maximum.
+/// Exactly scoring those contenders and merging over the lanes gives what
+/// [`flashsample_core::block_candidate`] merged over the column's rows gives.
+///
+/// The quads' estimates ([`flashsample_core::estimate`]) are independent chains the scheduler
+/// interleaves.
+///
+/// # Safety
+/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < 16`) hold one
 /// column.
 #[inline(always)]
-unsafe fn race_column(
+unsafe fn estimate_column(
     row: &RowParams,
     sample: u32,
     first_block: u32,
     logits: &[[f32; 4]; LANE_QUADS],
     vocab: u32,
-) -> Candidate {
+) -> LaneRace {
     let mut estimates = [BlockEstimate::plain([0.0; 4], 0); LANE_QUADS];
     let block = |i: usize| first_block + COLUMN_LANES * i as u32;
     let valid = |i: usize| vocab.saturating_sub(4 * block(i)).min(4);
@@ -243,28 +370,23 @@ unsafe fn race_column(
             estimates[i] = BlockEstimate::plain(logits[i], valid(i));
         });
     }
-    let mut best = estimates[0].best();
+    let mut lane_best = estimates[0].best();
     unrolled!(i < LANE_QUADS, {
-        best = best.max(estimates[i].best());
+        lane_best = lane_best.max(estimates[i].best());
     });
+    let mut best = lane_best;
     let mut mask = 1;
     while mask < COLUMN_LANES {
-        let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) });
-        if other > best {
-            best = other;
-        }
+        best = best.max(f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
         mask <<= 1;
     }
     let threshold = race_threshold(row, best);
-    let mut winner = Candidate::NONE;
-    unrolled!(i < LANE_QUADS, {
-        let mut pending = contenders(&estimates[i], threshold);
-        while pending != 0 {
-            let r = pending.trailing_zeros();
-            pending &= pending - 1;
-            let score = exact_score(row, pick_of_four(estimates[i].words, r), pick_of_four(logits[i], r));
-            winner.offer_in_order(score, 4 * block(i) + r);
-        }
-    });
-    winner
+    let mut bits = 0;
+    // Usually only the lane holding the best estimate has contenders.
+    if lane_best >= threshold {
+        unrolled!(i < LANE_QUADS, {
+            bits |= contenders(&estimates[i], threshold) << (4 * i);
+        });
+    }
+    LaneRace { estimates, contenders: bits }
 }

@@ -5,17 +5,18 @@
 //! Warps 0–7 (two consumer warpgroups) multiply each item (64 rows each), store the f32
 //! accumulators into a column-major logits buffer in shared memory and go on to the next
 //! item at once. Warp 8 holds the producer thread. Warps 9–15 ([`HANDOFF_EPILOGUE_WARPS`])
-//! score the buffer, two columns at a time per warp: [`COLUMN_LANES`] lanes per column, each
-//! holding [`LANE_QUADS`] quads (four consecutive rows, one Philox block each), so a
-//! column's race over the item's 128 rows ends in a merge over those lanes. Two barriers
-//! pass the buffer back and forth: `logits_full` (the consumers' 256 arrivals) and
+//! score the buffer, [`GROUP_COLUMNS`] columns at a time per warp: [`COLUMN_LANES`] lanes per
+//! column, each holding [`LANE_QUADS`] quads (four consecutive rows, one Philox block each),
+//! so a column's race over the item's 128 rows ends in a merge over those lanes. A column's
+//! estimates usually leave one contender: it waits in the column's padding in the buffer and
+//! the warp scores such winners exactly one lane per column, once per item and draw. Two
+//! barriers pass the buffer back and forth: `logits_full` (the consumers' 256 arrivals) and
 //! `logits_empty` (the epilogue warps' arrivals); the epilogue of item `i` overlaps the
 //! mainloop of item `i + 1`.
 //!
 //! The block has 512 threads, so ptxas gives each at most 128 registers: enough for the
 //! consumers' 64 accumulators and for the epilogue, with no `setmaxnreg` (ptxas allocates
-//! for the block's cap, not for a warpgroup's `setmaxnreg` share: tried, the epilogue with
-//! four quads per lane still spilled).
+//! for the block's cap, not for a warpgroup's `setmaxnreg` share).
 //!
 //! Architecture Invariant: the buffer holds the exact f32 accumulators (no narrowing), and
 //! the epilogue scores them with the estimate-then-exact race keyed by vocabulary row, so
@@ -154,13 +155,15 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
 }
 
 /// Lanes that score one batch column together: lane `l` of an epilogue warp scores column
-/// `l / 16` of the warp's current group of [`GROUP_COLUMNS`], quads `l % 16 + 16i` of it.
-/// (Eight lanes with four quads each, fewer shuffles per entry, need more than 128
-/// registers.)
-const COLUMN_LANES: u32 = 16;
+/// `l / 8` of the warp's current group of [`GROUP_COLUMNS`], quads `l % 8 + 8i` of it. Four
+/// quads per lane give four independent Philox chains that share one key schedule (sixteen
+/// lanes with two quads each ran 1.5–2.6 % slower at B = 256, docs/PERF.md).
+const COLUMN_LANES: u32 = 8;
 /// Batch columns an epilogue warp scores at a time.
 const GROUP_COLUMNS: u32 = 32 / COLUMN_LANES;
-/// Quads (four consecutive rows) of one column each lane scores: two independent chains.
+/// The ballot bits of one column's lanes, shifted down.
+const COLUMN_MASK: u32 = (1 << COLUMN_LANES) - 1;
+/// Quads (four consecutive rows) of one column each lane scores.
 const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
 /// Columns one epilogue warp scores per item, at most: one per lane when it scores their
 /// deferred winners.
@@ -200,13 +203,13 @@ const RESOLVED: u32 = u32::MAX;
 unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
     let rows = args.rows as *const RowParams;
     let slot = lane % COLUMN_LANES;
-    let half = lane / COLUMN_LANES;
+    let part = lane / COLUMN_LANES;
     let parked = |column: u32| {
         layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + HANDOFF_ROWS) as usize).cast::<Deferred>()
     };
     let mut handoffs = 0u32;
     for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
-        // This lane's quad `i` is the Philox block `first_block + 16i` (4 rows per block).
+        // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
         let first_block = tile * HANDOFF_ROWS / 4 + slot;
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
         for j in 0..args.samples {
@@ -214,11 +217,11 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
             let mut group = warp;
             while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
                 let first_column = col0 + group * GROUP_COLUMNS;
-                let column = group * GROUP_COLUMNS + half;
+                let column = group * GROUP_COLUMNS + part;
                 let b = col0 + column;
                 // Lanes of a column past the batch still take part in the shuffles, as greedy
                 // rows (no noise), and write nothing.
-                let in_batch = [first_column < args.batch, first_column + 1 < args.batch];
+                let in_batch = |p: u32| first_column + p < args.batch;
                 // SAFETY: b < batch rows exist.
                 let row = if b < args.batch { unsafe { *rows.add(b as usize) } } else { PAD_ROW };
                 let mut logits = [[0.0f32; 4]; LANE_QUADS];
@@ -232,18 +235,22 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 let race = unsafe { estimate_column(&row, draw, first_block, &logits, args.vocab) };
                 let holders = unsafe { arch::ballot(race.contenders != 0) };
                 let crowded = unsafe { arch::ballot(race.contenders & race.contenders.wrapping_sub(1) != 0) };
-                let lanes_of = |bits: u32, h: u32| (bits >> (COLUMN_LANES * h)) & 0xffff;
+                let lanes_of = |bits: u32, p: u32| (bits >> (COLUMN_LANES * p)) & COLUMN_MASK;
                 // A column is decided by one entry when one lane holds exactly one contender.
-                let sole = |h: u32| lanes_of(holders, h).count_ones() == 1 && lanes_of(crowded, h) == 0;
-                let resolve = [!sole(0) && in_batch[0], !sole(1) && in_batch[1]];
-                if sole(half) && race.contenders != 0 && b < args.batch {
+                let sole = |p: u32| lanes_of(holders, p).count_ones() == 1 && lanes_of(crowded, p) == 0;
+                let resolve = |p: u32| !sole(p) && in_batch(p);
+                let mut any_resolve = false;
+                for p in 0..GROUP_COLUMNS {
+                    any_resolve |= resolve(p);
+                }
+                if sole(part) && race.contenders != 0 && b < args.batch {
                     let entry = race.first_contender(first_block, &logits);
                     let deferred = Deferred { word: entry.word, logit: entry.logit, index: entry.index, unused: 0 };
                     // SAFETY: the column's padding, read by this warp only, after `sync_warp`.
                     unsafe { *parked(column) = deferred };
                 }
-                if resolve[0] || resolve[1] {
-                    let own = if half == 0 { resolve[0] } else { resolve[1] };
+                if any_resolve {
+                    let own = resolve(part);
                     let winner = if own { race.exact_winner(&row, first_block, &logits) } else { Candidate::NONE };
                     let best = unsafe { sample::merge_over_lanes(winner, 1, COLUMN_LANES / 2) };
                     if slot == 0 && own {
@@ -339,7 +346,7 @@ impl LaneRace {
 }
 
 /// Estimates this lane's [`LANE_QUADS`] quads of one column for draw `sample` (Philox blocks
-/// `first_block + 16i`), finds the best estimate of the [`COLUMN_LANES`] lanes that hold the
+/// `first_block + COLUMN_LANES · i`), finds the best estimate of the [`COLUMN_LANES`] lanes that hold the
 /// column's rows, and marks this lane's entries that may hold the column's exact maximum.
 /// Exactly scoring those contenders and merging over the lanes gives what
 /// [`flashsample_core::block_candidate`] merged over the column's rows gives.
@@ -348,7 +355,7 @@ impl LaneRace {
 /// interleaves.
 ///
 /// # Safety
-/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < 16`) hold one
+/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < COLUMN_LANES`) hold one
 /// column.
 #[inline(always)]
 unsafe fn estimate_column(

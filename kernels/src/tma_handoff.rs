@@ -244,10 +244,8 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                     any_resolve |= resolve(p);
                 }
                 if sole(part) && race.contenders != 0 && b < args.batch {
-                    let entry = race.first_contender(first_block, &logits);
-                    let deferred = Deferred { word: entry.word, logit: entry.logit, index: entry.index, unused: 0 };
                     // SAFETY: the column's padding, read by this warp only, after `sync_warp`.
-                    unsafe { *parked(column) = deferred };
+                    unsafe { *parked(column) = race.first_contender(first_block, &logits) };
                 }
                 if any_resolve {
                     let own = resolve(part);
@@ -302,17 +300,10 @@ struct LaneRace {
     contenders: u32,
 }
 
-/// The entry a lane passes on for deferral.
-struct Entry {
-    word: u32,
-    logit: f32,
-    index: u32,
-}
-
 impl LaneRace {
     /// The lowest contender of this lane (meaningless when it has none).
     #[inline(always)]
-    fn first_contender(&self, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Entry {
+    fn first_contender(&self, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Deferred {
         let bit = self.contenders.trailing_zeros();
         let (i, r) = (bit / 4, bit % 4);
         let (mut words, mut quad) = (self.estimates[0].words, logits[0]);
@@ -321,10 +312,11 @@ impl LaneRace {
                 (words, quad) = (self.estimates[q].words, logits[q]);
             }
         });
-        Entry {
+        Deferred {
             word: pick_of_four(words, r),
             logit: pick_of_four(quad, r),
             index: 4 * (first_block + COLUMN_LANES * i) + r,
+            unused: 0,
         }
     }
 
@@ -346,8 +338,8 @@ impl LaneRace {
 }
 
 /// Estimates this lane's [`LANE_QUADS`] quads of one column for draw `sample` (Philox blocks
-/// `first_block + COLUMN_LANES · i`), finds the best estimate of the [`COLUMN_LANES`] lanes that hold the
-/// column's rows, and marks this lane's entries that may hold the column's exact maximum.
+/// `first_block + COLUMN_LANES · i`), finds the best estimate of the [`COLUMN_LANES`] lanes
+/// that hold the column's rows, and marks this lane's entries that may hold the column's exact maximum.
 /// Exactly scoring those contenders and merging over the lanes gives what
 /// [`flashsample_core::block_candidate`] merged over the column's rows gives.
 ///
@@ -355,8 +347,8 @@ impl LaneRace {
 /// interleaves.
 ///
 /// # Safety
-/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < COLUMN_LANES`) hold one
-/// column.
+/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < COLUMN_LANES`)
+/// hold one column.
 #[inline(always)]
 unsafe fn estimate_column(
     row: &RowParams,

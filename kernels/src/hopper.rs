@@ -114,6 +114,94 @@ pub unsafe fn tma_load_2d(destination: u32, map: u64, inner: i32, outer: i32, ba
     }
 }
 
+/// This block's rank in its cluster (`%cluster_ctarank`).
+#[inline(always)]
+pub fn cluster_rank() -> u32 {
+    let rank: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {r}, %cluster_ctarank;", r = out(reg32) rank, options(pure, nomem, nostack)) }
+    rank
+}
+
+/// This block's cluster in the grid (`%clusterid.x`; the grid and its clusters are 1-D).
+#[inline(always)]
+pub fn cluster_index() -> u32 {
+    let index: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {i}, %clusterid.x;", i = out(reg32) index, options(pure, nomem, nostack)) }
+    index
+}
+
+/// Clusters in the grid (`%nclusterid.x`).
+#[inline(always)]
+pub fn cluster_count() -> u32 {
+    let count: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {n}, %nclusterid.x;", n = out(reg32) count, options(pure, nomem, nostack)) }
+    count
+}
+
+/// Cluster-wide barrier: every thread of every block of the cluster arrives (release) and
+/// waits (acquire), so shared memory and barriers written before it are visible to the other
+/// blocks after it, and no block leaves while another may still touch its shared memory.
+///
+/// # Safety
+/// Every thread of every block of the cluster reaches the same barrier.
+#[inline(always)]
+pub unsafe fn cluster_sync() {
+    unsafe { asm!("barrier.cluster.arrive.release;", "barrier.cluster.wait.acquire;", options(nostack)) }
+}
+
+/// One arrival on the barrier at shared offset `bar` of block `rank` of the cluster (this
+/// block's or another's), with cluster-scope release, made only where `arrive`: the
+/// predicate is inside the asm, so no lane-dependent branch surrounds it (see the invariant
+/// on aligned ops in `tma_gemm.rs`).
+///
+/// # Safety
+/// `bar` is an initialised barrier in every block of the cluster; block `rank` exists and
+/// has not exited.
+#[inline(always)]
+pub unsafe fn barrier_arrive_in_cluster(bar: u32, rank: u32, arrive: bool) {
+    unsafe {
+        asm!("{{ .reg .pred p; .reg .b32 remote; setp.ne.u32 p, {a}, 0; mapa.shared::cluster.u32 remote, {b}, {r}; @p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote]; }}",
+            a = in(reg32) arrive as u32, b = in(reg32) bar, r = in(reg32) rank, options(nostack));
+    }
+}
+
+/// Spins until the phase of parity `parity` of `bar` has completed, acquiring at cluster
+/// scope what the arrivals of other blocks released.
+///
+/// # Safety
+/// `bar` is an initialised barrier.
+#[inline(always)]
+pub unsafe fn barrier_wait_cluster(bar: u32, parity: u32) {
+    loop {
+        let done: u32;
+        unsafe {
+            asm!("{{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [{b}], {q}; selp.u32 {d}, 1, 0, p; }}",
+                d = out(reg32) done, b = in(reg32) bar, q = in(reg32) parity, options(nostack));
+        }
+        if done != 0 {
+            return;
+        }
+    }
+}
+
+/// TMA with multicast: as [`tma_load_2d`], but the box lands at the same shared offset
+/// `destination` in every block of the cluster whose bit is set in `blocks`, each signalling
+/// its own barrier at offset `bar`.
+///
+/// # Safety
+/// As [`tma_load_2d`], in every block of `blocks`; those blocks have not exited.
+#[inline(always)]
+pub unsafe fn tma_load_2d_multicast(destination: u32, map: u64, inner: i32, outer: i32, bar: u32, blocks: u16) {
+    unsafe {
+        asm!("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{m}, {{{x}, {y}}}], [{b}], {c};",
+            d = in(reg32) destination, m = in(reg64) map, x = in(reg32) inner, y = in(reg32) outer, b = in(reg32) bar,
+            c = in(reg16) blocks, options(nostack));
+    }
+}
+
 /// `setmaxnreg.dec`: this warpgroup gives back registers down to `COUNT` per thread.
 ///
 /// # Safety

@@ -153,11 +153,9 @@ pub unsafe fn cluster_sync() {
 }
 
 /// One arrival on the barrier at shared offset `bar` of block `rank` of the cluster (this
-/// block's or another's), made only where `arrive`: the predicate is inside the asm, so no
-/// lane-dependent branch surrounds it (see the invariant on aligned ops in `tma_gemm.rs`).
-/// The release is CTA-scoped, as for a local arrival: a cluster-scoped release made the
-/// arriving warps wait for a cluster-wide fence on every stage (the pair ran 2× slower on
-/// the H200, docs/PERF.md).
+/// block's or another's), with cluster-scope release, made only where `arrive`: the
+/// predicate is inside the asm, so no lane-dependent branch surrounds it (see the invariant
+/// on aligned ops in `tma_gemm.rs`).
 ///
 /// # Safety
 /// `bar` is an initialised barrier in every block of the cluster; block `rank` exists and
@@ -165,7 +163,7 @@ pub unsafe fn cluster_sync() {
 #[inline(always)]
 pub unsafe fn barrier_arrive_in_cluster(bar: u32, rank: u32, arrive: bool) {
     unsafe {
-        asm!("{{ .reg .pred p; .reg .b32 remote; setp.ne.u32 p, {a}, 0; mapa.shared::cluster.u32 remote, {b}, {r}; @p mbarrier.arrive.shared::cluster.b64 _, [remote]; }}",
+        asm!("{{ .reg .pred p; .reg .b32 remote; setp.ne.u32 p, {a}, 0; mapa.shared::cluster.u32 remote, {b}, {r}; @p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote]; }}",
             a = in(reg32) arrive as u32, b = in(reg32) bar, r = in(reg32) rank, options(nostack));
     }
 }

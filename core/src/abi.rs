@@ -145,13 +145,6 @@ pub fn tma_kernel_threads(name: &str) -> u32 {
     if name.contains("_h128_") { TMA_HANDOFF_THREADS } else { TMA_THREADS }
 }
 
-/// Blocks per cluster of the TMA kernel named `name`: the handoff pairs are named
-/// `…_h128_c2_n<columns>` and run in clusters of two blocks that share every box of `W`; the
-/// others run alone (1).
-pub fn tma_kernel_cluster(name: &str) -> u32 {
-    if name.contains("_c2_") { 2 } else { 1 }
-}
-
 /// Size of a `CUtensorMap` (the driver's TMA descriptor), which lives in global memory.
 pub const TENSOR_MAP_BYTES: usize = 128;
 

@@ -45,7 +45,6 @@ fn tensor_core_variants() -> Vec<(String, Variant)> {
             Variant::Mma { columns } => (format!("mma_n{columns}"), variant),
             Variant::Tma { rows, columns } => (format!("tma_m{rows}_n{columns}"), variant),
             Variant::TmaHandoff { columns } => (format!("tma_h{HANDOFF_ROWS}_n{columns}"), variant),
-            Variant::TmaHandoffPair => (format!("tma_h{HANDOFF_ROWS}_c2_n128"), variant),
             other => unreachable!("Variant::tensor_core lists mma and TMA variants only, not {other:?}"),
         })
         .collect()

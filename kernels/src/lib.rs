@@ -197,18 +197,18 @@ macro_rules! tma_kernels {
 }
 
 macro_rules! tma_handoff_kernels {
-    ($($name:ident => $element:ty, $columns:literal, $blocks:literal;)*) => {$(
+    ($($name:ident => $element:ty, $columns:literal;)*) => {$(
         /// A TMA + `wgmma` fused sampling kernel (sm_90a) whose epilogue runs in warps of its
-        /// own, in clusters of `$blocks` blocks.
+        /// own.
         ///
         /// # Safety
         /// As the crate-level safety section, with `TMA_HANDOFF_THREADS` threads,
-        /// `tma_handoff_shared_bytes` of dynamic shared memory, clusters of `$blocks` blocks
-        /// and tensor maps made for this kernel's box shapes.
+        /// `tma_handoff_shared_bytes` of dynamic shared memory and tensor maps made for this
+        /// kernel's box shapes.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
             unsafe {
-                tma_handoff::tma_handoff_kernel::<$element, $columns, { $columns / 2 }, $blocks>(
+                tma_handoff::tma_handoff_kernel::<$element, $columns, { $columns / 2 }>(
                     &args,
                     shared::<u8>(),
                 )
@@ -218,12 +218,10 @@ macro_rules! tma_handoff_kernels {
 }
 
 tma_handoff_kernels! {
-    fused_tma_bf16_h128_n64 => Bf16, 64, 1;
-    fused_tma_bf16_h128_n128 => Bf16, 128, 1;
-    fused_tma_bf16_h128_c2_n128 => Bf16, 128, 2;
-    fused_tma_f16_h128_n64 => F16, 64, 1;
-    fused_tma_f16_h128_n128 => F16, 128, 1;
-    fused_tma_f16_h128_c2_n128 => F16, 128, 2;
+    fused_tma_bf16_h128_n64 => Bf16, 64;
+    fused_tma_bf16_h128_n128 => Bf16, 128;
+    fused_tma_f16_h128_n64 => F16, 64;
+    fused_tma_f16_h128_n128 => F16, 128;
 }
 
 tma_kernels! {

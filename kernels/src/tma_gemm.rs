@@ -73,16 +73,8 @@ pub(crate) use unrolled;
 /// The ring of pipeline stages in shared memory and its barriers: stage `s` holds a
 /// `rows` × 64 box of `W` and a `columns` × 64 box of `H`; `full + 8·s` completes when its
 /// TMA bytes land, `empty + 8·s` when every consumer thread is done reading it.
-///
-/// A ring may be shared by a pair of blocks (a 2-block cluster) on the same `W` rows and
-/// neighbouring batch tiles: each block loads half of every `W` box and multicasts it into
-/// both blocks' stages, so `W` crosses from L2 once per pair. A stage is then free only when
-/// the consumers of both blocks are done with it: each consumer warp arrives once on each
-/// block's `empty` barrier.
 #[derive(Clone, Copy)]
 pub(crate) struct Ring {
-    /// Blocks that share each `W` box: 1, or 2 for a pair.
-    blocks: u32,
     stages: u32,
     lm_head: u32,
     lm_head_stage_bytes: u32,
@@ -101,7 +93,6 @@ impl Ring {
         let hidden = start + stages * lm_head_stage_bytes;
         let hidden_stage_bytes = tma_hidden_stage_bytes(columns);
         Ring {
-            blocks: 1,
             stages,
             lm_head: start,
             lm_head_stage_bytes,
@@ -110,19 +101,6 @@ impl Ring {
             full: barriers,
             empty: barriers + stages * 8,
         }
-    }
-
-    /// The same ring, shared by the two blocks of a cluster.
-    #[inline(always)]
-    pub(crate) fn shared_by_pair(self) -> Ring {
-        Ring { blocks: 2, ..self }
-    }
-
-    /// Arrivals that free a stage: one per consumer thread of the block, or, in a pair, one
-    /// per consumer warp of either block.
-    #[inline(always)]
-    pub(crate) fn readers(&self, consumer_threads: u32) -> u32 {
-        if self.blocks == 1 { consumer_threads } else { self.blocks * consumer_threads / 32 }
     }
 
     /// The first shared address after the stages' boxes.
@@ -137,8 +115,7 @@ impl Ring {
         self.empty + self.stages * 8
     }
 
-    /// Initialises the barriers: one arrival (plus bytes) fills a stage, `readers` free it
-    /// (see [`Ring::readers`]).
+    /// Initialises the barriers: one arrival (plus bytes) fills a stage, `readers` free it.
     ///
     /// # Safety
     /// One thread calls it before the block barrier that publishes the barriers.
@@ -165,13 +142,8 @@ impl Ring {
             hopper::fence_tensor_map(args.lm_head_map);
             hopper::fence_tensor_map(args.hidden_map);
         }
-        // In a pair, this block loads rows `rank · rows / 2 ..` of each `W` box (the host's map
-        // has boxes of `rows / 2`) into both blocks.
-        let rank = if self.blocks == 1 { 0 } else { hopper::cluster_rank() };
-        let part_rows = rows / self.blocks;
-        let part_offset = rank * self.lm_head_stage_bytes / self.blocks;
         let mut iteration = 0u32;
-        for (_, tile, col0) in Items::new(args, columns, 0, 1, self.blocks) {
+        for (_, tile, col0) in Items::new(args, columns, 0, 1) {
             for k_block in 0..k_blocks {
                 let stage = iteration % self.stages;
                 let phase = (iteration / self.stages) & 1;
@@ -180,18 +152,10 @@ impl Ring {
                 unsafe {
                     // A fresh barrier counts its (never run) previous phase as complete, so the
                     // first lap through the ring does not wait.
+                    hopper::barrier_wait(self.empty + 8 * stage, phase ^ 1);
+                    hopper::barrier_arrive_expect_bytes(full, stage_bytes);
                     let w = self.lm_head + stage * self.lm_head_stage_bytes;
-                    let w_row = (tile * rows + rank * part_rows) as i32;
-                    if self.blocks == 1 {
-                        hopper::barrier_wait(self.empty + 8 * stage, phase ^ 1);
-                        hopper::barrier_arrive_expect_bytes(full, stage_bytes);
-                        hopper::tma_load_2d(w, args.lm_head_map, k, w_row, full);
-                    } else {
-                        hopper::barrier_wait_cluster(self.empty + 8 * stage, phase ^ 1);
-                        hopper::barrier_arrive_expect_bytes(full, stage_bytes);
-                        let both = (1u16 << self.blocks) - 1;
-                        hopper::tma_load_2d_multicast(w + part_offset, args.lm_head_map, k, w_row, full, both);
-                    }
+                    hopper::tma_load_2d(w, args.lm_head_map, k, (tile * rows) as i32, full);
                     let h = self.hidden + stage * self.hidden_stage_bytes;
                     hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
                 }
@@ -234,27 +198,11 @@ impl Ring {
                 // The previous stage's group is done once at most this one is pending.
                 hopper::wgmma_wait::<PENDING>();
                 if PENDING == 0 {
-                    self.release(iteration % self.stages);
+                    hopper::barrier_arrive(self.empty + 8 * (iteration % self.stages));
                 } else if k_block > 0 {
-                    self.release((iteration - 1) % self.stages);
+                    hopper::barrier_arrive(self.empty + 8 * ((iteration - 1) % self.stages));
                 }
             }
-        }
-    }
-
-    /// This consumer thread is done reading `stage`: it arrives itself, or, in a pair, lane
-    /// `r < 2` of each warp arrives for the warp on block `r`'s barrier.
-    ///
-    /// # Safety
-    /// As [`Ring::multiply`].
-    #[inline(always)]
-    unsafe fn release(&self, stage: u32) {
-        let empty = self.empty + 8 * stage;
-        if self.blocks == 1 {
-            unsafe { hopper::barrier_arrive(empty) };
-        } else {
-            let lane = arch::thread_index() % 32;
-            unsafe { hopper::barrier_arrive_in_cluster(empty, lane, lane < self.blocks) };
         }
     }
 
@@ -266,7 +214,7 @@ impl Ring {
     pub(crate) unsafe fn finish(&self, first: u32, k_blocks: u32) {
         unsafe {
             hopper::wgmma_wait::<0>();
-            self.release((first + k_blocks - 1) % self.stages);
+            hopper::barrier_arrive(self.empty + 8 * ((first + k_blocks - 1) % self.stages));
         }
     }
 }
@@ -352,45 +300,21 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
 /// The work items of this block in grid-stride order, with their position in the block's
 /// sequence: the producer takes every one, consumer team `k` of `n` those at positions `k`,
 /// `k + n`, ….
-///
-/// In clusters of `blocks` blocks (1 or 2), a cluster's item is `blocks` neighbouring batch
-/// tiles of one `W` tile, one per block (the block of rank `r` takes the `r`-th), and the
-/// clusters stride over those.
 pub(crate) struct Items {
     position: u32,
     step: u32,
     count: u32,
-    /// Groups of `blocks` batch tiles per `W` tile.
-    column_groups: u32,
+    column_tiles: u32,
     columns: u32,
-    blocks: u32,
-    cluster: u32,
-    clusters: u32,
-    rank: u32,
 }
 
 impl Items {
     #[inline(always)]
-    pub(crate) fn new(args: &TmaArgs, columns: u32, first: u32, step: u32, blocks: u32) -> Items {
+    pub(crate) fn new(args: &TmaArgs, columns: u32, first: u32, step: u32) -> Items {
         // At least one, so the divisions below need no zero check (the host never launches
         // an empty batch).
-        let column_groups = args.batch.div_ceil(columns).div_ceil(blocks).max(1);
-        let (cluster, clusters, rank) = if blocks == 1 {
-            (arch::block_index(), arch::grid_size(), 0)
-        } else {
-            (hopper::cluster_index(), hopper::cluster_count(), hopper::cluster_rank())
-        };
-        Items {
-            position: first,
-            step,
-            count: args.tiles * column_groups,
-            column_groups,
-            columns,
-            blocks,
-            cluster,
-            clusters,
-            rank,
-        }
+        let column_tiles = args.batch.div_ceil(columns).max(1);
+        Items { position: first, step, count: args.tiles * column_tiles, column_tiles, columns }
     }
 }
 
@@ -401,14 +325,13 @@ impl Iterator for Items {
 
     #[inline(always)]
     fn next(&mut self) -> Option<(u32, u32, u32)> {
-        let item = self.cluster + self.position * self.clusters;
+        let item = arch::block_index() + self.position * arch::grid_size();
         if item >= self.count {
             return None;
         }
         let position = self.position;
         self.position += self.step;
-        let column_tile = (item % self.column_groups) * self.blocks + self.rank;
-        Some((position, item / self.column_groups, column_tile * self.columns))
+        Some((position, item / self.column_tiles, (item % self.column_tiles) * self.columns))
     }
 }
 
@@ -436,7 +359,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let team_rows = layout.rows.wrapping_add((team * N as u32) as usize);
     let mut acc = [0.0f32; R];
     let mut turns = 0u32;
-    for (position, tile, col0) in Items::new(args, N as u32, team, teams.count, 1) {
+    for (position, tile, col0) in Items::new(args, N as u32, team, teams.count) {
         // The item's row parameters (one column per thread, N ≤ team threads) are loaded
         // now and stored to shared memory after the mainloop, so the load's latency hides
         // under it and the epilogue reads them from shared memory.

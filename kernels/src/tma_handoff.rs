@@ -52,15 +52,13 @@ struct HandoffLayout {
 }
 
 impl HandoffLayout {
-    /// The layout for items of `columns`; in pairs of blocks when `blocks` is 2.
     #[inline(always)]
-    fn new(base: *mut u8, columns: u32, blocks: u32) -> HandoffLayout {
+    fn new(base: *mut u8, columns: u32) -> HandoffLayout {
         let shared = hopper::shared_address(base);
         let start = shared.next_multiple_of(1024);
         let stages = tma_handoff_stages(columns);
         let logits_address = Ring::new(start, stages, HANDOFF_ROWS, columns, 0).boxes_end();
         let ring = Ring::new(start, stages, HANDOFF_ROWS, columns, logits_address + handoff_logits_bytes(columns));
-        let ring = if blocks == 1 { ring } else { ring.shared_by_pair() };
         let logits_full = ring.barriers_end();
         let logits = base.wrapping_add((logits_address - shared) as usize).cast::<f32>();
         HandoffLayout { ring, logits, logits_full, logits_empty: logits_full + 8 }
@@ -73,50 +71,35 @@ const CONSUMER_THREADS: u32 = TMA_CONSUMER_WARPS * 32;
 const PRODUCER_WARP: u32 = TMA_CONSUMER_WARPS;
 
 /// The handoff sampling kernel on items of [`HANDOFF_ROWS`] × `N`, `R = N / 2` accumulators
-/// per consumer thread. With `BLOCKS` = 2 it runs in clusters of two blocks that share every
-/// `W` box ([`Ring::shared_by_pair`]): block `r` of a cluster takes batch tile `2i + r` of
-/// the cluster's item `i`.
+/// per consumer thread.
 ///
 /// # Safety
 /// Launched with `TMA_HANDOFF_THREADS` threads and `tma_handoff_shared_bytes(N)` bytes of
-/// dynamic shared memory at `shared` (in clusters of `BLOCKS` blocks); `args` holds tensor
-/// maps of `W` and `H` with boxes of 64 × ([`HANDOFF_ROWS`] / `BLOCKS`) and 64 × `N`
-/// elements and 128-byte swizzle, and valid row parameters and candidate buffers.
+/// dynamic shared memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes of
+/// 64 × [`HANDOFF_ROWS`] and 64 × `N` elements and 128-byte swizzle, and valid row
+/// parameters and candidate buffers.
 #[inline(always)]
-pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize, const BLOCKS: u32>(
-    args: &TmaArgs,
-    shared: *mut u8,
-) {
+pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize>(args: &TmaArgs, shared: *mut u8) {
     let thread = arch::thread_index();
     let warp = thread / 32;
-    let layout = HandoffLayout::new(shared, N as u32, BLOCKS);
+    let layout = HandoffLayout::new(shared, N as u32);
     if thread == 0 {
         unsafe {
-            layout.ring.init(layout.ring.readers(CONSUMER_THREADS));
+            layout.ring.init(CONSUMER_THREADS);
             hopper::barrier_init(layout.logits_full, CONSUMER_THREADS);
             hopper::barrier_init(layout.logits_empty, HANDOFF_EPILOGUE_WARPS * 32);
             hopper::fence_barrier_init();
         }
     }
-    // A pair's blocks load into and arrive on each other's barriers: both must have set
-    // theirs up before either starts.
-    if BLOCKS == 1 {
-        unsafe { arch::sync_threads() };
-    } else {
-        unsafe { hopper::cluster_sync() };
-    }
+    unsafe { arch::sync_threads() };
     if warp < TMA_CONSUMER_WARPS {
-        unsafe { consume::<T, N, R, BLOCKS>(args, &layout, thread) };
+        unsafe { consume::<T, N, R>(args, &layout, thread) };
     } else if warp == PRODUCER_WARP {
         if thread == PRODUCER_WARP * 32 {
             unsafe { layout.ring.produce(args, HANDOFF_ROWS, N as u32) };
         }
     } else {
-        unsafe { score::<N, BLOCKS>(args, &layout, warp - PRODUCER_WARP - 1, thread % 32) };
-    }
-    // Neither block of a pair leaves while the other may still arrive on its barriers.
-    if BLOCKS != 1 {
-        unsafe { hopper::cluster_sync() };
+        unsafe { score::<N>(args, &layout, warp - PRODUCER_WARP - 1, thread % 32) };
     }
 }
 
@@ -127,7 +110,7 @@ pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize
 /// # Safety
 /// As [`tma_handoff_kernel`]; called by all consumer threads.
 #[inline(always)]
-unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const BLOCKS: u32>(
+unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     args: &TmaArgs,
     layout: &HandoffLayout,
     thread: u32,
@@ -142,7 +125,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const BLOCKS:
     let column = 2 * (lane % 4);
     let mut acc = [0.0f32; R];
     let mut handoffs = 0u32;
-    for (position, _, _) in Items::new(args, N as u32, 0, 1, BLOCKS) {
+    for (position, _, _) in Items::new(args, N as u32, 0, 1) {
         let first = position * k_blocks;
         unsafe {
             // `wait_group 0` after each stage: the stage is freed as soon as its multiplies
@@ -217,7 +200,7 @@ const RESOLVED: u32 = u32::MAX;
 /// # Safety
 /// As [`tma_handoff_kernel`]; all 32 lanes of each epilogue warp call it.
 #[inline(always)]
-unsafe fn score<const N: usize, const BLOCKS: u32>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
+unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
     let rows = args.rows as *const RowParams;
     let slot = lane % COLUMN_LANES;
     let part = lane / COLUMN_LANES;
@@ -225,7 +208,7 @@ unsafe fn score<const N: usize, const BLOCKS: u32>(args: &TmaArgs, layout: &Hand
         layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + HANDOFF_ROWS) as usize).cast::<Deferred>()
     };
     let mut handoffs = 0u32;
-    for (_, tile, col0) in Items::new(args, N as u32, 0, 1, BLOCKS) {
+    for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
         // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
         let first_block = tile * HANDOFF_ROWS / 4 + slot;
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };

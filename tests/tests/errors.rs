@@ -95,7 +95,6 @@ fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
         Variant::Tma { rows: 64, columns: 64 },
         Variant::Tma { rows: 128, columns: 8 },
         Variant::TmaHandoff { columns: 128 },
-        Variant::TmaHandoffPair,
     ] {
         assert_eq!(invalid_argument(variant.resolve(DType::F32, 64, 1)), "variant");
         assert_eq!(invalid_argument(variant.resolve(DType::BF16, 63, 1)), "variant");
@@ -111,10 +110,7 @@ fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
     for batch in [1, 9, 100, 5000] {
         let picked = Variant::Auto.resolve(DType::BF16, 64, batch).unwrap();
         assert!(
-            matches!(
-                picked,
-                Variant::Mma { .. } | Variant::Tma { .. } | Variant::TmaHandoff { .. } | Variant::TmaHandoffPair
-            ),
+            matches!(picked, Variant::Mma { .. } | Variant::Tma { .. } | Variant::TmaHandoff { .. }),
             "B = {batch}: {picked:?}"
         );
     }

@@ -68,25 +68,19 @@ pub fn run(args: &[String]) -> Result<(), String> {
 
 /// Adds `.maxntid` to the TMA kernels, which run `TMA_THREADS` threads (the handoff kernels
 /// `TMA_HANDOFF_THREADS`, see `tma_kernel_threads`): without it ptxas assumes any block size
-/// and may use more registers per thread than such a block can have. Kernels that run in
-/// clusters (`tma_kernel_cluster`) also get `.reqnctapercluster`, which makes every launch
-/// form clusters of that size. (rustc has no attribute for NVVM launch bounds or clusters.)
+/// and may use more registers per thread than such a block can have. (rustc has no
+/// attribute for NVVM launch bounds.)
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 1024);
-    let mut tma_entry = None;
+    let mut tma_threads = None;
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
         if let Some(entry) = line.strip_prefix(".visible .entry ") {
-            tma_entry = entry.contains("_tma_").then(|| {
-                (flashsample_core::abi::tma_kernel_threads(entry), flashsample_core::abi::tma_kernel_cluster(entry))
-            });
-        } else if let Some((threads, cluster)) = tma_entry.filter(|_| line.starts_with(')')) {
+            tma_threads = entry.contains("_tma_").then(|| flashsample_core::abi::tma_kernel_threads(entry));
+        } else if let Some(threads) = tma_threads.filter(|_| line.starts_with(')')) {
             out.push_str(&format!(".maxntid {threads}, 1, 1\n"));
-            if cluster > 1 {
-                out.push_str(&format!(".reqnctapercluster {cluster}, 1, 1\n"));
-            }
-            tma_entry = None;
+            tma_threads = None;
         }
     }
     out

@@ -97,61 +97,6 @@ pub unsafe fn blocks_per_multiprocessor(
     Ok(blocks.max(1) as u32)
 }
 
-/// The driver's launch configuration (`CUlaunchConfig`, CUDA 12.0), newer than cust's
-/// bindings.
-#[repr(C)]
-struct LaunchConfig {
-    grid: [u32; 3],
-    block: [u32; 3],
-    shared_bytes: u32,
-    stream: raw::CUstream,
-    attributes: *mut c_void,
-    attribute_count: u32,
-}
-
-#[link(name = "cuda")]
-unsafe extern "C" {
-    fn cuOccupancyMaxActiveClusters(
-        clusters: *mut i32,
-        function: raw::CUfunction,
-        config: *const LaunchConfig,
-    ) -> raw::CUresult;
-}
-
-/// How many clusters of `function` (whose cluster size the PTX fixes) with blocks of `block`
-/// threads and `shared_bytes` of dynamic shared memory the device runs at once.
-///
-/// # Safety
-/// `function` must be a live handle of a loaded module in the current context, compiled with
-/// `.reqnctapercluster cluster`.
-pub unsafe fn max_active_clusters(
-    name: &str,
-    function: raw::CUfunction,
-    cluster: u32,
-    block: u32,
-    shared_bytes: u32,
-) -> Result<u32> {
-    let config = LaunchConfig {
-        grid: [cluster, 1, 1],
-        block: [block, 1, 1],
-        shared_bytes,
-        stream: std::ptr::null_mut(),
-        attributes: std::ptr::null_mut(),
-        attribute_count: 0,
-    };
-    let mut clusters = 0i32;
-    // SAFETY: per this function's contract; the call reads `config` and writes one int.
-    let result = unsafe { cuOccupancyMaxActiveClusters(&mut clusters, function, &config) };
-    check_raw(&format!("cuOccupancyMaxActiveClusters({name})"), result)?;
-    if clusters < 1 {
-        return Err(Error::Cuda {
-            call: format!("cuOccupancyMaxActiveClusters({name})"),
-            detail: format!("no cluster of {cluster} blocks fits on the device"),
-        });
-    }
-    Ok(clusters as u32)
-}
-
 /// Lets `function` use `bytes` of dynamic shared memory (needed above 48 KiB).
 ///
 /// # Safety

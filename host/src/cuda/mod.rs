@@ -21,7 +21,7 @@ use flashsample_core::abi::{
     EstimateErrorArgs, FillArgs, FusedArgs, HANDOFF_ROWS, LOGITS_SAMPLER_SHARED_BYTES, LOGITS_SAMPLER_TILE, LogitsArgs,
     LogitsSamplerArgs, N_TILE, REDUCE_SHARED_BYTES, REDUCE_THREADS, ReadProbeArgs, ReduceArgs, STAGE1_WARPS,
     TENSOR_MAP_BYTES, TILE_ROWS, TMA_HANDOFF_THREADS, TMA_K_BLOCK, TMA_THREADS, TmaArgs, fused_mma_shared_bytes,
-    fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_kernel_cluster, tma_kernel_threads, tma_shared_bytes,
+    fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_kernel_threads, tma_shared_bytes,
 };
 pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 use flashsample_core::{Candidate, RowParams};
@@ -33,9 +33,6 @@ use crate::params::{
     row_params,
 };
 use crate::tensor::{DType, Elements, Matrix};
-
-/// Batch columns of each block of a [`Variant::TmaHandoffPair`].
-const HANDOFF_PAIR_COLUMNS: u32 = 128;
 
 /// Dynamic shared memory a kernel may use without opting in.
 const STATIC_SHARED_LIMIT_BYTES: u32 = 48 << 10;
@@ -62,11 +59,6 @@ pub enum Variant {
     /// sampling epilogue runs in warps of its own while the next item multiplies; BF16/F16,
     /// `D % 8 == 0`. The unfused pipeline runs `Tma { rows: 128, columns }` for it.
     TmaHandoff { columns: u32 },
-    /// The handoff tile with 128 columns in clusters of two blocks on neighbouring batch tiles
-    /// of the same `W` rows: each block loads half of every `W` box and multicasts it into
-    /// both, so `W` crosses from L2 once per 256 batch columns; BF16/F16, `D % 8 == 0`. The
-    /// unfused pipeline runs `Tma { rows: 128, columns: 128 }` for it.
-    TmaHandoffPair,
     /// CUDA-core tile, any dtype and any D.
     Simt,
 }
@@ -108,27 +100,23 @@ impl Variant {
                 Err(invalid("variant", format!("TmaHandoff {{ columns: {columns} }}: columns must be 64 or 128")))
             }
             Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
-            Variant::Tma { .. } | Variant::TmaHandoff { .. } | Variant::TmaHandoffPair if !tensor_cores => {
-                needs_tensor_cores("TMA")
-            }
+            Variant::Tma { .. } | Variant::TmaHandoff { .. } if !tensor_cores => needs_tensor_cores("TMA"),
             other => Ok(other),
         }
     }
 
     /// Every tensor-core variant that can be forced: the mma widths, both TMA item heights at
-    /// every width, the handoff widths, then the handoff pair.
+    /// every width, then the handoff widths.
     pub fn tensor_core() -> impl Iterator<Item = Variant> {
         let mma = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
         let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
         let handoff = HANDOFF_COLUMNS.map(|columns| Variant::TmaHandoff { columns });
-        mma.into_iter().chain(tma).chain(handoff).chain([Variant::TmaHandoffPair])
+        mma.into_iter().chain(tma).chain(handoff)
     }
 
-    /// Batch columns of one block's work item.
     fn columns(self) -> u32 {
         match self {
             Variant::Mma { columns } | Variant::Tma { columns, .. } | Variant::TmaHandoff { columns } => columns,
-            Variant::TmaHandoffPair => HANDOFF_PAIR_COLUMNS,
             _ => N_TILE,
         }
     }
@@ -137,26 +125,16 @@ impl Variant {
     fn tile_rows(self) -> u32 {
         match self {
             Variant::Tma { rows, .. } => rows,
-            Variant::TmaHandoff { .. } | Variant::TmaHandoffPair => HANDOFF_ROWS,
+            Variant::TmaHandoff { .. } => HANDOFF_ROWS,
             _ => TILE_ROWS,
         }
     }
 
-    /// Work items (one block's share each) of `tiles` vocabulary tiles and `batch` columns:
-    /// a pair's items come in twos, one per block of a cluster.
-    fn items(self, tiles: usize, batch: u32) -> u64 {
-        let blocks = if self == Variant::TmaHandoffPair { 2 } else { 1 };
-        tiles as u64 * (batch.div_ceil(self.columns()).div_ceil(blocks) * blocks) as u64
-    }
-
-    /// The TMA boxes the `stage` kernel of a TMA variant reads: (rows of `W`, rows of `H`).
-    fn tma_boxes(self, stage: Stage1) -> Option<(u32, u32)> {
-        match (self, stage) {
-            (Variant::Tma { rows, columns }, _) => Some((rows, columns)),
-            (Variant::TmaHandoff { columns }, _) => Some((HANDOFF_ROWS, columns)),
-            // Each block of a pair loads half of every `W` box.
-            (Variant::TmaHandoffPair, Stage1::Fused) => Some((HANDOFF_ROWS / 2, HANDOFF_PAIR_COLUMNS)),
-            (Variant::TmaHandoffPair, Stage1::Logits) => Some((HANDOFF_ROWS, HANDOFF_PAIR_COLUMNS)),
+    /// The TMA boxes a TMA variant reads: (rows of `W`, rows of `H`).
+    fn tma_boxes(self) -> Option<(u32, u32)> {
+        match self {
+            Variant::Tma { rows, columns } => Some((rows, columns)),
+            Variant::TmaHandoff { columns } => Some((HANDOFF_ROWS, columns)),
             _ => None,
         }
     }
@@ -166,10 +144,7 @@ struct Kernel {
     function: raw::CUfunction,
     threads: u32,
     shared_bytes: u32,
-    /// Blocks per cluster (the PTX fixes it; 1 for most kernels).
-    cluster: u32,
-    /// Blocks the device runs at once: a persistent grid's size.
-    resident_blocks: u64,
+    blocks_per_multiprocessor: u32,
 }
 
 fn launch_shape(name: &str) -> (u32, u32) {
@@ -379,23 +354,14 @@ impl CudaSampler {
         for &name in KERNELS {
             let function = driver::check(&format!("cuModuleGetFunction({name})"), module.get_function(name))?.to_raw();
             let (threads, shared_bytes) = launch_shape(name);
-            let cluster = tma_kernel_cluster(name);
-            // SAFETY: `function` was just taken from the module we hold; only the handoff
-            // pairs are compiled with `.reqnctapercluster` (of `cluster`).
-            let resident_blocks = unsafe {
+            // SAFETY: `function` was just taken from the module we hold.
+            let blocks_per_multiprocessor = unsafe {
                 if shared_bytes > STATIC_SHARED_LIMIT_BYTES {
                     driver::allow_dynamic_shared_memory(name, function, shared_bytes)?;
                 }
-                if cluster == 1 {
-                    driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)? as u64
-                        * multiprocessors as u64
-                } else {
-                    // Clusters must fit in one GPU processing cluster each, so fewer blocks may
-                    // run at once than the multiprocessors could hold.
-                    driver::max_active_clusters(name, function, cluster, threads, shared_bytes)? as u64 * cluster as u64
-                }
+                driver::blocks_per_multiprocessor(name, function, threads, shared_bytes)?
             };
-            kernels.insert(name, Kernel { function, threads, shared_bytes, cluster, resident_blocks });
+            kernels.insert(name, Kernel { function, threads, shared_bytes, blocks_per_multiprocessor });
         }
         Ok(CudaSampler {
             kernels,
@@ -427,15 +393,14 @@ impl CudaSampler {
         driver::check("cuCtxSetCurrent", CurrentContext::set_current(&self.context))
     }
 
-    /// Launches `name` over `items` work items (one block's share each) with a persistent
-    /// grid (at most one wave) of whole clusters.
+    /// Launches `name` over `items` work items with a persistent grid (at most one wave).
     ///
     /// # Safety
     /// `args` must be the kernel's argument block with valid device addresses.
     unsafe fn launch<A>(&self, name: &'static str, items: u64, args: &A) -> Result<()> {
         let kernel = &self.kernels[name];
-        let cluster = kernel.cluster as u64;
-        let grid = (items.clamp(1, kernel.resident_blocks).div_ceil(cluster) * cluster) as u32;
+        let resident = kernel.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
+        let grid = items.clamp(1, resident) as u32;
         // SAFETY: per this function's contract; threads and shared memory come from launch_shape.
         unsafe {
             driver::launch(
@@ -573,12 +538,12 @@ impl CudaSampler {
         let variant = variant.resolve(shape.dtype, shape.dim, hidden.rows)?;
         let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let name = self.stage1_names[&(Stage1::Fused, shape.dtype, variant)];
-        let maps = match variant.tma_boxes(Stage1::Fused) {
+        let maps = match variant.tma_boxes() {
             Some((rows, columns)) => Some(tma_maps(lm_head, hidden, rows, columns)?),
             None => None,
         };
         self.run_passes(hidden, rows, samples, tiles, tokens, |pass| {
-            let items = variant.items(tiles, pass.batch);
+            let items = tiles as u64 * pass.batch.div_ceil(variant.columns()) as u64;
             if let Some((lm_head_map, hidden_map)) = maps {
                 let args = TmaArgs {
                     lm_head_map,
@@ -642,7 +607,7 @@ impl CudaSampler {
         let name = self.stage1_names[&(Stage1::Logits, shape.dtype, variant)];
         let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
-        if let Some((rows, columns)) = variant.tma_boxes(Stage1::Logits) {
+        if let Some((rows, columns)) = variant.tma_boxes() {
             let (lm_head_map, hidden_map) = tma_maps(lm_head, hidden, rows, columns)?;
             let gemm = TmaArgs {
                 lm_head_map,
@@ -966,12 +931,6 @@ fn kernel_name(stage: Stage1, dtype: DType, variant: Variant) -> &'static str {
         (Stage1::Logits, Variant::Tma { rows, columns }) => format!("logits_tma_{element}_m{rows}_n{columns}"),
         (Stage1::Fused, Variant::TmaHandoff { columns }) => format!("fused_tma_{element}_h{HANDOFF_ROWS}_n{columns}"),
         (Stage1::Logits, Variant::TmaHandoff { columns }) => format!("logits_tma_{element}_m{HANDOFF_ROWS}_n{columns}"),
-        (Stage1::Fused, Variant::TmaHandoffPair) => {
-            format!("fused_tma_{element}_h{HANDOFF_ROWS}_c2_n{HANDOFF_PAIR_COLUMNS}")
-        }
-        (Stage1::Logits, Variant::TmaHandoffPair) => {
-            format!("logits_tma_{element}_m{HANDOFF_ROWS}_n{HANDOFF_PAIR_COLUMNS}")
-        }
         (_, other) => unreachable!("{stage:?} kernel for an unresolved or unsupported variant {other:?}"),
     };
     KERNELS.iter().copied().find(|&k| k == name).unwrap_or_else(|| unreachable!("{name} is not in KERNELS"))

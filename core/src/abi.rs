@@ -52,11 +52,6 @@ pub const WARPGROUP_ROWS: u32 = 64;
 pub const TMA_ITEM_ROWS: [u32; 2] = [64, 128];
 /// Threads per block of a TMA + `wgmma` kernel: three warpgroups.
 pub const TMA_THREADS: u32 = (TMA_CONSUMER_WARPS + 4) * 32;
-/// Registers per thread of the producer warpgroup after `setmaxnreg.dec`.
-pub const TMA_PRODUCER_REGISTERS: u32 = 40;
-/// Registers per thread of the consumer warpgroups after `setmaxnreg.inc`: with the
-/// producer's 40, the three warpgroups fit the 64 Ki registers of a multiprocessor.
-pub const TMA_CONSUMER_REGISTERS: u32 = 232;
 /// Elements of `dim` per pipeline stage: one 128-byte row of the 128-byte swizzle.
 pub const TMA_K_BLOCK: u32 = 64;
 /// Shared memory the pipeline stages of a TMA kernel may fill.

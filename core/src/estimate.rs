@@ -34,8 +34,8 @@
 use core::f32::consts::{LN_2, LOG2_E};
 use core::f32::math::mul_add;
 
-use crate::gumbel::{TWO_POW_NEG_33, gumbel};
 use crate::candidate::perturbed_score;
+use crate::gumbel::{TWO_POW_NEG_33, gumbel};
 use crate::noise::{RowParams, counter, key};
 use crate::philox::philox4x32_10;
 

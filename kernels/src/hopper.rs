@@ -114,25 +114,6 @@ pub unsafe fn tma_load_2d(destination: u32, map: u64, inner: i32, outer: i32, ba
     }
 }
 
-/// `setmaxnreg.dec`: this warpgroup gives back registers down to `COUNT` per thread.
-///
-/// # Safety
-/// All 128 threads of the warpgroup execute it together; the kernel was compiled with a
-/// `.maxntid` bound and `COUNT` is a multiple of 8 in 24..=256.
-#[inline(always)]
-pub unsafe fn release_registers<const COUNT: u32>() {
-    unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) }
-}
-
-/// `setmaxnreg.inc`: this warpgroup waits for and takes registers up to `COUNT` per thread.
-///
-/// # Safety
-/// As [`release_registers`]; the registers must be available once other warpgroups release.
-#[inline(always)]
-pub unsafe fn claim_registers<const COUNT: u32>() {
-    unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const COUNT, options(nostack)) }
-}
-
 /// Orders register accesses before the next `wgmma.mma_async` of the warpgroup.
 ///
 /// # Safety

@@ -6,9 +6,10 @@
 //! the contenders ([`race_round`]).
 //!
 //! A block has [`TMA_CONSUMER_WARPS`] consumer warps (two warpgroups) and a producer
-//! warpgroup, one thread of which issues the loads; `setmaxnreg` moves the producer's
-//! registers to the consumers at run time (ptxas still compiles every thread for the 168
-//! registers a 384-thread block allows, so the consumers' code must fit in those).
+//! warpgroup, one thread of which issues the loads. Every thread gets the 168 registers a
+//! 384-thread block allows; the consumers' code fits in those. (`setmaxnreg` could move the
+//! producer's registers to the consumers, but ptxas honours it only in a kernel that also
+//! declares `.minnctapersm`; without it ptxas ignored it, docs/PERF.md, session 6.)
 //! Work item = (`ROWS` vocabulary rows, `N` batch columns), visited in grid-stride order. The
 //! producer streams every item's `⌈dim / 64⌉` stages in that order, each a `ROWS` × 64 box of
 //! `W` and an `N` × 64 box of `H` in the 128-byte swizzled layout `wgmma` reads. A stage is
@@ -21,7 +22,7 @@
 //!   run the epilogue; each byte of `H` staged serves twice the rows of `W`.
 //!
 //! Architecture Invariant: no lane-dependent branch sits next to a `.sync.aligned` op
-//! (`wgmma.*`, `setmaxnreg`): every consumer thread arrives on the barriers itself instead of
+//! (`wgmma.*`): every consumer thread arrives on the barriers itself instead of
 //! one lane per warp. LLVM does not know inline asm is convergent; given `if lane == 0
 //! { arrive }` around `wgmma.wait_group` it duplicated the wait into both branches, so lane 0
 //! and the other lanes ran different instances of an aligned op and the warp hung (seen on
@@ -33,8 +34,8 @@
 //! by [`transpose_quad`], so noise stays keyed by vocabulary index, never by tile position.
 
 use flashsample_core::abi::{
-    TMA_CONSUMER_REGISTERS, TMA_CONSUMER_WARPS, TMA_K_BLOCK, TMA_PRODUCER_REGISTERS, TmaArgs, WARPGROUP_ROWS,
-    tma_hidden_stage_bytes, tma_lm_head_stage_bytes, tma_stages,
+    TMA_CONSUMER_WARPS, TMA_K_BLOCK, TmaArgs, WARPGROUP_ROWS, tma_hidden_stage_bytes, tma_lm_head_stage_bytes,
+    tma_stages,
 };
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
@@ -287,12 +288,10 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
     }
     unsafe { arch::sync_threads() };
     if warp >= TMA_CONSUMER_WARPS {
-        unsafe { hopper::release_registers::<TMA_PRODUCER_REGISTERS>() };
         if thread == TMA_CONSUMER_WARPS * 32 {
             unsafe { layout.ring.produce(args, ROWS, N as u32) };
         }
     } else {
-        unsafe { hopper::claim_registers::<TMA_CONSUMER_REGISTERS>() };
         unsafe { consume::<T, N, R, FUSED>(args, &layout, ROWS, teams) };
     }
 }

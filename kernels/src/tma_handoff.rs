@@ -15,8 +15,7 @@
 //! mainloop of item `i + 1`.
 //!
 //! The block has 512 threads, so ptxas gives each at most 128 registers: enough for the
-//! consumers' 64 accumulators and for the epilogue, with no `setmaxnreg` (ptxas allocates
-//! for the block's cap, not for a warpgroup's `setmaxnreg` share).
+//! consumers' 64 accumulators and for the epilogue.
 //!
 //! Architecture Invariant: the buffer holds the exact f32 accumulators (no narrowing), and
 //! the epilogue scores them with the estimate-then-exact race keyed by vocabulary row, so

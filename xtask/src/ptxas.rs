@@ -3,6 +3,9 @@
 //! Budget: no kernel may use a stack frame or spill. Local memory in these kernels means a
 //! register array indexed at run time or too many live values, both of which cost bandwidth
 //! on the hot path, so a build that introduces one fails here rather than in a benchmark.
+//! A "Potential Performance Loss" notice fails the build too: ptxas says so when it drops
+//! an instruction the kernel relies on (it ignored every `setmaxnreg` while the kernels had
+//! `.maxntid` without `.minnctapersm`, C7508).
 
 use std::path::Path;
 use std::process::Command;
@@ -33,6 +36,10 @@ pub fn validate(ptxas: &Path, ptx: &Path, arch: &str) -> Result<(), String> {
     let log = String::from_utf8_lossy(&output.stderr);
     if !output.status.success() {
         return Err(format!("ptxas rejected {}:\n{log}", ptx.display()));
+    }
+    let notices: Vec<&str> = log.lines().filter(|line| line.contains("Potential Performance Loss")).collect();
+    if !notices.is_empty() {
+        return Err(format!("ptxas reports a performance loss in {}:\n{}", ptx.display(), notices.join("\n")));
     }
     let mut kernels: Vec<Resources> = Vec::new();
     let mut in_entry = false;

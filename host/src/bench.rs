@@ -325,7 +325,7 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
                 .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
                 .map_err(|e| file_error(path, e))?
                 .label(name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color.stroke_width(3)));
             chart
                 .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
                 .map_err(|e| file_error(path, e))?;

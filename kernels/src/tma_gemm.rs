@@ -559,9 +559,9 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
                 in_batch[k] = place.col0 + column[k] < args.batch;
             });
             let winners =
-                unsafe { race_round::<K, 8>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
+                unsafe { race_round::<K>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
             unrolled!(k < K, {
-                let best = unsafe { sample::merge_over_lanes(winners[k], 8, 16) };
+                let best = unsafe { sample::merge_over_lanes(winners[k], FIRST_COLUMN_LANE_MASK, 16) };
                 if place.lane < 8 {
                     unsafe { *staging.add((place.warp * N as u32 + column[k]) as usize) = best };
                 }
@@ -596,10 +596,14 @@ pub(crate) fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
     if r & 2 != 0 { high } else { low }
 }
 
+/// The smallest lane mask between lanes that hold the same column after [`transpose_quad`]:
+/// lanes `l`, `l ^ 8`, `l ^ 16` and `l ^ 24` hold the column's 16 rows in a warp.
+const FIRST_COLUMN_LANE_MASK: u32 = 8;
+
 /// The winners of `K` quads (four consecutive rows each, one column each) of draw `sample`
-/// among the rows their column has in this warp: lanes `l ^ m` for the masks `m` from
-/// `FIRST_MASK` up to 16 hold the same columns (the epilogue passes 8: the 16 rows of lanes
-/// `l`, `l ^ 8`, `l ^ 16`, `l ^ 24`). Each lane returns its own best contender, exactly
+/// among the rows their column has in this warp: lanes `l ^ m` for the masks `m` = 8 and 16
+/// hold the same column (the 16 rows of lanes `l`, `l ^ 8`, `l ^ 16`, `l ^ 24`, see
+/// [`FIRST_COLUMN_LANE_MASK`]). Each lane returns its own best contender, exactly
 /// scored, so merging those lanes gives what [`flashsample_core::block_candidate`] merged
 /// over the rows gives.
 ///
@@ -608,10 +612,10 @@ pub(crate) fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
 /// exact scores, one per loop trip and lane, usually a single trip per quad for the warp.
 ///
 /// # Safety
-/// All 32 lanes call it together; lanes `l ^ m` (`FIRST_MASK ≤ m ≤ 16`) hold the same
-/// columns.
+/// All 32 lanes call it together; lanes `l ^ 8`, `l ^ 16` and `l ^ 24` hold the same
+/// columns as lane `l`.
 #[inline(always)]
-unsafe fn race_round<const K: usize, const FIRST_MASK: u32>(
+unsafe fn race_round<const K: usize>(
     row: &[RowParams; K],
     sample: u32,
     block: u32,
@@ -637,7 +641,7 @@ unsafe fn race_round<const K: usize, const FIRST_MASK: u32>(
     let mut pending = 0u32;
     unrolled!(k < K, {
         let mut best = estimates[k].best();
-        let mut mask = FIRST_MASK;
+        let mut mask = FIRST_COLUMN_LANE_MASK;
         while mask <= 16 {
             let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) });
             if other > best {

@@ -562,7 +562,7 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
                 unsafe { race_round::<K>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
             unrolled!(k < K, {
                 let best = unsafe { sample::merge_over_lanes(winners[k], FIRST_COLUMN_LANE_MASK, 16) };
-                if place.lane < 8 {
+                if place.lane < FIRST_COLUMN_LANE_MASK {
                     unsafe { *staging.add((place.warp * N as u32 + column[k]) as usize) = best };
                 }
             });
@@ -597,7 +597,8 @@ pub(crate) fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
 }
 
 /// The smallest lane mask between lanes that hold the same column after [`transpose_quad`]:
-/// lanes `l`, `l ^ 8`, `l ^ 16` and `l ^ 24` hold the column's 16 rows in a warp.
+/// lanes `l`, `l ^ 8`, `l ^ 16` and `l ^ 24` hold the column's 16 rows in a warp, so after
+/// the merge over those lanes the lanes below this mask hold one result per column.
 const FIRST_COLUMN_LANE_MASK: u32 = 8;
 
 /// The winners of `K` quads (four consecutive rows each, one column each) of draw `sample`

@@ -41,7 +41,10 @@ for stage in $stages; do
     demo) step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
     bench)
         step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/bench.log' 2>&1"
-        step bench timeout 420 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' --all-variants 2>&1 | tee -a '$out/bench.log'"
+        # The cuBLAS that torch ships, timed again inside the bench beside our kernels.
+        cublas=$(python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(sorted(glob.glob(d + "/nvidia/**/libcublas.so*", recursive=True) + glob.glob(d + "/torch/lib/libcublas.so*"))), ""))' 2>/dev/null)
+        echo "in-bench cuBLAS: ${cublas:-none found}" | tee -a "$out/bench.log"
+        step bench timeout 480 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' --all-variants ${cublas:+--cublas '$cublas'} 2>&1 | tee -a '$out/bench.log'"
         ;;
     iso)
         # Kernel-only times (each kernel alone under ncu, caches flushed by ncu): ours at B = 128

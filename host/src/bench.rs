@@ -10,6 +10,7 @@ use flashsample_core::abi::HANDOFF_ROWS;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::SamplingParams;
+use crate::cuda::cublas::Cublas;
 use crate::cuda::{CudaSampler, DeviceTokens, Variant, driver};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
@@ -21,7 +22,8 @@ pub struct Row {
     pub dim: usize,
     pub vocab: usize,
     pub batch: usize,
-    /// `fused_sample`, `fused_greedy`, `unfused_sample` or `read_floor`.
+    /// `fused_sample`, `fused_greedy`, `unfused_sample`, `read_floor` or `cublas_gemm` (the
+    /// in-process cuBLAS reference).
     pub variant: String,
     pub timing: Timing,
 }
@@ -36,6 +38,9 @@ pub struct Options {
     /// run the point (rows `fused_sample@mma_n16`, `fused_greedy@tma_m64_n64`, …), to check
     /// the dispatcher.
     pub all_variants: bool,
+    /// `libcublas.so` to time cuBLAS's GEMM in this process, right before our kernels at each
+    /// point (rows `cublas_gemm`).
+    pub cublas: Option<std::path::PathBuf>,
 }
 
 /// Every tensor-core stage-1 variant, with its label in the CSV.
@@ -55,9 +60,22 @@ fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {
 }
 
 pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
+    if options.cublas.is_some() && options.dtype == DType::F32 {
+        return Err(crate::error::invalid("--cublas", "the cuBLAS reference times bf16 and f16 GEMMs, not f32"));
+    }
+    let cublas = options.cublas.as_deref().map(|path| Cublas::load(path, sampler)).transpose()?;
+    let rows = run_points(sampler, options, cublas.as_ref());
+    match cublas {
+        Some(cublas) => rows.and_then(|rows| cublas.close().map(|()| rows)),
+        None => rows,
+    }
+}
+
+fn run_points(sampler: &CudaSampler, options: &Options, cublas: Option<&Cublas>) -> Result<Vec<Row>> {
     let mut timer = Timer::new()?;
     let extra = if options.all_variants { 2 * tensor_core_variants().len() } else { 0 };
-    let points = options.shapes.len() * (1 + (3 + extra) * options.batches.len());
+    let reference = usize::from(cublas.is_some());
+    let points = options.shapes.len() * (1 + (3 + reference + extra) * options.batches.len());
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
     let mut rows = Vec::new();
@@ -85,6 +103,12 @@ pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
                 progress.inc(1);
                 Ok(())
             };
+            if let Some(cublas) = cublas {
+                // SAFETY: only written (by the GEMM).
+                let out = unsafe { DeviceBuffer::<u16>::uninitialized(batch * vocab) };
+                let mut out = driver::check("cuMemAlloc(cuBLAS output)", out)?;
+                time("cublas_gemm", &mut || cublas.gemm(&head, &hidden, &mut out))?;
+            }
             time("fused_sample", &mut || {
                 sampler.sample_rows_into(&head, &hidden, &sampling, 1, Variant::Auto, &mut tokens)
             })?;
@@ -193,7 +217,8 @@ pub fn read_peers(path: &Path) -> Result<Vec<PeerTiming>> {
     Ok(peers)
 }
 
-/// The report: per (shape, B), ours and the peers with ratios to cuBLAS GEMM-only.
+/// The report: per (shape, B), ours and the peers with ratios to cuBLAS GEMM-only, as the
+/// peers' script timed it and, when the bench ran it too, as timed in the bench.
 pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     let ours = |d: usize, v: usize, b: usize, name: &str| {
         rows.iter()
@@ -209,8 +234,8 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
         _ => "-".into(),
     };
     let mut out = String::new();
-    writeln!(out, "| D | V | B | fused sample µs | fused greedy µs | unfused µs | cuBLAS µs | torch sample µs | sample/cuBLAS | sample/greedy | % of read floor |").unwrap();
-    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|").unwrap();
+    writeln!(out, "| D | V | B | fused sample µs | fused greedy µs | unfused µs | cuBLAS µs | cuBLAS in bench µs | torch sample µs | sample/cuBLAS | sample/cuBLAS in bench | sample/greedy | % of read floor |").unwrap();
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|").unwrap();
     let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
     shapes.dedup();
     for (d, v) in shapes {
@@ -221,15 +246,18 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
         for b in batches {
             let sample = ours(d, v, b, "fused_sample");
             let cublas = peer(d, v, b, "cublas_gemm");
+            let cublas_in_bench = ours(d, v, b, "cublas_gemm");
             writeln!(
                 out,
-                "| {d} | {v} | {b} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {d} | {v} | {b} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 show(sample),
                 show(ours(d, v, b, "fused_greedy")),
                 show(ours(d, v, b, "unfused_sample")),
                 show(cublas),
+                show(cublas_in_bench),
                 show(peer(d, v, b, "torch_sample")),
                 ratio(sample, cublas),
+                ratio(sample, cublas_in_bench),
                 ratio(sample, ours(d, v, b, "fused_greedy")),
                 match (floor, sample) {
                     (Some(f), Some(s)) => format!("{:.1}", 100.0 * f / s),
@@ -240,7 +268,7 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
         }
         if let Some(f) = floor {
             let gbps = (d * v * dtype.bytes()) as f64 / (f * 1e-6) / 1e9;
-            writeln!(out, "| {d} | {v} | read floor | {f:.1} µs = {gbps:.0} GB/s over W | | | | | | | |").unwrap();
+            writeln!(out, "| {d} | {v} | read floor | {f:.1} µs = {gbps:.0} GB/s over W | | | | | | | | | |").unwrap();
         }
     }
     out.push_str(&variants_table(rows));
@@ -291,13 +319,18 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
     for ((d, v), panel) in shapes.iter().zip(panels.iter()) {
         type Series = (String, Vec<(f64, f64)>, RGBColor);
         let mut series: Vec<Series> = Vec::new();
-        for (name, color) in [("fused_sample", RED), ("fused_greedy", MAGENTA), ("unfused_sample", BLUE)] {
+        for (name, label, color) in [
+            ("fused_sample", "fused_sample", RED),
+            ("fused_greedy", "fused_greedy", MAGENTA),
+            ("unfused_sample", "unfused_sample", BLUE),
+            ("cublas_gemm", "cublas_gemm in bench", RGBColor(128, 128, 128)),
+        ] {
             let points = rows
                 .iter()
                 .filter(|r| r.dim == *d && r.vocab == *v && r.variant == name)
                 .map(|r| (r.batch as f64, r.timing.median_us))
                 .collect();
-            series.push((name.to_string(), points, color));
+            series.push((label.to_string(), points, color));
         }
         for (name, color) in [("cublas_gemm", BLACK), ("torch_sample", GREEN)] {
             let points = peers
@@ -339,6 +372,8 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
         }
         chart
             .configure_series_labels()
+            // Upper left: the curves rise to the right, where B = 256 would hide behind it.
+            .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
@@ -386,6 +421,7 @@ mod tests {
             row(8, "fused_sample", 13.0),
             row(8, "fused_sample@tma_m64_n8", 13.0),
             row(8, "fused_sample@tma_m128_n16", 12.5),
+            row(8, "cublas_gemm", 12.0),
         ];
         let peers = vec![PeerTiming { dim: 64, vocab: 1000, batch: 1, variant: "cublas_gemm".into(), median_us: 11.0 }];
         let path = std::env::temp_dir().join(format!("flashsample-plot-{}.png", std::process::id()));
@@ -399,6 +435,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("1.091"), "sample/cuBLAS ratio 12/11 missing: {text}");
+        assert!(text.contains("| 12.0 | - | - | 1.083 |"), "in-bench cuBLAS and its ratio 13/12 missing: {text}");
         assert!(text.contains("| 64 | 1000 | 8 | 13.0 | tma_m128_n16 | 12.5 | 1.040 |"), "variants table: {text}");
     }
 }

@@ -83,6 +83,11 @@ enum Command {
         /// dispatcher's choice.
         #[arg(long)]
         all_variants: bool,
+        /// Path of libcublas.so: also time cuBLAS's GEMM (`x @ Wᵀ`, bf16/f16) in this process,
+        /// right before our kernels at each point, so both run under the same clocks (CSV rows
+        /// `cublas_gemm`).
+        #[arg(long)]
+        cublas: Option<PathBuf>,
     },
     /// Re-render report.md and bench.png from a bench run's CSVs (no GPU needed).
     Report {
@@ -135,7 +140,7 @@ fn main() -> ExitCode {
         }
         Command::Demo => demo(),
         Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
-        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers, all_variants } => {
+        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers, all_variants, cublas } => {
             let options = |shapes| flashsample::bench::Options {
                 shapes,
                 batches,
@@ -143,6 +148,7 @@ fn main() -> ExitCode {
                 warmup,
                 runs,
                 all_variants,
+                cublas,
             };
             bench(out, shapes, options, peers)
         }

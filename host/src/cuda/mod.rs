@@ -6,6 +6,7 @@
 //! by the next synchronising call with the kernel's name, by [`CudaSampler::close`], or, if
 //! the sampler is just dropped, on standard error (never silently lost).
 
+pub mod cublas;
 pub mod driver;
 
 use std::cell::RefCell;

@@ -144,10 +144,19 @@ unsafe extern "C" {
     ) -> raw::CUresult;
 }
 
+/// How much a TMA load's L2 misses fetch from memory (`CUtensorMapL2promotion`): the
+/// requested sectors only, or the whole 256-byte span around them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum L2Promotion {
+    None = 0,
+    Bytes256 = 3,
+}
+
 /// A TMA descriptor for a row-major `[rows, cols]` matrix of 16-bit elements at device
-/// `address`, read in boxes of `box_cols × box_rows` with the 128-byte swizzle; reads past
-/// the matrix give zeros. Needs `cols % 8 == 0` (16-byte row stride) and a 16-byte aligned
-/// address; `box_cols · 2 ≤ 128`, `box_rows ≤ 256`.
+/// `address`, read in boxes of `box_cols × box_rows` with the 128-byte swizzle and L2
+/// `promotion`; reads past the matrix give zeros. Needs `cols % 8 == 0` (16-byte row stride)
+/// and a 16-byte aligned address; `box_cols · 2 ≤ 128`, `box_rows ≤ 256`.
+#[allow(clippy::too_many_arguments)]
 pub fn encode_tensor_map_2d(
     what: &str,
     element: TensorMapElement,
@@ -156,10 +165,10 @@ pub fn encode_tensor_map_2d(
     cols: usize,
     box_rows: u32,
     box_cols: u32,
+    promotion: L2Promotion,
 ) -> Result<TensorMap> {
     const INTERLEAVE_NONE: u32 = 0;
     const SWIZZLE_128B: u32 = 3;
-    const L2_PROMOTION_256B: u32 = 3;
     const OUT_OF_BOUNDS_ZERO: u32 = 0;
     let mut map = TensorMap([0; 16]);
     let dims = [cols as u64, rows as u64];
@@ -180,7 +189,7 @@ pub fn encode_tensor_map_2d(
             element_strides.as_ptr(),
             INTERLEAVE_NONE,
             SWIZZLE_128B,
-            L2_PROMOTION_256B,
+            promotion as u32,
             OUT_OF_BOUNDS_ZERO,
         )
     };

@@ -66,9 +66,11 @@ pub enum Variant {
 
 impl Variant {
     /// The variant for this problem: tensor cores when the dtype and D allow, then by B (from
-    /// the forced variants of the session-3 and session-4 benches, docs/PERF.md):
-    /// - B ≤ 16: the cooperative TMA tile with 16 columns (`Tma { rows: 128, columns: 16 }`);
-    /// - 16 < B ≤ 32: the ping-pong TMA tile with 32 columns;
+    /// the forced variants of the benches, docs/PERF.md, sessions 3, 4 and 7):
+    /// - B ≤ 32: the cooperative TMA tile (`Tma { rows: 128, columns }`) with the narrowest
+    ///   width of 8, 16 and 32 that holds B (since `W` is streamed without L2 promotion, the
+    ///   8-column tile is 0.3–2 % faster than the 16-column one at B ≤ 8, and the cooperative
+    ///   32-column tile up to 3 % faster than the ping-pong one);
     /// - 32 < B ≤ 64: the handoff tile with 64 columns;
     /// - B > 64: the handoff tile with 128 columns, which stages each byte of `H` for 128 rows
     ///   of `W` and runs the sampling epilogue beside the next item's multiplies.
@@ -82,8 +84,9 @@ impl Variant {
         };
         match self {
             Variant::Auto if !tensor_cores => Ok(Variant::Simt),
+            Variant::Auto if batch <= 8 => Ok(Variant::Tma { rows: 128, columns: 8 }),
             Variant::Auto if batch <= 16 => Ok(Variant::Tma { rows: 128, columns: 16 }),
-            Variant::Auto if batch <= 32 => Ok(Variant::Tma { rows: 64, columns: 32 }),
+            Variant::Auto if batch <= 32 => Ok(Variant::Tma { rows: 128, columns: 32 }),
             Variant::Auto if batch <= 64 => Ok(Variant::TmaHandoff { columns: 64 }),
             Variant::Auto => Ok(Variant::TmaHandoff { columns: 128 }),
             Variant::Mma { columns } if !MMA_COLUMNS.contains(&columns) => {
@@ -176,8 +179,9 @@ fn launch_shape(name: &str) -> (u32, u32) {
 pub struct CudaLmHead {
     buffer: DeviceBuffer<u8>,
     shape: HeadShape,
-    /// TMA descriptors, one per item height of `TMA_ITEM_ROWS` (boxes of that many rows),
-    /// when the TMA kernels can read `W`.
+    /// TMA descriptors, one per L2 promotion of `W_PROMOTIONS` and item height of
+    /// `TMA_ITEM_ROWS` (boxes of that many rows), in that order, when the TMA kernels can
+    /// read `W`.
     tensor_map: Option<DeviceBuffer<u64>>,
 }
 
@@ -197,21 +201,34 @@ pub struct CudaHidden {
     rows: usize,
     cols: usize,
     dtype: DType,
-    /// One TMA descriptor per width of [`TMA_COLUMNS`] (boxes of that many rows), when the
-    /// TMA kernels can read `H`.
+    /// One TMA descriptor per width of [`TMA_COLUMNS`] (boxes of that many rows, with that
+    /// width's `l2_promotion`), when the TMA kernels can read `H`.
     tensor_maps: Option<DeviceBuffer<u64>>,
 }
 
-/// TMA descriptors for a `[rows, cols]` matrix at `address`, one per box height, stored
-/// back to back in device memory; `None` when the TMA kernels cannot read it (f32, or rows
-/// not a multiple of 16 bytes).
+/// The L2 promotion of the TMA loads of a tile with `columns` batch columns. Up to 64
+/// columns the tiles stream `W` from memory at the read bandwidth, and fetching only the
+/// 128 bytes per row that a box asks for is faster: on the H200 the B ≤ 64 kernels ran
+/// 1.7–3.1 % faster than with 256-byte promotion, and at B = 1, D = 8192 their L2 traffic fell
+/// from 4.4 to 3.3 GB, what cuBLAS moves. The 128-column tiles keep the 256-byte promotion
+/// (at B = 128 the two ran within −0.8 … +1.6 %); docs/PERF.md, session 7.
+fn l2_promotion(columns: u32) -> driver::L2Promotion {
+    if columns <= 64 { driver::L2Promotion::None } else { driver::L2Promotion::Bytes256 }
+}
+
+/// Both L2 promotions, in the order the `W` maps are stored (see [`tma_maps`]).
+const W_PROMOTIONS: [driver::L2Promotion; 2] = [driver::L2Promotion::None, driver::L2Promotion::Bytes256];
+
+/// TMA descriptors for a `[rows, cols]` matrix at `address`, one per (box height, L2
+/// promotion), stored back to back in device memory; `None` when the TMA kernels cannot read
+/// it (f32, or rows not a multiple of 16 bytes).
 fn tensor_maps(
     what: &str,
     address: u64,
     rows: usize,
     cols: usize,
     dtype: DType,
-    box_rows: &[u32],
+    boxes: &[(u32, driver::L2Promotion)],
 ) -> Result<Option<DeviceBuffer<u64>>> {
     let element = match dtype {
         DType::BF16 => driver::TensorMapElement::Bf16,
@@ -221,9 +238,10 @@ fn tensor_maps(
     if !cols.is_multiple_of(8) {
         return Ok(None);
     }
-    let mut words = Vec::with_capacity(box_rows.len() * TENSOR_MAP_BYTES / 8);
-    for &height in box_rows {
-        words.extend(driver::encode_tensor_map_2d(what, element, address, rows, cols, height, TMA_K_BLOCK)?.0);
+    let mut words = Vec::with_capacity(boxes.len() * TENSOR_MAP_BYTES / 8);
+    for &(height, promotion) in boxes {
+        let map = driver::encode_tensor_map_2d(what, element, address, rows, cols, height, TMA_K_BLOCK, promotion)?;
+        words.extend(map.0);
     }
     Ok(Some(driver::check(&format!("cuMemAlloc+cuMemcpyHtoD({what} tensor maps)"), DeviceBuffer::from_slice(&words))?))
 }
@@ -794,13 +812,16 @@ impl CudaSampler {
 
     fn lm_head_from(&self, buffer: DeviceBuffer<u8>, shape: HeadShape) -> Result<CudaLmHead> {
         let address = buffer.as_device_ptr().as_raw();
-        let tensor_map = tensor_maps("lm_head", address, shape.vocab, shape.dim, shape.dtype, &TMA_ITEM_ROWS)?;
+        let boxes: Vec<_> =
+            W_PROMOTIONS.iter().flat_map(|&promotion| TMA_ITEM_ROWS.map(|rows| (rows, promotion))).collect();
+        let tensor_map = tensor_maps("lm_head", address, shape.vocab, shape.dim, shape.dtype, &boxes)?;
         Ok(CudaLmHead { buffer, shape, tensor_map })
     }
 
     fn hidden_from(&self, buffer: DeviceBuffer<u8>, rows: usize, cols: usize, dtype: DType) -> Result<CudaHidden> {
         let address = buffer.as_device_ptr().as_raw();
-        let tensor_maps = tensor_maps("hidden", address, rows, cols, dtype, &TMA_COLUMNS)?;
+        let boxes = TMA_COLUMNS.map(|columns| (columns, l2_promotion(columns)));
+        let tensor_maps = tensor_maps("hidden", address, rows, cols, dtype, &boxes)?;
         Ok(CudaHidden { buffer, rows, cols, dtype, tensor_maps })
     }
 
@@ -901,8 +922,11 @@ fn tma_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, rows: u32, columns: u32) 
     let hidden_maps = hidden.tensor_maps.as_ref().ok_or_else(|| missing_tensor_map("hidden"))?;
     let row_index = TMA_ITEM_ROWS.iter().position(|&r| r == rows).expect("Variant::resolve checked the height");
     let column_index = TMA_COLUMNS.iter().position(|&c| c == columns).expect("Variant::resolve checked the width");
+    let promotion_index =
+        W_PROMOTIONS.iter().position(|&p| p == l2_promotion(columns)).expect("W_PROMOTIONS lists every promotion");
+    let lm_head_index = promotion_index * TMA_ITEM_ROWS.len() + row_index;
     Ok((
-        lm_head_maps.as_device_ptr().as_raw() + (row_index * TENSOR_MAP_BYTES) as u64,
+        lm_head_maps.as_device_ptr().as_raw() + (lm_head_index * TENSOR_MAP_BYTES) as u64,
         hidden_maps.as_device_ptr().as_raw() + (column_index * TENSOR_MAP_BYTES) as u64,
     ))
 }

@@ -22,41 +22,47 @@ use crate::tensor::DType;
 
 type Status = c_int;
 type Handle = *mut c_void;
+/// `cublasOperation_t`, `cudaDataType`, `cublasComputeType_t`, `cublasGemmAlgo_t`.
+type Operation = c_int;
+type DataType = c_int;
+type ComputeType = c_int;
+type Algorithm = c_int;
 type Create = unsafe extern "C" fn(*mut Handle) -> Status;
 type Destroy = unsafe extern "C" fn(Handle) -> Status;
 type SetStream = unsafe extern "C" fn(Handle, cust::sys::CUstream) -> Status;
-#[allow(clippy::type_complexity)]
+/// `cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta,
+/// C, Ctype, ldc, computeType, algo)`.
 type GemmEx = unsafe extern "C" fn(
     Handle,
-    c_int,
-    c_int,
+    Operation,
+    Operation,
     c_int,
     c_int,
     c_int,
     *const c_void,
     *const c_void,
-    c_int,
+    DataType,
     c_int,
     *const c_void,
-    c_int,
+    DataType,
     c_int,
     *const c_void,
     *mut c_void,
+    DataType,
     c_int,
-    c_int,
-    c_int,
-    c_int,
+    ComputeType,
+    Algorithm,
 ) -> Status;
 
 // Values from cuBLAS's and the CUDA runtime's public headers (`cublas_api.h`,
 // `library_types.h`).
 const CUBLAS_STATUS_SUCCESS: Status = 0;
-const CUBLAS_OP_N: c_int = 0;
-const CUBLAS_OP_T: c_int = 1;
-const CUDA_R_16F: c_int = 2;
-const CUDA_R_16BF: c_int = 14;
-const CUBLAS_COMPUTE_32F: c_int = 68;
-const CUBLAS_GEMM_DEFAULT: c_int = -1;
+const CUBLAS_OP_N: Operation = 0;
+const CUBLAS_OP_T: Operation = 1;
+const CUDA_R_16F: DataType = 2;
+const CUDA_R_16BF: DataType = 14;
+const CUBLAS_COMPUTE_32F: ComputeType = 68;
+const CUBLAS_GEMM_DEFAULT: Algorithm = -1;
 
 /// A cuBLAS status as our error, naming the call.
 fn check_status(call: &str, status: Status) -> Result<()> {

@@ -10,7 +10,7 @@ use flashsample_core::abi::HANDOFF_ROWS;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::SamplingParams;
-use crate::cuda::cublas::Cublas;
+use crate::cuda::cublas::{self, Cublas};
 use crate::cuda::{CudaSampler, DeviceTokens, Variant, driver};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
@@ -60,8 +60,9 @@ fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {
 }
 
 pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
-    if options.cublas.is_some() && options.dtype == DType::F32 {
-        return Err(crate::error::invalid("--cublas", "the cuBLAS reference times bf16 and f16 GEMMs, not f32"));
+    if options.cublas.is_some() {
+        // Before anything is timed.
+        cublas::element_type(options.dtype)?;
     }
     let cublas = options.cublas.as_deref().map(|path| Cublas::load(path, sampler)).transpose()?;
     let rows = run_points(sampler, options, cublas.as_ref());

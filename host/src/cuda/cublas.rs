@@ -24,7 +24,7 @@ type Status = c_int;
 type Handle = *mut c_void;
 /// `cublasOperation_t`, `cudaDataType`, `cublasComputeType_t`, `cublasGemmAlgo_t`.
 type Operation = c_int;
-type DataType = c_int;
+pub type DataType = c_int;
 type ComputeType = c_int;
 type Algorithm = c_int;
 type Create = unsafe extern "C" fn(*mut Handle) -> Status;
@@ -73,6 +73,15 @@ fn check_status(call: &str, status: Status) -> Result<()> {
     }
 }
 
+/// The cuBLAS element type of `dtype`: the reference times 16-bit GEMMs only.
+pub fn element_type(dtype: DType) -> Result<DataType> {
+    match dtype {
+        DType::BF16 => Ok(CUDA_R_16BF),
+        DType::F16 => Ok(CUDA_R_16F),
+        DType::F32 => Err(invalid("--cublas", "the cuBLAS reference times bf16 and f16 GEMMs, not f32")),
+    }
+}
+
 /// A cuBLAS handle bound to the sampler's stream.
 pub struct Cublas {
     handle: Handle,
@@ -114,11 +123,7 @@ impl Cublas {
     /// `x @ W.T`: column-major that is `out = Wᵀᵀ · Hᵀ` with `W` read transposed.
     pub fn gemm(&self, lm_head: &CudaLmHead, hidden: &CudaHidden, out: &mut DeviceBuffer<u16>) -> Result<()> {
         let shape = lm_head.shape;
-        let element = match shape.dtype {
-            DType::BF16 => CUDA_R_16BF,
-            DType::F16 => CUDA_R_16F,
-            DType::F32 => return Err(invalid("--dtype", "the cuBLAS reference times bf16 and f16 only")),
-        };
+        let element = element_type(shape.dtype)?;
         if hidden.dtype != shape.dtype || hidden.cols != shape.dim || out.len() < hidden.rows * shape.vocab {
             return Err(invalid("out", "the cuBLAS reference needs H[B, D] of W's dtype and B × V elements out"));
         }

@@ -218,17 +218,21 @@ pub fn read_peers(path: &Path) -> Result<Vec<PeerTiming>> {
     Ok(peers)
 }
 
+/// Our median at (D, V, B) for `variant`, if the bench timed it.
+fn our_median(rows: &[Row], d: usize, v: usize, b: usize, variant: &str) -> Option<f64> {
+    rows.iter().find(|r| r.dim == d && r.vocab == v && r.batch == b && r.variant == variant).map(|r| r.timing.median_us)
+}
+
+/// The peers' median at (D, V, B) for `variant`, if the script timed it.
+fn peer_median(peers: &[PeerTiming], d: usize, v: usize, b: usize, variant: &str) -> Option<f64> {
+    peers.iter().find(|p| p.dim == d && p.vocab == v && p.batch == b && p.variant == variant).map(|p| p.median_us)
+}
+
 /// The report: per (shape, B), ours and the peers with ratios to cuBLAS GEMM-only, as the
 /// peers' script timed it and, when the bench ran it too, as timed in the bench.
 pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
-    let ours = |d: usize, v: usize, b: usize, name: &str| {
-        rows.iter()
-            .find(|r| r.dim == d && r.vocab == v && r.batch == b && r.variant == name)
-            .map(|r| r.timing.median_us)
-    };
-    let peer = |d: usize, v: usize, b: usize, name: &str| {
-        peers.iter().find(|p| p.dim == d && p.vocab == v && p.batch == b && p.variant == name).map(|p| p.median_us)
-    };
+    let ours = |d: usize, v: usize, b: usize, name: &str| our_median(rows, d, v, b, name);
+    let peer = |d: usize, v: usize, b: usize, name: &str| peer_median(peers, d, v, b, name);
     let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) => format!("{:.3}", a / b),
@@ -292,14 +296,7 @@ const READ_FLOOR_TARGET: f64 = 0.90;
 /// Per point, each target that fused sampling misses and by how much (a ratio that could not
 /// be formed, for want of a timing, is not judged).
 fn targets_table(rows: &[Row], peers: &[PeerTiming]) -> String {
-    let ours = |d: usize, v: usize, b: usize, name: &str| {
-        rows.iter()
-            .find(|r| r.dim == d && r.vocab == v && r.batch == b && r.variant == name)
-            .map(|r| r.timing.median_us)
-    };
-    let script_cublas = |d: usize, v: usize, b: usize| {
-        peers.iter().find(|p| p.dim == d && p.vocab == v && p.batch == b && p.variant == "cublas_gemm")
-    };
+    let ours = |d: usize, v: usize, b: usize, name: &str| our_median(rows, d, v, b, name);
     let over = |ratio: f64, target: f64| (ratio > target).then(|| format!("+{:.1} %", 100.0 * (ratio / target - 1.0)));
     let mut out = String::from(
         "\nTargets (issue 3, bf16, set for D × V = 4096 × 151936 and 8192 × 128256): sample ≤ 1.03× \
@@ -310,8 +307,8 @@ fn targets_table(rows: &[Row], peers: &[PeerTiming]) -> String {
     for r in rows.iter().filter(|r| r.variant == "fused_sample") {
         let (d, v, b, sample) = (r.dim, r.vocab, r.batch, r.timing.median_us);
         let mut missed = Vec::new();
-        if let Some(c) = script_cublas(d, v, b) {
-            missed.extend(over(sample / c.median_us, cublas_target(b)).map(|m| format!("cuBLAS {m}")));
+        if let Some(c) = peer_median(peers, d, v, b, "cublas_gemm") {
+            missed.extend(over(sample / c, cublas_target(b)).map(|m| format!("cuBLAS {m}")));
         }
         if let Some(c) = ours(d, v, b, "cublas_gemm") {
             missed.extend(over(sample / c, cublas_target(b)).map(|m| format!("cuBLAS in bench {m}")));

@@ -491,11 +491,13 @@ mod tests {
         assert!(text.contains("| 12.0 | - | - | 1.083 |"), "in-bench cuBLAS and its ratio 13/12 missing: {text}");
         assert!(text.contains("| 64 | 1000 | 8 | 13.0 | tma_m128_n16 | 12.5 | 1.040 |"), "variants table: {text}");
         // B = 1: 12 / 11 = 1.091 is 5.9 % over 1.03, 12 / 11.5 = 1.043 meets 1.05, and the
-        // floor share 10 / 12 = 83.3 % misses 90 %; B = 8: 13 / 12 = 1.083 is 5.2 % over 1.03.
+        // floor share 10 / 12 = 83.3 % misses 90 %; B = 8: 13 / 12 = 1.083 is 5.2 % over 1.03
+        // and 10 / 13 = 76.9 % misses 90 %.
         assert!(text.contains("| 64 | 1000 | 1 | cuBLAS +5.9 %, read floor 83.3 % < 90 % |"), "targets: {text}");
         assert!(
             text.contains("| 64 | 1000 | 8 | cuBLAS in bench +5.2 %, read floor 76.9 % < 90 % |"),
             "targets: {text}"
         );
+        assert!(!report(&rows, &peers, DType::F16).contains("Targets"), "the targets are set for bf16 only");
     }
 }

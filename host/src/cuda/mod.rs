@@ -975,6 +975,23 @@ fn stage1_names() -> HashMap<(Stage1, DType, Variant), &'static str> {
 mod tests {
     use super::*;
 
+    /// Every TMA kernel's dynamic shared memory fits one block of an sm_90 multiprocessor, with
+    /// at least two stages so that loads overlap multiplies (a launch asking for more fails).
+    #[test]
+    fn tma_kernels_fit_in_shared_memory_with_two_stages() {
+        use flashsample_core::abi::{SM90_SHARED_LIMIT_BYTES, tma_handoff_stages, tma_stages};
+        for rows in TMA_ITEM_ROWS {
+            for columns in TMA_COLUMNS {
+                assert!(tma_shared_bytes(rows, columns) <= SM90_SHARED_LIMIT_BYTES, "Tma {{ {rows}, {columns} }}");
+                assert!(tma_stages(rows, columns) >= 2, "Tma {{ {rows}, {columns} }}");
+            }
+        }
+        for columns in HANDOFF_COLUMNS {
+            assert!(tma_handoff_shared_bytes(columns) <= SM90_SHARED_LIMIT_BYTES, "TmaHandoff {{ {columns} }}");
+            assert!(tma_handoff_stages(columns) >= 2, "TmaHandoff {{ {columns} }}");
+        }
+    }
+
     /// Every name the dispatcher can launch is one the sampler loads (and the PTX holds).
     #[test]
     fn dispatched_kernel_names_are_loaded_kernels() {

@@ -40,6 +40,8 @@ pub unsafe fn sync_threads() {
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn nvvm_shfl_sync_bfly_i32(member_mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn nvvm_shfl_sync_idx_i32(member_mask: u32, value: u32, lane: u32, clamp: u32) -> u32;
     #[link_name = "llvm.nvvm.vote.ballot.sync"]
     fn nvvm_vote_ballot_sync(member_mask: u32, predicate: bool) -> u32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
@@ -83,6 +85,17 @@ pub unsafe fn sync_warp() {
 #[inline(always)]
 pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
     unsafe { nvvm_shfl_sync_bfly_i32(0xffff_ffff, value, mask, 0x1f) }
+}
+
+/// `shfl.sync.idx` from lane 0: lane 0's `value` in every lane. For a value that is already
+/// the same in every lane (a warp or warpgroup index) this tells ptxas so, and it can then
+/// keep what is computed from it in uniform registers (the `wgmma` descriptors).
+///
+/// # Safety
+/// All 32 lanes of the warp must execute this call together (full mask).
+#[inline(always)]
+pub unsafe fn broadcast_lane0(value: u32) -> u32 {
+    unsafe { nvvm_shfl_sync_idx_i32(0xffff_ffff, value, 0, 0x1f) }
 }
 
 /// `vote.sync.ballot`: bit `l` set where lane `l`'s `predicate` holds.

@@ -144,15 +144,44 @@ pub unsafe fn wgmma_wait<const PENDING: u32>() {
 /// Bytes per row of a swizzled tile: 64 16-bit elements, the span of the 128-byte swizzle.
 pub const SWIZZLE_ROW_BYTES: u32 = 128;
 
-/// The `wgmma` descriptor of a K-major operand in shared memory at `address`, laid out by a
-/// TMA load with 128-byte swizzle: rows of 128 bytes, 8-row atoms of 1024 bytes (the stride
-/// between 8-row groups, SBO). The leading offset is unused for this layout (set to 1).
-/// Stepping 16 elements of K inside a row is `address + 32`.
-#[inline(always)]
-pub fn swizzled_descriptor(address: u32) -> u64 {
-    const LAYOUT_SWIZZLE_128B: u64 = 1 << 62;
-    const STRIDE_BYTES: u64 = 8 * SWIZZLE_ROW_BYTES as u64;
-    ((address as u64 & 0x3_ffff) >> 4) | (1 << 16) | ((STRIDE_BYTES >> 4) << 32) | LAYOUT_SWIZZLE_128B
+/// The `wgmma` descriptor of a K-major operand in shared memory, laid out by a TMA load with
+/// 128-byte swizzle: rows of 128 bytes, 8-row atoms of 1024 bytes (the stride between 8-row
+/// groups, SBO). The leading offset is unused for this layout (set to 1).
+///
+/// Only the low word depends on the address (its bits 0–13 hold `address / 16`); the high
+/// word is a constant. Kept as the low word, so that stepping through a stage is a 32-bit add
+/// that ptxas does in uniform registers, not a 64-bit add or a re-encoding per `wgmma`.
+#[derive(Clone, Copy)]
+pub struct SwizzledDescriptor {
+    low: u32,
+}
+
+impl SwizzledDescriptor {
+    /// The high word: SBO 1024 bytes (in 16-byte units) and the 128-byte swizzle mode.
+    const HIGH: u32 = ((8 * SWIZZLE_ROW_BYTES) >> 4) | (1 << 30);
+    /// The low word's leading byte offset field (bits 16–29): 1.
+    const LEADING_OFFSET: u32 = 1 << 16;
+
+    /// The descriptor of the operand at shared address `address` (16-byte aligned). Shared
+    /// addresses on sm_90 are below 2¹⁸ (at most 228 KiB per block), so `address / 16` fits
+    /// the 14-bit field without a mask.
+    #[inline(always)]
+    pub fn at(address: u32) -> SwizzledDescriptor {
+        SwizzledDescriptor { low: (address >> 4) + Self::LEADING_OFFSET }
+    }
+
+    /// The descriptor of the operand `bytes` (a multiple of 16) further on, in the same
+    /// block's shared memory. Stepping 16 elements of K inside a row is 32 bytes.
+    #[inline(always)]
+    pub fn advanced(self, bytes: u32) -> SwizzledDescriptor {
+        SwizzledDescriptor { low: self.low + (bytes >> 4) }
+    }
+
+    /// The 64-bit descriptor `wgmma` takes.
+    #[inline(always)]
+    pub fn bits(self) -> u64 {
+        ((Self::HIGH as u64) << 32) | self.low as u64
+    }
 }
 
 macro_rules! wgmma_shape {

@@ -180,29 +180,39 @@ impl Ring {
         w_offset: u32,
         acc: &mut [f32; R],
     ) {
+        // Stage and phase advance with the loop, and the descriptors are the stage-0 ones
+        // plus the stage's offset: all warp-uniform 32-bit arithmetic (ptxas keeps it in
+        // uniform registers when `w_offset` is known to be warp-uniform).
+        let lm_head = hopper::SwizzledDescriptor::at(self.lm_head + w_offset);
+        let hidden = hopper::SwizzledDescriptor::at(self.hidden);
+        let mut stage = first % self.stages;
+        let mut phase = (first / self.stages) & 1;
+        let mut previous = stage;
         for k_block in 0..k_blocks {
-            let iteration = first + k_block;
-            let stage = iteration % self.stages;
-            let phase = (iteration / self.stages) & 1;
-            let w = self.lm_head + stage * self.lm_head_stage_bytes + w_offset;
-            let h = self.hidden + stage * self.hidden_stage_bytes;
+            let a = lm_head.advanced(stage * self.lm_head_stage_bytes);
+            let b = hidden.advanced(stage * self.hidden_stage_bytes);
             unsafe {
                 hopper::barrier_wait(self.full + 8 * stage, phase);
                 hopper::wgmma_fence();
                 for step in 0..TMA_K_BLOCK / 16 {
                     // 16 elements of K are 32 bytes along the swizzled row.
-                    let a = hopper::swizzled_descriptor(w + 32 * step);
-                    let b = hopper::swizzled_descriptor(h + 32 * step);
-                    T::wgmma::<R>(acc, a, b, (k_block > 0 || step > 0) as u32);
+                    let (a, b) = (a.advanced(32 * step), b.advanced(32 * step));
+                    T::wgmma::<R>(acc, a.bits(), b.bits(), (k_block > 0 || step > 0) as u32);
                 }
                 hopper::wgmma_commit();
                 // The previous stage's group is done once at most this one is pending.
                 hopper::wgmma_wait::<PENDING>();
                 if PENDING == 0 {
-                    hopper::barrier_arrive(self.empty + 8 * (iteration % self.stages));
+                    hopper::barrier_arrive(self.empty + 8 * stage);
                 } else if k_block > 0 {
-                    hopper::barrier_arrive(self.empty + 8 * ((iteration - 1) % self.stages));
+                    hopper::barrier_arrive(self.empty + 8 * previous);
                 }
+            }
+            previous = stage;
+            stage += 1;
+            if stage == self.stages {
+                stage = 0;
+                phase ^= 1;
             }
         }
     }
@@ -352,7 +362,8 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let team_thread = thread % (32 * teams.warps);
     // This warpgroup's 64 rows within the item's `W` box.
     let rows_offset = (warpgroup % (rows / WARPGROUP_ROWS)) * WARPGROUP_ROWS;
-    let w_offset = rows_offset * 2 * TMA_K_BLOCK;
+    // SAFETY: every consumer thread calls `consume`, so whole warps reach the shuffle.
+    let w_offset = unsafe { arch::broadcast_lane0(rows_offset * 2 * TMA_K_BLOCK) };
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let staging = layout.staging.wrapping_add((team * teams.warps * N as u32) as usize);
     let team_rows = layout.rows.wrapping_add((team * N as u32) as usize);

@@ -115,7 +115,8 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     thread: u32,
 ) {
     let warpgroup = thread / WARPGROUP_THREADS;
-    let w_offset = warpgroup * WARPGROUP_ROWS * 2 * TMA_K_BLOCK;
+    // SAFETY: every consumer thread calls `consume`, so whole warps reach the shuffle.
+    let w_offset = unsafe { arch::broadcast_lane0(warpgroup * WARPGROUP_ROWS * 2 * TMA_K_BLOCK) };
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let lane = thread % 32;
     // `wgmma` m64nN: lane `4g + t` of warp `w` holds rows `16w + g` and `16w + g + 8`,

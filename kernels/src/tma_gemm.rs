@@ -169,6 +169,11 @@ impl Ring {
     /// iteration `first`, on its 64 rows (`w_offset` bytes into each `W` box), freeing each
     /// stage but the last once its group is done. The last group may still be running.
     ///
+    /// Pass a `w_offset` that ptxas knows to be warp-uniform ([`arch::broadcast_lane0`]):
+    /// the tokens do not depend on it, but otherwise every descriptor is built in vector
+    /// registers and moved to uniform ones before each `wgmma` (19 more instructions per
+    /// warp and stage, docs/PERF.md session 9).
+    ///
     /// # Safety
     /// All 128 threads of the warpgroup call it together; `acc` is not touched until
     /// [`Ring::finish`].

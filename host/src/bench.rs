@@ -300,7 +300,6 @@ fn cublas_target(b: usize) -> f64 {
 /// Per point, each target that fused sampling misses and by how much (a ratio that could not
 /// be formed, for want of a timing, is not judged).
 fn targets_table(rows: &[Row], peers: &[PeerTiming]) -> String {
-    let ours = |d: usize, v: usize, b: usize, name: &str| our_median(rows, d, v, b, name);
     let over = |ratio: f64, target: f64| (ratio > target).then(|| format!("+{:.1} %", 100.0 * (ratio / target - 1.0)));
     let (small, large) = CUBLAS_TARGETS;
     let floor_percent = 100.0 * READ_FLOOR_TARGET;
@@ -316,13 +315,13 @@ fn targets_table(rows: &[Row], peers: &[PeerTiming]) -> String {
         if let Some(c) = peer_median(peers, d, v, b, "cublas_gemm") {
             missed.extend(over(sample / c, cublas_target(b)).map(|m| format!("cuBLAS {m}")));
         }
-        if let Some(c) = ours(d, v, b, "cublas_gemm") {
+        if let Some(c) = our_median(rows, d, v, b, "cublas_gemm") {
             missed.extend(over(sample / c, cublas_target(b)).map(|m| format!("cuBLAS in bench {m}")));
         }
-        if let Some(g) = ours(d, v, b, "fused_greedy") {
+        if let Some(g) = our_median(rows, d, v, b, "fused_greedy") {
             missed.extend(over(sample / g, GREEDY_TARGET).map(|m| format!("greedy {m}")));
         }
-        if let (true, Some(floor)) = (b <= SMALL_BATCH, ours(d, v, 0, "read_floor")) {
+        if let (true, Some(floor)) = (b <= SMALL_BATCH, our_median(rows, d, v, 0, "read_floor")) {
             let share = floor / sample;
             if share < READ_FLOOR_TARGET {
                 missed.push(format!("read floor {:.1} % < {floor_percent:.0} %", 100.0 * share));

@@ -18,6 +18,10 @@ step() { # name, command...
     summary+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+# The cuBLAS that torch ships, timed inside the bench beside our kernels (bench, iso).
+find_cublas() {
+    python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(sorted(glob.glob(d + "/nvidia/**/libcublas.so*", recursive=True) + glob.glob(d + "/torch/lib/libcublas.so*"))), ""))' 2>/dev/null
+}
 for stage in $stages; do
     case $stage in
     tests)
@@ -41,25 +45,19 @@ for stage in $stages; do
     demo) step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
     bench)
         step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/bench.log' 2>&1"
-        # The cuBLAS that torch ships, timed again inside the bench beside our kernels.
-        cublas=$(python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(sorted(glob.glob(d + "/nvidia/**/libcublas.so*", recursive=True) + glob.glob(d + "/torch/lib/libcublas.so*"))), ""))' 2>/dev/null)
+        cublas=$(find_cublas)
         echo "in-bench cuBLAS: ${cublas:-none found}" | tee -a "$out/bench.log"
         step bench timeout 480 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' --all-variants ${cublas:+--cublas '$cublas'} 2>&1 | tee -a '$out/bench.log'"
         ;;
     iso)
         # Kernel-only times (each kernel alone under ncu, caches flushed by ncu): ours at B = 128
-        # and 256 against the cuBLAS GEMM that torch launches for x @ W.T on the same shape.
-        # Immune to the clock drift of a long sweep.
+        # and 256 against cuBLAS's GEMM launched by the bench on the same buffers (the inputs'
+        # bits move a GEMM's power-capped clock, so both multiply the same numbers). Immune to
+        # the clock drift of a long sweep.
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
-        step iso-ours timeout 200 bash -c "LD_LIBRARY_PATH= '$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused_tma|reduce_candidates' '$here/flashsample' bench --out /tmp/iso-bench --shapes 4096x151936,8192x128256 --batches 128,256 --runs 1 --warmup 0 > '$out/iso-ours.log' 2>&1"
-        step iso-cublas timeout 200 bash -c "LD_LIBRARY_PATH= '$ncu' --clock-control none --metrics gpu__time_duration.sum python3 -c 'import torch
-for d, v in [(4096, 151936), (8192, 128256)]:
-    w = torch.rand(v, d, device=\"cuda\", dtype=torch.bfloat16)
-    for b in [128, 256]:
-        x = torch.rand(b, d, device=\"cuda\", dtype=torch.bfloat16)
-        y = x @ w.T
-torch.cuda.synchronize()' > '$out/iso-cublas.log' 2>&1"
-        grep -hE "^  [a-zA-Z_]|gpu__time" "$out/iso-ours.log" "$out/iso-cublas.log" | head -60
+        cublas=$(find_cublas)
+        step iso timeout 300 bash -c "LD_LIBRARY_PATH= '$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused_tma|reduce_candidates|nvjet|xmma|cutlass' '$here/flashsample' bench --out /tmp/iso-bench --shapes 4096x151936,8192x128256 --batches 128,256 --runs 1 --warmup 0 ${cublas:+--cublas '$cublas'} > '$out/iso.log' 2>&1"
+        grep -hE "^  [a-zA-Z_]|gpu__time" "$out/iso.log" | head -60
         ;;
     ncu)
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)

@@ -2,13 +2,22 @@
 
 cuBLAS `x @ W.T` alone (the GEMM floor a fused sampler should match) and the usual torch
 pipeline (mm, softmax, multinomial) on the same shapes, bf16, CUDA events, L2 flushed before
-every run (256 MB write), median of RUNS runs after warm-up, random inputs.
+every run (256 MB write), median of RUNS runs after warm-up, random inputs drawn like the
+bench's (see `uniform`).
 
     python3 peers.py OUT.csv [--shapes 4096x151936,...] [--batches 1,2,...] [--runs 50]
 """
 import argparse
 
 import torch
+
+
+def uniform(rows, cols, scale):
+    """Uniform on [-scale, scale) from 24 random bits, rounded to bf16: the distribution of
+    `flashsample bench`'s inputs (`fill_uniform_bf16`, W at scale 0.05, x at 2.0). At the
+    H200's power cap a GEMM's clock depends on its inputs' bits (docs/PERF.md, session 12),
+    so the peers must multiply the same kind of numbers as our kernels."""
+    return ((torch.rand(rows, cols, device="cuda") * 2 - 1) * scale).to(torch.bfloat16)
 
 
 def timed(fn, runs, warmup, flush):
@@ -39,9 +48,9 @@ def main():
     rows = ["dim,vocab,batch,variant,median_us,min_us,max_us"]
     for shape in args.shapes.split(","):
         d, v = (int(x) for x in shape.split("x"))
-        w = (torch.rand(v, d, device="cuda", dtype=torch.bfloat16) - 0.5) * 0.1
+        w = uniform(v, d, 0.05)
         for b in (int(x) for x in args.batches.split(",")):
-            x = (torch.rand(b, d, device="cuda", dtype=torch.bfloat16) - 0.5) * 4
+            x = uniform(b, d, 2.0)
             gemm = timed(lambda: x @ w.T, args.runs, args.warmup, flush)
             sample = timed(
                 lambda: torch.multinomial(torch.softmax((x @ w.T).float(), dim=-1), 1),

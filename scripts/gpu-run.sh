@@ -22,6 +22,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 find_cublas() {
     python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(sorted(glob.glob(d + "/nvidia/**/libcublas.so*", recursive=True) + glob.glob(d + "/torch/lib/libcublas.so*"))), ""))' 2>/dev/null
 }
+find_ncu() {
+    command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1
+}
 for stage in $stages; do
     case $stage in
     tests)
@@ -54,13 +57,13 @@ for stage in $stages; do
         # and 256 against cuBLAS's GEMM launched by the bench on the same buffers (the inputs'
         # bits move a GEMM's power-capped clock, so both multiply the same numbers). Immune to
         # the clock drift of a long sweep.
-        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+        ncu=$(find_ncu)
         cublas=$(find_cublas)
         step iso timeout 300 bash -c "LD_LIBRARY_PATH= '$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused_tma|reduce_candidates|nvjet|xmma|cutlass' '$here/flashsample' bench --out /tmp/iso-bench --shapes 4096x151936,8192x128256 --batches 128,256 --runs 1 --warmup 0 ${cublas:+--cublas '$cublas'} > '$out/iso.log' 2>&1"
         grep -hE "^  [a-zA-Z_]|gpu__time" "$out/iso.log" | head -60
         ;;
     ncu)
-        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+        ncu=$(find_ncu)
         step ncu timeout 150 bash -c "'$ncu' --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum -k regex:'fused|reduce|logits_|sample_logits' '$here/flashsample' bench --out /tmp/ncu-bench --shapes 4096x151936 --batches 1,64,256 --runs 1 --warmup 0 > '$out/ncu.log' 2>&1"
         grep -E "fused_|reduce_|logits_|sample_logits|dram__bytes|gpu__time" "$out/ncu.log" | head -60
         ;;

@@ -1,8 +1,107 @@
 //! The argument blocks and launch constants shared by the kernels and the host launcher.
 //!
-//! Kernels take one `#[repr(C)]` block by value; device addresses travel as `u64` so the host
-//! can fill them from any allocation. Architecture Invariant: a kernel and its launcher agree on
-//! these types and constants because both import them from here; nothing is duplicated.
+//! Kernels take one `#[repr(C)]` block by value; device addresses travel as [`DevicePtr`]s,
+//! a `u64` typed by what it points to, so the host can fill them from any allocation (its own,
+//! a caller's, another library's). On the host every block is `bytemuck::Pod`: no padding, no
+//! references, so the driver may copy its bytes. Architecture Invariant: a kernel and its
+//! launcher agree on these types and constants because both import them from here; nothing is
+//! duplicated. Which kernel takes which block, and its launch shape, is in [`crate::registry`].
+
+use core::marker::PhantomData;
+
+use crate::{Candidate, RowParams};
+
+/// A device address of a `T` (or of the first of an array of them), as a kernel argument block
+/// carries it: 8 bytes, the address itself.
+#[repr(transparent)]
+pub struct DevicePtr<T> {
+    address: u64,
+    points_to: PhantomData<*const T>,
+}
+
+impl<T> DevicePtr<T> {
+    /// The null address: an argument a kernel does not read.
+    pub const NULL: DevicePtr<T> = DevicePtr::new(0);
+
+    pub const fn new(address: u64) -> DevicePtr<T> {
+        DevicePtr { address, points_to: PhantomData }
+    }
+
+    pub const fn address(self) -> u64 {
+        self.address
+    }
+
+    /// The address `count` elements further on (`T` must have a size: for [`Element`] use
+    /// [`DevicePtr::byte_add`]).
+    pub const fn add(self, count: u64) -> DevicePtr<T> {
+        assert!(core::mem::size_of::<T>() != 0, "DevicePtr::add on a zero-sized type; use byte_add");
+        DevicePtr::new(self.address + count * core::mem::size_of::<T>() as u64)
+    }
+
+    /// The address `bytes` further on.
+    pub const fn byte_add(self, bytes: u64) -> DevicePtr<T> {
+        DevicePtr::new(self.address + bytes)
+    }
+
+    /// The same address, read as another type.
+    pub const fn cast<U>(self) -> DevicePtr<U> {
+        DevicePtr::new(self.address)
+    }
+
+    pub fn as_ptr(self) -> *const T {
+        self.address as *const T
+    }
+
+    pub fn as_mut_ptr(self) -> *mut T {
+        self.address as *mut T
+    }
+}
+
+impl<T> Clone for DevicePtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for DevicePtr<T> {}
+
+impl<T> PartialEq for DevicePtr<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.address == other.address
+    }
+}
+
+impl<T> Eq for DevicePtr<T> {}
+
+impl<T> core::fmt::Debug for DevicePtr<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "{:#x}", self.address)
+    }
+}
+
+// SAFETY: one u64 and a zero-sized marker: no padding, every bit pattern valid, and the all-zero
+// value is the null address.
+#[cfg(not(target_arch = "nvptx64"))]
+unsafe impl<T: 'static> bytemuck::Zeroable for DevicePtr<T> {}
+// SAFETY: as above; the type holds no reference, only an address.
+#[cfg(not(target_arch = "nvptx64"))]
+unsafe impl<T: 'static> bytemuck::Pod for DevicePtr<T> {}
+
+/// An element of the kernel's own element type (bf16, f16 or f32): what `W` and `H` hold.
+/// The kernel's name says which (see [`crate::registry`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Element {}
+
+/// The driver's TMA descriptor (`CUtensorMap`): 128 opaque bytes, 64-byte aligned, in global
+/// memory.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct TensorMap(pub [u64; 16]);
+
+/// What a TMA kernel writes: candidates (fused sampling) or f32 logits (the unfused GEMM).
+#[derive(Clone, Copy, Debug)]
+pub enum TmaOutput {}
 
 /// Threads per block of every stage-1 kernel (fused, logits GEMM, logits sampler): four warps.
 pub const STAGE1_WARPS: u32 = 4;
@@ -86,7 +185,7 @@ pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
         + 2 * stages * 8
         + (TMA_CONSUMER_WARPS / 4) * 8
         + TMA_CONSUMER_WARPS * columns * 8
-        + (TMA_CONSUMER_WARPS / 4) * columns * core::mem::size_of::<crate::RowParams>() as u32
+        + (TMA_CONSUMER_WARPS / 4) * columns * core::mem::size_of::<RowParams>() as u32
 }
 
 /// Dynamic shared memory one block of a multiprocessor may have on sm_90 (227 KiB).
@@ -133,15 +232,8 @@ pub const fn tma_handoff_shared_bytes(columns: u32) -> u32 {
         + 2 * 8
 }
 
-/// Threads per block of the TMA kernel named `name`: the handoff kernels are named
-/// `…_tma_<element>_h128_n<columns>` ([`HANDOFF_ROWS`]), the other TMA kernels
-/// `…_tma_<element>_m<rows>_n<columns>`.
-pub fn tma_kernel_threads(name: &str) -> u32 {
-    if name.contains("_h128_") { TMA_HANDOFF_THREADS } else { TMA_THREADS }
-}
-
-/// Size of a `CUtensorMap` (the driver's TMA descriptor), which lives in global memory.
-pub const TENSOR_MAP_BYTES: usize = 128;
+/// Size of a [`TensorMap`].
+pub const TENSOR_MAP_BYTES: usize = core::mem::size_of::<TensorMap>();
 
 /// A TMA + `wgmma` kernel: the fused sampler (writes candidates as [`FusedArgs`] does) or the
 /// unfused GEMM (writes f32 logits as [`LogitsArgs`] does). `W` and `H` are read through
@@ -149,15 +241,16 @@ pub const TENSOR_MAP_BYTES: usize = 128;
 /// `tiles = ⌈vocab / item height⌉`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct TmaArgs {
-    /// Global address of the tensor map of `W[vocab, dim]`.
-    pub lm_head_map: u64,
-    /// Global address of the tensor map of the whole `H`, box rows = the kernel's columns.
-    pub hidden_map: u64,
-    /// `[batch]` of [`crate::RowParams`] (fused kernels).
-    pub rows: u64,
+    /// The tensor map of `W[vocab, dim]`.
+    pub lm_head_map: DevicePtr<TensorMap>,
+    /// The tensor map of the whole `H`, box rows = the kernel's columns.
+    pub hidden_map: DevicePtr<TensorMap>,
+    /// `[batch]` row parameters (fused kernels).
+    pub rows: DevicePtr<RowParams>,
     /// Candidates (fused kernels) or f32 logits (GEMM).
-    pub out: u64,
+    pub out: DevicePtr<TmaOutput>,
     pub vocab: u32,
     pub dim: u32,
     /// Rows of `H` this launch covers, starting at `hidden_row0`.
@@ -174,15 +267,16 @@ pub struct TmaArgs {
 /// draw `j < samples` (global draw index `sample_offset + j`) and vocabulary tile.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct FusedArgs {
     /// `W[vocab, dim]`, row-major, the element type of the kernel.
-    pub lm_head: u64,
+    pub lm_head: DevicePtr<Element>,
     /// `H[batch, dim]`, row-major, same element type.
-    pub hidden: u64,
-    /// `[batch]` of [`crate::RowParams`].
-    pub rows: u64,
-    /// `[batch · samples · tiles]` of [`crate::Candidate`].
-    pub candidates: u64,
+    pub hidden: DevicePtr<Element>,
+    /// `[batch]` row parameters.
+    pub rows: DevicePtr<RowParams>,
+    /// `[batch · samples · tiles]` candidates.
+    pub candidates: DevicePtr<Candidate>,
     pub vocab: u32,
     pub dim: u32,
     pub batch: u32,
@@ -194,10 +288,11 @@ pub struct FusedArgs {
 /// The unfused GEMM: `logits[b · logits_stride + i] = H[b]·W[i]` in f32.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsArgs {
-    pub lm_head: u64,
-    pub hidden: u64,
-    pub logits: u64,
+    pub lm_head: DevicePtr<Element>,
+    pub hidden: DevicePtr<Element>,
+    pub logits: DevicePtr<f32>,
     pub vocab: u32,
     pub dim: u32,
     pub batch: u32,
@@ -208,10 +303,11 @@ pub struct LogitsArgs {
 /// The unfused sampler over materialised logits; writes candidates like [`FusedArgs`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsSamplerArgs {
-    pub logits: u64,
-    pub rows: u64,
-    pub candidates: u64,
+    pub logits: DevicePtr<f32>,
+    pub rows: DevicePtr<RowParams>,
+    pub candidates: DevicePtr<Candidate>,
     pub vocab: u32,
     pub logits_stride: u32,
     pub batch: u32,
@@ -224,35 +320,42 @@ pub struct LogitsSamplerArgs {
 /// or `u32::MAX` when no tile had a finite score.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ReduceArgs {
-    pub candidates: u64,
-    pub tokens: u64,
+    pub candidates: DevicePtr<Candidate>,
+    pub tokens: DevicePtr<u32>,
     pub batch: u32,
     pub samples: u32,
     pub tiles: u32,
     pub sample_offset: u32,
     pub token_stride: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
 }
 
 /// Fills `count` elements at `out` with values uniform in `[-scale, scale)` drawn from Philox
 /// under `seed` (benchmark and demo inputs; never zeros).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct FillArgs {
-    pub out: u64,
+    pub out: DevicePtr<Element>,
     pub count: u64,
     pub seed: u64,
     pub scale: f32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
 }
 
 /// Reads `bytes` (a multiple of 64) from `source` with 16-byte loads; a checksum that is never
 /// written in practice keeps the loads alive.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ReadProbeArgs {
-    pub source: u64,
+    pub source: DevicePtr<u8>,
     pub bytes: u64,
-    pub sink: u64,
+    pub sink: DevicePtr<u32>,
 }
 
 /// Writes to the `u32` at `out` (zeroed by the host) the bits of the largest
@@ -260,6 +363,7 @@ pub struct ReadProbeArgs {
 /// (+∞ if any difference is NaN): the check of [`crate::estimate::GUMBEL_ESTIMATE_ERROR`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct EstimateErrorArgs {
-    pub out: u64,
+    pub out: DevicePtr<u32>,
 }

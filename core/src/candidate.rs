@@ -4,6 +4,7 @@
 /// equal scores the lower index wins, so merging in any order or grouping gives one answer.
 #[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct Candidate {
     pub score: f32,
     pub index: u32,

@@ -32,7 +32,19 @@
 //! [`gumbel`]: crate::gumbel::gumbel
 
 use core::f32::consts::{LN_2, LOG2_E};
-use core::f32::math::mul_add;
+
+/// `a · b + c` rounded once (IEEE `fma`), the same function on the GPU and the host.
+#[inline(always)]
+fn mul_add(a: f32, b: f32, c: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        core::f32::math::mul_add(a, b, c)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        std::primitive::f32::mul_add(a, b, c)
+    }
+}
 
 use crate::candidate::perturbed_score;
 use crate::gumbel::{TWO_POW_NEG_33, gumbel};
@@ -178,7 +190,6 @@ pub fn exact_score(row: &RowParams, word: u32, logit: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    extern crate std;
     use super::*;
     use crate::Candidate;
     use crate::noise::block_candidate;
@@ -256,8 +267,8 @@ mod tests {
 
     #[test]
     fn filter_keeps_the_exact_winner_for_spread_logits() {
-        filtered_matches_exact(sampling_row(1.0), |i| ((i * 2_654_435_761) % 1000) as f32 * 0.01);
-        filtered_matches_exact(sampling_row(0.05), |i| ((i * 2_654_435_761) % 1000) as f32 * -3.7 - 4000.0);
+        filtered_matches_exact(sampling_row(1.0), |i| (i.wrapping_mul(2_654_435_761) % 1000) as f32 * 0.01);
+        filtered_matches_exact(sampling_row(0.05), |i| (i.wrapping_mul(2_654_435_761) % 1000) as f32 * -3.7 - 4000.0);
     }
 
     #[test]

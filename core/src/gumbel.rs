@@ -87,7 +87,6 @@ pub fn gumbel(x: u32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    extern crate std;
     use super::*;
     use std::vec::Vec;
 

@@ -13,8 +13,16 @@
 //! `fma`); those differ between the GPU and the CPU and would break bit-identical noise.
 //! ([`estimate`] takes the hardware's logarithm as an argument and uses `mul_add`, only to
 //! choose which entries get exact scores.)
+//!
+//! The crate builds on stable Rust for the host. Only the fused multiply-add of [`estimate`]
+//! needs more than `core`: on the GPU it is `core`'s own (a nightly feature, which the kernel
+//! build has anyway), on the host the standard library's; both are the correctly rounded
+//! `fma`.
 #![no_std]
-#![feature(core_float_math)]
+#![cfg_attr(target_arch = "nvptx64", feature(core_float_math))]
+
+#[cfg(not(target_arch = "nvptx64"))]
+extern crate std;
 
 pub mod abi;
 pub mod candidate;
@@ -22,6 +30,7 @@ pub mod estimate;
 pub mod gumbel;
 pub mod noise;
 pub mod philox;
+pub mod registry;
 
 pub use candidate::{Candidate, perturbed_score};
 pub use noise::{RowParams, block_candidate, block_scores, noise_block};

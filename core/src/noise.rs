@@ -24,6 +24,7 @@ use crate::philox::{Counter, Key, philox4x32_10};
 /// One row's sampling parameters as the kernels read them (C layout, 24 bytes, 8-aligned).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct RowParams {
     pub seed: u64,
     /// Which independent stream of the seed this row draws from, e.g. a request id.

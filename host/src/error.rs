@@ -11,6 +11,9 @@ pub enum Error {
     /// No CUDA driver or no CUDA device on this machine.
     #[error("no CUDA device: {0}")]
     NoCudaDevice(String),
+    /// The device cannot load the PTX module the sampler was asked to run.
+    #[error("the {module} module needs compute capability {needs}; this device has {found}")]
+    UnsupportedDevice { module: &'static str, found: String, needs: String },
     /// A CUDA driver call failed; `call` says which (and after which kernel, for a sync).
     #[error("CUDA call {call} failed: {detail}")]
     Cuda { call: String, detail: String },

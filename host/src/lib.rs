@@ -17,21 +17,20 @@
 //! # Ok::<(), flashsample::Error>(())
 //! ```
 
-pub mod bench;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod io;
-pub mod module;
 pub mod params;
 pub mod tensor;
-pub mod timing;
 
 pub use cpu::{CpuLmHead, CpuSampler};
 pub use cuda::{
-    CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, HANDOFF_COLUMNS, MMA_COLUMNS, TMA_COLUMNS,
-    TMA_ITEM_ROWS, Variant,
+    CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, MMA_COLUMNS, ModuleChoice, TMA_COLUMNS, Variant,
+    cuda_device_count,
 };
 pub use error::{Error, Result};
+pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
+pub use flashsample_core::registry::Module;
 pub use params::{HeadShape, SamplingParams};
-pub use tensor::{DType, Elements, Matrix};
+pub use tensor::{DType, Elements, Matrix, MatrixShape};

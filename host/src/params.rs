@@ -3,7 +3,7 @@
 use flashsample_core::RowParams;
 
 use crate::error::{Error, Result, invalid};
-use crate::tensor::{DType, Matrix};
+use crate::tensor::{DType, Matrix, MatrixShape};
 
 /// How one batch row is sampled.
 ///
@@ -86,14 +86,6 @@ pub fn check_head_shape(vocab: usize, dim: usize) -> Result<()> {
     Ok(())
 }
 
-/// Shape and type of the hidden states of a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HiddenShape {
-    pub rows: usize,
-    pub cols: usize,
-    pub dtype: DType,
-}
-
 /// Checks that every hidden state is finite.
 pub fn check_hidden_values(hidden: &Matrix) -> Result<()> {
     match hidden.first_non_finite() {
@@ -108,7 +100,7 @@ pub fn check_hidden_values(hidden: &Matrix) -> Result<()> {
 /// Checks one sampling request against the head and returns the kernels' row parameters.
 pub fn check_request(
     head: HeadShape,
-    hidden: HiddenShape,
+    hidden: MatrixShape,
     params: &[SamplingParams],
     samples: u32,
 ) -> Result<Vec<RowParams>> {
@@ -119,7 +111,7 @@ pub fn check_request(
 /// The shape rules of a request whose `rows` per-row parameters come from `rows_argument`.
 pub fn check_request_shape(
     head: HeadShape,
-    hidden: HiddenShape,
+    hidden: MatrixShape,
     rows: usize,
     rows_argument: &str,
     samples: u32,

@@ -36,6 +36,14 @@ impl std::fmt::Display for DType {
     }
 }
 
+/// Shape and element type of a matrix (on the host or the device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatrixShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+}
+
 /// Row-major elements of one type.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Elements {
@@ -113,8 +121,8 @@ impl Matrix {
         self.elements.dtype()
     }
 
-    pub fn shape(&self) -> crate::params::HiddenShape {
-        crate::params::HiddenShape { rows: self.rows, cols: self.cols, dtype: self.dtype() }
+    pub fn shape(&self) -> MatrixShape {
+        MatrixShape { rows: self.rows, cols: self.cols, dtype: self.dtype() }
     }
 
     pub fn elements(&self) -> &Elements {

@@ -40,12 +40,16 @@ pub unsafe fn sync_threads() {
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn nvvm_shfl_sync_bfly_i32(member_mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
+    // Used by the TMA tiles only, which only the Hopper module holds (as below).
+    #[cfg(flashsample_module = "hopper")]
     #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
     fn nvvm_shfl_sync_idx_i32(member_mask: u32, value: u32, lane: u32, clamp: u32) -> u32;
+    #[cfg(flashsample_module = "hopper")]
     #[link_name = "llvm.nvvm.vote.ballot.sync"]
     fn nvvm_vote_ballot_sync(member_mask: u32, predicate: bool) -> u32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
     fn nvvm_bar_warp_sync(member_mask: u32);
+    #[cfg(flashsample_module = "hopper")]
     #[link_name = "llvm.nvvm.barrier.sync.cnt"]
     fn nvvm_barrier_sync_cnt(id: u32, threads: u32);
     #[link_name = "llvm.nvvm.lg2.approx.ftz.f"]
@@ -64,6 +68,7 @@ pub fn log2_approx(x: f32) -> f32 {
 ///
 /// # Safety
 /// Exactly `threads` threads (whole warps) reach this barrier with the same `id`.
+#[cfg(flashsample_module = "hopper")]
 #[inline(always)]
 pub unsafe fn sync_named(id: u32, threads: u32) {
     unsafe { nvvm_barrier_sync_cnt(id, threads) }
@@ -93,6 +98,7 @@ pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
 ///
 /// # Safety
 /// All 32 lanes of the warp must execute this call together (full mask).
+#[cfg(flashsample_module = "hopper")]
 #[inline(always)]
 pub unsafe fn broadcast_lane0(value: u32) -> u32 {
     unsafe { nvvm_shfl_sync_idx_i32(0xffff_ffff, value, 0, 0x1f) }
@@ -102,6 +108,7 @@ pub unsafe fn broadcast_lane0(value: u32) -> u32 {
 ///
 /// # Safety
 /// All 32 lanes of the warp must execute this call together (full mask).
+#[cfg(flashsample_module = "hopper")]
 #[inline(always)]
 pub unsafe fn ballot(predicate: bool) -> u32 {
     unsafe { nvvm_vote_ballot_sync(0xffff_ffff, predicate) }

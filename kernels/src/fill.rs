@@ -61,7 +61,7 @@ pub unsafe fn fill_uniform<T: Store>(args: &FillArgs) {
             let index = 4 * group + r as u64;
             if index < args.count {
                 let unit = (word >> 8) as f32 * (1.0 / 8_388_608.0) - 1.0;
-                unsafe { T::store(args.out, index, unit * args.scale) };
+                unsafe { T::store(args.out.address(), index, unit * args.scale) };
             }
         }
         group += stride;
@@ -74,25 +74,26 @@ pub unsafe fn fill_uniform<T: Store>(args: &FillArgs) {
 pub unsafe fn read_probe(args: &ReadProbeArgs) {
     let (thread, stride) = global_thread();
     let vectors = args.bytes / 16;
+    let source = args.source.address();
     let mut checksum = 0u32;
     let mut v = thread;
     while v + 3 * stride < vectors {
-        let a = unsafe { arch::load_global_nc_v4(args.source + 16 * v) };
-        let b = unsafe { arch::load_global_nc_v4(args.source + 16 * (v + stride)) };
-        let c = unsafe { arch::load_global_nc_v4(args.source + 16 * (v + 2 * stride)) };
-        let d = unsafe { arch::load_global_nc_v4(args.source + 16 * (v + 3 * stride)) };
+        let a = unsafe { arch::load_global_nc_v4(source + 16 * v) };
+        let b = unsafe { arch::load_global_nc_v4(source + 16 * (v + stride)) };
+        let c = unsafe { arch::load_global_nc_v4(source + 16 * (v + 2 * stride)) };
+        let d = unsafe { arch::load_global_nc_v4(source + 16 * (v + 3 * stride)) };
         checksum ^= a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1] ^ b[2] ^ b[3];
         checksum ^= c[0] ^ c[1] ^ c[2] ^ c[3] ^ d[0] ^ d[1] ^ d[2] ^ d[3];
         v += 4 * stride;
     }
     while v < vectors {
-        let a = unsafe { arch::load_global_nc_v4(args.source + 16 * v) };
+        let a = unsafe { arch::load_global_nc_v4(source + 16 * v) };
         checksum ^= a[0] ^ a[1] ^ a[2] ^ a[3];
         v += stride;
     }
     // A data-dependent store the compiler cannot drop; it almost never happens.
     if checksum == 0x9e37_79b9 {
-        unsafe { *(args.sink as *mut u32) = checksum };
+        unsafe { *args.sink.as_mut_ptr() = checksum };
     }
 }
 
@@ -120,6 +121,6 @@ pub unsafe fn gumbel_estimate_error(args: &EstimateErrorArgs) {
     }
     if arch::thread_index() % 32 == 0 {
         // SAFETY: `out` is a valid, aligned u32 per this function's contract.
-        unsafe { AtomicU32::from_ptr(args.out as *mut u32) }.fetch_max(bits, Ordering::Relaxed);
+        unsafe { AtomicU32::from_ptr(args.out.as_mut_ptr()) }.fetch_max(bits, Ordering::Relaxed);
     }
 }

@@ -9,6 +9,8 @@
 
 use core::arch::asm;
 
+use crate::element::{Bf16, F16, MmaElement};
+
 /// The shared-window address of a generic pointer into shared memory.
 #[inline(always)]
 pub fn shared_address<T>(pointer: *const T) -> u32 {
@@ -238,3 +240,44 @@ wgmma_shape!(
         58, 59, 60, 61, 62, 63
     ]
 );
+
+/// A 16-bit type the warpgroup tensor cores (`wgmma`) take, for every tile width in use.
+pub trait WgmmaElement: MmaElement {
+    /// `acc (+)= A·B` over one k16 step for a tile of `2·R` columns (`R` accumulators per
+    /// thread); see [`m64n8_bf16`].
+    ///
+    /// # Safety
+    /// As [`m64n8_bf16`]; `R` is one of 4, 8, 16, 32, 64.
+    unsafe fn wgmma<const R: usize>(acc: &mut [f32; R], a: u64, b: u64, accumulate: u32);
+}
+
+/// Reinterprets `[f32; R]` as `[f32; S]`; only called where `R == S`.
+#[inline(always)]
+fn same_array<const R: usize, const S: usize>(acc: &mut [f32; R]) -> &mut [f32; S] {
+    debug_assert!(R == S);
+    // SAFETY: the callers below match on `R`, so both arrays have the same length.
+    unsafe { &mut *(acc as *mut [f32; R] as *mut [f32; S]) }
+}
+
+macro_rules! wgmma_element {
+    ($element:ty, $n8:ident, $n16:ident, $n32:ident, $n64:ident, $n128:ident) => {
+        impl WgmmaElement for $element {
+            #[inline(always)]
+            unsafe fn wgmma<const R: usize>(acc: &mut [f32; R], a: u64, b: u64, accumulate: u32) {
+                unsafe {
+                    match R {
+                        4 => $n8(same_array(acc), a, b, accumulate),
+                        8 => $n16(same_array(acc), a, b, accumulate),
+                        16 => $n32(same_array(acc), a, b, accumulate),
+                        32 => $n64(same_array(acc), a, b, accumulate),
+                        64 => $n128(same_array(acc), a, b, accumulate),
+                        _ => core::arch::nvptx::trap(),
+                    }
+                }
+            }
+        }
+    };
+}
+
+wgmma_element!(Bf16, m64n8_bf16, m64n16_bf16, m64n32_bf16, m64n64_bf16, m64n128_bf16);
+wgmma_element!(F16, m64n8_f16, m64n16_f16, m64n32_f16, m64n64_f16, m64n128_f16);

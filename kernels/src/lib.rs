@@ -29,19 +29,22 @@
 mod arch;
 mod element;
 mod fill;
+#[cfg(flashsample_module = "hopper")]
 mod hopper;
 mod sample;
 mod tile;
+#[cfg(flashsample_module = "hopper")]
 mod tma_gemm;
+#[cfg(flashsample_module = "hopper")]
 mod tma_handoff;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
     EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs,
-    SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, TmaArgs, WARP_ROWS, fused_mma_shared_bytes,
+    SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
 };
 
-use element::{Bf16, Element, F16, F32, MmaElement};
+use element::{Element, MmaElement};
 use tile::TileInput;
 
 #[panic_handler]
@@ -82,7 +85,7 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (tile, row0, col0) = work_item(item, columns, args.batch);
-        let input = tile_input(args.lm_head, args.hidden, args.vocab, args.dim, args.batch, row0, col0);
+        let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
         unsafe { sample::sample_tile::<NT>(&logits, &args, tile, row0, col0, staging) };
         item += arch::grid_size();
@@ -103,7 +106,7 @@ unsafe fn fused_simt<T: Element>(args: FusedArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (tile, row0, col0) = work_item(item, N_TILE, args.batch);
-        let input = tile_input(args.lm_head, args.hidden, args.vocab, args.dim, args.batch, row0, col0);
+        let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
         let logits = unsafe { tile::simt_tile::<T>(&input, thread % 32, scratch) };
         unsafe { sample::sample_tile::<1>(&logits, &args, tile, row0, col0, staging) };
         item += arch::grid_size();
@@ -118,13 +121,13 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (_, row0, col0) = work_item(item, columns, args.batch);
-        let input = tile_input(args.lm_head, args.hidden, args.vocab, args.dim, args.batch, row0, col0);
+        let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
         for nt in 0..NT {
             for c in 0..2 {
                 let b = col0 + N_TILE * nt as u32 + 2 * t + c as u32;
                 if b < args.batch && row0 < args.vocab {
-                    let address = args.logits + (b as u64 * args.logits_stride as u64 + row0 as u64) * 4;
+                    let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
                     unsafe { arch::store_global_v4(address, logits[nt][c]) };
                 }
             }
@@ -133,71 +136,63 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     }
 }
 
-macro_rules! fused_kernels {
-    ($($name:ident => $body:expr;)*) => {$(
-        /// Stage 1 of fused sampling (see the crate docs).
+/// Defines one entry point of the registry's list (see `flashsample_core::registry`): its
+/// `Kernel` kind picks the body and the argument block.
+macro_rules! entry_point {
+    ($name:ident, FusedMma { element: $element:ident, columns: $columns:tt }) => {
+        /// Stage 1 of fused sampling on the `mma.sync` tile (see the crate docs).
         ///
         /// # Safety
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
-            unsafe { $body(args) }
+            unsafe { fused_mma::<element::$element, { $columns / 8 }>(args) }
         }
-    )*};
-}
-
-fused_kernels! {
-    fused_bf16_n8 => fused_mma::<Bf16, 1>;
-    fused_bf16_n16 => fused_mma::<Bf16, 2>;
-    fused_bf16_n32 => fused_mma::<Bf16, 4>;
-    fused_f16_n8 => fused_mma::<F16, 1>;
-    fused_f16_n16 => fused_mma::<F16, 2>;
-    fused_f16_n32 => fused_mma::<F16, 4>;
-    fused_simt_f32 => fused_simt::<F32>;
-    fused_simt_bf16 => fused_simt::<Bf16>;
-    fused_simt_f16 => fused_simt::<F16>;
-}
-
-macro_rules! logits_kernels {
-    ($($name:ident => $body:expr;)*) => {$(
-        /// The unfused pipeline's GEMM: writes f32 logits.
+    };
+    ($name:ident, FusedSimt { element: $element:ident }) => {
+        /// Stage 1 of fused sampling on the CUDA-core tile (any dtype, any D).
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
+            unsafe { fused_simt::<element::$element>(args) }
+        }
+    };
+    ($name:ident, LogitsMma { element: $element:ident, columns: $columns:tt }) => {
+        /// The unfused pipeline's GEMM on the `mma.sync` tile: writes f32 logits.
         ///
         /// # Safety
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: LogitsArgs) {
-            unsafe { $body(args) }
+            unsafe { logits_gemm::<element::$element, { $columns / 8 }>(args) }
         }
-    )*};
-}
-
-logits_kernels! {
-    logits_gemm_bf16_n8 => logits_gemm::<Bf16, 1>;
-    logits_gemm_bf16_n16 => logits_gemm::<Bf16, 2>;
-    logits_gemm_bf16_n32 => logits_gemm::<Bf16, 4>;
-    logits_gemm_f16_n8 => logits_gemm::<F16, 1>;
-    logits_gemm_f16_n16 => logits_gemm::<F16, 2>;
-    logits_gemm_f16_n32 => logits_gemm::<F16, 4>;
-}
-
-macro_rules! tma_kernels {
-    ($($name:ident => $element:ty, $rows:literal, $columns:literal, $fused:literal;)*) => {$(
+    };
+    ($name:ident, FusedTma { element: $element:ident, rows: $rows:tt, columns: $columns:tt }) => {
+        entry_point!(@tma $name, $element, $rows, $columns, true);
+    };
+    ($name:ident, LogitsTma { element: $element:ident, rows: $rows:tt, columns: $columns:tt }) => {
+        entry_point!(@tma $name, $element, $rows, $columns, false);
+    };
+    (@tma $name:ident, $element:ident, $rows:tt, $columns:tt, $fused:tt) => {
         /// A TMA + `wgmma` kernel (sm_90a): fused sampling, or the unfused pipeline's GEMM.
         ///
         /// # Safety
         /// As the crate-level safety section, with `TMA_THREADS` threads, `tma_shared_bytes`
         /// of dynamic shared memory and tensor maps made for this kernel's box shapes.
+        #[cfg(flashsample_module = "hopper")]
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
+        pub unsafe extern "ptx-kernel" fn $name(args: flashsample_core::abi::TmaArgs) {
             unsafe {
-                tma_gemm::tma_kernel::<$element, $rows, $columns, { $columns / 2 }, $fused>(&args, shared::<u8>())
+                tma_gemm::tma_kernel::<element::$element, $rows, $columns, { $columns / 2 }, $fused>(
+                    &args,
+                    shared::<u8>(),
+                )
             }
         }
-    )*};
-}
-
-macro_rules! tma_handoff_kernels {
-    ($($name:ident => $element:ty, $columns:literal;)*) => {$(
+    };
+    ($name:ident, FusedHandoff { element: $element:ident, columns: $columns:tt }) => {
         /// A TMA + `wgmma` fused sampling kernel (sm_90a) whose epilogue runs in warps of its
         /// own.
         ///
@@ -205,127 +200,74 @@ macro_rules! tma_handoff_kernels {
         /// As the crate-level safety section, with `TMA_HANDOFF_THREADS` threads,
         /// `tma_handoff_shared_bytes` of dynamic shared memory and tensor maps made for this
         /// kernel's box shapes.
+        #[cfg(flashsample_module = "hopper")]
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(args: TmaArgs) {
+        pub unsafe extern "ptx-kernel" fn $name(args: flashsample_core::abi::TmaArgs) {
             unsafe {
-                tma_handoff::tma_handoff_kernel::<$element, $columns, { $columns / 2 }>(
+                tma_handoff::tma_handoff_kernel::<element::$element, $columns, { $columns / 2 }>(
                     &args,
                     shared::<u8>(),
                 )
             }
         }
-    )*};
+    };
+    ($name:ident, SampleLogits {}) => {
+        /// The unfused pipeline's sampler over materialised logits.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: LogitsSamplerArgs) {
+            unsafe { sample::sample_logits(&args, shared::<Candidate>()) }
+        }
+    };
+    ($name:ident, ReduceCandidates {}) => {
+        /// Stage 2: candidates → tokens.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: ReduceArgs) {
+            unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
+        }
+    };
+    ($name:ident, FillUniform { element: $element:ident }) => {
+        /// Fills a buffer with uniform values in `[-scale, scale)`.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: FillArgs) {
+            unsafe { fill::fill_uniform::<element::$element>(&args) }
+        }
+    };
+    ($name:ident, ReadProbe {}) => {
+        /// Streams a buffer with 16-byte loads: the read-bandwidth floor.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: ReadProbeArgs) {
+            unsafe { fill::read_probe(&args) }
+        }
+    };
+    ($name:ident, GumbelEstimateError {}) => {
+        /// The exhaustive check of the noise estimate's error bound (see
+        /// [`fill::gumbel_estimate_error`]).
+        ///
+        /// # Safety
+        /// As the crate-level safety section; `args.out` is a zeroed `u32`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: EstimateErrorArgs) {
+            unsafe { fill::gumbel_estimate_error(&args) }
+        }
+    };
 }
 
-tma_handoff_kernels! {
-    fused_tma_bf16_h128_n64 => Bf16, 64;
-    fused_tma_bf16_h128_n128 => Bf16, 128;
-    fused_tma_f16_h128_n64 => F16, 64;
-    fused_tma_f16_h128_n128 => F16, 128;
+macro_rules! entry_points {
+    ($($name:ident => $kind:ident { $($field:ident : $value:tt),* };)*) => {
+        $(entry_point!($name, $kind { $($field: $value),* });)*
+    };
 }
 
-tma_kernels! {
-    fused_tma_bf16_m64_n8 => Bf16, 64, 8, true;
-    fused_tma_bf16_m64_n16 => Bf16, 64, 16, true;
-    fused_tma_bf16_m64_n32 => Bf16, 64, 32, true;
-    fused_tma_bf16_m64_n64 => Bf16, 64, 64, true;
-    fused_tma_bf16_m64_n128 => Bf16, 64, 128, true;
-    fused_tma_bf16_m128_n8 => Bf16, 128, 8, true;
-    fused_tma_bf16_m128_n16 => Bf16, 128, 16, true;
-    fused_tma_bf16_m128_n32 => Bf16, 128, 32, true;
-    fused_tma_bf16_m128_n64 => Bf16, 128, 64, true;
-    fused_tma_bf16_m128_n128 => Bf16, 128, 128, true;
-    fused_tma_f16_m64_n8 => F16, 64, 8, true;
-    fused_tma_f16_m64_n16 => F16, 64, 16, true;
-    fused_tma_f16_m64_n32 => F16, 64, 32, true;
-    fused_tma_f16_m64_n64 => F16, 64, 64, true;
-    fused_tma_f16_m64_n128 => F16, 64, 128, true;
-    fused_tma_f16_m128_n8 => F16, 128, 8, true;
-    fused_tma_f16_m128_n16 => F16, 128, 16, true;
-    fused_tma_f16_m128_n32 => F16, 128, 32, true;
-    fused_tma_f16_m128_n64 => F16, 128, 64, true;
-    fused_tma_f16_m128_n128 => F16, 128, 128, true;
-    logits_tma_bf16_m64_n8 => Bf16, 64, 8, false;
-    logits_tma_bf16_m64_n16 => Bf16, 64, 16, false;
-    logits_tma_bf16_m64_n32 => Bf16, 64, 32, false;
-    logits_tma_bf16_m64_n64 => Bf16, 64, 64, false;
-    logits_tma_bf16_m64_n128 => Bf16, 64, 128, false;
-    logits_tma_bf16_m128_n8 => Bf16, 128, 8, false;
-    logits_tma_bf16_m128_n16 => Bf16, 128, 16, false;
-    logits_tma_bf16_m128_n32 => Bf16, 128, 32, false;
-    logits_tma_bf16_m128_n64 => Bf16, 128, 64, false;
-    logits_tma_bf16_m128_n128 => Bf16, 128, 128, false;
-    logits_tma_f16_m64_n8 => F16, 64, 8, false;
-    logits_tma_f16_m64_n16 => F16, 64, 16, false;
-    logits_tma_f16_m64_n32 => F16, 64, 32, false;
-    logits_tma_f16_m64_n64 => F16, 64, 64, false;
-    logits_tma_f16_m64_n128 => F16, 64, 128, false;
-    logits_tma_f16_m128_n8 => F16, 128, 8, false;
-    logits_tma_f16_m128_n16 => F16, 128, 16, false;
-    logits_tma_f16_m128_n32 => F16, 128, 32, false;
-    logits_tma_f16_m128_n64 => F16, 128, 64, false;
-    logits_tma_f16_m128_n128 => F16, 128, 128, false;
-}
-
-/// The unfused pipeline's sampler over materialised logits.
-///
-/// # Safety
-/// As the crate-level safety section.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn sample_logits(args: LogitsSamplerArgs) {
-    unsafe { sample::sample_logits(&args, shared::<Candidate>()) }
-}
-
-/// Stage 2: candidates → tokens.
-///
-/// # Safety
-/// As the crate-level safety section.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn reduce_candidates(args: ReduceArgs) {
-    unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
-}
-
-/// Fills a bf16 buffer with uniform values in `[-scale, scale)`.
-///
-/// # Safety
-/// As the crate-level safety section.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn fill_uniform_bf16(args: FillArgs) {
-    unsafe { fill::fill_uniform::<Bf16>(&args) }
-}
-
-/// Fills an f16 buffer with uniform values in `[-scale, scale)`.
-///
-/// # Safety
-/// As the crate-level safety section.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn fill_uniform_f16(args: FillArgs) {
-    unsafe { fill::fill_uniform::<F16>(&args) }
-}
-
-/// Fills an f32 buffer with uniform values in `[-scale, scale)`.
-///
-/// # Safety
-/// As the crate-level safety section.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn fill_uniform_f32(args: FillArgs) {
-    unsafe { fill::fill_uniform::<F32>(&args) }
-}
-
-/// Streams a buffer with 16-byte loads: the read-bandwidth floor.
-///
-/// # Safety
-/// As the crate-level safety section.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn read_probe(args: ReadProbeArgs) {
-    unsafe { fill::read_probe(&args) }
-}
-
-/// The exhaustive check of the noise estimate's error bound (see [`fill::gumbel_estimate_error`]).
-///
-/// # Safety
-/// As the crate-level safety section; `args.out` is a zeroed `u32`.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn gumbel_estimate_error(args: EstimateErrorArgs) {
-    unsafe { fill::gumbel_estimate_error(&args) }
-}
+flashsample_core::for_each_kernel!(entry_points);

@@ -3,7 +3,7 @@
 use flashsample_core::abi::{
     FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, STAGE1_WARPS,
 };
-use flashsample_core::{Candidate, RowParams, block_candidate};
+use flashsample_core::{Candidate, block_candidate};
 
 use crate::arch;
 use crate::tile::ThreadLogits;
@@ -90,7 +90,7 @@ pub unsafe fn sample_tile<const NT: usize>(
                 // Columns past the batch (a batch tile wider than B) draw no noise; their lanes
                 // still join the shuffles below.
                 if col0 + column < args.batch {
-                    let row = unsafe { *(args.rows as *const RowParams).add((col0 + column) as usize) };
+                    let row = unsafe { *args.rows.as_ptr().add((col0 + column) as usize) };
                     best = block_candidate(&row, args.sample_offset + j, block, pick(logits, column_slot), rows_valid);
                 }
                 best = unsafe { merge_over_lanes(best, 4, 16) };
@@ -113,7 +113,7 @@ pub unsafe fn sample_tile<const NT: usize>(
                     best = best.merge(unsafe { *staging.add(((slot * STAGE1_WARPS + w) * columns + column) as usize) });
                 }
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
-                unsafe { *(args.candidates as *mut Candidate).add(at as usize) = best };
+                unsafe { *args.candidates.as_mut_ptr().add(at as usize) = best };
             }
             item += STAGE1_WARPS * 32;
         }
@@ -141,12 +141,12 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
         let row0 = (tile * STAGE1_WARPS * 32 + thread) * 4;
         let rows_valid = args.vocab.saturating_sub(row0).min(4);
         let logits = if rows_valid > 0 {
-            let address = args.logits + (b as u64 * args.logits_stride as u64 + row0 as u64) * 4;
+            let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
             unsafe { arch::load_global_nc_v4(address) }.map(f32::from_bits)
         } else {
             [f32::NEG_INFINITY; 4]
         };
-        let row = unsafe { *(args.rows as *const RowParams).add(b as usize) };
+        let row = unsafe { *args.rows.as_ptr().add(b as usize) };
         let mut first = 0;
         while first < args.samples {
             for slot in 0..SAMPLES_PER_MERGE {
@@ -168,7 +168,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 }
                 let j = first + thread;
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
-                unsafe { *(args.candidates as *mut Candidate).add(at as usize) = best };
+                unsafe { *args.candidates.as_mut_ptr().add(at as usize) = best };
             }
             unsafe { arch::sync_threads() };
             first += SAMPLES_PER_MERGE;
@@ -192,7 +192,7 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
     while item < args.batch * args.samples {
         let b = item / args.samples;
         let j = item % args.samples;
-        let base = (args.candidates as *const Candidate).wrapping_add(item as usize * args.tiles as usize);
+        let base = args.candidates.as_ptr().wrapping_add(item as usize * args.tiles as usize);
         let mut best = Candidate::NONE;
         let mut tile = thread;
         while tile < args.tiles {
@@ -209,7 +209,7 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
                 best = best.merge(unsafe { *staging.add(w as usize) });
             }
             let at = b as u64 * args.token_stride as u64 + args.sample_offset as u64 + j as u64;
-            unsafe { *(args.tokens as *mut u32).add(at as usize) = best.index };
+            unsafe { *args.tokens.as_mut_ptr().add(at as usize) = best.index };
         }
         unsafe { arch::sync_threads() };
         item += arch::grid_size();

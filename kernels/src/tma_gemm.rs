@@ -40,7 +40,7 @@ use flashsample_core::abi::{
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
 
-use crate::element::WgmmaElement;
+use crate::hopper::WgmmaElement;
 use crate::hopper;
 use crate::{arch, sample};
 
@@ -140,8 +140,8 @@ impl Ring {
         let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
         let stage_bytes = self.lm_head_stage_bytes + self.hidden_stage_bytes;
         unsafe {
-            hopper::fence_tensor_map(args.lm_head_map);
-            hopper::fence_tensor_map(args.hidden_map);
+            hopper::fence_tensor_map(args.lm_head_map.address());
+            hopper::fence_tensor_map(args.hidden_map.address());
         }
         let mut iteration = 0u32;
         for (_, tile, col0) in Items::new(args, columns, 0, 1) {
@@ -156,9 +156,9 @@ impl Ring {
                     hopper::barrier_wait(self.empty + 8 * stage, phase ^ 1);
                     hopper::barrier_arrive_expect_bytes(full, stage_bytes);
                     let w = self.lm_head + stage * self.lm_head_stage_bytes;
-                    hopper::tma_load_2d(w, args.lm_head_map, k, (tile * rows) as i32, full);
+                    hopper::tma_load_2d(w, args.lm_head_map.address(), k, (tile * rows) as i32, full);
                     let h = self.hidden + stage * self.hidden_stage_bytes;
-                    hopper::tma_load_2d(h, args.hidden_map, k, (args.hidden_row0 + col0) as i32, full);
+                    hopper::tma_load_2d(h, args.hidden_map.address(), k, (args.hidden_row0 + col0) as i32, full);
                 }
                 iteration += 1;
             }
@@ -380,7 +380,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
         // under it and the epilogue reads them from shared memory.
         let b = col0 + team_thread;
         let staged_row = if FUSED && team_thread < N as u32 && b < args.batch {
-            unsafe { load_row_words(args.rows as *const u64, b) }
+            unsafe { load_row_words(args.rows.cast::<u64>().as_ptr(), b) }
         } else {
             PAD_ROW_WORDS
         };
@@ -594,7 +594,7 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
                     best = best.merge(unsafe { *staging.add((w * N as u32 + column) as usize) });
                 }
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + place.tile as u64;
-                unsafe { *(args.out as *mut Candidate).add(at as usize) = best };
+                unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = best };
             }
             column += threads;
         }
@@ -696,7 +696,8 @@ unsafe fn logits_epilogue<const N: usize, const R: usize>(acc: &[f32; R], args: 
         let logits = unsafe { transpose_quad(quad, place.lane) };
         let b = place.col0 + 8 * tile_column as u32 + place.column;
         if b < args.batch && place.row0 < args.vocab {
-            let address = args.out + (b as u64 * args.logits_stride as u64 + place.row0 as u64) * 4;
+            let address =
+                args.out.cast::<f32>().add(b as u64 * args.logits_stride as u64 + place.row0 as u64).address();
             unsafe { arch::store_global_v4(address, logits) };
         }
     };

@@ -28,7 +28,7 @@ use flashsample_core::abi::{
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
 
-use crate::element::WgmmaElement;
+use crate::hopper::WgmmaElement;
 use crate::tma_gemm::{Items, PAD_ROW, Ring, WARPGROUP_THREADS, for_each_quad, pick_of_four, unrolled};
 use crate::{arch, hopper, sample};
 
@@ -201,7 +201,7 @@ const RESOLVED: u32 = u32::MAX;
 /// As [`tma_handoff_kernel`]; all 32 lanes of each epilogue warp call it.
 #[inline(always)]
 unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
-    let rows = args.rows as *const RowParams;
+    let rows = args.rows.as_ptr();
     let slot = lane % COLUMN_LANES;
     let part = lane / COLUMN_LANES;
     let parked = |column: u32| {
@@ -290,7 +290,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
 #[inline(always)]
 unsafe fn write_candidate(args: &TmaArgs, tile: u32, b: u32, j: u32, candidate: Candidate) {
     let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
-    unsafe { *(args.out as *mut Candidate).add(at as usize) = candidate };
+    unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = candidate };
 }
 
 /// One lane's part of a column's race for one draw, after the estimates.

@@ -31,7 +31,9 @@ impl Backend for Cpu {
 }
 
 /// The GPU with one stage-1 variant forced; the workspace is poisoned before every call so a
-/// candidate slot that stage 1 fails to write shows up as a wrong token.
+/// candidate slot that stage 1 fails to write shows up as a wrong token. The sampler runs the
+/// module for the device, or the one `FLASHSAMPLE_MODULE` forces (the GPU suite runs once
+/// with each).
 pub struct Cuda {
     pub sampler: CudaSampler,
     pub variant: Variant,
@@ -45,17 +47,17 @@ impl Cuda {
 
 impl Backend for Cuda {
     fn name(&self) -> String {
-        format!("cuda {:?}", self.variant)
+        format!("cuda {} {:?}", self.sampler.module().name(), self.variant)
     }
 
     fn sample(&self, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
         let head = self.sampler.upload_lm_head(lm_head)?;
         let device_hidden = self.sampler.upload_hidden(hidden)?;
-        let mut tokens = flashsample::DeviceTokens::new(&self.sampler, hidden.rows(), samples as usize)?;
+        let mut tokens = self.sampler.tokens(hidden.rows(), samples as usize)?;
         // Grow the workspace to this problem, then poison it and the output, then sample.
         self.sampler.sample_into(&head, &device_hidden, params, samples, self.variant, &mut tokens)?;
         self.sampler.poison_workspace()?;
-        tokens.fill(&self.sampler, 0xffff_fffe)?;
+        self.sampler.fill_tokens(&mut tokens, 0xffff_fffe)?;
         self.sampler.sample_into(&head, &device_hidden, params, samples, self.variant, &mut tokens)?;
         let out = self.sampler.tokens_to_host(&tokens)?;
         let vocab = lm_head.rows() as u32;

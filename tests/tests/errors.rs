@@ -2,7 +2,7 @@
 //! panics. These run on the CPU backend and on the validation the CUDA backend shares.
 
 use flashsample::params::check_head_shape;
-use flashsample::{CpuSampler, CudaSampler, DType, Elements, Error, Matrix, SamplingParams, Variant};
+use flashsample::{CpuSampler, CudaSampler, DType, Elements, Error, Matrix, Module, SamplingParams, Variant};
 use flashsample_tests::random_matrix;
 
 fn invalid_argument(result: Result<impl std::fmt::Debug, Error>) -> String {
@@ -96,24 +96,44 @@ fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
         Variant::Tma { rows: 128, columns: 8 },
         Variant::TmaHandoff { columns: 128 },
     ] {
-        assert_eq!(invalid_argument(variant.resolve(DType::F32, 64, 1)), "variant");
-        assert_eq!(invalid_argument(variant.resolve(DType::BF16, 63, 1)), "variant");
-        assert_eq!(variant.resolve(DType::F16, 64, 1).unwrap(), variant);
+        assert_eq!(invalid_argument(variant.resolve(Module::Hopper, DType::F32, 64, 1)), "variant");
+        assert_eq!(invalid_argument(variant.resolve(Module::Hopper, DType::BF16, 63, 1)), "variant");
+        assert_eq!(variant.resolve(Module::Hopper, DType::F16, 64, 1).unwrap(), variant);
     }
-    assert_eq!(invalid_argument(Variant::Mma { columns: 12 }.resolve(DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::Mma { columns: 64 }.resolve(DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::Tma { rows: 64, columns: 256 }.resolve(DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::Tma { rows: 32, columns: 8 }.resolve(DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::TmaHandoff { columns: 32 }.resolve(DType::BF16, 64, 1)), "variant");
-    assert_eq!(Variant::Auto.resolve(DType::F32, 64, 1).unwrap(), Variant::Simt);
-    assert_eq!(Variant::Auto.resolve(DType::BF16, 63, 9).unwrap(), Variant::Simt);
+    assert_eq!(invalid_argument(Variant::Mma { columns: 12 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
+    assert_eq!(invalid_argument(Variant::Mma { columns: 64 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
+    assert_eq!(invalid_argument(Variant::Tma { rows: 64, columns: 256 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
+    assert_eq!(invalid_argument(Variant::Tma { rows: 32, columns: 8 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
+    assert_eq!(invalid_argument(Variant::TmaHandoff { columns: 32 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
+    assert_eq!(Variant::Auto.resolve(Module::Hopper, DType::F32, 64, 1).unwrap(), Variant::Simt);
+    assert_eq!(Variant::Auto.resolve(Module::Hopper, DType::BF16, 63, 9).unwrap(), Variant::Simt);
     for batch in [1, 9, 100, 5000] {
-        let picked = Variant::Auto.resolve(DType::BF16, 64, batch).unwrap();
-        assert!(
-            matches!(picked, Variant::Mma { .. } | Variant::Tma { .. } | Variant::TmaHandoff { .. }),
-            "B = {batch}: {picked:?}"
-        );
+        let picked = Variant::Auto.resolve(Module::Hopper, DType::BF16, 64, batch).unwrap();
+        assert!(matches!(picked, Variant::Tma { .. } | Variant::TmaHandoff { .. }), "B = {batch}: {picked:?}");
+        let picked = Variant::Auto.resolve(Module::Portable, DType::BF16, 64, batch).unwrap();
+        assert!(matches!(picked, Variant::Mma { .. }), "B = {batch}: {picked:?}");
     }
+    for variant in [Variant::Tma { rows: 128, columns: 8 }, Variant::TmaHandoff { columns: 64 }] {
+        assert_eq!(invalid_argument(variant.resolve(Module::Portable, DType::BF16, 64, 1)), "variant");
+    }
+}
+
+/// A module named in `FLASHSAMPLE_MODULE` that a device cannot load, or a name that is no
+/// module, is a typed error before any device work.
+#[test]
+fn module_choice_is_checked_against_the_device() {
+    use flashsample::ModuleChoice;
+    assert_eq!(ModuleChoice::Auto.resolve(9, 0).unwrap(), Module::Hopper);
+    assert_eq!(ModuleChoice::Auto.resolve(8, 6).unwrap(), Module::Portable);
+    assert_eq!(ModuleChoice::Auto.resolve(12, 0).unwrap(), Module::Portable);
+    assert_eq!(ModuleChoice::Force(Module::Portable).resolve(9, 0).unwrap(), Module::Portable);
+    for (major, minor) in [(8, 0), (10, 0)] {
+        assert!(matches!(
+            ModuleChoice::Force(Module::Hopper).resolve(major, minor),
+            Err(Error::UnsupportedDevice { module: "hopper", .. })
+        ));
+    }
+    assert!(matches!(ModuleChoice::Auto.resolve(7, 5), Err(Error::UnsupportedDevice { module: "portable", .. })));
 }
 
 /// Without a GPU the CUDA backend says so in a typed error; with one it starts.

@@ -1,37 +1,45 @@
-//! The shared test bodies on the GPU, for every stage-1 variant the dispatcher can pick.
-//! Ignored without a GPU; on the H200: `cargo xtask bundle`, then `run.sh` runs them with
-//! `--include-ignored`. χ² tests use α = 1e-3 and fixed seeds.
+//! The shared test bodies on the GPU, for every stage-1 variant the dispatcher can pick in the
+//! module the sampler runs. Ignored without a GPU; on the H200: `cargo xtask bundle`, then
+//! `run.sh` runs them with `--include-ignored`, once with the Hopper module and once with
+//! `FLASHSAMPLE_MODULE=portable`. χ² tests use α = 1e-3 and fixed seeds.
 
 use flashsample::{
-    CudaSampler, DType, DeviceTokens, HANDOFF_COLUMNS, MMA_COLUMNS, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
+    CudaSampler, DType, HANDOFF_COLUMNS, MMA_COLUMNS, Module, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
 };
 use flashsample_tests::*;
 
 const ALPHA: f64 = 1e-3;
 
-/// (variant, dtype, D): the tensor-core variants need 16-bit types and D % 8 == 0; D = 200
-/// leaves a partial 64-column chunk (mma) and a partial 64-element TMA box. Every width of
-/// the mma tile and of the three TMA schedules runs in BF16; F16 (which changes only the
-/// multiply instruction) runs every mma width and three TMA tiles. The SIMT variant runs
-/// every dtype at an odd D.
+/// The module the GPU tests run (the device's, or the one `FLASHSAMPLE_MODULE` forces).
+fn module() -> Module {
+    CudaSampler::new().expect("these tests need a CUDA GPU").module()
+}
+
+/// (variant, dtype, D) for the module under test: the tensor-core variants need 16-bit types
+/// and D % 8 == 0; D = 200 leaves a partial 64-column chunk (mma) and a partial 64-element TMA
+/// box. Every width of the mma tile runs in BF16 and F16 (which changes only the multiply
+/// instruction); with the Hopper module every width of the three TMA schedules runs in BF16
+/// and three TMA tiles in F16. The SIMT variant runs every dtype at an odd D.
 fn cases() -> Vec<(Variant, DType, usize)> {
     let mut cases = Vec::new();
     for columns in MMA_COLUMNS {
         cases.push((Variant::Mma { columns }, DType::BF16, 200));
         cases.push((Variant::Mma { columns }, DType::F16, 200));
     }
-    for rows in TMA_ITEM_ROWS {
-        for columns in TMA_COLUMNS {
-            cases.push((Variant::Tma { rows, columns }, DType::BF16, 200));
+    if module() == Module::Hopper {
+        for rows in TMA_ITEM_ROWS {
+            for columns in TMA_COLUMNS {
+                cases.push((Variant::Tma { rows, columns }, DType::BF16, 200));
+            }
         }
+        for columns in HANDOFF_COLUMNS {
+            cases.push((Variant::TmaHandoff { columns }, DType::BF16, 200));
+        }
+        for (rows, columns) in [(64, 8), (128, 128)] {
+            cases.push((Variant::Tma { rows, columns }, DType::F16, 200));
+        }
+        cases.push((Variant::TmaHandoff { columns: 128 }, DType::F16, 200));
     }
-    for columns in HANDOFF_COLUMNS {
-        cases.push((Variant::TmaHandoff { columns }, DType::BF16, 200));
-    }
-    for (rows, columns) in [(64, 8), (128, 128)] {
-        cases.push((Variant::Tma { rows, columns }, DType::F16, 200));
-    }
-    cases.push((Variant::TmaHandoff { columns: 128 }, DType::F16, 200));
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         cases.push((Variant::Simt, dtype, 199));
     }
@@ -143,7 +151,7 @@ fn identical_rows_draw_independently() {
 #[ignore = "needs a CUDA GPU"]
 fn unfused_pipeline_gives_the_same_tokens() {
     let sampler = CudaSampler::new().unwrap();
-    for variant in Variant::tensor_core() {
+    for variant in Variant::tensor_core(sampler.module()) {
         let w = random_matrix(3001, 136, DType::BF16, 0.3, 71);
         let h = random_matrix(45, 136, DType::BF16, 1.0, 72);
         let params: Vec<SamplingParams> =
@@ -151,12 +159,12 @@ fn unfused_pipeline_gives_the_same_tokens() {
         let head = sampler.upload_lm_head(&w).unwrap();
         let hidden = sampler.upload_hidden(&h).unwrap();
         let rows = sampler.upload_rows(&params).unwrap();
-        let mut fused = DeviceTokens::new(&sampler, 45, 5).unwrap();
-        let mut unfused = DeviceTokens::new(&sampler, 45, 5).unwrap();
+        let mut fused = sampler.tokens(45, 5).unwrap();
+        let mut unfused = sampler.tokens(45, 5).unwrap();
         sampler.sample_into(&head, &hidden, &params, 5, variant, &mut fused).unwrap();
         sampler.sample_unfused_into(&head, &hidden, &rows, 5, variant, &mut unfused).unwrap();
         sampler.poison_workspace().unwrap();
-        unfused.fill(&sampler, 0xffff_fffe).unwrap();
+        sampler.fill_tokens(&mut unfused, 0xffff_fffe).unwrap();
         sampler.sample_unfused_into(&head, &hidden, &rows, 5, variant, &mut unfused).unwrap();
         assert_eq!(sampler.tokens_to_host(&fused).unwrap(), sampler.tokens_to_host(&unfused).unwrap(), "{variant:?}");
     }
@@ -189,11 +197,12 @@ fn tile_width_does_not_change_tokens() {
     let w = random_matrix(20_011, 4096, DType::BF16, 0.05, 91);
     let h = random_matrix(130, 4096, DType::BF16, 2.0, 92);
     let params = params_for(130, 1.0, 93);
+    let variants = || Variant::tensor_core(module());
     let families = [
-        Variant::tensor_core().filter(|v| matches!(v, Variant::Mma { .. })).collect::<Vec<_>>(),
-        Variant::tensor_core().filter(|v| matches!(v, Variant::Tma { .. } | Variant::TmaHandoff { .. })).collect(),
+        variants().filter(|v| matches!(v, Variant::Mma { .. })).collect::<Vec<_>>(),
+        variants().filter(|v| matches!(v, Variant::Tma { .. } | Variant::TmaHandoff { .. })).collect(),
     ];
-    for family in families {
+    for family in families.into_iter().filter(|f| !f.is_empty()) {
         let reference = Cuda::new(family[0]).sample(&w, &h, &params, 4).unwrap();
         for &variant in &family[1..] {
             assert_eq!(Cuda::new(variant).sample(&w, &h, &params, 4).unwrap(), reference, "{variant:?}");

@@ -1,5 +1,6 @@
 //! `cargo xtask bundle`: one folder with everything a GPU run needs (the GPU machine has no
-//! Rust): the release CLI, the release test binaries, the PTX, and `run.sh`.
+//! Rust): the release CLI, the release test binaries (the PTX is embedded in both), `run.sh` and
+//! `peers.py`.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +12,7 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     let cargo = toolchain::cargo();
     let status = toolchain::clean_command(&cargo)
         .current_dir(&root)
-        .args(["build", "--release", "--package", "flashsample", "--bin", "flashsample"])
+        .args(["build", "--release", "--package", "flashsample-cli", "--bin", "flashsample"])
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if !status.success() {
@@ -33,7 +34,6 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     for (name, path) in &tests {
         copy(path, &out.join("tests").join(name))?;
     }
-    copy(&root.join("host/ptx/kernels.ptx"), &out.join("kernels.ptx"))?;
     copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root.join("scripts/peers.py"), &out.join("peers.py"))?;
     println!(

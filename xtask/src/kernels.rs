@@ -1,120 +1,155 @@
-//! `cargo xtask build-kernels`: Rust kernels → PTX embedded by the host.
+//! `cargo xtask build-kernels`: Rust kernels → the PTX modules the host embeds, one per
+//! [`Module`] of the registry.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use flashsample_core::registry::{KERNELS, Kernel, Module};
 
 use crate::{link, ptxas, toolchain};
 
 pub struct Options {
-    pub arch: String,
+    /// The modules to build; every module when empty.
+    pub modules: Vec<Module>,
     pub check: bool,
 }
 
-impl Default for Options {
-    fn default() -> Self {
-        Options { arch: "sm_90a".into(), check: false }
+/// How the kernel crate is compiled for a module.
+struct Target {
+    /// rustc's `-Ctarget-cpu`, also ptxas's `-arch`.
+    cpu: &'static str,
+    /// The PTX ISA version as an NVPTX target feature, when the default for `cpu` is too old.
+    ptx_feature: Option<&'static str>,
+}
+
+fn target(module: Module) -> Target {
+    match module {
+        // sm_80's default ISA (PTX 7.0, CUDA 11.0): every driver since then JIT-compiles it.
+        Module::Portable => Target { cpu: "sm_80", ptx_feature: None },
+        // PTX ISA 8.3: `wgmma`, TMA and `sm_90a` (8.0) and the tensor-map proxy fence (8.3).
+        Module::Hopper => Target { cpu: "sm_90a", ptx_feature: Some("+ptx83") },
     }
 }
 
-/// Where the host embeds the PTX from (`include_str!` in `host/src/module.rs`).
-pub const EMBEDDED_PTX: &str = "host/ptx/kernels.ptx";
+/// Where the host embeds a module from (`include_str!` in `host/src/cuda/registry.rs`).
+pub fn embedded_ptx(module: Module) -> String {
+    format!("host/ptx/{}.ptx", module.name())
+}
+
 const TARGET: &str = "nvptx64-nvidia-cuda";
-/// PTX ISA 8.3: `wgmma`, TMA and `sm_90a` (8.0) and the tensor-map proxy fence (8.3).
-const PTX_FEATURE: &str = "-Ctarget-feature=+ptx83";
 
 pub fn build(options: &Options) -> Result<(), String> {
     let root = toolchain::workspace_root();
     let nightly = toolchain::nightly(&root)?;
-    let ptx = compile(&root, &nightly, &options.arch)?;
-    match toolchain::find_ptxas() {
-        Some(ptxas) => ptxas::validate(&ptxas, &ptx, &options.arch)?,
-        None => {
-            eprintln!("note: ptxas not found ($PTXAS, PATH, or `pip install nvidia-cuda-nvcc-cu12`): PTX not validated")
+    let ptxas = toolchain::find_ptxas();
+    if ptxas.is_none() {
+        eprintln!("note: ptxas not found ($PTXAS, PATH, or `pip install nvidia-cuda-nvcc-cu12`): PTX not validated");
+    }
+    let modules = if options.modules.is_empty() { Module::ALL.to_vec() } else { options.modules.clone() };
+    let mut stale = Vec::new();
+    for module in modules {
+        let target = target(module);
+        let ptx = compile(&root, &nightly, module, &target)?;
+        if let Some(ptxas) = &ptxas {
+            ptxas::validate(ptxas, &ptx, target.cpu)?;
+        }
+        let fresh = std::fs::read_to_string(&ptx).map_err(|e| format!("cannot read {}: {e}", ptx.display()))?;
+        check_entries(module, &fresh)?;
+        check_aligned_ops_not_duplicated(&fresh)?;
+        let embedded = embedded_ptx(module);
+        let destination = root.join(&embedded);
+        if options.check {
+            let committed = std::fs::read_to_string(&destination).unwrap_or_default();
+            if committed == fresh {
+                println!("{embedded} is up to date ({} kernels)", entries(&fresh).len());
+            } else {
+                stale.push(embedded);
+            }
+        } else {
+            std::fs::write(&destination, &fresh).map_err(|e| format!("cannot write {}: {e}", destination.display()))?;
+            println!("wrote {embedded} ({} kernels, {} bytes)", entries(&fresh).len(), fresh.len());
         }
     }
-    let destination = root.join(EMBEDDED_PTX);
-    let fresh = std::fs::read_to_string(&ptx).map_err(|e| format!("cannot read {}: {e}", ptx.display()))?;
-    check_aligned_ops_not_duplicated(&fresh)?;
-    if options.check {
-        let committed = std::fs::read_to_string(&destination).unwrap_or_default();
-        if committed != fresh {
-            return Err(format!(
-                "{EMBEDDED_PTX} is stale (differs from a fresh build of kernels/); fix: cargo xtask build-kernels"
-            ));
-        }
-        println!("{EMBEDDED_PTX} is up to date ({} kernels)", count_entries(&fresh));
+    if stale.is_empty() {
+        Ok(())
     } else {
-        std::fs::write(&destination, &fresh).map_err(|e| format!("cannot write {}: {e}", destination.display()))?;
-        println!("wrote {EMBEDDED_PTX} ({} kernels, {} bytes)", count_entries(&fresh), fresh.len());
+        Err(format!(
+            "{} stale (differs from a fresh build of kernels/); fix: cargo xtask build-kernels",
+            stale.join(" and ")
+        ))
     }
-    Ok(())
 }
 
-/// Warpgroup-collective `.sync.aligned` ops that the TMA kernels write once each: every thread
-/// of the warpgroup must execute the same instance. LLVM treats inline asm as ordinary code
-/// and may duplicate it into both arms of a branch (it did, around `if lane == 0`), which
-/// compiles but hangs on the GPU; a second copy in one kernel is that bug. The commit and
-/// `wait_group 0` appear exactly once, `wait_group 1` at most once (the handoff kernels wait
-/// with `wait_group 0` only).
-const ALIGNED_OPS_WRITTEN_ONCE: [(&str, std::ops::RangeInclusive<usize>); 3] = [
-    ("wgmma.commit_group.sync.aligned", 1..=1),
-    ("wgmma.wait_group.sync.aligned 0", 1..=1),
-    ("wgmma.wait_group.sync.aligned 1", 0..=1),
-];
+/// The names of the PTX's entry points.
+fn entries(ptx: &str) -> Vec<&str> {
+    ptx.lines().filter_map(|l| l.strip_prefix(".visible .entry ")).map(|l| l.split('(').next().unwrap_or(l)).collect()
+}
 
+/// The PTX holds exactly the registry's kernels of `module`, so the host finds every kernel it
+/// looks up and nothing unlisted is compiled.
+fn check_entries(module: Module, ptx: &str) -> Result<(), String> {
+    let found = entries(ptx);
+    let missing: Vec<&str> = module.kernels().map(|e| e.name).filter(|name| !found.contains(name)).collect();
+    let unlisted: Vec<&str> =
+        found.iter().copied().filter(|&name| Kernel::named(name).is_none_or(|k| !module.holds(k))).collect();
+    if missing.is_empty() && unlisted.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "the {} module's PTX does not match the registry (flashsample_core::registry): missing {missing:?}, not listed for it {unlisted:?}",
+        module.name()
+    ))
+}
+
+/// Every warpgroup-collective op a kernel writes once appears once in its PTX
+/// ([`Kernel::aligned_ops_written_once`]).
 fn check_aligned_ops_not_duplicated(ptx: &str) -> Result<(), String> {
     let mut problems = Vec::new();
     for entry in ptx.split(".visible .entry ").skip(1) {
         let name = entry.split('(').next().unwrap_or("");
-        if !name.contains("_tma_") {
-            continue;
-        }
-        for (op, allowed) in ALIGNED_OPS_WRITTEN_ONCE {
+        let Some(kernel) = Kernel::named(name) else { continue };
+        for &(op, fewest, most) in kernel.aligned_ops_written_once() {
             let copies = entry.lines().filter(|l| l.trim_start().starts_with(op)).count();
-            if !allowed.contains(&copies) {
-                problems.push(format!("{name}: `{op}` appears {copies} times (expected {allowed:?})"));
+            if !(fewest..=most).contains(&copies) {
+                problems.push(format!("{name}: `{op}` appears {copies} times (expected {fewest}..={most})"));
             }
         }
     }
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(format!(
-            "warpgroup-aligned ops duplicated or missing (see ALIGNED_OPS_WRITTEN_ONCE):\n{}",
-            problems.join("\n")
-        ))
+        Err(format!("warpgroup-aligned ops duplicated or missing:\n{}", problems.join("\n")))
     }
 }
 
-fn count_entries(ptx: &str) -> usize {
-    ptx.lines().filter(|l| l.starts_with(".visible .entry")).count()
-}
-
-/// Runs the nested nightly cargo for the kernel crate with this binary as its linker.
-fn compile(root: &Path, nightly: &toolchain::Nightly, arch: &str) -> Result<std::path::PathBuf, String> {
-    let target_dir = root.join("target/ptx");
+/// Runs the nested nightly cargo for the kernel crate with this binary as its linker; each
+/// module has a target folder of its own, so switching modules rebuilds nothing.
+fn compile(root: &Path, nightly: &toolchain::Nightly, module: Module, target: &Target) -> Result<PathBuf, String> {
+    let target_dir = root.join("target/ptx").join(module.name());
     let this = std::env::current_exe().map_err(|e| format!("cannot locate xtask itself: {e}"))?;
     // Cargo cannot see that this binary is the linker: a fingerprint of the link step's
-    // source in the flags makes a changed link step relink the kernels.
+    // source and of the registry (which decides the launch bounds it writes) in the flags
+    // makes a changed link step relink the kernels.
     let mut link_step = std::hash::DefaultHasher::new();
     std::hash::Hash::hash(include_str!("link.rs"), &mut link_step);
-    let rustflags = [
-        format!("-Ctarget-cpu={arch}"),
-        PTX_FEATURE.to_string(),
+    std::hash::Hash::hash(&format!("{KERNELS:?}"), &mut link_step);
+    let mut rustflags = vec![format!("-Ctarget-cpu={}", target.cpu)];
+    rustflags.extend(target.ptx_feature.map(|feature| format!("-Ctarget-feature={feature}")));
+    rustflags.extend([
+        format!("--cfg=flashsample_module=\"{}\"", module.name()),
         format!("-Clinker={}", this.display()),
         format!("--cfg=link_step_{:016x}", std::hash::Hasher::finish(&link_step)),
-    ]
-    .join("\u{1f}");
+    ]);
     let status = toolchain::clean_command(&nightly.cargo)
         .current_dir(root.join("kernels"))
         .args(["build", "--release", "--target", TARGET, "-Zbuild-std=core", "--target-dir"])
         .arg(&target_dir)
         .env("RUSTC", &nightly.rustc)
-        .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
+        .env("CARGO_ENCODED_RUSTFLAGS", rustflags.join("\u{1f}"))
         .env(link::LINKER_MODE_VARIABLE, &nightly.llvm_bin)
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if !status.success() {
-        return Err(format!("building kernels/ for {TARGET} failed ({status})"));
+        return Err(format!("building kernels/ for {TARGET} ({} module) failed ({status})", module.name()));
     }
     let ptx = target_dir.join(TARGET).join("release/flashsample_kernels.ptx");
     if !ptx.is_file() {

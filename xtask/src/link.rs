@@ -10,6 +10,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use flashsample_core::registry::Kernel;
+
 /// Set (to the LLVM tools' folder) when this binary is invoked as the linker.
 pub const LINKER_MODE_VARIABLE: &str = "FLASHSAMPLE_PTX_LINK";
 
@@ -66,21 +68,19 @@ pub fn run(args: &[String]) -> Result<(), String> {
     std::fs::write(&output, add_launch_bounds(&ptx)).map_err(|e| format!("cannot write {}: {e}", output.display()))
 }
 
-/// Adds `.maxntid` to the TMA kernels, which run `TMA_THREADS` threads (the handoff kernels
-/// `TMA_HANDOFF_THREADS`, see `tma_kernel_threads`): without it ptxas assumes any block size
-/// and may use more registers per thread than such a block can have. (rustc has no
-/// attribute for NVVM launch bounds.)
+/// Adds `.maxntid` to every kernel that declares launch bounds in the registry
+/// ([`Kernel::launch_bounds`]): rustc has no attribute for NVVM launch bounds.
 fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 1024);
-    let mut tma_threads = None;
+    let mut bounds = None;
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
         if let Some(entry) = line.strip_prefix(".visible .entry ") {
-            tma_threads = entry.contains("_tma_").then(|| flashsample_core::abi::tma_kernel_threads(entry));
-        } else if let Some(threads) = tma_threads.filter(|_| line.starts_with(')')) {
+            bounds = Kernel::named(entry.split('(').next().unwrap_or(entry)).and_then(Kernel::launch_bounds);
+        } else if let Some(threads) = bounds.filter(|_| line.starts_with(')')) {
             out.push_str(&format!(".maxntid {threads}, 1, 1\n"));
-            tma_threads = None;
+            bounds = None;
         }
     }
     out

@@ -1,9 +1,10 @@
 //! `cargo xtask <command>`: the project's build chores, in Rust (matklad's cargo-xtask).
 //!
-//! - `build-kernels [--arch sm_90] [--check]`: compile `kernels/` to PTX with nightly rustc's
-//!   NVPTX backend, link it ourselves (`llvm-link` → `opt` → `llc`), validate it with `ptxas`
-//!   when one is found, and write `host/ptx/kernels.ptx`, which the host embeds. `--check`
-//!   fails if the committed PTX differs from a fresh build (CI runs it).
+//! - `build-kernels [--module portable|hopper] [--check]`: compile `kernels/` to PTX with
+//!   nightly rustc's NVPTX backend once per module of the registry (`portable`: sm_80;
+//!   `hopper`: sm_90a), link it ourselves (`llvm-link` → `opt` → `llc`), validate it with
+//!   `ptxas` when one is found, and write `host/ptx/<module>.ptx`, which the host embeds.
+//!   `--check` fails if a committed module differs from a fresh build (CI runs it).
 //! - `bundle [--out DIR]`: build the release CLI and test binaries and gather them, the PTX
 //!   and `scripts/gpu-run.sh` into one folder (default `bundle/`) to carry to the GPU machine.
 //!
@@ -18,7 +19,10 @@ mod toolchain;
 
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask build-kernels [--arch sm_90] [--check]\n       cargo xtask bundle [--out DIR]";
+use flashsample_core::registry::Module;
+
+const USAGE: &str =
+    "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask bundle [--out DIR]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -37,11 +41,17 @@ fn run_command(args: &[String]) -> Result<(), String> {
     let (command, rest) = args.split_first().ok_or_else(|| USAGE.to_string())?;
     match command.as_str() {
         "build-kernels" => {
-            let mut options = kernels::Options::default();
+            let mut options = kernels::Options { modules: Vec::new(), check: false };
             let mut rest = rest.iter();
             while let Some(arg) = rest.next() {
                 match arg.as_str() {
-                    "--arch" => options.arch = rest.next().ok_or("--arch needs a value, e.g. sm_90")?.clone(),
+                    "--module" => {
+                        let name = rest.next().ok_or("--module needs a value: portable or hopper")?;
+                        let module = Module::ALL.into_iter().find(|m| m.name() == name).ok_or_else(|| {
+                            format!("--module `{name}`: the modules are portable and hopper")
+                        })?;
+                        options.modules.push(module);
+                    }
                     "--check" => options.check = true,
                     other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
                 }

@@ -1,161 +1,168 @@
-//! The checked layer over raw driver calls: every call's result becomes our `Error` naming the
-//! call, and the few raw calls cust does not wrap (launch with a by-value argument block,
-//! async copies, occupancy) live here.
+//! The checked layer over the driver: every result becomes our [`Error`] naming the call, and
+//! the raw calls that cudarc's safe API does not offer in the form we need (a launch with one
+//! by-value argument block, async copies and fills at an address, occupancy, the dynamic
+//! shared-memory opt-in, TMA descriptors) live here, each with its contract.
+//!
+//! cudarc opens the driver library at its first call and panics if there is none, so
+//! [`driver_library_present`] is asked first: without a driver the answer is
+//! [`Error::NoCudaDevice`], never a panic.
 
-use std::ffi::{CStr, c_void};
+use std::ffi::c_void;
 
-use cust::sys as raw;
+use cudarc::driver::{DriverError, sys};
+use flashsample_core::abi::{DevicePtr, TensorMap};
 
 use crate::error::{Error, Result};
 
-/// A cust result, checked.
-pub fn check<T>(call: &str, result: cust::error::CudaResult<T>) -> Result<T> {
-    result.map_err(|e| Error::Cuda { call: call.to_string(), detail: e.to_string() })
+/// A driver result, checked: the error names `call` and carries the driver's name and text
+/// for the code.
+pub fn check<T>(call: &str, result: std::result::Result<T, DriverError>) -> Result<T> {
+    result.map_err(|e| Error::Cuda { call: call.to_string(), detail: describe(&e) })
 }
 
-/// A raw driver result, checked, with the driver's own name and text for the code.
-pub fn check_raw(call: &str, result: raw::CUresult) -> Result<()> {
-    if result == raw::cudaError_enum::CUDA_SUCCESS {
-        return Ok(());
+/// `CUDA_ERROR_… (the driver's text)`.
+pub fn describe(error: &DriverError) -> String {
+    let name = error.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", error.0));
+    match error.error_string() {
+        Ok(text) => format!("{name} ({})", text.to_string_lossy()),
+        Err(_) => name,
     }
-    let mut name: *const std::os::raw::c_char = std::ptr::null();
-    let mut text: *const std::os::raw::c_char = std::ptr::null();
-    // SAFETY: both calls only write a pointer to a static string (or leave it null).
-    unsafe {
-        raw::cuGetErrorName(result, &mut name);
-        raw::cuGetErrorString(result, &mut text);
-    }
-    let as_string = |p: *const std::os::raw::c_char| {
-        // SAFETY: non-null pointers from cuGetError* point to static NUL-terminated strings.
-        if p.is_null() { format!("{result:?}") } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() }
-    };
-    Err(Error::Cuda { call: call.to_string(), detail: format!("{} ({})", as_string(name), as_string(text)) })
+}
+
+/// The names the driver library has where cudarc looks for it (its last and most common
+/// candidates on each system).
+#[cfg(unix)]
+const DRIVER_LIBRARIES: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
+#[cfg(windows)]
+const DRIVER_LIBRARIES: [&str; 1] = ["nvcuda.dll"];
+
+/// Whether the NVIDIA driver library can be opened in this process. Where the build links it
+/// (cudarc's `dynamic-linking`, as candle asks), it is already loaded and this is true.
+pub fn driver_library_present() -> bool {
+    DRIVER_LIBRARIES.iter().any(|name| {
+        // SAFETY: opening the driver library runs its initialisers, which have no
+        // preconditions; the handle is closed again at once (the library stays loaded for
+        // cudarc if it was already).
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
 }
 
 /// Launches `function` on a 1-D grid with one argument block passed by value.
 ///
 /// # Safety
-/// `A` must be the `#[repr(C)]` argument block the kernel declares, its device addresses
-/// valid for the extents it states until the kernel completes, and the launch shape the one
-/// the kernel's safety section requires.
-pub unsafe fn launch<A>(
+/// `function` is a live kernel of a module loaded in the current context, `stream` a live
+/// stream of that context, and `A` the argument block the kernel declares, its device
+/// addresses valid for the extents it states until the kernel completes; the launch shape is
+/// the one the kernel's safety section requires.
+pub unsafe fn launch<A: bytemuck::Pod>(
     name: &str,
-    function: raw::CUfunction,
-    stream: raw::CUstream,
+    function: sys::CUfunction,
+    stream: sys::CUstream,
     grid: u32,
     block: u32,
     shared_bytes: u32,
     args: &A,
 ) -> Result<()> {
-    let mut params = [args as *const A as *mut c_void];
+    let mut params = [(args as *const A).cast_mut().cast::<c_void>()];
     // SAFETY: per this function's contract; the driver copies the argument block at launch.
     let result = unsafe {
-        raw::cuLaunchKernel(
-            function,
-            grid,
-            1,
-            1,
-            block,
-            1,
-            1,
-            shared_bytes,
-            stream,
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
+        cudarc::driver::result::launch_kernel(function, (grid, 1, 1), (block, 1, 1), shared_bytes, stream, &mut params)
     };
-    check_raw(&format!("cuLaunchKernel({name})"), result)
+    check(&format!("cuLaunchKernel({name})"), result)
 }
 
-/// Copies `bytes` from the host to device address `destination`, ordered on `stream`.
+/// Copies `values` from the host to device address `destination`, ordered on `stream`.
 ///
 /// # Safety
-/// `destination` must be a device allocation of at least `bytes.len()` bytes.
-pub unsafe fn copy_to_device_async(destination: u64, bytes: &[u8], stream: raw::CUstream) -> Result<()> {
-    // SAFETY: per this function's contract; pageable sources are staged before the call returns.
-    let result = unsafe { raw::cuMemcpyHtoDAsync_v2(destination, bytes.as_ptr().cast(), bytes.len(), stream) };
-    check_raw("cuMemcpyHtoDAsync", result)
+/// `destination` is a device allocation of at least `values.len()` elements, and `stream` a
+/// live stream of the current context.
+pub unsafe fn copy_to_device_async<T: bytemuck::Pod>(
+    what: &str,
+    destination: DevicePtr<T>,
+    values: &[T],
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: per this function's contract; the driver stages a pageable source before the
+    // call returns.
+    let result = unsafe { cudarc::driver::result::memcpy_htod_async(destination.address(), values, stream) };
+    check(&format!("cuMemcpyHtoDAsync({what})"), result)
+}
+
+/// Sets `count` 32-bit words at `destination` to `value`, ordered on `stream`.
+///
+/// # Safety
+/// `destination` is a device allocation of at least `count` 4-byte words, and `stream` a live
+/// stream of the current context.
+pub unsafe fn fill_words_async(
+    what: &str,
+    destination: DevicePtr<u32>,
+    value: u32,
+    count: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: per this function's contract.
+    let result = unsafe { sys::cuMemsetD32Async(destination.address(), value, count, stream) }.result();
+    check(&format!("cuMemsetD32Async({what})"), result)
 }
 
 /// How many blocks of `block` threads and `shared_bytes` of dynamic shared memory fit on one
-/// multiprocessor.
+/// multiprocessor (at least 1).
 ///
 /// # Safety
-/// `function` must be a live handle of a loaded module in the current context.
+/// `function` is a live kernel of a module loaded in the current context.
 pub unsafe fn blocks_per_multiprocessor(
     name: &str,
-    function: raw::CUfunction,
+    function: sys::CUfunction,
     block: u32,
     shared_bytes: u32,
 ) -> Result<u32> {
     let mut blocks = 0i32;
     // SAFETY: per this function's contract; the call writes one int.
     let result = unsafe {
-        raw::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, shared_bytes as usize)
-    };
-    check_raw(&format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({name})"), result)?;
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, block as i32, shared_bytes as usize)
+    }
+    .result();
+    check(&format!("cuOccupancyMaxActiveBlocksPerMultiprocessor({name})"), result)?;
     Ok(blocks.max(1) as u32)
 }
 
 /// Lets `function` use `bytes` of dynamic shared memory (needed above 48 KiB).
 ///
 /// # Safety
-/// `function` must be a live handle of a loaded module in the current context.
-pub unsafe fn allow_dynamic_shared_memory(name: &str, function: raw::CUfunction, bytes: u32) -> Result<()> {
+/// `function` is a live kernel of a module loaded in the current context.
+pub unsafe fn allow_dynamic_shared_memory(name: &str, function: sys::CUfunction, bytes: u32) -> Result<()> {
     // SAFETY: per this function's contract.
     let result = unsafe {
-        raw::cuFuncSetAttribute(
+        sys::cuFuncSetAttribute(
             function,
-            raw::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             bytes as i32,
         )
-    };
-    check_raw(&format!("cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES = {bytes})"), result)
+    }
+    .result();
+    check(&format!("cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES = {bytes})"), result)
 }
 
-/// The driver's TMA descriptor (`CUtensorMap`): 128 opaque bytes, 64-byte aligned.
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-pub struct TensorMap(pub [u64; 16]);
-
-/// Element types of [`encode_tensor_map_2d`] (`CUtensorMapDataType`).
+/// Element types of [`encode_tensor_map_2d`].
 #[derive(Clone, Copy, Debug)]
 pub enum TensorMapElement {
-    F16 = 6,
-    Bf16 = 9,
+    F16,
+    Bf16,
 }
 
-// The tensor-map entry point is newer than cust's bindings; libcuda (12.0+) exports it.
-#[link(name = "cuda")]
-unsafe extern "C" {
-    fn cuTensorMapEncodeTiled(
-        map: *mut TensorMap,
-        element: u32,
-        rank: u32,
-        address: *mut c_void,
-        dims: *const u64,
-        strides: *const u64,
-        box_dims: *const u32,
-        element_strides: *const u32,
-        interleave: u32,
-        swizzle: u32,
-        l2_promotion: u32,
-        out_of_bounds_fill: u32,
-    ) -> raw::CUresult;
-}
-
-/// How much a TMA load's L2 misses fetch from memory (`CUtensorMapL2promotion`): the
-/// requested sectors only, or the whole 256-byte span around them.
+/// How much a TMA load's L2 misses fetch from memory: the requested sectors only, or the
+/// whole 256-byte span around them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum L2Promotion {
-    None = 0,
-    Bytes256 = 3,
+    None,
+    Bytes256,
 }
 
 /// A TMA descriptor for a row-major `[rows, cols]` matrix of 16-bit elements at device
 /// `address`, read in boxes of `box_cols × box_rows` with the 128-byte swizzle and L2
 /// `promotion`; reads past the matrix give zeros. Needs `cols % 8 == 0` (16-byte row stride)
-/// and a 16-byte aligned address; `box_cols · 2 ≤ 128`, `box_rows ≤ 256`.
+/// and a 16-byte aligned address; `box_cols · 2 ≤ 128`, `box_rows ≤ 256`. Encoding only reads
+/// its arguments; the device memory is not touched.
 #[allow(clippy::too_many_arguments)]
 pub fn encode_tensor_map_2d(
     what: &str,
@@ -167,32 +174,39 @@ pub fn encode_tensor_map_2d(
     box_cols: u32,
     promotion: L2Promotion,
 ) -> Result<TensorMap> {
-    const INTERLEAVE_NONE: u32 = 0;
-    const SWIZZLE_128B: u32 = 3;
-    const OUT_OF_BOUNDS_ZERO: u32 = 0;
+    let element = match element {
+        TensorMapElement::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        TensorMapElement::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
+    let promotion = match promotion {
+        L2Promotion::None => sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        L2Promotion::Bytes256 => sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    };
     let mut map = TensorMap([0; 16]);
     let dims = [cols as u64, rows as u64];
     let strides = [cols as u64 * 2];
     let box_dims = [box_cols, box_rows];
     let element_strides = [1u32, 1];
-    // SAFETY: every pointer refers to a live local of the length the rank (2) implies; the
-    // call only writes `map`.
+    // SAFETY: `TensorMap` has the size (128) and alignment (64) of `CUtensorMap`; every
+    // pointer refers to a live local of the length the rank (2) implies; the call only writes
+    // `map`.
     let result = unsafe {
-        cuTensorMapEncodeTiled(
-            &mut map,
-            element as u32,
+        sys::cuTensorMapEncodeTiled(
+            (&mut map as *mut TensorMap).cast::<sys::CUtensorMap>(),
+            element,
             2,
             address as *mut c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             box_dims.as_ptr(),
             element_strides.as_ptr(),
-            INTERLEAVE_NONE,
-            SWIZZLE_128B,
-            promotion as u32,
-            OUT_OF_BOUNDS_ZERO,
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            promotion,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
-    };
-    check_raw(&format!("cuTensorMapEncodeTiled({what}, {rows} x {cols}, box {box_rows} x {box_cols})"), result)?;
+    }
+    .result();
+    check(&format!("cuTensorMapEncodeTiled({what}, {rows} x {cols}, box {box_rows} x {box_cols})"), result)?;
     Ok(map)
 }

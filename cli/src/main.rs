@@ -1,5 +1,9 @@
 //! `flashsample`: sample tokens from an LM head and hidden states, run the demo, benchmark.
 
+mod bench;
+mod cublas;
+mod timing;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -7,9 +11,14 @@ use std::time::Instant;
 use clap::{Parser, Subcommand, ValueEnum};
 use flashsample::cpu::{draw, logits_row};
 use flashsample::io::{load_matrix, write_npy_i64};
-use flashsample::timing::Timer;
-use flashsample::{CpuSampler, CudaSampler, DType, Elements, Error, Matrix, Result, SamplingParams, Variant};
+use flashsample::params::check_request;
+use flashsample::{
+    CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, Module, Result, SamplingParams, Variant,
+    cuda_device_count,
+};
+use flashsample_tests::{chi_square, exact_probabilities};
 use rand::{Rng, SeedableRng};
+use timing::Timer;
 
 #[derive(Parser)]
 #[command(name = "flashsample", version, about = "Exact token sampling fused into the LM-head matmul (Gumbel-max)")]
@@ -20,8 +29,25 @@ struct Cli {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum DeviceKind {
+    /// The GPU if one is usable, else the CPU (one line on standard error says which).
+    Auto,
     Cuda,
     Cpu,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ModuleArg {
+    Portable,
+    Hopper,
+}
+
+impl From<ModuleArg> for Module {
+    fn from(m: ModuleArg) -> Module {
+        match m {
+            ModuleArg::Portable => Module::Portable,
+            ModuleArg::Hopper => Module::Hopper,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -50,19 +76,37 @@ enum Command {
         /// with the sampler's own error.)
         #[arg(long, allow_negative_numbers = true)]
         temperature: f32,
-        #[arg(long, value_enum, default_value = "cuda")]
+        #[arg(long, value_enum, default_value = "auto")]
         device: DeviceKind,
+        /// Which GPU (the driver's ordinal; CUDA_VISIBLE_DEVICES applies).
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
         /// Output .npy path.
         #[arg(long)]
         out: PathBuf,
     },
-    /// Sample from a synthetic LM head of a real model's shape; check against the CPU; time it.
-    Demo,
+    /// Show what flashsample does: on a GPU, sample a synthetic LM head of a real model's shape,
+    /// check it against the CPU and time it; without one, check a small head's draws against
+    /// the exact softmax on the CPU.
+    Demo {
+        #[arg(long, value_enum, default_value = "auto")]
+        device: DeviceKind,
+        /// Which GPU (the driver's ordinal).
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+    },
     /// Time fused sampling, fused greedy, the unfused pipeline and the read floor on the GPU.
     Bench {
         /// Folder for bench.csv, bench.png and report.md.
         #[arg(long)]
         out: PathBuf,
+        /// Which GPU (the driver's ordinal).
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// PTX modules to time, each on a sampler of its own (e.g. hopper,portable); the
+        /// first also times cuBLAS and the forced variants. Default: the device's module.
+        #[arg(long, value_enum, value_delimiter = ',')]
+        modules: Vec<ModuleArg>,
         /// Shapes as DxV, comma separated.
         #[arg(long, value_delimiter = ',', default_value = "4096x151936,8192x128256,4096x128256,2880x201088")]
         shapes: Vec<String>,
@@ -80,14 +124,15 @@ enum Command {
         peers: Option<PathBuf>,
         /// Also time fused sampling and greedy decoding with every tensor-core kernel variant
         /// (CSV rows `fused_sample@<variant>`, `fused_greedy@<variant>`), to check the
-        /// dispatcher's choice.
+        /// dispatcher.
         #[arg(long)]
         all_variants: bool,
-        /// Path of libcublas.so: also time cuBLAS's GEMM (`x @ Wᵀ`, bf16/f16) in this process,
-        /// right before our kernels at each point, so both run under the same clocks (CSV rows
-        /// `cublas_gemm`).
+        /// Also time cuBLAS's GEMM (`x @ Wᵀ`, bf16/f16) in this process, right before our
+        /// kernels at each point, so both run under the same clocks (CSV rows `cublas_gemm`).
+        /// cuBLAS is opened at run time from the loader's path (LD_LIBRARY_PATH), e.g. the
+        /// copy torch ships.
         #[arg(long)]
-        cublas: Option<PathBuf>,
+        cublas: bool,
     },
     /// Re-render report.md and bench.png from a bench run's CSVs (no GPU needed).
     Report {
@@ -125,23 +170,35 @@ impl From<DTypeArg> for DType {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Sample { lm_head, lm_head_tensor, hidden, hidden_tensor, samples, seed, temperature, device, out } => {
-            sample(SampleArgs {
-                lm_head,
-                lm_head_tensor,
-                hidden,
-                hidden_tensor,
-                samples,
-                seed,
-                temperature,
-                device,
-                out,
-            })
-        }
-        Command::Demo => demo(),
+        Command::Sample {
+            lm_head,
+            lm_head_tensor,
+            hidden,
+            hidden_tensor,
+            samples,
+            seed,
+            temperature,
+            device,
+            gpu,
+            out,
+        } => sample(SampleArgs {
+            lm_head,
+            lm_head_tensor,
+            hidden,
+            hidden_tensor,
+            samples,
+            seed,
+            temperature,
+            device,
+            gpu,
+            out,
+        }),
+        Command::Demo { device, gpu } => demo(device, gpu),
         Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
-        Command::Bench { out, shapes, batches, dtype, warmup, runs, peers, all_variants, cublas } => {
-            let options = |shapes| flashsample::bench::Options {
+        Command::Bench { out, gpu, modules, shapes, batches, dtype, warmup, runs, peers, all_variants, cublas } => {
+            let options = |shapes| bench::Options {
+                gpu,
+                modules: modules.into_iter().map(Module::from).collect(),
                 shapes,
                 batches,
                 dtype: dtype.into(),
@@ -150,7 +207,7 @@ fn main() -> ExitCode {
                 all_variants,
                 cublas,
             };
-            bench(out, shapes, options, peers)
+            run_bench(out, shapes, options, peers)
         }
     };
     match result {
@@ -159,6 +216,43 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The GPU sampler `--device` and `--gpu` ask for, or `None` for the CPU. `auto` says on
+/// standard error which it took; `cuda` without a usable GPU is an error that says so.
+fn gpu_sampler(device: DeviceKind, gpu: usize) -> Result<Option<CudaSampler>> {
+    if device == DeviceKind::Cpu {
+        return Ok(None);
+    }
+    let sampler = cuda_device_count().and_then(|count| {
+        if gpu >= count {
+            return Err(Error::InvalidArgument {
+                argument: "--gpu".into(),
+                rule: format!("{gpu}: this machine has {count} CUDA device(s), 0 to {}", count - 1),
+            });
+        }
+        CudaSampler::on_device(gpu)
+    });
+    match (device, sampler) {
+        (_, Ok(sampler)) => {
+            if device == DeviceKind::Auto {
+                eprintln!(
+                    "flashsample: on GPU {gpu} ({}, {} module)",
+                    sampler.device_name(),
+                    sampler.module().name()
+                );
+            }
+            Ok(Some(sampler))
+        }
+        (DeviceKind::Auto, Err(Error::NoCudaDevice(why) | Error::UnsupportedDevice { module: _, found: why, .. })) => {
+            eprintln!("flashsample: no usable GPU ({why}); on the CPU");
+            Ok(None)
+        }
+        (_, Err(Error::NoCudaDevice(why))) => {
+            Err(Error::NoCudaDevice(format!("{why}; use --device cpu to run on the CPU")))
+        }
+        (_, Err(e)) => Err(e),
     }
 }
 
@@ -171,6 +265,7 @@ struct SampleArgs {
     seed: u64,
     temperature: f32,
     device: DeviceKind,
+    gpu: usize,
     out: PathBuf,
 }
 
@@ -182,15 +277,15 @@ fn sample(args: SampleArgs) -> Result<()> {
     let (w, h) = (w.to_dtype(common), h.to_dtype(common));
     let params: Vec<SamplingParams> =
         (0..h.rows()).map(|r| SamplingParams::new(args.temperature, args.seed, r as u32, 0)).collect();
-    let tokens = match args.device {
-        DeviceKind::Cuda => {
-            let sampler = CudaSampler::new()?;
+    let tokens = match gpu_sampler(args.device, args.gpu)? {
+        Some(sampler) => {
             let head = sampler.upload_lm_head(&w)?;
             let tokens = sampler.sample(&head, &h, &params, args.samples)?;
+            drop(head);
             sampler.close()?;
             tokens
         }
-        DeviceKind::Cpu => {
+        None => {
             let sampler = CpuSampler::new();
             let head = sampler.upload_lm_head(&w)?;
             sampler.sample(&head, &h, &params, args.samples)?
@@ -199,49 +294,66 @@ fn sample(args: SampleArgs) -> Result<()> {
     write_npy_i64(&args.out, h.rows(), args.samples as usize, &tokens)
 }
 
-fn demo() -> Result<()> {
-    match CudaSampler::new() {
-        Ok(sampler) => gpu_demo(sampler),
-        Err(Error::NoCudaDevice(why)) => {
-            println!("no CUDA device ({why}); running the CPU path on a smaller shape (bf16, D=256, V=8192, B=4)");
-            cpu_demo()
-        }
-        Err(e) => Err(e),
+fn demo(device: DeviceKind, gpu: usize) -> Result<()> {
+    match gpu_sampler(device, gpu)? {
+        Some(sampler) => gpu_demo(sampler),
+        None => cpu_demo(),
     }
 }
 
+/// The most likely tokens of a small synthetic bf16 head, their empirical frequencies over
+/// many draws beside their exact softmax probabilities, and Pearson's χ² over the whole
+/// vocabulary.
 fn cpu_demo() -> Result<()> {
-    let (vocab, dim, batch) = (8192, 256, 4);
+    let (vocab, dim, draws, temperature) = (1000, 64, 100_000u32, 0.8);
+    println!("CPU: synthetic LM head bf16 V={vocab} D={dim}, one row, T={temperature}, {draws} draws");
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut random = |n: usize, scale: f32| {
         Elements::BF16((0..n).map(|_| half::bf16::from_f32(rng.random_range(-scale..scale))).collect())
     };
-    let w = Matrix::new("lm_head", vocab, dim, random(vocab * dim, 0.2))?;
-    let h = Matrix::new("hidden", batch, dim, random(batch * dim, 2.0))?;
-    let params: Vec<SamplingParams> = (0..batch).map(|r| SamplingParams::new(1.0, 42, r as u32, 0)).collect();
+    let w = Matrix::new("lm_head", vocab, dim, random(vocab * dim, 0.5))?;
+    let h = Matrix::new("hidden", 1, dim, random(dim, 1.0))?;
+    let params = [SamplingParams::new(temperature, 42, 0, 0)];
     let sampler = CpuSampler::new();
     let head = sampler.upload_lm_head(&w)?;
     let started = Instant::now();
-    let tokens = sampler.sample(&head, &h, &params, 8)?;
-    println!("CPU: 8 draws for each of {batch} rows in {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
-    for (r, row) in tokens.chunks(8).enumerate() {
-        println!("  row {r}: {row:?}");
+    let tokens = sampler.sample(&head, &h, &params, draws)?;
+    println!("sampled in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
+    let mut counts = vec![0u64; vocab];
+    for &t in &tokens {
+        counts[t as usize] += 1;
     }
+    let row = check_request(head.shape(), h.shape(), &params, draws)?[0];
+    let probabilities = exact_probabilities(&logits_row(&w, &h, 0), &row);
+    let mut order: Vec<usize> = (0..vocab).collect();
+    order.sort_by(|&a, &b| probabilities[b].total_cmp(&probabilities[a]));
+    println!("{:>7} {:>12} {:>12}", "token", "frequency", "softmax");
+    for &token in &order[..10] {
+        println!("{token:>7} {:>12.5} {:>12.5}", counts[token] as f64 / draws as f64, probabilities[token]);
+    }
+    let (statistic, dof, p) = chi_square(&counts, &probabilities);
+    println!("chi-square over all {vocab} tokens: {statistic:.1} with {dof} dof, p = {p:.3} (exact sampling: p is uniform)");
+    println!("On an NVIDIA GPU (Ampere or newer, with its driver) the same command samples a synthetic");
+    println!("LM head of a real model's shape with the fused kernels: flashsample demo --device cuda");
     Ok(())
 }
 
 fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     let (vocab, dim, batch) = (151_936, 4096, 64);
-    println!("{}: synthetic LM head bf16 D={dim} V={vocab}, B={batch}, T=1, one draw per row", sampler.device_name());
+    println!(
+        "{} ({} module): synthetic LM head bf16 D={dim} V={vocab}, B={batch}, T=1, one draw per row",
+        sampler.device_name(),
+        sampler.module().name()
+    );
     let head = sampler.random_lm_head(vocab, dim, DType::BF16, 1, 0.05)?;
     let hidden = sampler.random_hidden(batch, dim, DType::BF16, 2, 2.0)?;
     let params: Vec<SamplingParams> = (0..batch).map(|r| SamplingParams::new(1.0, 42, r as u32, 0)).collect();
 
-    let fused = sampler.sample_on_device(&head, &hidden, &params, 1, Variant::Auto)?;
-    let fused = sampler.tokens_to_host(&fused)?;
-    let variant = Variant::Auto.resolve(DType::BF16, dim, batch)?;
     let rows = sampler.upload_rows(&params)?;
-    let mut tokens = flashsample::DeviceTokens::new(&sampler, batch, 1)?;
+    let mut tokens = sampler.tokens(batch, 1)?;
+    sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens)?;
+    let fused = sampler.tokens_to_host(&tokens)?;
+    let variant = Variant::Auto.resolve(sampler.module(), DType::BF16, dim, batch)?;
     sampler.sample_unfused_into(&head, &hidden, &rows, 1, variant, &mut tokens)?;
     let unfused = sampler.tokens_to_host(&tokens)?;
     let same = fused.iter().zip(&unfused).filter(|(a, b)| a == b).count();
@@ -253,19 +365,15 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     let mut agree = 0;
     for r in 0..checked_rows {
         let logits = logits_row(&w, &h, r);
-        let row = flashsample::params::check_request(
-            flashsample::HeadShape { vocab, dim, dtype: DType::BF16 },
-            h.row_range(r, r + 1).shape(),
-            &params[r..r + 1],
-            1,
-        )?[0];
+        let shape = HeadShape { vocab, dim, dtype: DType::BF16 };
+        let row = check_request(shape, h.row_range(r, r + 1).shape(), &params[r..r + 1], 1)?[0];
         let cpu = draw(&logits, &row, 0).index;
         agree += (cpu == fused[r]) as usize;
         println!("  row {r}: GPU token {}  CPU token {cpu}", fused[r]);
     }
     println!("CPU check: {agree}/{checked_rows} rows give the same token");
 
-    let mut timer = Timer::new()?;
+    let mut timer = Timer::new(&sampler)?;
     let fused_time = timer
         .time(&sampler, 3, 50, || sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens))?;
     let unfused_time =
@@ -277,41 +385,37 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
         unfused_time.median_us,
         unfused_time.median_us / fused_time.median_us
     );
+    drop((head, hidden, rows, tokens, timer));
     sampler.close()
 }
 
 fn report(bench: &Path, peers: Option<&Path>, out: &Path, dtype: DType) -> Result<()> {
-    let rows = flashsample::bench::read_csv(bench)?;
+    let rows = bench::read_csv(bench)?;
     let peers = read_optional_peers(peers)?;
     std::fs::create_dir_all(out)
         .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
-    flashsample::bench::plot(&out.join("bench.png"), &rows, &peers)?;
+    bench::plot(&out.join("bench.png"), &rows, &peers)?;
     write_report(out, &rows, &peers, dtype)
 }
 
 /// The peers' CSV when one is named, else none.
-fn read_optional_peers(peers: Option<&Path>) -> Result<Vec<flashsample::bench::PeerTiming>> {
-    peers.map_or(Ok(Vec::new()), flashsample::bench::read_peers)
+fn read_optional_peers(peers: Option<&Path>) -> Result<Vec<bench::PeerTiming>> {
+    peers.map_or(Ok(Vec::new()), bench::read_peers)
 }
 
 /// Writes `report.md` into `out` and prints it.
-fn write_report(
-    out: &Path,
-    rows: &[flashsample::bench::Row],
-    peers: &[flashsample::bench::PeerTiming],
-    dtype: DType,
-) -> Result<()> {
-    let report = flashsample::bench::report(rows, peers, dtype);
+fn write_report(out: &Path, rows: &[bench::Row], peers: &[bench::PeerTiming], dtype: DType) -> Result<()> {
+    let report = bench::report(rows, peers, dtype);
     std::fs::write(out.join("report.md"), &report)
         .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
     println!("{report}");
     Ok(())
 }
 
-fn bench(
+fn run_bench(
     out: PathBuf,
     shapes: Vec<String>,
-    options: impl FnOnce(Vec<(usize, usize)>) -> flashsample::bench::Options,
+    options: impl FnOnce(Vec<(usize, usize)>) -> bench::Options,
     peers: Option<PathBuf>,
 ) -> Result<()> {
     let shapes = shapes
@@ -331,19 +435,21 @@ fn bench(
     }
     std::fs::create_dir_all(&out)
         .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
-    let sampler = CudaSampler::new()?;
+    let samplers = bench::samplers(&options)?;
+    let modules: Vec<&str> = samplers.iter().map(|s| s.module().name()).collect();
     println!(
-        "{}: {} SMs; {dtype}; median of {runs} runs after {warmup} warm-up, L2 flushed",
-        sampler.device_name(),
-        sampler.multiprocessors()
+        "{}: {} SMs; modules {}; {dtype}; median of {runs} runs after {warmup} warm-up, L2 flushed",
+        samplers[0].device_name(),
+        samplers[0].multiprocessors(),
+        modules.join(", ")
     );
-    let rows = flashsample::bench::run(&sampler, &options)?;
-    flashsample::bench::write_csv(&out.join("bench.csv"), &rows, dtype)?;
+    let rows = bench::run(&samplers, &options)?;
+    bench::write_csv(&out.join("bench.csv"), &rows, dtype)?;
     let peers = read_optional_peers(peers.as_deref())?;
     // After a GPU run a failed plot costs only the picture: the CSV and report still stand.
-    if let Err(e) = flashsample::bench::plot(&out.join("bench.png"), &rows, &peers) {
+    if let Err(e) = bench::plot(&out.join("bench.png"), &rows, &peers) {
         eprintln!("warning: no plot: {e}");
     }
     write_report(&out, &rows, &peers, dtype)?;
-    sampler.close()
+    samplers.into_iter().try_for_each(CudaSampler::close)
 }

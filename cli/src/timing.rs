@@ -1,19 +1,19 @@
 //! CUDA-event timing: warm-up, L2 flushed before every run, median of many runs.
 
-use cust::event::{Event, EventFlags};
-use cust::memory::DeviceBuffer;
-
-use crate::cuda::{CudaSampler, driver};
-use crate::error::Result;
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr as _, sys};
+use flashsample::cuda::driver::{self, fill_words_async};
+use flashsample::{CudaSampler, Result};
+use flashsample_core::abi::DevicePtr;
 
 /// Bytes written between runs so that no input is still in the 60 MB L2.
 pub const FLUSH_BYTES: usize = 256 << 20;
 
-/// Times queued GPU work with events.
+/// Times work queued on one sampler's stream with events.
 pub struct Timer {
-    flush: DeviceBuffer<u32>,
-    start: Event,
-    stop: Event,
+    flush: CudaSlice<u32>,
+    flush_ptr: DevicePtr<u32>,
+    start: CudaEvent,
+    stop: CudaEvent,
 }
 
 /// Median and spread of one timed region, in microseconds.
@@ -26,12 +26,15 @@ pub struct Timing {
 }
 
 impl Timer {
-    pub fn new() -> Result<Timer> {
-        // SAFETY: the buffer is only ever written (by memset).
-        let flush = driver::check("cuMemAlloc(L2 flush)", unsafe { DeviceBuffer::uninitialized(FLUSH_BYTES / 4) })?;
-        let start = driver::check("cuEventCreate", Event::new(EventFlags::DEFAULT))?;
-        let stop = driver::check("cuEventCreate", Event::new(EventFlags::DEFAULT))?;
-        Ok(Timer { flush, start, stop })
+    pub fn new(sampler: &CudaSampler) -> Result<Timer> {
+        let stream = sampler.stream();
+        // SAFETY: the buffer is only ever written (by the flush).
+        let flush = driver::check("cuMemAllocAsync(L2 flush)", unsafe { stream.alloc::<u32>(FLUSH_BYTES / 4) })?;
+        let flush_ptr = DevicePtr::new(flush.device_ptr(stream).0);
+        let event = || {
+            driver::check("cuEventCreate", stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
+        };
+        Ok(Timer { flush_ptr, flush, start: event()?, stop: event()? })
     }
 
     /// Runs `work` `warmup` times, then `runs` times with the L2 flushed before each, and
@@ -49,15 +52,16 @@ impl Timer {
         }
         let mut samples = Vec::with_capacity(runs);
         for run in 0..runs {
-            // SAFETY: the flush buffer is ours alone; the memset is ordered on our stream.
-            driver::check("cuMemsetD32Async(L2 flush)", unsafe {
-                self.flush.set_32_async(run as u32 ^ 0x5a5a_5a5a, stream)
-            })?;
+            // SAFETY: the flush buffer is ours alone and holds `len` words; the fill is
+            // ordered on the sampler's stream, on which the buffer was made.
+            unsafe {
+                fill_words_async("L2 flush", self.flush_ptr, run as u32 ^ 0x5a5a_5a5a, self.flush.len(), stream.cu_stream())?
+            };
             driver::check("cuEventRecord", self.start.record(stream))?;
             work()?;
             driver::check("cuEventRecord", self.stop.record(stream))?;
             driver::check("cuEventSynchronize", self.stop.synchronize())?;
-            samples.push(driver::check("cuEventElapsedTime", self.stop.elapsed_time_f32(&self.start))? as f64 * 1e3);
+            samples.push(driver::check("cuEventElapsedTime", self.start.elapsed_ms(&self.stop))? as f64 * 1e3);
         }
         sampler.synchronize("the timed work")?;
         samples.sort_by(f64::total_cmp);

@@ -1,34 +1,38 @@
 //! `flashsample bench`: fused sampling, fused greedy and the unfused pipeline beside the
-//! read-bandwidth floor, per (shape, B), timed with CUDA events (L2 flushed, median of runs),
-//! written as CSV and plotted against the peers' CSV from `scripts/peers.py`.
+//! read-bandwidth floor, per (shape, B) and per PTX module, timed with CUDA events (L2
+//! flushed, median of runs), written as CSV and plotted against the peers' CSV from
+//! `scripts/peers.py`.
 
 use std::fmt::Write as _;
 use std::path::Path;
 
-use cust::memory::DeviceBuffer;
-use flashsample_core::abi::HANDOFF_ROWS;
+use flashsample::{CudaSampler, DType, Error, Module, ModuleChoice, Result, SamplingParams, Variant};
+use flashsample_core::abi::{DevicePtr, HANDOFF_ROWS};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::SamplingParams;
-use crate::cuda::cublas::{self, Cublas};
-use crate::cuda::{CudaSampler, DeviceTokens, Variant, driver};
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::cublas::{self, Cublas};
 use crate::timing::{Timer, Timing};
 
 /// One timed configuration.
 #[derive(Clone, Debug)]
 pub struct Row {
+    /// The PTX module that ran it (cuBLAS and the read floor: the module of the sampler that
+    /// launched them).
+    pub module: Module,
     pub dim: usize,
     pub vocab: usize,
     pub batch: usize,
     /// `fused_sample`, `fused_greedy`, `unfused_sample`, `read_floor` or `cublas_gemm` (the
-    /// in-process cuBLAS reference).
+    /// in-process cuBLAS reference); `fused_sample@<variant>` for forced variants.
     pub variant: String,
     pub timing: Timing,
 }
 
 pub struct Options {
+    pub gpu: usize,
+    /// The modules to time, each on its own sampler; the first also times cuBLAS and the
+    /// forced variants. Empty: the device's own module.
+    pub modules: Vec<Module>,
     pub shapes: Vec<(usize, usize)>,
     pub batches: Vec<usize>,
     pub dtype: DType,
@@ -38,14 +42,14 @@ pub struct Options {
     /// run the point (rows `fused_sample@mma_n16`, `fused_greedy@tma_m64_n64`, …), to check
     /// the dispatcher.
     pub all_variants: bool,
-    /// `libcublas.so` to time cuBLAS's GEMM in this process, right before our kernels at each
-    /// point (rows `cublas_gemm`).
-    pub cublas: Option<std::path::PathBuf>,
+    /// Time cuBLAS's GEMM in this process, right before our kernels at each point (rows
+    /// `cublas_gemm`).
+    pub cublas: bool,
 }
 
-/// Every tensor-core stage-1 variant, with its label in the CSV.
-fn tensor_core_variants() -> Vec<(String, Variant)> {
-    Variant::tensor_core()
+/// Every tensor-core stage-1 variant of `module`, with its label in the CSV.
+fn tensor_core_variants(module: Module) -> Vec<(String, Variant)> {
+    Variant::tensor_core(module)
         .map(|variant| match variant {
             Variant::Mma { columns } => (format!("mma_n{columns}"), variant),
             Variant::Tma { rows, columns } => (format!("tma_m{rows}_n{columns}"), variant),
@@ -59,81 +63,93 @@ fn file_error(path: &Path, e: impl std::fmt::Display) -> Error {
     Error::File { path: path.display().to_string(), message: e.to_string() }
 }
 
-pub fn run(sampler: &CudaSampler, options: &Options) -> Result<Vec<Row>> {
-    if options.cublas.is_some() {
+/// The samplers of the run, one per module, the first one's module the device's own when none
+/// is named.
+pub fn samplers(options: &Options) -> Result<Vec<CudaSampler>> {
+    if options.modules.is_empty() {
+        return Ok(vec![CudaSampler::on_device(options.gpu)?]);
+    }
+    options.modules.iter().map(|&module| CudaSampler::with_module(options.gpu, ModuleChoice::Force(module))).collect()
+}
+
+pub fn run(samplers: &[CudaSampler], options: &Options) -> Result<Vec<Row>> {
+    if options.cublas {
         // Before anything is timed.
         cublas::element_type(options.dtype)?;
     }
-    let cublas = options.cublas.as_deref().map(|path| Cublas::load(path, sampler)).transpose()?;
-    let rows = run_points(sampler, options, cublas.as_ref());
+    let cublas = if options.cublas { Some(Cublas::load(&samplers[0])?) } else { None };
+    let rows = run_points(samplers, options, cublas.as_ref());
     match cublas {
         Some(cublas) => rows.and_then(|rows| cublas.close().map(|()| rows)),
         None => rows,
     }
 }
 
-fn run_points(sampler: &CudaSampler, options: &Options, cublas: Option<&Cublas>) -> Result<Vec<Row>> {
-    let mut timer = Timer::new()?;
-    let extra = if options.all_variants { 2 * tensor_core_variants().len() } else { 0 };
+fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cublas>) -> Result<Vec<Row>> {
+    let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 };
     let reference = usize::from(cublas.is_some());
-    let points = options.shapes.len() * (1 + (3 + reference + extra) * options.batches.len());
+    let points = options.shapes.len() * (samplers.len() * (1 + 3 * options.batches.len()) + (reference + extra) * options.batches.len());
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
     let mut rows = Vec::new();
-    let sink = driver::check("cuMemAlloc(probe sink)", DeviceBuffer::<u32>::zeroed(1))?;
     for &(dim, vocab) in &options.shapes {
-        let head = sampler.random_lm_head(vocab, dim, options.dtype, 0x5eed ^ vocab as u64, 0.05)?;
-        progress.set_message(format!("D={dim} V={vocab} read floor"));
-        let timing = timer.time(sampler, options.warmup, options.runs, || sampler.read_probe(&head, &sink))?;
-        rows.push(Row { dim, vocab, batch: 0, variant: "read_floor".into(), timing });
-        progress.inc(1);
-        for &batch in &options.batches {
-            let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
-            let mut tokens = DeviceTokens::new(sampler, batch, 1)?;
-            // Row parameters stay on the device, as the hidden states do: the timed region holds
-            // kernels only, like the cuBLAS GEMM it is compared with.
-            let sampling = sampler
-                .upload_rows(&(0..batch).map(|r| SamplingParams::new(1.0, 7, r as u32, 0)).collect::<Vec<_>>())?;
-            let greedy = sampler
-                .upload_rows(&(0..batch).map(|r| SamplingParams::new(0.0, 7, r as u32, 0)).collect::<Vec<_>>())?;
-            let auto = Variant::Auto.resolve(options.dtype, dim, batch)?;
-            let mut time = |name: &str, work: &mut dyn FnMut() -> Result<()>| -> Result<()> {
-                progress.set_message(format!("D={dim} V={vocab} B={batch} {name}"));
-                let timing = timer.time(sampler, options.warmup, options.runs, work)?;
-                rows.push(Row { dim, vocab, batch, variant: name.into(), timing });
-                progress.inc(1);
-                Ok(())
-            };
-            if let Some(cublas) = cublas {
-                // SAFETY: only written (by the GEMM).
-                let out = unsafe { DeviceBuffer::<u16>::uninitialized(batch * vocab) };
-                let mut out = driver::check("cuMemAlloc(cuBLAS output)", out)?;
-                time("cublas_gemm", &mut || cublas.gemm(&head, &hidden, &mut out))?;
-            }
-            time("fused_sample", &mut || {
-                sampler.sample_rows_into(&head, &hidden, &sampling, 1, Variant::Auto, &mut tokens)
-            })?;
-            time("fused_greedy", &mut || {
-                sampler.sample_rows_into(&head, &hidden, &greedy, 1, Variant::Auto, &mut tokens)
-            })?;
-            if auto != Variant::Simt {
-                time("unfused_sample", &mut || {
-                    sampler.sample_unfused_into(&head, &hidden, &sampling, 1, auto, &mut tokens)
+        for (position, sampler) in samplers.iter().enumerate() {
+            let first = position == 0;
+            let module = sampler.module();
+            let mut timer = Timer::new(sampler)?;
+            let head = sampler.random_lm_head(vocab, dim, options.dtype, 0x5eed ^ vocab as u64, 0.05)?;
+            progress.set_message(format!("{} D={dim} V={vocab} read floor", module.name()));
+            let timing = timer.time(sampler, options.warmup, options.runs, || sampler.read_probe(&head))?;
+            rows.push(Row { module, dim, vocab, batch: 0, variant: "read_floor".into(), timing });
+            progress.inc(1);
+            for &batch in &options.batches {
+                let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
+                let mut tokens = sampler.tokens(batch, 1)?;
+                // Row parameters stay on the device, as the hidden states do: the timed region
+                // holds kernels only, like the cuBLAS GEMM it is compared with.
+                let params = |t: f32| (0..batch).map(|r| SamplingParams::new(t, 7, r as u32, 0)).collect::<Vec<_>>();
+                let sampling = sampler.upload_rows(&params(1.0))?;
+                let greedy = sampler.upload_rows(&params(0.0))?;
+                let auto = Variant::Auto.resolve(module, options.dtype, dim, batch)?;
+                let mut time = |name: &str, work: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+                    progress.set_message(format!("{} D={dim} V={vocab} B={batch} {name}", module.name()));
+                    let timing = timer.time(sampler, options.warmup, options.runs, work)?;
+                    rows.push(Row { module, dim, vocab, batch, variant: name.into(), timing });
+                    progress.inc(1);
+                    Ok(())
+                };
+                if let (true, Some(cublas)) = (first, cublas) {
+                    // SAFETY: only written (by the GEMM), on the stream it is made on.
+                    let out = unsafe { sampler.stream().alloc::<u16>(batch * vocab) };
+                    let out = flashsample::cuda::driver::check("cuMemAllocAsync(cuBLAS output)", out)?;
+                    let out_ptr = DevicePtr::new(cudarc::driver::DevicePtr::device_ptr(&out, sampler.stream()).0);
+                    time("cublas_gemm", &mut || cublas.gemm(&head, &hidden, out_ptr, out.len()))?;
+                }
+                time("fused_sample", &mut || {
+                    sampler.sample_rows_into(&head, &hidden, &sampling, 1, Variant::Auto, &mut tokens)
                 })?;
-            } else {
-                progress.inc(1);
-            }
-            if options.all_variants {
-                for (label, variant) in tensor_core_variants() {
-                    if variant.resolve(options.dtype, dim, batch).is_ok() {
-                        time(&format!("fused_sample@{label}"), &mut || {
-                            sampler.sample_rows_into(&head, &hidden, &sampling, 1, variant, &mut tokens)
-                        })?;
-                        time(&format!("fused_greedy@{label}"), &mut || {
-                            sampler.sample_rows_into(&head, &hidden, &greedy, 1, variant, &mut tokens)
-                        })?;
-                    } else {
-                        progress.inc(2);
+                time("fused_greedy", &mut || {
+                    sampler.sample_rows_into(&head, &hidden, &greedy, 1, Variant::Auto, &mut tokens)
+                })?;
+                if auto != Variant::Simt {
+                    time("unfused_sample", &mut || {
+                        sampler.sample_unfused_into(&head, &hidden, &sampling, 1, auto, &mut tokens)
+                    })?;
+                } else {
+                    progress.inc(1);
+                }
+                if first && options.all_variants {
+                    for (label, variant) in tensor_core_variants(module) {
+                        if variant.resolve(module, options.dtype, dim, batch).is_ok() {
+                            time(&format!("fused_sample@{label}"), &mut || {
+                                sampler.sample_rows_into(&head, &hidden, &sampling, 1, variant, &mut tokens)
+                            })?;
+                            time(&format!("fused_greedy@{label}"), &mut || {
+                                sampler.sample_rows_into(&head, &hidden, &greedy, 1, variant, &mut tokens)
+                            })?;
+                        } else {
+                            progress.inc(2);
+                        }
                     }
                 }
             }
@@ -145,14 +161,14 @@ fn run_points(sampler: &CudaSampler, options: &Options, cublas: Option<&Cublas>)
 
 /// Writes our rows as CSV with achieved bandwidth (W's bytes over the time) and TFLOP/s.
 pub fn write_csv(path: &Path, rows: &[Row], dtype: DType) -> Result<()> {
-    let mut out = String::from("dim,vocab,batch,variant,median_us,min_us,max_us,runs,weight_gbps,tflops\n");
+    let mut out = String::from("dim,vocab,batch,variant,median_us,min_us,max_us,runs,weight_gbps,tflops,module\n");
     for r in rows {
         let bytes = (r.dim * r.vocab * dtype.bytes()) as f64;
         let flops = 2.0 * (r.dim * r.vocab * r.batch) as f64;
         let t = r.timing.median_us * 1e-6;
         writeln!(
             out,
-            "{},{},{},{},{:.2},{:.2},{:.2},{},{:.1},{:.2}",
+            "{},{},{},{},{:.2},{:.2},{:.2},{},{:.1},{:.2},{}",
             r.dim,
             r.vocab,
             r.batch,
@@ -162,7 +178,8 @@ pub fn write_csv(path: &Path, rows: &[Row], dtype: DType) -> Result<()> {
             r.timing.max_us,
             r.timing.runs,
             bytes / t / 1e9,
-            flops / t / 1e12
+            flops / t / 1e12,
+            r.module.name()
         )
         .expect("writing to a String");
     }
@@ -170,7 +187,8 @@ pub fn write_csv(path: &Path, rows: &[Row], dtype: DType) -> Result<()> {
 }
 
 /// Reads rows back from a CSV written by [`write_csv`] (`flashsample report` re-renders a
-/// GPU run's report and plot on any machine). Only the median is kept.
+/// GPU run's report and plot on any machine). Only the median is kept; rows of a CSV from
+/// before the module column are the Hopper module's, the only one there was.
 pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
     let text = std::fs::read_to_string(path).map_err(|e| file_error(path, e))?;
     let mut rows = Vec::new();
@@ -178,8 +196,13 @@ pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
         let f: Vec<&str> = line.split(',').collect();
         let parse = |i: usize| f.get(i).and_then(|s| s.trim().parse::<usize>().ok());
         let median = f.get(4).and_then(|s| s.trim().parse::<f64>().ok());
-        match (parse(0), parse(1), parse(2), f.get(3), median, parse(7)) {
-            (Some(dim), Some(vocab), Some(batch), Some(name), Some(us), Some(runs)) => rows.push(Row {
+        let module = match f.get(10).map(|s| s.trim()) {
+            None => Some(Module::Hopper),
+            Some(name) => Module::ALL.into_iter().find(|m| m.name() == name),
+        };
+        match (parse(0), parse(1), parse(2), f.get(3), median, parse(7), module) {
+            (Some(dim), Some(vocab), Some(batch), Some(name), Some(us), Some(runs), Some(module)) => rows.push(Row {
+                module,
                 dim,
                 vocab,
                 batch,
@@ -229,8 +252,56 @@ fn peer_median(peers: &[PeerTiming], d: usize, v: usize, b: usize, variant: &str
 }
 
 /// The report: per (shape, B), ours and the peers with ratios to cuBLAS GEMM-only, as the
-/// peers' script timed it and, when the bench ran it too, as timed in the bench.
+/// peers' script timed it and, when the bench ran it too, as timed in the bench; for the first
+/// module of the run, then a table for each other module.
 pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
+    let Some(primary) = rows.first().map(|r| r.module) else { return String::from("no timings\n") };
+    let of = |module: Module| rows.iter().filter(|r| r.module == module).cloned().collect::<Vec<Row>>();
+    let primary_rows = of(primary);
+    let mut out = format!("{} module:\n\n", primary.name());
+    out.push_str(&primary_table(&primary_rows, peers, dtype));
+    for module in Module::ALL.into_iter().filter(|&m| m != primary) {
+        let module_rows = of(module);
+        if !module_rows.is_empty() {
+            out.push_str(&module_table(module, &module_rows, &primary_rows));
+        }
+    }
+    out
+}
+
+/// Another module's fused sampling beside the first module's cuBLAS reference and its own
+/// read floor (the read probe is the same kernel in every module).
+fn module_table(module: Module, rows: &[Row], primary_rows: &[Row]) -> String {
+    let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.3}", a / b),
+        _ => "-".into(),
+    };
+    let mut out = format!(
+        "\n{} module:\n\n| D | V | B | fused sample µs | fused greedy µs | unfused µs | cuBLAS in bench µs | sample/cuBLAS in bench | % of read floor |\n|---|---|---|---|---|---|---|---|---|\n",
+        module.name()
+    );
+    for r in rows.iter().filter(|r| r.variant == "fused_sample") {
+        let (d, v, b) = (r.dim, r.vocab, r.batch);
+        let sample = Some(r.timing.median_us);
+        let cublas = our_median(primary_rows, d, v, b, "cublas_gemm");
+        let floor = our_median(rows, d, v, 0, "read_floor");
+        writeln!(
+            out,
+            "| {d} | {v} | {b} | {} | {} | {} | {} | {} | {} |",
+            show(sample),
+            show(our_median(rows, d, v, b, "fused_greedy")),
+            show(our_median(rows, d, v, b, "unfused_sample")),
+            show(cublas),
+            ratio(sample, cublas),
+            floor.map(|f| format!("{:.1}", 100.0 * f / r.timing.median_us)).unwrap_or_else(|| "-".into()),
+        )
+        .unwrap();
+    }
+    out
+}
+
+fn primary_table(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     let ours = |d: usize, v: usize, b: usize, name: &str| our_median(rows, d, v, b, name);
     let peer = |d: usize, v: usize, b: usize, name: &str| peer_median(peers, d, v, b, name);
     let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
@@ -283,7 +354,7 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     out
 }
 
-/// Issue 3's targets for fused sampling (bf16): at most this many times cuBLAS's GEMM alone,
+/// The project's speed targets for fused sampling (bf16): at most this many times cuBLAS's GEMM alone,
 /// up to [`SMALL_BATCH`] rows.
 const CUBLAS_TARGET_SMALL_BATCH: f64 = 1.03;
 /// The same above [`SMALL_BATCH`] rows.
@@ -307,7 +378,7 @@ fn targets_table(rows: &[Row], peers: &[PeerTiming]) -> String {
     let (small, large) = (CUBLAS_TARGET_SMALL_BATCH, CUBLAS_TARGET_LARGE_BATCH);
     let floor_percent = 100.0 * READ_FLOOR_TARGET;
     let mut out = format!(
-        "\nTargets (issue 3, bf16, set for D × V = 4096 × 151936 and 8192 × 128256): sample ≤ {small:.2}× \
+        "\nTargets (bf16, set for D × V = 4096 × 151936 and 8192 × 128256): sample ≤ {small:.2}× \
          cuBLAS at B ≤ {SMALL_BATCH} and ≤ {large:.2}× above, ≤ {GREEDY_TARGET:.2}× greedy, ≥ {floor_percent:.0} % \
          of the read floor at B ≤ {SMALL_BATCH}. Misses, by how much over the target (what bounds them: \
          docs/PERF.md):\n\n| D | V | B | missed |\n|---|---|---|---|\n",
@@ -366,13 +437,14 @@ fn variants_table(rows: &[Row]) -> String {
 /// Time against B per shape (log-log), ours beside cuBLAS and the read floor.
 pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
     use plotters::prelude::*;
-    // DejaVu Sans (Bitstream Vera license, `host/assets/DejaVuSans.LICENSE`), embedded so the
+    // DejaVu Sans (Bitstream Vera license, `cli/assets/DejaVuSans.LICENSE`), embedded so the
     // plot needs no system font.
     static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
     plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
         .map_err(|_| file_error(path, "the embedded font is invalid"))?;
     let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
     shapes.dedup();
+    let primary = rows.first().map(|r| r.module);
     let root = BitMapBackend::new(path, (640 * shapes.len().min(2) as u32, 480 * shapes.len().div_ceil(2) as u32))
         .into_drawing_area();
     root.fill(&WHITE).map_err(|e| file_error(path, e))?;
@@ -388,10 +460,18 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
         ] {
             let points = rows
                 .iter()
-                .filter(|r| r.dim == *d && r.vocab == *v && r.variant == name)
+                .filter(|r| r.dim == *d && r.vocab == *v && r.variant == name && Some(r.module) == primary)
                 .map(|r| (r.batch as f64, r.timing.median_us))
                 .collect();
             series.push((label.to_string(), points, color));
+        }
+        for module in Module::ALL.into_iter().filter(|&m| Some(m) != primary) {
+            let points = rows
+                .iter()
+                .filter(|r| r.dim == *d && r.vocab == *v && r.variant == "fused_sample" && r.module == module)
+                .map(|r| (r.batch as f64, r.timing.median_us))
+                .collect();
+            series.push((format!("fused_sample ({} module)", module.name()), points, RGBColor(230, 140, 0)));
         }
         for (name, color) in [("cublas_gemm", BLACK), ("torch_sample", GREEN)] {
             let points = peers
@@ -401,8 +481,10 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
                 .collect();
             series.push((name.to_string(), points, color));
         }
-        let floor =
-            rows.iter().find(|r| r.dim == *d && r.vocab == *v && r.variant == "read_floor").map(|r| r.timing.median_us);
+        let floor = rows
+            .iter()
+            .find(|r| r.dim == *d && r.vocab == *v && r.variant == "read_floor" && Some(r.module) == primary)
+            .map(|r| r.timing.median_us);
         let all: Vec<f64> = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).chain(floor).collect();
         let (low, high) = all.iter().fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
         let max_b = series.iter().flat_map(|s| s.1.iter().map(|p| p.0)).fold(1.0, f64::max);
@@ -449,6 +531,7 @@ mod tests {
 
     fn row(batch: usize, variant: &str, us: f64) -> Row {
         Row {
+            module: Module::Hopper,
             dim: 64,
             vocab: 1000,
             batch,
@@ -507,5 +590,28 @@ mod tests {
             "targets: {text}"
         );
         assert!(!report(&rows, &peers, DType::F16).contains("Targets"), "the targets are set for bf16 only");
+    }
+
+    /// A second module's rows get a table of their own, against the first module's cuBLAS
+    /// and their own read floor; a CSV written with them reads back with their module.
+    #[test]
+    fn other_modules_get_their_own_table() {
+        let portable = |batch, variant: &str, us| Row { module: Module::Portable, ..row(batch, variant, us) };
+        let rows = vec![
+            row(0, "read_floor", 10.0),
+            row(1, "cublas_gemm", 12.0),
+            row(1, "fused_sample", 11.0),
+            portable(0, "read_floor", 10.0),
+            portable(1, "fused_sample", 10.5),
+            portable(1, "fused_greedy", 10.4),
+        ];
+        let text = report(&rows, &[], DType::BF16);
+        assert!(text.contains("portable module:"), "{text}");
+        assert!(text.contains("| 64 | 1000 | 1 | 10.5 | 10.4 | - | 12.0 | 0.875 | 95.2 |"), "{text}");
+        let path = std::env::temp_dir().join(format!("flashsample-modules-{}.csv", std::process::id()));
+        write_csv(&path, &rows, DType::BF16).unwrap();
+        let back = read_csv(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(back.iter().filter(|r| r.module == Module::Portable).count(), 3);
     }
 }

@@ -196,6 +196,45 @@ fn cuda_device_without_a_gpu_is_a_one_line_error() {
     }
 }
 
+/// `--device auto` (the default) samples on the GPU or, without one, on the CPU, and says which
+/// in exactly one line on standard error.
+#[test]
+fn device_auto_says_in_one_line_where_it_samples() {
+    let scratch = Scratch::new("auto");
+    let (w, h) = inputs(&scratch, 20, 8, 2);
+    let out = scratch.path("t.npy");
+    let output = flashsample(&[
+        "sample", "--lm-head", &w, "--hidden", &h, "--out", &out, "--samples", "3", "--seed", "1", "--temperature", "1",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("flashsample: on GPU 0") || stderr.contains("on the CPU"), "{stderr}");
+    assert_eq!(read_npy_i64(Path::new(&out)).unwrap().0, 2);
+}
+
+/// A GPU ordinal past the machine's devices is an error naming `--gpu` (or, without a GPU,
+/// the plain no-device error).
+#[test]
+fn gpu_ordinal_past_the_devices_names_the_flag() {
+    let output = flashsample(&["demo", "--device", "cuda", "--gpu", "99"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_clean_failure(&output, if stderr.contains("no CUDA device") { "no CUDA device" } else { "--gpu" });
+}
+
+/// Without a GPU the demo checks the CPU's draws against the exact softmax and says how to
+/// run the GPU path; `--help` needs no driver either.
+#[test]
+fn cpu_demo_shows_frequencies_beside_the_softmax_and_a_p_value() {
+    let output = flashsample(&["demo", "--device", "cpu"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("frequency") && stdout.contains("softmax"), "{stdout}");
+    assert!(stdout.contains("chi-square over all 1000 tokens") && stdout.contains("p = "), "{stdout}");
+    assert!(stdout.contains("--device cuda"), "{stdout}");
+    assert!(flashsample(&["--help"]).status.success());
+}
+
 /// The held-out exactness check's path: 4M draws at V = 131071 through the CLI on the GPU,
 /// tested against the exact softmax (χ², bins pooled to ≥ 5 expected, α = 1e-3).
 #[test]

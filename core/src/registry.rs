@@ -1,0 +1,335 @@
+//! Every kernel of the project, declared once: its entry-point name, what it computes, which
+//! PTX modules hold it, and its launch shape (threads, dynamic shared memory, launch bounds).
+//!
+//! The list lives in [`for_each_kernel!`](crate::for_each_kernel). The kernel crate expands it
+//! into its `#[unsafe(no_mangle)]` entry points, this module into [`KERNELS`], which the host
+//! (module loading, launches) and `xtask` (launch bounds, PTX checks) read. A kernel is always
+//! found by its [`Kernel`] value; no name is parsed or assembled from pieces anywhere.
+//!
+//! Architecture Invariant: the entry point `name` of an entry computes what its `Kernel` says,
+//! with the launch shape `Kernel` gives, in every module that [`Module::holds`] it.
+
+use crate::abi::{
+    LOGITS_SAMPLER_SHARED_BYTES, REDUCE_SHARED_BYTES, REDUCE_THREADS, STAGE1_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS,
+    fused_mma_shared_bytes, fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
+};
+
+/// The element type of `W` and `H` a kernel reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ElementType {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// What a kernel computes, with the parameters its code is specialised for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Stage 1, register-direct `mma.sync` tile of 128 rows × `columns` (`FusedArgs`).
+    FusedMma { element: ElementType, columns: u32 },
+    /// Stage 1, CUDA-core tile (`FusedArgs`).
+    FusedSimt { element: ElementType },
+    /// The unfused pipeline's GEMM on the `mma.sync` tile (`LogitsArgs`).
+    LogitsMma { element: ElementType, columns: u32 },
+    /// Stage 1, TMA + `wgmma` tile of `rows` × `columns` (`TmaArgs`).
+    FusedTma { element: ElementType, rows: u32, columns: u32 },
+    /// The unfused pipeline's GEMM on the TMA + `wgmma` tile (`TmaArgs`).
+    LogitsTma { element: ElementType, rows: u32, columns: u32 },
+    /// Stage 1, TMA + `wgmma` handoff tile: 128 rows × `columns`, epilogue in warps of its own
+    /// (`TmaArgs`).
+    FusedHandoff { element: ElementType, columns: u32 },
+    /// The unfused pipeline's sampler over materialised logits (`LogitsSamplerArgs`).
+    SampleLogits,
+    /// Stage 2: candidates → tokens (`ReduceArgs`).
+    ReduceCandidates,
+    /// Uniform benchmark inputs (`FillArgs`).
+    FillUniform { element: ElementType },
+    /// The read-bandwidth floor (`ReadProbeArgs`).
+    ReadProbe,
+    /// The exhaustive check of the noise estimate's bound (`EstimateErrorArgs`).
+    GumbelEstimateError,
+}
+
+/// Threads of the kernels that do not depend on a block shape (any multiple of 32 works).
+const UTILITY_THREADS: u32 = 256;
+
+impl Kernel {
+    /// Threads per block.
+    pub const fn threads(self) -> u32 {
+        match self {
+            Kernel::FusedMma { .. } | Kernel::FusedSimt { .. } | Kernel::LogitsMma { .. } | Kernel::SampleLogits => {
+                STAGE1_WARPS * 32
+            }
+            Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
+            Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,
+            Kernel::ReduceCandidates => REDUCE_THREADS,
+            Kernel::FillUniform { .. } | Kernel::ReadProbe | Kernel::GumbelEstimateError => UTILITY_THREADS,
+        }
+    }
+
+    /// Dynamic shared memory per block, in bytes.
+    pub const fn shared_bytes(self) -> u32 {
+        match self {
+            Kernel::FusedMma { columns, .. } => fused_mma_shared_bytes(columns),
+            Kernel::FusedSimt { .. } => fused_simt_shared_bytes(),
+            Kernel::FusedTma { rows, columns, .. } | Kernel::LogitsTma { rows, columns, .. } => {
+                tma_shared_bytes(rows, columns)
+            }
+            Kernel::FusedHandoff { columns, .. } => tma_handoff_shared_bytes(columns),
+            Kernel::SampleLogits => LOGITS_SAMPLER_SHARED_BYTES,
+            Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
+            Kernel::LogitsMma { .. } | Kernel::FillUniform { .. } | Kernel::ReadProbe | Kernel::GumbelEstimateError => {
+                0
+            }
+        }
+    }
+
+    /// The block size the PTX declares with `.maxntid`, if any. The TMA kernels declare it:
+    /// without it ptxas assumes any block size and may give each thread more registers than
+    /// a block of [`Kernel::threads`] can have. (rustc has no attribute for NVVM launch
+    /// bounds; `xtask` adds the directive.)
+    pub const fn launch_bounds(self) -> Option<u32> {
+        match self {
+            Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } | Kernel::FusedHandoff { .. } => Some(self.threads()),
+            _ => None,
+        }
+    }
+
+    /// Whether the kernel uses Hopper's TMA and `wgmma` (only the Hopper module holds it).
+    pub const fn needs_hopper(self) -> bool {
+        matches!(self, Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } | Kernel::FusedHandoff { .. })
+    }
+
+    /// The warpgroup-collective `.sync.aligned` ops the kernel's PTX holds exactly once each
+    /// (see `xtask`'s check): `(op, fewest, most)`. LLVM treats inline asm as ordinary code
+    /// and may duplicate it into both arms of a branch (it did, around `if lane == 0`), which
+    /// compiles but hangs on the GPU; a second copy in one kernel is that bug. The commit and
+    /// `wait_group 0` appear exactly once, `wait_group 1` at most once (the handoff kernels
+    /// wait with `wait_group 0` only).
+    pub const fn aligned_ops_written_once(self) -> &'static [(&'static str, usize, usize)] {
+        if self.needs_hopper() {
+            &[
+                ("wgmma.commit_group.sync.aligned", 1, 1),
+                ("wgmma.wait_group.sync.aligned 0", 1, 1),
+                ("wgmma.wait_group.sync.aligned 1", 0, 1),
+            ]
+        } else {
+            &[]
+        }
+    }
+
+    /// The kernel's entry-point name.
+    pub fn name(self) -> &'static str {
+        KERNELS
+            .iter()
+            .find(|entry| entry.kernel == self)
+            .map(|entry| entry.name)
+            .unwrap_or_else(|| panic!("{self:?} is not a kernel of the registry"))
+    }
+
+    /// The kernel whose entry point is `name`.
+    pub fn named(name: &str) -> Option<Kernel> {
+        KERNELS.iter().find(|entry| entry.name == name).map(|entry| entry.kernel)
+    }
+}
+
+/// A PTX module the host embeds; each is built from the kernel crate for one target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Module {
+    /// sm_80 PTX: the `mma.sync` and SIMT tiles and everything but the TMA kernels. Drivers
+    /// compile it for the device at load time, so it runs on every NVIDIA GPU from Ampere on
+    /// (sm_80, sm_86, sm_89, sm_90, sm_100, sm_120).
+    Portable,
+    /// sm_90a PTX: every kernel, the TMA + `wgmma` tiles included. Arch-specific PTX, so it
+    /// loads on compute capability 9.0 only (H100, H200, GH200).
+    Hopper,
+}
+
+impl Module {
+    pub const ALL: [Module; 2] = [Module::Portable, Module::Hopper];
+
+    /// Whether this module holds `kernel`.
+    pub const fn holds(self, kernel: Kernel) -> bool {
+        match self {
+            Module::Portable => !kernel.needs_hopper(),
+            Module::Hopper => true,
+        }
+    }
+
+    /// The value of the kernel crate's `flashsample_module` cfg when it is built for this
+    /// module.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Module::Portable => "portable",
+            Module::Hopper => "hopper",
+        }
+    }
+
+    /// The oldest compute capability (major, minor) that loads the module, and whether the
+    /// module loads only on exactly that one (arch-specific PTX).
+    pub const fn compute_capability(self) -> ((u32, u32), bool) {
+        match self {
+            Module::Portable => ((8, 0), false),
+            Module::Hopper => ((9, 0), true),
+        }
+    }
+
+    /// Whether a device of compute capability `(major, minor)` loads the module.
+    pub const fn loads_on(self, major: u32, minor: u32) -> bool {
+        let ((oldest_major, oldest_minor), exact) = self.compute_capability();
+        if exact {
+            major == oldest_major && minor == oldest_minor
+        } else {
+            major > oldest_major || (major == oldest_major && minor >= oldest_minor)
+        }
+    }
+
+    /// The kernels this module holds.
+    pub fn kernels(self) -> impl Iterator<Item = &'static KernelEntry> {
+        KERNELS.iter().filter(move |entry| self.holds(entry.kernel))
+    }
+}
+
+/// One entry point of the kernel crate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelEntry {
+    pub name: &'static str,
+    pub kernel: Kernel,
+}
+
+/// The list of every kernel, handed to `$callback` as `name => Kind { field: value, … };`
+/// entries (`Kind` a [`Kernel`] variant, element types as bare [`ElementType`] variants). The
+/// kernel crate passes a macro that defines each entry point; this module one that builds
+/// [`KERNELS`].
+#[macro_export]
+macro_rules! for_each_kernel {
+    ($callback:ident) => {
+        $callback! {
+            fused_bf16_n8 => FusedMma { element: Bf16, columns: 8 };
+            fused_bf16_n16 => FusedMma { element: Bf16, columns: 16 };
+            fused_bf16_n32 => FusedMma { element: Bf16, columns: 32 };
+            fused_f16_n8 => FusedMma { element: F16, columns: 8 };
+            fused_f16_n16 => FusedMma { element: F16, columns: 16 };
+            fused_f16_n32 => FusedMma { element: F16, columns: 32 };
+            fused_simt_f32 => FusedSimt { element: F32 };
+            fused_simt_bf16 => FusedSimt { element: Bf16 };
+            fused_simt_f16 => FusedSimt { element: F16 };
+            logits_gemm_bf16_n8 => LogitsMma { element: Bf16, columns: 8 };
+            logits_gemm_bf16_n16 => LogitsMma { element: Bf16, columns: 16 };
+            logits_gemm_bf16_n32 => LogitsMma { element: Bf16, columns: 32 };
+            logits_gemm_f16_n8 => LogitsMma { element: F16, columns: 8 };
+            logits_gemm_f16_n16 => LogitsMma { element: F16, columns: 16 };
+            logits_gemm_f16_n32 => LogitsMma { element: F16, columns: 32 };
+            fused_tma_bf16_m64_n8 => FusedTma { element: Bf16, rows: 64, columns: 8 };
+            fused_tma_bf16_m64_n16 => FusedTma { element: Bf16, rows: 64, columns: 16 };
+            fused_tma_bf16_m64_n32 => FusedTma { element: Bf16, rows: 64, columns: 32 };
+            fused_tma_bf16_m64_n64 => FusedTma { element: Bf16, rows: 64, columns: 64 };
+            fused_tma_bf16_m64_n128 => FusedTma { element: Bf16, rows: 64, columns: 128 };
+            fused_tma_bf16_m128_n8 => FusedTma { element: Bf16, rows: 128, columns: 8 };
+            fused_tma_bf16_m128_n16 => FusedTma { element: Bf16, rows: 128, columns: 16 };
+            fused_tma_bf16_m128_n32 => FusedTma { element: Bf16, rows: 128, columns: 32 };
+            fused_tma_bf16_m128_n64 => FusedTma { element: Bf16, rows: 128, columns: 64 };
+            fused_tma_bf16_m128_n128 => FusedTma { element: Bf16, rows: 128, columns: 128 };
+            fused_tma_f16_m64_n8 => FusedTma { element: F16, rows: 64, columns: 8 };
+            fused_tma_f16_m64_n16 => FusedTma { element: F16, rows: 64, columns: 16 };
+            fused_tma_f16_m64_n32 => FusedTma { element: F16, rows: 64, columns: 32 };
+            fused_tma_f16_m64_n64 => FusedTma { element: F16, rows: 64, columns: 64 };
+            fused_tma_f16_m64_n128 => FusedTma { element: F16, rows: 64, columns: 128 };
+            fused_tma_f16_m128_n8 => FusedTma { element: F16, rows: 128, columns: 8 };
+            fused_tma_f16_m128_n16 => FusedTma { element: F16, rows: 128, columns: 16 };
+            fused_tma_f16_m128_n32 => FusedTma { element: F16, rows: 128, columns: 32 };
+            fused_tma_f16_m128_n64 => FusedTma { element: F16, rows: 128, columns: 64 };
+            fused_tma_f16_m128_n128 => FusedTma { element: F16, rows: 128, columns: 128 };
+            fused_tma_bf16_h128_n64 => FusedHandoff { element: Bf16, columns: 64 };
+            fused_tma_bf16_h128_n128 => FusedHandoff { element: Bf16, columns: 128 };
+            fused_tma_f16_h128_n64 => FusedHandoff { element: F16, columns: 64 };
+            fused_tma_f16_h128_n128 => FusedHandoff { element: F16, columns: 128 };
+            logits_tma_bf16_m64_n8 => LogitsTma { element: Bf16, rows: 64, columns: 8 };
+            logits_tma_bf16_m64_n16 => LogitsTma { element: Bf16, rows: 64, columns: 16 };
+            logits_tma_bf16_m64_n32 => LogitsTma { element: Bf16, rows: 64, columns: 32 };
+            logits_tma_bf16_m64_n64 => LogitsTma { element: Bf16, rows: 64, columns: 64 };
+            logits_tma_bf16_m64_n128 => LogitsTma { element: Bf16, rows: 64, columns: 128 };
+            logits_tma_bf16_m128_n8 => LogitsTma { element: Bf16, rows: 128, columns: 8 };
+            logits_tma_bf16_m128_n16 => LogitsTma { element: Bf16, rows: 128, columns: 16 };
+            logits_tma_bf16_m128_n32 => LogitsTma { element: Bf16, rows: 128, columns: 32 };
+            logits_tma_bf16_m128_n64 => LogitsTma { element: Bf16, rows: 128, columns: 64 };
+            logits_tma_bf16_m128_n128 => LogitsTma { element: Bf16, rows: 128, columns: 128 };
+            logits_tma_f16_m64_n8 => LogitsTma { element: F16, rows: 64, columns: 8 };
+            logits_tma_f16_m64_n16 => LogitsTma { element: F16, rows: 64, columns: 16 };
+            logits_tma_f16_m64_n32 => LogitsTma { element: F16, rows: 64, columns: 32 };
+            logits_tma_f16_m64_n64 => LogitsTma { element: F16, rows: 64, columns: 64 };
+            logits_tma_f16_m64_n128 => LogitsTma { element: F16, rows: 64, columns: 128 };
+            logits_tma_f16_m128_n8 => LogitsTma { element: F16, rows: 128, columns: 8 };
+            logits_tma_f16_m128_n16 => LogitsTma { element: F16, rows: 128, columns: 16 };
+            logits_tma_f16_m128_n32 => LogitsTma { element: F16, rows: 128, columns: 32 };
+            logits_tma_f16_m128_n64 => LogitsTma { element: F16, rows: 128, columns: 64 };
+            logits_tma_f16_m128_n128 => LogitsTma { element: F16, rows: 128, columns: 128 };
+            sample_logits => SampleLogits {};
+            reduce_candidates => ReduceCandidates {};
+            fill_uniform_bf16 => FillUniform { element: Bf16 };
+            fill_uniform_f16 => FillUniform { element: F16 };
+            fill_uniform_f32 => FillUniform { element: F32 };
+            read_probe => ReadProbe {};
+            gumbel_estimate_error => GumbelEstimateError {};
+        }
+    };
+}
+
+macro_rules! kernel_table {
+    ($($name:ident => $kind:ident { $($field:ident : $value:tt),* };)*) => {
+        /// Every kernel, in the order of [`for_each_kernel!`](crate::for_each_kernel).
+        pub const KERNELS: &[KernelEntry] = &[$(
+            KernelEntry {
+                name: stringify!($name),
+                kernel: {
+                    #[allow(unused_imports)]
+                    use ElementType::*;
+                    Kernel::$kind { $($field: $value),* }
+                },
+            }
+        ),*];
+    };
+}
+
+for_each_kernel!(kernel_table);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::vec::Vec;
+
+    #[test]
+    fn names_and_kernels_are_unique() {
+        let names: HashSet<_> = KERNELS.iter().map(|e| e.name).collect();
+        let kernels: HashSet<_> = KERNELS.iter().map(|e| e.kernel).collect();
+        assert_eq!(names.len(), KERNELS.len());
+        assert_eq!(kernels.len(), KERNELS.len());
+        for entry in KERNELS {
+            assert_eq!(entry.kernel.name(), entry.name);
+            assert_eq!(Kernel::named(entry.name), Some(entry.kernel));
+        }
+    }
+
+    #[test]
+    fn the_portable_module_holds_everything_but_the_tma_kernels() {
+        let portable: Vec<_> = Module::Portable.kernels().map(|e| e.kernel).collect();
+        assert!(portable.iter().all(|k| !k.needs_hopper() && k.launch_bounds().is_none()));
+        assert_eq!(Module::Hopper.kernels().count(), KERNELS.len());
+        assert_eq!(portable.len(), KERNELS.iter().filter(|e| !e.kernel.needs_hopper()).count());
+        assert!(portable.contains(&Kernel::FusedMma { element: ElementType::Bf16, columns: 32 }));
+        assert!(portable.contains(&Kernel::FusedSimt { element: ElementType::F32 }));
+    }
+
+    #[test]
+    fn modules_load_on_the_compute_capabilities_they_name() {
+        for (major, minor) in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            assert!(Module::Portable.loads_on(major, minor), "{major}.{minor}");
+        }
+        assert!(!Module::Portable.loads_on(7, 5));
+        assert!(Module::Hopper.loads_on(9, 0));
+        for (major, minor) in [(8, 0), (8, 9), (10, 0), (12, 0)] {
+            assert!(!Module::Hopper.loads_on(major, minor), "{major}.{minor}");
+        }
+    }
+}

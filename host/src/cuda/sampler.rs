@@ -1,0 +1,614 @@
+//! [`CudaSampler`]: one device, one module, one stream, a grow-only workspace, and the entry
+//! points that queue sampling on them.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, sys};
+use flashsample_core::abi::{
+    DevicePtr, EstimateErrorArgs, FillArgs, FusedArgs, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs,
+    ReadProbeArgs, ReduceArgs, TmaArgs,
+};
+use flashsample_core::registry::{Kernel, Module};
+use flashsample_core::{Candidate, RowParams};
+
+use super::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens, Workspace, ensure};
+use super::dispatch::{Variant, element_type};
+use super::driver;
+use super::modules::{LoadedModule, ModuleChoice};
+use super::passes::{CANDIDATE_BUDGET_BYTES, Pass, Plan};
+use crate::error::{Error, Result, invalid};
+use crate::params::{
+    HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape, row_params,
+};
+use crate::tensor::{DType, Elements, Matrix, MatrixShape};
+
+/// The number of CUDA devices; [`Error::NoCudaDevice`] without a driver or a device.
+pub fn cuda_device_count() -> Result<usize> {
+    if !driver::driver_library_present() {
+        return Err(Error::NoCudaDevice("the NVIDIA driver library (libcuda) is not installed".into()));
+    }
+    let no_device = |e: cudarc::driver::DriverError| Error::NoCudaDevice(driver::describe(&e));
+    cudarc::driver::result::init().map_err(no_device)?;
+    let count = CudaContext::device_count().map_err(no_device)?;
+    if count <= 0 {
+        return Err(Error::NoCudaDevice("the driver reports no device".into()));
+    }
+    Ok(count as usize)
+}
+
+/// The fused sampler on one CUDA device.
+///
+/// It holds the device's primary context, the PTX module chosen for the device, one
+/// non-blocking stream and a grow-only workspace, so repeated calls allocate nothing and only
+/// the calls that return host values wait for the device. Kernel errors that surface
+/// asynchronously are reported by the next synchronising call with the kernel's name, by
+/// [`CudaSampler::close`], or, if the sampler is just dropped, on standard error (never
+/// silently lost).
+pub struct CudaSampler {
+    /// `None` only after [`CudaSampler::close`] or in `Drop`, which unload it before
+    /// collecting the errors the driver reports.
+    module: Option<LoadedModule>,
+    workspace: RefCell<Workspace>,
+    closed: bool,
+    stream: Arc<CudaStream>,
+    context: Arc<CudaContext>,
+    device_name: String,
+    multiprocessors: u32,
+    compute_capability: (u32, u32),
+}
+
+impl CudaSampler {
+    /// A sampler on device 0 with the module for the device (or the one `FLASHSAMPLE_MODULE`
+    /// forces). Without a driver or a device this is [`Error::NoCudaDevice`].
+    pub fn new() -> Result<CudaSampler> {
+        CudaSampler::on_device(0)
+    }
+
+    /// A sampler on device `ordinal` (as the driver numbers them; `CUDA_VISIBLE_DEVICES`
+    /// applies), with the module for the device or the one `FLASHSAMPLE_MODULE` forces.
+    pub fn on_device(ordinal: usize) -> Result<CudaSampler> {
+        CudaSampler::with_module(ordinal, ModuleChoice::from_environment()?)
+    }
+
+    /// A sampler on device `ordinal` running the module `choice` names.
+    pub fn with_module(ordinal: usize, choice: ModuleChoice) -> Result<CudaSampler> {
+        let count = cuda_device_count()?;
+        if ordinal >= count {
+            return Err(invalid(
+                "device",
+                format!("ordinal {ordinal}: this machine has {count} CUDA device(s), ordinals 0 to {}", count - 1),
+            ));
+        }
+        let context = driver::check(&format!("cuDevicePrimaryCtxRetain(device {ordinal})"), CudaContext::new(ordinal))?;
+        // SAFETY: every buffer this sampler makes is allocated, used and freed on its one
+        // stream, in queue order, so cudarc's cross-stream events are not needed. Callers who
+        // touch a buffer from another stream order that themselves (documented on the
+        // buffers).
+        unsafe { context.disable_event_tracking() };
+        let (major, minor) = driver::check("cuDeviceGetAttribute(COMPUTE_CAPABILITY)", context.compute_capability())?;
+        let (major, minor) = (major as u32, minor as u32);
+        let module = choice.resolve(major, minor)?;
+        let device_name = driver::check("cuDeviceGetName", context.name())?;
+        let multiprocessors = driver::check(
+            "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+            context.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        )? as u32;
+        let module = LoadedModule::load(&context, module)?;
+        let stream = driver::check("cuStreamCreate(NON_BLOCKING)", context.new_stream())?;
+        Ok(CudaSampler {
+            module: Some(module),
+            workspace: RefCell::default(),
+            closed: false,
+            stream,
+            context,
+            device_name,
+            multiprocessors,
+            compute_capability: (major, minor),
+        })
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    pub fn multiprocessors(&self) -> u32 {
+        self.multiprocessors
+    }
+
+    /// The device's compute capability (major, minor).
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
+    }
+
+    /// The PTX module this sampler runs.
+    pub fn module(&self) -> Module {
+        self.loaded().module
+    }
+
+    /// The stream all work is queued on (for event timing and for ordering the caller's own
+    /// work with the sampler's).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn loaded(&self) -> &LoadedModule {
+        self.module.as_ref().expect("the module is unloaded only by close and drop")
+    }
+
+    /// Makes the context current on this thread and reports any error the driver kept from
+    /// a call that could not return one (a buffer's drop).
+    fn make_current(&self) -> Result<()> {
+        driver::check("cuCtxSetCurrent", self.context.bind_to_thread())
+    }
+
+    /// Launches `kernel` over `items` work items with a persistent grid (at most one wave).
+    ///
+    /// # Safety
+    /// `args` must be the kernel's argument block with valid device addresses.
+    unsafe fn launch<A: bytemuck::Pod>(&self, kernel: Kernel, items: u64, args: &A) -> Result<()> {
+        let loaded = self.loaded().kernel(kernel)?;
+        let resident = loaded.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
+        let grid = items.clamp(1, resident) as u32;
+        // SAFETY: per this function's contract; the launch shape comes from the registry.
+        unsafe {
+            driver::launch(
+                loaded.name,
+                loaded.function,
+                self.stream.cu_stream(),
+                grid,
+                loaded.threads,
+                loaded.shared_bytes,
+                args,
+            )
+        }
+    }
+
+    /// Waits for all queued work; a kernel fault is reported as failing `after`.
+    pub fn synchronize(&self, after: &str) -> Result<()> {
+        driver::check(&format!("cuStreamSynchronize (after {after})"), self.stream.synchronize())
+    }
+
+    fn tma(&self) -> bool {
+        self.module() == Module::Hopper
+    }
+
+    /// Uploads and checks an LM head (non-empty, `V < 2³¹`, finite).
+    pub fn upload_lm_head(&self, lm_head: &Matrix) -> Result<CudaLmHead> {
+        let shape = check_lm_head(lm_head)?;
+        self.make_current()?;
+        let buffer = DeviceBuffer::from_host(&self.stream, lm_head.elements().as_bytes(), "lm_head")?;
+        CudaLmHead::new(&self.stream, buffer, shape, self.tma())
+    }
+
+    /// Uploads hidden states, checked finite.
+    pub fn upload_hidden(&self, hidden: &Matrix) -> Result<CudaHidden> {
+        check_hidden_values(hidden)?;
+        self.make_current()?;
+        let buffer = DeviceBuffer::from_host(&self.stream, hidden.elements().as_bytes(), "hidden")?;
+        CudaHidden::new(&self.stream, buffer, hidden.shape(), self.tma())
+    }
+
+    /// Room for `rows × samples` tokens (filled by a later `sample_into`).
+    pub fn tokens(&self, rows: usize, samples: usize) -> Result<DeviceTokens> {
+        let len = rows
+            .checked_mul(samples)
+            .filter(|&n| n <= u32::MAX as usize)
+            .ok_or_else(|| invalid("samples", format!("B x samples = {rows} x {samples} tokens: must be < 2^32")))?;
+        self.make_current()?;
+        // SAFETY: stage 2 writes every slot before anyone reads it.
+        let buffer = unsafe { DeviceBuffer::uninitialized(&self.stream, len, "tokens")? };
+        Ok(DeviceTokens { buffer, rows, samples })
+    }
+
+    /// Sets every slot of `tokens` to `value` (tests poison the output to see unwritten slots).
+    pub fn fill_tokens(&self, tokens: &mut DeviceTokens, value: u32) -> Result<()> {
+        self.make_current()?;
+        // SAFETY: the buffer holds `len` words and lives on our stream.
+        unsafe { driver::fill_words_async("tokens", tokens.buffer.ptr(), value, tokens.buffer.len(), self.stream.cu_stream()) }
+    }
+
+    /// `samples` draws per row with the dispatcher's kernel, tokens returned to the host.
+    pub fn sample(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        samples: u32,
+    ) -> Result<Vec<u32>> {
+        self.sample_with(lm_head, hidden, params, samples, Variant::Auto)
+    }
+
+    /// As [`CudaSampler::sample`] with an explicit stage-1 variant.
+    pub fn sample_with(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        samples: u32,
+        variant: Variant,
+    ) -> Result<Vec<u32>> {
+        check_request(lm_head.shape, hidden.shape(), params, samples)?;
+        let hidden = self.upload_hidden(hidden)?;
+        let mut tokens = self.tokens(hidden.rows(), samples as usize)?;
+        self.sample_into(lm_head, &hidden, params, samples, variant, &mut tokens)?;
+        self.tokens_to_host(&tokens)
+    }
+
+    /// Queues fused sampling into `tokens` (`[B, samples]`); allocates nothing once the
+    /// workspace has grown to the problem, and never waits for the device. The row
+    /// parameters are copied to the device on the stream first; a loop that keeps them on
+    /// the device calls [`CudaSampler::sample_rows_into`] instead.
+    pub fn sample_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        params: &[SamplingParams],
+        samples: u32,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        let rows = check_request(lm_head.shape, hidden.shape, params, samples)?;
+        self.make_current()?;
+        let rows = self.stage_rows(&rows)?;
+        self.sample_at(lm_head, hidden, rows, samples, variant, tokens)
+    }
+
+    /// Checks per-row parameters and copies them to the device once.
+    pub fn upload_rows(&self, params: &[SamplingParams]) -> Result<DeviceRows> {
+        let rows = row_params(params)?;
+        if rows.is_empty() {
+            return Err(invalid("params", "no entries: one per batch row is needed"));
+        }
+        self.make_current()?;
+        Ok(DeviceRows { buffer: DeviceBuffer::from_host(&self.stream, &rows, "row parameters")? })
+    }
+
+    /// As [`CudaSampler::sample_into`] with row parameters already on the device: the call
+    /// queues kernels only, no copy.
+    pub fn sample_rows_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        samples: u32,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        self.check_device_rows(lm_head, hidden, rows, samples)?;
+        self.sample_at(lm_head, hidden, rows.buffer.ptr(), samples, variant, tokens)
+    }
+
+    fn sample_at(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: DevicePtr<RowParams>,
+        samples: u32,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        let shape = lm_head.shape;
+        let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
+        let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
+        let kernel = variant.fused_kernel(shape.dtype);
+        let maps = match variant.tma_boxes() {
+            Some((rows, columns)) => Some((lm_head.tensor_map(rows, columns)?, hidden.tensor_map(columns)?)),
+            None => None,
+        };
+        self.run_passes(hidden, rows, samples, tiles, tokens, |pass, stage| {
+            let items = tiles as u64 * stage.batch.div_ceil(variant.columns()) as u64;
+            if let Some((lm_head_map, hidden_map)) = maps {
+                let args = TmaArgs {
+                    lm_head_map,
+                    hidden_map,
+                    rows: stage.rows,
+                    out: stage.candidates.cast(),
+                    vocab: shape.vocab as u32,
+                    dim: shape.dim as u32,
+                    batch: stage.batch,
+                    hidden_row0: pass.first_row as u32,
+                    sample_offset: pass.first_sample as u32,
+                    samples: pass.samples as u32,
+                    tiles: tiles as u32,
+                    logits_stride: 0,
+                };
+                // SAFETY: the maps describe live buffers; the others are sized for this pass.
+                return unsafe { self.launch(kernel, items, &args) };
+            }
+            let args = FusedArgs {
+                lm_head: lm_head.ptr(),
+                hidden: hidden.ptr().byte_add((pass.first_row * shape.dim * shape.dtype.bytes()) as u64),
+                rows: stage.rows,
+                candidates: stage.candidates,
+                vocab: shape.vocab as u32,
+                dim: shape.dim as u32,
+                batch: stage.batch,
+                sample_offset: pass.first_sample as u32,
+                samples: pass.samples as u32,
+                tiles: tiles as u32,
+            };
+            // SAFETY: the addresses come from live buffers sized for this pass.
+            unsafe { self.launch(kernel, items, &args) }
+        })
+    }
+
+    /// The unfused pipeline on the same inputs: a GEMM (the tile of `variant`, an mma or TMA
+    /// one) writes f32 logits `[B, V]`, a sampler reads them back. The logits are bit-identical
+    /// to the fused kernel's of the same variant, so are the tokens.
+    pub fn sample_unfused_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        samples: u32,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        self.check_device_rows(lm_head, hidden, rows, samples)?;
+        let shape = lm_head.shape;
+        let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
+        let gemm = variant.logits_kernel(shape.dtype).ok_or_else(|| {
+            invalid("variant", "the unfused pipeline has mma and TMA GEMMs only (BF16/F16, D % 8 == 0)")
+        })?;
+        let stride = shape.vocab.next_multiple_of(4);
+        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, hidden.rows() * stride, "logits")?;
+        let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
+        let items = gemm_tiles as u64 * hidden.rows().div_ceil(variant.columns() as usize) as u64;
+        if let Some((rows, columns)) = variant.tma_boxes() {
+            let args = TmaArgs {
+                lm_head_map: lm_head.tensor_map(rows, columns)?,
+                hidden_map: hidden.tensor_map(columns)?,
+                rows: DevicePtr::NULL,
+                out: logits.cast(),
+                vocab: shape.vocab as u32,
+                dim: shape.dim as u32,
+                batch: hidden.rows() as u32,
+                hidden_row0: 0,
+                sample_offset: 0,
+                samples: 0,
+                tiles: gemm_tiles as u32,
+                logits_stride: stride as u32,
+            };
+            // SAFETY: the logits buffer holds B × stride floats; the maps describe live buffers.
+            unsafe { self.launch(gemm, items, &args)? };
+        } else {
+            let args = LogitsArgs {
+                lm_head: lm_head.ptr(),
+                hidden: hidden.ptr(),
+                logits,
+                vocab: shape.vocab as u32,
+                dim: shape.dim as u32,
+                batch: hidden.rows() as u32,
+                logits_stride: stride as u32,
+            };
+            // SAFETY: the logits buffer holds B × stride floats.
+            unsafe { self.launch(gemm, items, &args)? };
+        }
+        let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
+        self.run_passes(hidden, rows.buffer.ptr(), samples, tiles, tokens, |pass, stage| {
+            let args = LogitsSamplerArgs {
+                logits: logits.add((pass.first_row * stride) as u64),
+                rows: stage.rows,
+                candidates: stage.candidates,
+                vocab: shape.vocab as u32,
+                logits_stride: stride as u32,
+                batch: stage.batch,
+                sample_offset: pass.first_sample as u32,
+                samples: pass.samples as u32,
+                tiles: tiles as u32,
+            };
+            // SAFETY: as above.
+            unsafe { self.launch(Kernel::SampleLogits, tiles as u64 * stage.batch as u64, &args) }
+        })
+    }
+
+    fn check_device_rows(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        samples: u32,
+    ) -> Result<()> {
+        check_request_shape(lm_head.shape, hidden.shape, rows.rows(), "rows", samples)?;
+        self.make_current()
+    }
+
+    /// Copies row parameters into the workspace, ordered on the stream; returns their address.
+    fn stage_rows(&self, rows: &[RowParams]) -> Result<DevicePtr<RowParams>> {
+        let address = ensure(&self.stream, &mut self.workspace.borrow_mut().rows, rows.len(), "row parameters")?;
+        // SAFETY: the rows buffer holds at least this many; the copy is ordered on our stream.
+        unsafe { driver::copy_to_device_async("row parameters", address, rows, self.stream.cu_stream())? };
+        Ok(address)
+    }
+
+    /// Runs `stage1` for each pass of the request's [`Plan`], then stage 2 into one
+    /// `[B, samples]` token buffer.
+    fn run_passes(
+        &self,
+        hidden: &CudaHidden,
+        rows: DevicePtr<RowParams>,
+        samples: u32,
+        tiles: usize,
+        tokens: &mut DeviceTokens,
+        mut stage1: impl FnMut(&Pass, &Stage) -> Result<()>,
+    ) -> Result<()> {
+        let batch = hidden.rows();
+        if tokens.rows != batch || tokens.samples != samples as usize {
+            return Err(invalid(
+                "tokens",
+                format!(
+                    "room for [{}, {}] tokens, the request makes [{batch}, {samples}]",
+                    tokens.rows, tokens.samples
+                ),
+            ));
+        }
+        let plan = Plan::new(batch, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+        let candidates =
+            ensure(&self.stream, &mut self.workspace.borrow_mut().candidates, plan.candidate_pairs() * tiles, "candidates")?;
+        for pass in plan.passes() {
+            let stage = Stage { rows: rows.add(pass.first_row as u64), candidates, batch: pass.rows as u32 };
+            stage1(&pass, &stage)?;
+            let reduce = ReduceArgs {
+                candidates,
+                tokens: tokens.buffer.ptr().add((pass.first_row * samples as usize) as u64),
+                batch: stage.batch,
+                samples: pass.samples as u32,
+                tiles: tiles as u32,
+                sample_offset: pass.first_sample as u32,
+                token_stride: samples,
+                padding: 0,
+            };
+            // SAFETY: candidates hold rows × samples × tiles entries written by stage 1.
+            unsafe { self.launch(Kernel::ReduceCandidates, (pass.rows * pass.samples) as u64, &reduce)? };
+        }
+        Ok(())
+    }
+
+    /// Fills the candidate and logits workspaces with a candidate that wins every merge
+    /// (score +inf, index [`CudaSampler::POISON_INDEX`], not a token). A stage-1 kernel that
+    /// leaves a slot unwritten then shows up as that index in the tokens: tests call this
+    /// before sampling.
+    pub fn poison_workspace(&self) -> Result<()> {
+        self.make_current()?;
+        let poison = Candidate { score: f32::INFINITY, index: Self::POISON_INDEX };
+        let workspace = self.workspace.borrow();
+        if let Some(candidates) = workspace.candidates.as_ref() {
+            let host = vec![poison; candidates.len()];
+            // SAFETY: the buffer holds `len` candidates and lives on our stream.
+            unsafe { driver::copy_to_device_async("poison candidates", candidates.ptr(), &host, self.stream.cu_stream())? };
+        }
+        if let Some(logits) = workspace.logits.as_ref() {
+            // SAFETY: as above, `len` floats.
+            unsafe {
+                driver::fill_words_async(
+                    "poison logits",
+                    logits.ptr().cast(),
+                    f32::INFINITY.to_bits(),
+                    logits.len(),
+                    self.stream.cu_stream(),
+                )?
+            };
+        }
+        Ok(())
+    }
+
+    /// The poison index of [`CudaSampler::poison_workspace`].
+    pub const POISON_INDEX: u32 = 0x7fff_fff0;
+
+    /// Waits for the tokens and copies them to the host; a draw without a token is
+    /// [`Error::NoToken`].
+    pub fn tokens_to_host(&self, tokens: &DeviceTokens) -> Result<Vec<u32>> {
+        self.make_current()?;
+        self.synchronize("sampling")?;
+        let host = tokens.buffer.to_host(&self.stream, "tokens")?;
+        if let Some(at) = host.iter().position(|&t| t == Candidate::NONE.index) {
+            return Err(Error::NoToken { row: at / tokens.samples, draw: at % tokens.samples });
+        }
+        Ok(host)
+    }
+
+    /// An LM head of uniform values in `[-scale, scale)` made on the device (benchmarks, demo).
+    pub fn random_lm_head(&self, vocab: usize, dim: usize, dtype: DType, seed: u64, scale: f32) -> Result<CudaLmHead> {
+        let buffer = self.random_buffer(vocab * dim, dtype, seed, scale)?;
+        CudaLmHead::new(&self.stream, buffer, HeadShape { vocab, dim, dtype }, self.tma())
+    }
+
+    /// Hidden states of uniform values made on the device.
+    pub fn random_hidden(&self, rows: usize, cols: usize, dtype: DType, seed: u64, scale: f32) -> Result<CudaHidden> {
+        let buffer = self.random_buffer(rows * cols, dtype, seed, scale)?;
+        CudaHidden::new(&self.stream, buffer, MatrixShape { rows, cols, dtype }, self.tma())
+    }
+
+    fn random_buffer(&self, count: usize, dtype: DType, seed: u64, scale: f32) -> Result<DeviceBuffer<u8>> {
+        self.make_current()?;
+        // SAFETY: the fill kernel writes every element before anything reads it.
+        let buffer = unsafe { DeviceBuffer::<u8>::uninitialized(&self.stream, count * dtype.bytes(), "random")? };
+        let args = FillArgs { out: buffer.ptr().cast(), count: count as u64, seed, scale, padding: 0 };
+        let kernel = Kernel::FillUniform { element: element_type(dtype) };
+        // SAFETY: the buffer holds `count` elements of `dtype`.
+        unsafe { self.launch(kernel, count.div_ceil(4 * 256) as u64, &args)? };
+        Ok(buffer)
+    }
+
+    /// Copies a device LM head back (the demo checks the GPU against the CPU on it).
+    pub fn lm_head_to_host(&self, lm_head: &CudaLmHead) -> Result<Matrix> {
+        self.make_current()?;
+        let bytes = lm_head.buffer.to_host(&self.stream, "lm_head")?;
+        let elements = elements_from_bytes(&bytes, lm_head.shape.dtype);
+        Matrix::new("lm_head", lm_head.shape.vocab, lm_head.shape.dim, elements)
+    }
+
+    /// Copies device hidden states back.
+    pub fn hidden_to_host(&self, hidden: &CudaHidden) -> Result<Matrix> {
+        self.make_current()?;
+        let bytes = hidden.buffer.to_host(&self.stream, "hidden")?;
+        Matrix::new("hidden", hidden.shape.rows, hidden.shape.cols, elements_from_bytes(&bytes, hidden.shape.dtype))
+    }
+
+    /// Queues one pass of 16-byte loads over the LM head's bytes: the read-bandwidth floor.
+    pub fn read_probe(&self, lm_head: &CudaLmHead) -> Result<()> {
+        self.make_current()?;
+        let sink = ensure(&self.stream, &mut self.workspace.borrow_mut().probe_sink, 1, "probe sink")?;
+        let bytes = (lm_head.buffer.size_bytes() / 64 * 64) as u64;
+        let args = ReadProbeArgs { source: lm_head.ptr().cast(), bytes, sink };
+        // SAFETY: `bytes` is within the buffer; the sink holds one u32.
+        unsafe { self.launch(Kernel::ReadProbe, u64::MAX, &args) }
+    }
+
+    /// The largest `|gumbel_estimate(x) − gumbel(x)|` over all 2³² words `x`, computed on this
+    /// device with its `lg2.approx`: what the fused kernels' filter assumes is at most
+    /// [`flashsample_core::estimate::GUMBEL_ESTIMATE_ERROR`].
+    pub fn gumbel_estimate_max_error(&self) -> Result<f32> {
+        self.make_current()?;
+        let out = DeviceBuffer::from_host(&self.stream, &[0u32], "estimate error")?;
+        let args = EstimateErrorArgs { out: out.ptr() };
+        // SAFETY: `out` is one zeroed u32.
+        unsafe { self.launch(Kernel::GumbelEstimateError, u64::MAX, &args)? };
+        self.synchronize("gumbel_estimate_error")?;
+        Ok(f32::from_bits(out.to_host(&self.stream, "estimate error")?[0]))
+    }
+
+    /// Waits for queued work, frees the workspace, unloads the module, and reports every
+    /// error the driver kept on the way.
+    fn finish(&mut self) -> Result<()> {
+        self.closed = true;
+        let waited = self.make_current().and_then(|()| self.synchronize("all queued work"));
+        *self.workspace.get_mut() = Workspace::default();
+        self.module = None;
+        let freed = self.synchronize("freeing the workspace and unloading the module");
+        waited.and(freed)
+    }
+
+    /// Waits for outstanding work and reports any error it left; the sampler is then gone.
+    pub fn close(mut self) -> Result<()> {
+        self.finish()
+    }
+}
+
+impl Drop for CudaSampler {
+    fn drop(&mut self) {
+        if !self.closed
+            && let Err(e) = self.finish()
+        {
+            eprintln!("flashsample: error while dropping CudaSampler (call close to handle it): {e}");
+        }
+    }
+}
+
+/// What stage 1 of one pass reads and writes besides the request's own buffers.
+struct Stage {
+    /// Row parameters of the pass's first row.
+    rows: DevicePtr<RowParams>,
+    candidates: DevicePtr<Candidate>,
+    /// Rows in the pass.
+    batch: u32,
+}
+
+fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
+    match dtype {
+        DType::F32 => Elements::F32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::F16 => Elements::F16(bytemuck::pod_collect_to_vec(bytes)),
+        DType::BF16 => Elements::BF16(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}

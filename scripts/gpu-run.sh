@@ -1,42 +1,53 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [demo] [bench] [ncu] [iso]
-# (none named = tests demo bench ncu). `quick` runs the three GPU tests that exercise every
-# kernel variant (CPU agreement, unfused = fused, tile width); `smoke` adds a short benchmark
-# of every variant on the two headline shapes.
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [bench] [peers] [ncu] [iso]
+# (none named = tests portable demo bench ncu). `tests` runs every test binary with the
+# device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
+# the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100. `quick`
+# runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
+# tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
+# `bench` times both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py).
 # Logs and CSVs go to OUT; a summary table is printed last.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: run.sh OUT [stages]}; shift
 mkdir -p "$out"
-stages=${*:-tests demo bench ncu}
+stages=${*:-tests portable demo bench ncu}
 summary=()
 step() { # name, command...
     local name=$1; shift
     local start=$SECONDS
     "$@"; local rc=$?
-    summary+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
+    summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-# The cuBLAS that torch ships, timed inside the bench beside our kernels (bench, iso).
-find_cublas() {
-    python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(sorted(glob.glob(d + "/nvidia/**/libcublas.so*", recursive=True) + glob.glob(d + "/torch/lib/libcublas.so*"))), ""))' 2>/dev/null
+# The cuBLAS torch ships, for the bench's in-process reference: cudarc opens it by name through
+# the loader's path, so its folder goes on LD_LIBRARY_PATH with a `libcublas.so` link to it.
+cublas_path() {
+    local lib
+    lib=$(python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(sorted(glob.glob(d + "/nvidia/**/libcublas.so.*", recursive=True))), ""))' 2>/dev/null)
+    [ -n "$lib" ] || return 0
+    mkdir -p /tmp/flashsample-cublas && ln -sf "$lib" /tmp/flashsample-cublas/libcublas.so
+    echo "/tmp/flashsample-cublas:$(dirname "$lib")"
 }
 find_ncu() {
     command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1
 }
+run_tests() { # log, binaries...
+    local log=$1; shift
+    # Each binary under a time limit, its output straight to the log, so a hang shows which
+    # test it was in and the later stages still run.
+    export FLASHSAMPLE_BIN="$here/flashsample"
+    for t in "$@"; do
+        echo "=== $(basename "$t") (FLASHSAMPLE_MODULE=${FLASHSAMPLE_MODULE:-auto})" >> "$log"
+        step "$(basename "$t")${FLASHSAMPLE_MODULE:+ $FLASHSAMPLE_MODULE}" timeout 560 "$t" --include-ignored --test-threads=1 --nocapture >> "$log" 2>&1
+    done
+    grep -E "^===|test result|FAILED|panicked|chi2|disagreements|agree in|largest" "$log" | tail -60
+}
 for stage in $stages; do
     case $stage in
-    tests)
-        # Each binary under a time limit, its output straight to the log (line-buffered), so a
-        # hang shows which test it was in and the later stages still run.
-        export FLASHSAMPLE_BIN="$here/flashsample"
-        for t in "$here"/tests/*; do
-            echo "=== $(basename "$t")" >> "$out/gpu-tests.log"
-            step "$(basename "$t")" timeout 560 "$t" --include-ignored --test-threads=1 --nocapture >> "$out/gpu-tests.log" 2>&1
-        done
-        grep -E "test result|FAILED|panicked|chi2|disagreements|agree in" "$out/gpu-tests.log" | tail -40
-        ;;
+    tests) run_tests "$out/gpu-tests.log" "$here"/tests/* ;;
+    portable) FLASHSAMPLE_MODULE=portable run_tests "$out/gpu-tests-portable.log" "$here/tests/tests-gpu" "$here/tests/cli-cli" ;;
     quick|smoke)
         step quick-tests timeout 120 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused tile_width >> "$out/smoke.log" 2>&1
         grep -E "test result|FAILED|panicked" "$out/smoke.log" | tail -10
@@ -45,12 +56,17 @@ for stage in $stages; do
         step smoke-bench timeout 240 bash -c "'$here/flashsample' bench --out '$out/smoke-bench' --shapes 4096x151936,8192x128256 --all-variants --runs 20 >> '$out/smoke.log' 2>&1"
         ;;
     quick) ;;
-    demo) step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'" ;;
+    demo)
+        step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'"
+        step demo-portable timeout 120 bash -c "FLASHSAMPLE_MODULE=portable '$here/flashsample' demo 2>&1 | tee -a '$out/demo.log'"
+        ;;
+    peers) step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1" ;;
     bench)
-        step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/bench.log' 2>&1"
-        cublas=$(find_cublas)
-        echo "in-bench cuBLAS: ${cublas:-none found}" | tee -a "$out/bench.log"
-        step bench timeout 480 bash -c "'$here/flashsample' bench --out '$out/bench' --peers '$out/peers.csv' --all-variants ${cublas:+--cublas '$cublas'} 2>&1 | tee -a '$out/bench.log'"
+        libs=$(cublas_path)
+        echo "in-bench cuBLAS from: ${libs:-none found}" | tee "$out/bench.log"
+        peers=""
+        [ -f "$out/peers.csv" ] && peers="--peers '$out/peers.csv'"
+        step bench timeout 480 bash -c "LD_LIBRARY_PATH='$libs' '$here/flashsample' bench --out '$out/bench' --modules hopper,portable --shapes 4096x151936,8192x128256 ${libs:+--cublas} $peers 2>&1 | tee -a '$out/bench.log'"
         ;;
     iso)
         # Kernel-only times (each kernel alone under ncu, caches flushed by ncu): ours at B = 128
@@ -58,8 +74,8 @@ for stage in $stages; do
         # bits move a GEMM's power-capped clock, so both multiply the same numbers). Immune to
         # the clock drift of a long sweep.
         ncu=$(find_ncu)
-        cublas=$(find_cublas)
-        step iso timeout 300 bash -c "LD_LIBRARY_PATH= '$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused_tma|reduce_candidates|nvjet|xmma|cutlass' '$here/flashsample' bench --out /tmp/iso-bench --shapes 4096x151936,8192x128256 --batches 128,256 --runs 1 --warmup 0 ${cublas:+--cublas '$cublas'} > '$out/iso.log' 2>&1"
+        libs=$(cublas_path)
+        step iso timeout 300 bash -c "LD_LIBRARY_PATH='$libs' '$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused_tma|reduce_candidates|nvjet|xmma|cutlass' '$here/flashsample' bench --out /tmp/iso-bench --shapes 4096x151936,8192x128256 --batches 128,256 --runs 1 --warmup 0 ${libs:+--cublas} > '$out/iso.log' 2>&1"
         grep -hE "^  [a-zA-Z_]|gpu__time" "$out/iso.log" | head -60
         ;;
     ncu)

@@ -136,9 +136,9 @@ impl Kernel {
 /// A PTX module the host embeds; each is built from the kernel crate for one target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
-    /// sm_80 PTX: the `mma.sync` and SIMT tiles and everything but the TMA kernels. Drivers
-    /// compile it for the device at load time, so it runs on every NVIDIA GPU from Ampere on
-    /// (sm_80, sm_86, sm_89, sm_90, sm_100, sm_120).
+    /// sm_80 PTX (ISA 7.4): the `mma.sync` and SIMT tiles and everything but the TMA
+    /// kernels. Drivers (CUDA 11.4 and newer) compile it for the device at load time, so it
+    /// runs on every NVIDIA GPU from Ampere on (sm_80, sm_86, sm_89, sm_90, sm_100, sm_120).
     Portable,
     /// sm_90a PTX: every kernel, the TMA + `wgmma` tiles included. Arch-specific PTX, so it
     /// loads on compute capability 9.0 only (H100, H200, GH200).

@@ -130,6 +130,26 @@ pub unsafe fn load_global_nc_v4(address: u64) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// 16-byte read-only global load that asks L2 to fetch the whole 256-byte span around it
+/// (`ld.global.nc.L2::256B.v4.u32`, PTX 7.4). The `mma.sync` tile's threads each load 16 bytes
+/// of a row, so a row's 128-byte line is split over two instructions and the lines of a chunk
+/// over many warps; with the hint the first miss of a span brings the rest. On the H200 the
+/// tile went from 84.5–89.0 % to 90.9–94.2 % of the read floor at B ≤ 16 (docs/PERF.md); a
+/// 128-byte hint gave +0.4 %.
+///
+/// # Safety
+/// As [`load_global_nc_v4`].
+#[inline(always)]
+pub unsafe fn load_global_nc_v4_l2_256(address: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.global.nc.L2::256B.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            p = in(reg64) address, options(pure, readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
 /// 16-byte global store (`st.global.v4.f32`).
 ///
 /// # Safety

@@ -71,8 +71,8 @@ unsafe fn load_chunk<const NT: usize>(at: &Addresses<NT>, k0: u32, masked: bool,
     let first_in = !masked || k0 + 8 * t < dim;
     let second_in = !masked || k0 + 32 + 8 * t < dim;
     let load_pair = |base: u64| -> [u32; 8] {
-        let lo = if first_in { unsafe { arch::load_global_nc_v4(base + byte) } } else { [0; 4] };
-        let hi = if second_in { unsafe { arch::load_global_nc_v4(base + byte + 64) } } else { [0; 4] };
+        let lo = if first_in { unsafe { arch::load_global_nc_v4_l2_256(base + byte) } } else { [0; 4] };
+        let hi = if second_in { unsafe { arch::load_global_nc_v4_l2_256(base + byte + 64) } } else { [0; 4] };
         [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
     };
     Chunk { w: core::array::from_fn(|r| load_pair(at.w[r])), h: core::array::from_fn(|nt| load_pair(at.h[nt])) }

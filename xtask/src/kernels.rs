@@ -23,8 +23,9 @@ struct Target {
 
 fn target(module: Module) -> Target {
     match module {
-        // sm_80's default ISA (PTX 7.0, CUDA 11.0): every driver since then JIT-compiles it.
-        Module::Portable => Target { cpu: "sm_80", ptx_feature: None },
+        // PTX ISA 7.4 (CUDA 11.4 drivers and newer JIT-compile it): the L2 prefetch-size hint
+        // of the mma tile's loads.
+        Module::Portable => Target { cpu: "sm_80", ptx_feature: Some("+ptx74") },
         // PTX ISA 8.3: `wgmma`, TMA and `sm_90a` (8.0) and the tensor-map proxy fence (8.3).
         Module::Hopper => Target { cpu: "sm_90a", ptx_feature: Some("+ptx83") },
     }

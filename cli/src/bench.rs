@@ -92,11 +92,11 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
     let mut rows = Vec::new();
+    let mut timers = samplers.iter().map(Timer::new).collect::<Result<Vec<_>>>()?;
     for &(dim, vocab) in &options.shapes {
-        for (position, sampler) in samplers.iter().enumerate() {
+        for (position, (sampler, timer)) in samplers.iter().zip(&mut timers).enumerate() {
             let first = position == 0;
             let module = sampler.module();
-            let mut timer = Timer::new(sampler)?;
             let head = sampler.random_lm_head(vocab, dim, options.dtype, 0x5eed ^ vocab as u64, 0.05)?;
             progress.set_message(format!("{} D={dim} V={vocab} read floor", module.name()));
             let timing = timer.time(sampler, options.warmup, options.runs, || sampler.read_probe(&head))?;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use flashsample::cpu::{draw, logits_row};
 use flashsample::io::{load_matrix, write_npy_i64};
 use flashsample::params::check_request;
@@ -53,38 +53,7 @@ impl From<ModuleArg> for Module {
 #[derive(Subcommand)]
 enum Command {
     /// Draw N tokens per row from softmax(H·Wᵀ / T) and write them as int64 .npy [B, N].
-    Sample {
-        /// safetensors file holding W [V, D] (F32, F16 or BF16).
-        #[arg(long)]
-        lm_head: PathBuf,
-        /// Tensor name in --lm-head, needed when the file holds several.
-        #[arg(long)]
-        lm_head_tensor: Option<String>,
-        /// safetensors file holding H [B, D] (F32, F16 or BF16).
-        #[arg(long)]
-        hidden: PathBuf,
-        /// Tensor name in --hidden, needed when the file holds several.
-        #[arg(long)]
-        hidden_tensor: Option<String>,
-        /// Draws per row (independent; may be millions).
-        #[arg(long)]
-        samples: u32,
-        /// Seed of the noise; row r draws from stream r of it.
-        #[arg(long)]
-        seed: u64,
-        /// Temperature T >= 0; 0 is greedy argmax. (A negative value is read, then rejected
-        /// with the sampler's own error.)
-        #[arg(long, allow_negative_numbers = true)]
-        temperature: f32,
-        #[arg(long, value_enum, default_value = "auto")]
-        device: DeviceKind,
-        /// Which GPU (the driver's ordinal; CUDA_VISIBLE_DEVICES applies).
-        #[arg(long, default_value_t = 0)]
-        gpu: usize,
-        /// Output .npy path.
-        #[arg(long)]
-        out: PathBuf,
-    },
+    Sample(SampleArgs),
     /// Show what flashsample does: on a GPU, sample a synthetic LM head of a real model's shape,
     /// check it against the CPU and time it; without one, check a small head's draws against
     /// the exact softmax on the CPU.
@@ -170,29 +139,7 @@ impl From<DTypeArg> for DType {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Sample {
-            lm_head,
-            lm_head_tensor,
-            hidden,
-            hidden_tensor,
-            samples,
-            seed,
-            temperature,
-            device,
-            gpu,
-            out,
-        } => sample(SampleArgs {
-            lm_head,
-            lm_head_tensor,
-            hidden,
-            hidden_tensor,
-            samples,
-            seed,
-            temperature,
-            device,
-            gpu,
-            out,
-        }),
+        Command::Sample(args) => sample(args),
         Command::Demo { device, gpu } => demo(device, gpu),
         Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
         Command::Bench { out, gpu, modules, shapes, batches, dtype, warmup, runs, peers, all_variants, cublas } => {
@@ -219,22 +166,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// Checks `--gpu` against the machine's devices ([`Error::NoCudaDevice`] without any).
+fn check_gpu(gpu: usize) -> Result<()> {
+    let count = cuda_device_count()?;
+    if gpu >= count {
+        return Err(Error::InvalidArgument {
+            argument: "--gpu".into(),
+            rule: format!("{gpu}: this machine has {count} CUDA device(s), 0 to {}", count - 1),
+        });
+    }
+    Ok(())
+}
+
 /// The GPU sampler `--device` and `--gpu` ask for, or `None` for the CPU. `auto` says on
 /// standard error which it took; `cuda` without a usable GPU is an error that says so.
 fn gpu_sampler(device: DeviceKind, gpu: usize) -> Result<Option<CudaSampler>> {
     if device == DeviceKind::Cpu {
         return Ok(None);
     }
-    let sampler = cuda_device_count().and_then(|count| {
-        if gpu >= count {
-            return Err(Error::InvalidArgument {
-                argument: "--gpu".into(),
-                rule: format!("{gpu}: this machine has {count} CUDA device(s), 0 to {}", count - 1),
-            });
-        }
-        CudaSampler::on_device(gpu)
-    });
-    match (device, sampler) {
+    match (device, check_gpu(gpu).and_then(|()| CudaSampler::on_device(gpu))) {
         (_, Ok(sampler)) => {
             if device == DeviceKind::Auto {
                 eprintln!(
@@ -245,8 +195,8 @@ fn gpu_sampler(device: DeviceKind, gpu: usize) -> Result<Option<CudaSampler>> {
             }
             Ok(Some(sampler))
         }
-        (DeviceKind::Auto, Err(Error::NoCudaDevice(why) | Error::UnsupportedDevice { module: _, found: why, .. })) => {
-            eprintln!("flashsample: no usable GPU ({why}); on the CPU");
+        (DeviceKind::Auto, Err(e @ (Error::NoCudaDevice(_) | Error::UnsupportedDevice { .. }))) => {
+            eprintln!("flashsample: no usable GPU ({e}); on the CPU");
             Ok(None)
         }
         (_, Err(Error::NoCudaDevice(why))) => {
@@ -256,16 +206,37 @@ fn gpu_sampler(device: DeviceKind, gpu: usize) -> Result<Option<CudaSampler>> {
     }
 }
 
+#[derive(Args)]
 struct SampleArgs {
+    /// safetensors file holding W [V, D] (F32, F16 or BF16).
+    #[arg(long)]
     lm_head: PathBuf,
+    /// Tensor name in --lm-head, needed when the file holds several.
+    #[arg(long)]
     lm_head_tensor: Option<String>,
+    /// safetensors file holding H [B, D] (F32, F16 or BF16).
+    #[arg(long)]
     hidden: PathBuf,
+    /// Tensor name in --hidden, needed when the file holds several.
+    #[arg(long)]
     hidden_tensor: Option<String>,
+    /// Draws per row (independent; may be millions).
+    #[arg(long)]
     samples: u32,
+    /// Seed of the noise; row r draws from stream r of it.
+    #[arg(long)]
     seed: u64,
+    /// Temperature T >= 0; 0 is greedy argmax. (A negative value is read, then rejected with
+    /// the sampler's own error.)
+    #[arg(long, allow_negative_numbers = true)]
     temperature: f32,
+    #[arg(long, value_enum, default_value = "auto")]
     device: DeviceKind,
+    /// Which GPU (the driver's ordinal; CUDA_VISIBLE_DEVICES applies).
+    #[arg(long, default_value_t = 0)]
     gpu: usize,
+    /// Output .npy path.
+    #[arg(long)]
     out: PathBuf,
 }
 
@@ -435,6 +406,7 @@ fn run_bench(
     }
     std::fs::create_dir_all(&out)
         .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    check_gpu(options.gpu)?;
     let samplers = bench::samplers(&options)?;
     let modules: Vec<&str> = samplers.iter().map(|s| s.module().name()).collect();
     println!(

@@ -114,6 +114,19 @@ pub unsafe fn ballot(predicate: bool) -> u32 {
     unsafe { nvvm_vote_ballot_sync(0xffff_ffff, predicate) }
 }
 
+/// A 16-byte read-only global load with the PTX `instruction` (a `ld.global.nc….v4.u32`).
+macro_rules! load_global_v4 {
+    ($instruction:literal, $address:expr) => {{
+        let (a, b, c, d): (u32, u32, u32, u32);
+        unsafe {
+            asm!(concat!($instruction, " {{{a}, {b}, {c}, {d}}}, [{p}];"),
+                a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                p = in(reg64) $address, options(pure, readonly, nostack));
+        }
+        [a, b, c, d]
+    }};
+}
+
 /// 16-byte read-only global load (`ld.global.nc.v4.u32`).
 ///
 /// # Safety
@@ -121,13 +134,7 @@ pub unsafe fn ballot(predicate: bool) -> u32 {
 /// writes during the kernel.
 #[inline(always)]
 pub unsafe fn load_global_nc_v4(address: u64) -> [u32; 4] {
-    let (a, b, c, d): (u32, u32, u32, u32);
-    unsafe {
-        asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
-            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
-            p = in(reg64) address, options(pure, readonly, nostack));
-    }
-    [a, b, c, d]
+    load_global_v4!("ld.global.nc.v4.u32", address)
 }
 
 /// 16-byte read-only global load that asks L2 to fetch the whole 256-byte span around it
@@ -141,13 +148,7 @@ pub unsafe fn load_global_nc_v4(address: u64) -> [u32; 4] {
 /// As [`load_global_nc_v4`].
 #[inline(always)]
 pub unsafe fn load_global_nc_v4_l2_256(address: u64) -> [u32; 4] {
-    let (a, b, c, d): (u32, u32, u32, u32);
-    unsafe {
-        asm!("ld.global.nc.L2::256B.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
-            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
-            p = in(reg64) address, options(pure, readonly, nostack));
-    }
-    [a, b, c, d]
+    load_global_v4!("ld.global.nc.L2::256B.v4.u32", address)
 }
 
 /// 16-byte global store (`st.global.v4.f32`).

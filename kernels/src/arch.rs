@@ -30,6 +30,7 @@ pub fn grid_size() -> u32 {
 /// Every thread of the block must reach the same barrier.
 #[inline(always)]
 pub unsafe fn sync_threads() {
+    // SAFETY: per this function's contract: every thread of the block reaches the barrier.
     unsafe { nvptx::_syncthreads() }
 }
 
@@ -71,6 +72,7 @@ pub fn log2_approx(x: f32) -> f32 {
 #[cfg(flashsample_module = "hopper")]
 #[inline(always)]
 pub unsafe fn sync_named(id: u32, threads: u32) {
+    // SAFETY: per this function's contract.
     unsafe { nvvm_barrier_sync_cnt(id, threads) }
 }
 
@@ -80,6 +82,7 @@ pub unsafe fn sync_named(id: u32, threads: u32) {
 /// All 32 lanes of the warp must execute this call together.
 #[inline(always)]
 pub unsafe fn sync_warp() {
+    // SAFETY: per this function's contract: all 32 lanes execute it.
     unsafe { nvvm_bar_warp_sync(0xffff_ffff) }
 }
 
@@ -89,6 +92,7 @@ pub unsafe fn sync_warp() {
 /// All 32 lanes of the warp must execute this call together (full mask).
 #[inline(always)]
 pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
+    // SAFETY: per this function's contract: all 32 lanes execute it (full mask).
     unsafe { nvvm_shfl_sync_bfly_i32(0xffff_ffff, value, mask, 0x1f) }
 }
 
@@ -101,6 +105,7 @@ pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
 #[cfg(flashsample_module = "hopper")]
 #[inline(always)]
 pub unsafe fn broadcast_lane0(value: u32) -> u32 {
+    // SAFETY: per this function's contract: all 32 lanes execute it (full mask).
     unsafe { nvvm_shfl_sync_idx_i32(0xffff_ffff, value, 0, 0x1f) }
 }
 
@@ -111,6 +116,7 @@ pub unsafe fn broadcast_lane0(value: u32) -> u32 {
 #[cfg(flashsample_module = "hopper")]
 #[inline(always)]
 pub unsafe fn ballot(predicate: bool) -> u32 {
+    // SAFETY: per this function's contract: all 32 lanes execute it (full mask).
     unsafe { nvvm_vote_ballot_sync(0xffff_ffff, predicate) }
 }
 
@@ -118,6 +124,8 @@ pub unsafe fn ballot(predicate: bool) -> u32 {
 macro_rules! load_global_v4 {
     ($instruction:literal, $address:expr) => {{
         let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: the caller's contract: the address is 16-byte aligned, readable, and not written
+        // during the kernel; the asm only loads.
         unsafe {
             asm!(concat!($instruction, " {{{a}, {b}, {c}, {d}}}, [{p}];"),
                 a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
@@ -157,6 +165,8 @@ pub unsafe fn load_global_nc_v4_l2_256(address: u64) -> [u32; 4] {
 /// `address` must be a 16-byte aligned global address of 16 writable bytes.
 #[inline(always)]
 pub unsafe fn store_global_v4(address: u64, value: [f32; 4]) {
+    // SAFETY: per this function's contract: the address is 16-byte aligned and writable; the asm
+    // only stores.
     unsafe {
         asm!("st.global.v4.f32 [{p}], {{{a}, {b}, {c}, {d}}};",
             p = in(reg64) address,
@@ -196,6 +206,8 @@ pub fn f32_to_f16(value: f32) -> u16 {
 /// All 32 lanes must execute it together with their fragments in the mma layout.
 #[inline(always)]
 pub unsafe fn mma_bf16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    // SAFETY: register-only asm; the caller's contract puts all 32 lanes here together, as
+    // mma.sync.aligned needs.
     unsafe {
         asm!("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{d0}, {d1}, {d2}, {d3}}};",
             d0 = inout(reg32) acc[0], d1 = inout(reg32) acc[1], d2 = inout(reg32) acc[2], d3 = inout(reg32) acc[3],
@@ -211,6 +223,8 @@ pub unsafe fn mma_bf16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
 /// As [`mma_bf16`].
 #[inline(always)]
 pub unsafe fn mma_f16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    // SAFETY: register-only asm; the caller's contract puts all 32 lanes here together, as
+    // mma.sync.aligned needs.
     unsafe {
         asm!("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{d0}, {d1}, {d2}, {d3}}};",
             d0 = inout(reg32) acc[0], d1 = inout(reg32) acc[1], d2 = inout(reg32) acc[2], d3 = inout(reg32) acc[3],

@@ -31,6 +31,7 @@ impl Element for F32 {
     const BYTES: u64 = 4;
     #[inline(always)]
     unsafe fn load(address: u64) -> f32 {
+        // SAFETY: per this function's contract: `address` is an aligned f32 of the matrix.
         unsafe { *(address as *const f32) }
     }
 }
@@ -39,6 +40,8 @@ impl Element for Bf16 {
     const BYTES: u64 = 2;
     #[inline(always)]
     unsafe fn load(address: u64) -> f32 {
+        // SAFETY: per this function's contract: `address` is an aligned 16-bit element of the
+        // matrix.
         f32::from_bits((unsafe { *(address as *const u16) } as u32) << 16)
     }
 }
@@ -47,6 +50,8 @@ impl Element for F16 {
     const BYTES: u64 = 2;
     #[inline(always)]
     unsafe fn load(address: u64) -> f32 {
+        // SAFETY: per this function's contract: `address` is an aligned 16-bit element of the
+        // matrix.
         arch::f16_to_f32(unsafe { *(address as *const u16) })
     }
 }
@@ -54,6 +59,7 @@ impl Element for F16 {
 impl MmaElement for Bf16 {
     #[inline(always)]
     unsafe fn mma(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+        // SAFETY: as this trait method's contract (all lanes together).
         unsafe { arch::mma_bf16(acc, a, b) }
     }
 }
@@ -61,6 +67,7 @@ impl MmaElement for Bf16 {
 impl MmaElement for F16 {
     #[inline(always)]
     unsafe fn mma(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+        // SAFETY: as this trait method's contract (all lanes together).
         unsafe { arch::mma_f16(acc, a, b) }
     }
 }

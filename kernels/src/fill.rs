@@ -22,6 +22,7 @@ pub trait Store {
 impl Store for F32 {
     #[inline(always)]
     unsafe fn store(base: u64, index: u64, value: f32) {
+        // SAFETY: as the trait's contract: `base` holds more than `index` f32 elements.
         unsafe { *(base as *mut f32).add(index as usize) = value };
     }
 }
@@ -31,6 +32,7 @@ impl Store for Bf16 {
     unsafe fn store(base: u64, index: u64, value: f32) {
         let bits = value.to_bits();
         let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+        // SAFETY: as the trait's contract: `base` holds more than `index` 16-bit elements.
         unsafe { *(base as *mut u16).add(index as usize) = rounded as u16 };
     }
 }
@@ -38,6 +40,7 @@ impl Store for Bf16 {
 impl Store for F16 {
     #[inline(always)]
     unsafe fn store(base: u64, index: u64, value: f32) {
+        // SAFETY: as the trait's contract: `base` holds more than `index` 16-bit elements.
         unsafe { *(base as *mut u16).add(index as usize) = arch::f32_to_f16(value) };
     }
 }
@@ -61,6 +64,8 @@ pub unsafe fn fill_uniform<T: Store>(args: &FillArgs) {
             let index = 4 * group + r as u64;
             if index < args.count {
                 let unit = (word >> 8) as f32 * (1.0 / 8_388_608.0) - 1.0;
+                // SAFETY: `index < count`, and `out` holds `count` elements of `T` (per this
+                // function's contract).
                 unsafe { T::store(args.out.address(), index, unit * args.scale) };
             }
         }
@@ -78,21 +83,29 @@ pub unsafe fn read_probe(args: &ReadProbeArgs) {
     let mut checksum = 0u32;
     let mut v = thread;
     while v + 3 * stride < vectors {
-        let a = unsafe { arch::load_global_nc_v4(source + 16 * v) };
-        let b = unsafe { arch::load_global_nc_v4(source + 16 * (v + stride)) };
-        let c = unsafe { arch::load_global_nc_v4(source + 16 * (v + 2 * stride)) };
-        let d = unsafe { arch::load_global_nc_v4(source + 16 * (v + 3 * stride)) };
+        // SAFETY: `v + 3·stride < vectors`: all four 16-byte loads lie within `bytes`, which per
+        // this function's contract are readable and 64-byte aligned in count.
+        let [a, b, c, d] = unsafe {
+            [
+                arch::load_global_nc_v4(source + 16 * v),
+                arch::load_global_nc_v4(source + 16 * (v + stride)),
+                arch::load_global_nc_v4(source + 16 * (v + 2 * stride)),
+                arch::load_global_nc_v4(source + 16 * (v + 3 * stride)),
+            ]
+        };
         checksum ^= a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1] ^ b[2] ^ b[3];
         checksum ^= c[0] ^ c[1] ^ c[2] ^ c[3] ^ d[0] ^ d[1] ^ d[2] ^ d[3];
         v += 4 * stride;
     }
     while v < vectors {
+        // SAFETY: `v < vectors`: within `bytes` (per this function's contract).
         let a = unsafe { arch::load_global_nc_v4(source + 16 * v) };
         checksum ^= a[0] ^ a[1] ^ a[2] ^ a[3];
         v += stride;
     }
     // A data-dependent store the compiler cannot drop; it almost never happens.
     if checksum == 0x9e37_79b9 {
+        // SAFETY: `sink` is one writable u32 (per this function's contract).
         unsafe { *args.sink.as_mut_ptr() = checksum };
     }
 }
@@ -116,10 +129,12 @@ pub unsafe fn gumbel_estimate_error(args: &EstimateErrorArgs) {
     // Non-negative floats order as their bits do, so an integer max merges them.
     let mut bits = worst.to_bits();
     for mask in [16, 8, 4, 2, 1] {
+        // SAFETY: every thread of the grid runs this loop the same number of times, so all 32 lanes
+        // shuffle together.
         let other = unsafe { arch::shuffle_xor(bits, mask) };
         bits = if other > bits { other } else { bits };
     }
-    if arch::thread_index() % 32 == 0 {
+    if arch::thread_index().is_multiple_of(32) {
         // SAFETY: `out` is a valid, aligned u32 per this function's contract.
         unsafe { AtomicU32::from_ptr(args.out.as_mut_ptr()) }.fetch_max(bits, Ordering::Relaxed);
     }

@@ -29,6 +29,7 @@ pub fn shared_address<T>(pointer: *const T) -> u32 {
 /// `bar` is an 8-byte aligned shared address no other thread uses until a block barrier.
 #[inline(always)]
 pub unsafe fn barrier_init(bar: u32, count: u32) {
+    // SAFETY: per this function's contract: `bar` is this thread's alone until the block barrier.
     unsafe {
         asm!("mbarrier.init.shared::cta.b64 [{b}], {c};", b = in(reg32) bar, c = in(reg32) count, options(nostack))
     }
@@ -40,6 +41,7 @@ pub unsafe fn barrier_init(bar: u32, count: u32) {
 /// Call after [`barrier_init`] and before the block barrier that publishes the barriers.
 #[inline(always)]
 pub unsafe fn fence_barrier_init() {
+    // SAFETY: per this function's contract: after the barriers' init, before the block barrier.
     unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) }
 }
 
@@ -49,6 +51,7 @@ pub unsafe fn fence_barrier_init() {
 /// `bar` is an initialised barrier.
 #[inline(always)]
 pub unsafe fn barrier_arrive_expect_bytes(bar: u32, bytes: u32) {
+    // SAFETY: per this function's contract: `bar` is initialised.
     unsafe {
         asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{b}], {n};", b = in(reg32) bar, n = in(reg32) bytes,
             options(nostack))
@@ -61,6 +64,7 @@ pub unsafe fn barrier_arrive_expect_bytes(bar: u32, bytes: u32) {
 /// `bar` is an initialised barrier.
 #[inline(always)]
 pub unsafe fn barrier_arrive(bar: u32) {
+    // SAFETY: per this function's contract: `bar` is initialised.
     unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{b}];", b = in(reg32) bar, options(nostack)) }
 }
 
@@ -72,6 +76,7 @@ pub unsafe fn barrier_arrive(bar: u32) {
 #[inline(always)]
 pub unsafe fn barrier_try_wait(bar: u32, parity: u32) -> bool {
     let done: u32;
+    // SAFETY: per this function's contract: `bar` is initialised; the asm only reads it.
     unsafe {
         asm!("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{b}], {q}; selp.u32 {d}, 1, 0, p; }}",
             d = out(reg32) done, b = in(reg32) bar, q = in(reg32) parity, options(nostack));
@@ -85,6 +90,7 @@ pub unsafe fn barrier_try_wait(bar: u32, parity: u32) -> bool {
 /// `bar` is an initialised barrier.
 #[inline(always)]
 pub unsafe fn barrier_wait(bar: u32, parity: u32) {
+    // SAFETY: per this function's contract: `bar` is initialised.
     while !unsafe { barrier_try_wait(bar, parity) } {}
 }
 
@@ -96,6 +102,7 @@ pub unsafe fn barrier_wait(bar: u32, parity: u32) {
 /// `map` is the global address of a 128-byte tensor map.
 #[inline(always)]
 pub unsafe fn fence_tensor_map(map: u64) {
+    // SAFETY: per this function's contract: `map` is a 128-byte tensor map in global memory.
     unsafe { asm!("fence.proxy.tensormap::generic.acquire.sys [{m}], 128;", m = in(reg64) map, options(nostack)) }
 }
 
@@ -109,6 +116,7 @@ pub unsafe fn fence_tensor_map(map: u64) {
 /// initialised barrier whose phase expects these bytes.
 #[inline(always)]
 pub unsafe fn tma_load_2d(destination: u32, map: u64, inner: i32, outer: i32, bar: u32) {
+    // SAFETY: per this function's contract: the map, destination and barrier are as the op needs.
     unsafe {
         asm!("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [{d}], [{m}, {{{x}, {y}}}], [{b}];",
             d = in(reg32) destination, m = in(reg64) map, x = in(reg32) inner, y = in(reg32) outer, b = in(reg32) bar,
@@ -122,6 +130,7 @@ pub unsafe fn tma_load_2d(destination: u32, map: u64, inner: i32, outer: i32, ba
 /// All 128 threads of the warpgroup execute it together.
 #[inline(always)]
 pub unsafe fn wgmma_fence() {
+    // SAFETY: per this function's contract: the whole warpgroup executes it.
     unsafe { asm!("wgmma.fence.sync.aligned;", options(nostack)) }
 }
 
@@ -131,6 +140,7 @@ pub unsafe fn wgmma_fence() {
 /// All 128 threads of the warpgroup execute it together.
 #[inline(always)]
 pub unsafe fn wgmma_commit() {
+    // SAFETY: per this function's contract: the whole warpgroup executes it.
     unsafe { asm!("wgmma.commit_group.sync.aligned;", options(nostack)) }
 }
 
@@ -140,6 +150,7 @@ pub unsafe fn wgmma_commit() {
 /// All 128 threads of the warpgroup execute it together.
 #[inline(always)]
 pub unsafe fn wgmma_wait<const PENDING: u32>() {
+    // SAFETY: per this function's contract: the whole warpgroup executes it.
     unsafe { asm!("wgmma.wait_group.sync.aligned {n};", n = const PENDING, options(nostack)) }
 }
 
@@ -200,6 +211,8 @@ macro_rules! wgmma_shape {
         /// not read or written until a [`wgmma_wait`] covers the op's group.
         #[inline(always)]
         pub unsafe fn $name(acc: &mut [f32; $regs], a: u64, b: u64, accumulate: u32) {
+            // SAFETY: per this function's contract: the whole warpgroup issues it after a fence,
+            // and `acc` stays untouched until a wait covers it.
             unsafe {
                 asm!(
                     concat!(
@@ -254,8 +267,9 @@ pub trait WgmmaElement: MmaElement {
 /// Reinterprets `[f32; R]` as `[f32; S]`; only called where `R == S`.
 #[inline(always)]
 fn same_array<const R: usize, const S: usize>(acc: &mut [f32; R]) -> &mut [f32; S] {
-    debug_assert!(R == S);
-    // SAFETY: the callers below match on `R`, so both arrays have the same length.
+    // Folded at compile time (both are constants): no code in the kernels.
+    assert!(R == S);
+    // SAFETY: `R == S` (asserted), so both arrays have the same length and layout.
     unsafe { &mut *(acc as *mut [f32; R] as *mut [f32; S]) }
 }
 
@@ -264,6 +278,8 @@ macro_rules! wgmma_element {
         impl WgmmaElement for $element {
             #[inline(always)]
             unsafe fn wgmma<const R: usize>(acc: &mut [f32; R], a: u64, b: u64, accumulate: u32) {
+                // SAFETY: as the trait method's contract; each arm is the wrapper for `R`
+                // accumulators, and `same_array` reinterprets `acc` only when `R` matches.
                 unsafe {
                     match R {
                         4 => $n8(same_array(acc), a, b, accumulate),

@@ -77,6 +77,10 @@ fn tile_input(lm_head: u64, hidden: u64, vocab: u32, dim: u32, batch: u32, row0:
     TileInput { lm_head, hidden, vocab, dim, batch, row0, col0 }
 }
 
+/// Stage 1 on the `mma.sync` tile of `8·NT` columns.
+///
+/// # Safety
+/// As the crate-level safety section (a stage-1 launch of a `fused_{bf16,f16}_n*` kernel).
 #[inline(always)]
 unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     let columns = N_TILE * NT as u32;
@@ -86,17 +90,27 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     while item < items {
         let (tile, row0, col0) = work_item(item, columns, args.batch);
         let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        // SAFETY: all 32 lanes of every warp run the item loop together (items are per block), and
+        // `input` describes the launch's valid matrices.
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
+        // SAFETY: all threads of the block run it together; `args` and `staging` (the block's
+        // shared memory, sized by the registry) are valid.
         unsafe { sample::sample_tile::<NT>(&logits, &args, tile, row0, col0, staging) };
         item += arch::grid_size();
     }
 }
 
+/// Stage 1 on the SIMT tile.
+///
+/// # Safety
+/// As the crate-level safety section (a stage-1 launch of a `fused_simt_*` kernel).
 #[inline(always)]
 unsafe fn fused_simt<T: Element>(args: FusedArgs) {
     let items = args.tiles * args.batch.div_ceil(N_TILE);
     let staging = shared::<Candidate>();
     let thread = arch::thread_index();
+    // SAFETY: the block's shared memory holds the staging, then one scratch area per warp
+    // (`fused_simt_shared_bytes`).
     let scratch = unsafe {
         (staging as *mut u8)
             .add(fused_mma_shared_bytes(N_TILE) as usize)
@@ -107,12 +121,19 @@ unsafe fn fused_simt<T: Element>(args: FusedArgs) {
     while item < items {
         let (tile, row0, col0) = work_item(item, N_TILE, args.batch);
         let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        // SAFETY: as for the mma tile; `scratch` is this warp's area.
         let logits = unsafe { tile::simt_tile::<T>(&input, thread % 32, scratch) };
+        // SAFETY: all threads of the block run it together; `args` and `staging` are valid.
         unsafe { sample::sample_tile::<1>(&logits, &args, tile, row0, col0, staging) };
         item += arch::grid_size();
     }
 }
 
+/// The unfused pipeline's GEMM on the `mma.sync` tile of `8·NT` columns.
+///
+/// # Safety
+/// As the crate-level safety section (a launch of a `logits_gemm_*` kernel).
+#[allow(clippy::needless_range_loop)] // constant indices once unrolled keep `logits` in registers
 #[inline(always)]
 unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     let columns = N_TILE * NT as u32;
@@ -122,12 +143,17 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     while item < items {
         let (_, row0, col0) = work_item(item, columns, args.batch);
         let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        // SAFETY: all 32 lanes of every warp run the item loop together, and `input` describes the
+        // launch's valid matrices.
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
         for nt in 0..NT {
             for c in 0..2 {
                 let b = col0 + N_TILE * nt as u32 + 2 * t + c as u32;
                 if b < args.batch && row0 < args.vocab {
                     let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
+                    // SAFETY: `b < batch` and `row0 < vocab`: inside the logits buffer of `batch ×
+                    // logits_stride` floats, 16-byte aligned (the stride and `row0` are multiples
+                    // of 4).
                     unsafe { arch::store_global_v4(address, logits[nt][c]) };
                 }
             }
@@ -146,6 +172,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { fused_mma::<element::$element, { $columns / 8 }>(args) }
         }
     };
@@ -156,6 +184,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { fused_simt::<element::$element>(args) }
         }
     };
@@ -166,6 +196,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: LogitsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { logits_gemm::<element::$element, { $columns / 8 }>(args) }
         }
     };
@@ -184,6 +216,8 @@ macro_rules! entry_point {
         #[cfg(flashsample_module = "hopper")]
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: flashsample_core::abi::TmaArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe {
                 tma_gemm::tma_kernel::<element::$element, $rows, $columns, { $columns / 2 }, $fused>(
                     &args,
@@ -203,6 +237,8 @@ macro_rules! entry_point {
         #[cfg(flashsample_module = "hopper")]
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: flashsample_core::abi::TmaArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe {
                 tma_handoff::tma_handoff_kernel::<element::$element, $columns, { $columns / 2 }>(
                     &args,
@@ -218,6 +254,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: LogitsSamplerArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { sample::sample_logits(&args, shared::<Candidate>()) }
         }
     };
@@ -228,6 +266,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ReduceArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
         }
     };
@@ -238,6 +278,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: FillArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { fill::fill_uniform::<element::$element>(&args) }
         }
     };
@@ -248,6 +290,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ReadProbeArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { fill::read_probe(&args) }
         }
     };
@@ -259,6 +303,8 @@ macro_rules! entry_point {
         /// As the crate-level safety section; `args.out` is a zeroed `u32`.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: EstimateErrorArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
             unsafe { fill::gumbel_estimate_error(&args) }
         }
     };

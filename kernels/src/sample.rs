@@ -9,6 +9,9 @@ use crate::arch;
 use crate::tile::ThreadLogits;
 
 /// `logits[slot / 2][slot % 2]` through a chain of selects, so the array stays in registers.
+// Indexing by the loop variables gives constant indices once unrolled, which keeps the
+// arrays in registers.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn pick<const NT: usize>(logits: &ThreadLogits<NT>, slot: usize) -> [f32; 4] {
     let mut picked = logits[0][0];
@@ -29,6 +32,8 @@ fn pick<const NT: usize>(logits: &ThreadLogits<NT>, slot: usize) -> [f32; 4] {
 #[inline(always)]
 pub unsafe fn merge_over_lanes(mut best: Candidate, mut mask: u32, last_mask: u32) -> Candidate {
     while mask <= last_mask {
+        // SAFETY: per this function's contract all 32 lanes are here together (the loop bounds are
+        // uniform).
         best = unsafe { merge_with_lane(best, mask) };
         mask <<= 1;
     }
@@ -41,7 +46,9 @@ pub unsafe fn merge_over_lanes(mut best: Candidate, mut mask: u32, last_mask: u3
 /// All 32 lanes call it together.
 #[inline(always)]
 unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
+    // SAFETY: per this function's contract all 32 lanes are here together.
     let score = f32::from_bits(unsafe { arch::shuffle_xor(best.score.to_bits(), mask) });
+    // SAFETY: as above.
     let index = unsafe { arch::shuffle_xor(best.index, mask) };
     best.merge(Candidate { score, index })
 }
@@ -90,16 +97,23 @@ pub unsafe fn sample_tile<const NT: usize>(
                 // Columns past the batch (a batch tile wider than B) draw no noise; their lanes
                 // still join the shuffles below.
                 if col0 + column < args.batch {
+                    // SAFETY: `col0 + column < batch`: a row of the `[batch]` row parameters.
                     let row = unsafe { *args.rows.as_ptr().add((col0 + column) as usize) };
                     best = block_candidate(&row, args.sample_offset + j, block, pick(logits, column_slot), rows_valid);
                 }
+                // SAFETY: every lane of the warp reaches it: the column loop's bounds are the same
+                // for all lanes.
                 best = unsafe { merge_over_lanes(best, 4, 16) };
                 if g == 0 {
+                    // SAFETY: slot < SAMPLES_PER_MERGE, warp < STAGE1_WARPS and column < columns:
+                    // inside the staging area the registry sizes (`fused_mma_shared_bytes`).
                     unsafe { *staging.add(((slot * STAGE1_WARPS + warp) * columns + column) as usize) = best };
                 }
                 column_slot += 1;
             }
         }
+        // SAFETY: every thread of the block reaches it: the item and draw loops are uniform over
+        // the block.
         unsafe { arch::sync_threads() };
         let mut item = thread;
         while item < SAMPLES_PER_MERGE * columns {
@@ -110,13 +124,18 @@ pub unsafe fn sample_tile<const NT: usize>(
             if j < args.samples && b < args.batch {
                 let mut best = Candidate::NONE;
                 for w in 0..STAGE1_WARPS {
+                    // SAFETY: inside the staging area, written by every warp before the barrier
+                    // above.
                     best = best.merge(unsafe { *staging.add(((slot * STAGE1_WARPS + w) * columns + column) as usize) });
                 }
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the `[batch · samples
+                // · tiles]` candidates.
                 unsafe { *args.candidates.as_mut_ptr().add(at as usize) = best };
             }
             item += STAGE1_WARPS * 32;
         }
+        // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };
         first += SAMPLES_PER_MERGE;
     }
@@ -142,10 +161,13 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
         let rows_valid = args.vocab.saturating_sub(row0).min(4);
         let logits = if rows_valid > 0 {
             let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
+            // SAFETY: `rows_valid > 0`: `row0 < vocab`, so the four floats lie in row `b` of the
+            // logits (stride a multiple of 4, so 16-byte aligned).
             unsafe { arch::load_global_nc_v4(address) }.map(f32::from_bits)
         } else {
             [f32::NEG_INFINITY; 4]
         };
+        // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
         let row = unsafe { *args.rows.as_ptr().add(b as usize) };
         let mut first = 0;
         while first < args.samples {
@@ -155,21 +177,28 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                     break;
                 }
                 let best = block_candidate(&row, args.sample_offset + j, row0 / 4, logits, rows_valid);
+                // SAFETY: every lane of the warp reaches it (uniform loops).
                 let best = unsafe { merge_over_lanes(best, 1, 16) };
                 if lane == 0 {
+                    // SAFETY: `slot < SAMPLES_PER_MERGE`, `warp < STAGE1_WARPS`: inside the staging
+                    // area (`LOGITS_SAMPLER_SHARED_BYTES`).
                     unsafe { *staging.add((slot * STAGE1_WARPS + warp) as usize) = best };
                 }
             }
+            // SAFETY: every thread of the block reaches it (uniform loops).
             unsafe { arch::sync_threads() };
             if thread < SAMPLES_PER_MERGE && first + thread < args.samples {
                 let mut best = Candidate::NONE;
                 for w in 0..STAGE1_WARPS {
+                    // SAFETY: inside the staging area, written before the barrier above.
                     best = best.merge(unsafe { *staging.add((thread * STAGE1_WARPS + w) as usize) });
                 }
                 let j = first + thread;
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the candidates.
                 unsafe { *args.candidates.as_mut_ptr().add(at as usize) = best };
             }
+            // SAFETY: every thread of the block reaches it (uniform loops).
             unsafe { arch::sync_threads() };
             first += SAMPLES_PER_MERGE;
         }
@@ -196,21 +225,30 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
         let mut best = Candidate::NONE;
         let mut tile = thread;
         while tile < args.tiles {
+            // SAFETY: `tile < tiles`: inside this (row, draw)'s candidates.
             best = best.merge(unsafe { *base.add(tile as usize) });
             tile += REDUCE_THREADS;
         }
+        // SAFETY: every lane reaches it (uniform loops).
         best = unsafe { merge_over_lanes(best, 1, 16) };
         if lane == 0 {
+            // SAFETY: `warp < REDUCE_THREADS / 32`: inside the staging area
+            // (`REDUCE_SHARED_BYTES`).
             unsafe { *staging.add(warp as usize) = best };
         }
+        // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };
         if thread == 0 {
             for w in 1..REDUCE_THREADS / 32 {
+                // SAFETY: inside the staging area, written before the barrier above.
                 best = best.merge(unsafe { *staging.add(w as usize) });
             }
             let at = b as u64 * args.token_stride as u64 + args.sample_offset as u64 + j as u64;
+            // SAFETY: `b < batch` and `sample_offset + j < token_stride`: inside the `[batch,
+            // token_stride]` tokens.
             unsafe { *args.tokens.as_mut_ptr().add(at as usize) = best.index };
         }
+        // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };
         item += arch::grid_size();
     }

@@ -65,19 +65,34 @@ fn addresses<const NT: usize>(input: &TileInput, lane: u32, element_bytes: u64) 
 
 /// Loads chunk `k0` (a column index); when `masked`, 8-column groups at or past `dim` read
 /// as zeros (`dim` is a multiple of 8, so a group is wholly in or out).
+///
+/// # Safety
+/// `at` holds 16-byte aligned addresses of rows of `W` and `H` with at least `k0 + 64`
+/// columns, or `dim` when `masked`.
 #[inline(always)]
 unsafe fn load_chunk<const NT: usize>(at: &Addresses<NT>, k0: u32, masked: bool, dim: u32, t: u32) -> Chunk<NT> {
     let byte = k0 as u64 * 2;
     let first_in = !masked || k0 + 8 * t < dim;
     let second_in = !masked || k0 + 32 + 8 * t < dim;
     let load_pair = |base: u64| -> [u32; 8] {
+        // SAFETY: per this function's contract the addresses lie in the matrices; `first_in` keeps
+        // the load inside `dim` (the tail chunk), and every address is 16-byte aligned (16-byte
+        // aligned rows, offsets of 8 elements).
         let lo = if first_in { unsafe { arch::load_global_nc_v4_l2_256(base + byte) } } else { [0; 4] };
+        // SAFETY: as above, for the second 8-element group.
         let hi = if second_in { unsafe { arch::load_global_nc_v4_l2_256(base + byte + 64) } } else { [0; 4] };
         [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
     };
     Chunk { w: core::array::from_fn(|r| load_pair(at.w[r])), h: core::array::from_fn(|nt| load_pair(at.h[nt])) }
 }
 
+/// `acc (+)=` the products of one chunk, 4 k-steps of 16.
+///
+/// # Safety
+/// All 32 lanes of the warp call it together (`mma.sync.aligned`).
+// Indexing by the loop variables gives constant indices once unrolled, which keeps the
+// arrays in registers.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn multiply_chunk<T: MmaElement, const NT: usize>(acc: &mut [[[f32; 4]; NT]; 2], chunk: &Chunk<NT>) {
     for s in 0..4 {
@@ -91,6 +106,7 @@ unsafe fn multiply_chunk<T: MmaElement, const NT: usize>(acc: &mut [[[f32; 4]; N
             ];
             for nt in 0..NT {
                 let b = [chunk.h[nt][2 * s], chunk.h[nt][2 * s + 1]];
+                // SAFETY: the lanes of the warp run `mma_tile` together (its contract).
                 unsafe { T::mma(&mut acc[mt][nt], a, b) };
             }
         }
@@ -111,16 +127,23 @@ pub unsafe fn mma_tile<T: MmaElement, const NT: usize>(input: &TileInput, lane: 
     let mut acc = [[[0.0f32; 4]; NT]; 2];
     let full_chunks = input.dim / CHUNK;
     if full_chunks > 0 {
+        // SAFETY: all lanes together; the addresses come from `addresses` over this tile's valid
+        // rows and columns (clamped to the last row and column).
         let mut current = unsafe { load_chunk(&at, 0, false, input.dim, t) };
         for c in 1..full_chunks {
+            // SAFETY: as above; chunk `c` lies within the first `full_chunks · CHUNK` columns.
             let next = unsafe { load_chunk(&at, c * CHUNK, false, input.dim, t) };
+            // SAFETY: all lanes together (this function's contract).
             unsafe { multiply_chunk::<T, NT>(&mut acc, &current) };
             current = next;
         }
+        // SAFETY: all lanes together (this function's contract).
         unsafe { multiply_chunk::<T, NT>(&mut acc, &current) };
     }
-    if input.dim % CHUNK != 0 {
+    if !input.dim.is_multiple_of(CHUNK) {
+        // SAFETY: as above; the masked load reads only the 8-column groups below `dim`.
         let tail = unsafe { load_chunk(&at, full_chunks * CHUNK, true, input.dim, t) };
+        // SAFETY: all lanes together (this function's contract).
         unsafe { multiply_chunk::<T, NT>(&mut acc, &tail) };
     }
     // acc[mt][nt] = [(row0+2mt, 2t), (row0+2mt, 2t+1), (row0+2mt+1, 2t), (row0+2mt+1, 2t+1)].
@@ -131,20 +154,28 @@ pub unsafe fn mma_tile<T: MmaElement, const NT: usize>(input: &TileInput, lane: 
 
 /// Halves a lane's vector of partial sums: lanes with `mask` set keep the upper half, the
 /// others the lower half, each adding its partner's copy of the half it keeps.
+///
+/// # Safety
+/// All 32 lanes of the warp call it together.
 #[inline(always)]
 unsafe fn halve<const N: usize, const HALF: usize>(v: [f32; N], lane: u32, mask: u32) -> [f32; HALF] {
     let upper = lane & mask != 0;
     core::array::from_fn(|i| {
         let keep = if upper { v[i + HALF] } else { v[i] };
         let send = if upper { v[i] } else { v[i + HALF] };
+        // SAFETY: per this function's contract all 32 lanes are here together.
         keep + f32::from_bits(unsafe { arch::shuffle_xor(send.to_bits(), mask) })
     })
 }
 
 /// Sums 32 per-lane vectors of 32 partial sums so that lane `l` ends with the total of
 /// entry `l`: five halving steps, 31 shuffles instead of 32 × 5.
+///
+/// # Safety
+/// All 32 lanes of the warp call it together.
 #[inline(always)]
 unsafe fn transpose_reduce(v: [f32; 32], lane: u32) -> f32 {
+    // SAFETY: per this function's contract all 32 lanes are here together.
     unsafe {
         let v: [f32; 16] = halve(v, lane, 16);
         let v: [f32; 8] = halve(v, lane, 8);
@@ -180,7 +211,10 @@ pub unsafe fn simt_tile<T: Element>(input: &TileInput, lane: u32, scratch: *mut 
         let mut k = lane;
         while k < input.dim {
             let offset = k as u64 * element;
+            // SAFETY: `k < dim` and every row index is clamped below `vocab`: inside `W`; element
+            // loads need only the element's alignment.
             let w: [f32; 4] = core::array::from_fn(|r| unsafe { T::load(rows[r] + offset) });
+            // SAFETY: `k < dim` and every column index is clamped below `batch`: inside `H`.
             let h: [f32; 8] = core::array::from_fn(|c| unsafe { T::load(cols[c] + offset) });
             for r in 0..4 {
                 for c in 0..8 {
@@ -189,14 +223,21 @@ pub unsafe fn simt_tile<T: Element>(input: &TileInput, lane: u32, scratch: *mut 
             }
             k += 32;
         }
+        // SAFETY: all 32 lanes run the `q` loop together (the `k` loop's trip count differs by
+        // lane, but it ends before this).
         let sum = unsafe { transpose_reduce(partial, lane) };
+        // SAFETY: `32q + lane < 256` floats: inside this warp's scratch
+        // (`SIMT_WARP_SCRATCH_FLOATS`).
         unsafe { *scratch.add((32 * q + lane) as usize) = sum };
     }
+    // SAFETY: all 32 lanes together (this function's contract).
     unsafe { arch::sync_warp() };
     // scratch[32q + 8r + c] holds row 4q + r, column c; this thread wants rows 4g.., cols 2t+c.
     let logits = core::array::from_fn(|c| {
+        // SAFETY: inside this warp's 256 scratch floats, written by the lanes before `sync_warp`.
         core::array::from_fn(|r| unsafe { *scratch.add((32 * g + 8 * r as u32 + 2 * t + c as u32) as usize) })
     });
+    // SAFETY: all 32 lanes together (this function's contract).
     unsafe { arch::sync_warp() };
     [logits]
 }

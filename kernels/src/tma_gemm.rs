@@ -123,6 +123,8 @@ impl Ring {
     #[inline(always)]
     pub(crate) unsafe fn init(&self, readers: u32) {
         for s in 0..self.stages {
+            // SAFETY: per this function's contract one thread initialises the ring's barriers
+            // before the block barrier publishes them.
             unsafe {
                 hopper::barrier_init(self.full + 8 * s, 1);
                 hopper::barrier_init(self.empty + 8 * s, readers);
@@ -139,6 +141,7 @@ impl Ring {
     pub(crate) unsafe fn produce(&self, args: &TmaArgs, rows: u32, columns: u32) {
         let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
         let stage_bytes = self.lm_head_stage_bytes + self.hidden_stage_bytes;
+        // SAFETY: per this function's contract both maps are 128-byte tensor maps in global memory.
         unsafe {
             hopper::fence_tensor_map(args.lm_head_map.address());
             hopper::fence_tensor_map(args.hidden_map.address());
@@ -150,6 +153,9 @@ impl Ring {
                 let phase = (iteration / self.stages) & 1;
                 let full = self.full + 8 * stage;
                 let k = (k_block * TMA_K_BLOCK) as i32;
+                // SAFETY: the producer waits for the stage to be free before refilling it; the box
+                // destinations lie in the stage (the layout sizes them from the registry's shared
+                // memory), and `full` expects exactly these bytes.
                 unsafe {
                     // A fresh barrier counts its (never run) previous phase as complete, so the
                     // first lap through the ring does not wait.
@@ -196,6 +202,8 @@ impl Ring {
         for k_block in 0..k_blocks {
             let a = lm_head.advanced(stage * self.lm_head_stage_bytes);
             let b = hidden.advanced(stage * self.hidden_stage_bytes);
+            // SAFETY: per this function's contract the whole warpgroup is here; the stage is full
+            // (waited on) and its descriptors address its boxes.
             unsafe {
                 hopper::barrier_wait(self.full + 8 * stage, phase);
                 hopper::wgmma_fence();
@@ -228,6 +236,8 @@ impl Ring {
     /// As [`Ring::multiply`], right after it (or after work that does not touch `acc`).
     #[inline(always)]
     pub(crate) unsafe fn finish(&self, first: u32, k_blocks: u32) {
+        // SAFETY: per this function's contract the whole warpgroup is here, right after its
+        // multiplies.
         unsafe {
             hopper::wgmma_wait::<0>();
             hopper::barrier_arrive(self.empty + 8 * ((first + k_blocks - 1) % self.stages));
@@ -295,18 +305,26 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
     let layout = Layout::new(shared, ROWS, N as u32);
     let teams = Teams::new(ROWS);
     if thread == 0 {
+        // SAFETY: thread 0 alone, before the block barrier below.
         unsafe { layout.ring.init(32 * teams.warps) };
         for w in 0..CONSUMER_WARPGROUPS {
+            // SAFETY: thread 0 alone: the turn barriers lie in the layout's shared memory, unused
+            // until the block barrier.
             unsafe { hopper::barrier_init(layout.turn + 8 * w, WARPGROUP_THREADS) };
         }
+        // SAFETY: thread 0 alone, after initialising every barrier, before the block barrier.
         unsafe { hopper::fence_barrier_init() };
     }
+    // SAFETY: every thread of the block reaches it.
     unsafe { arch::sync_threads() };
     if warp >= TMA_CONSUMER_WARPS {
         if thread == TMA_CONSUMER_WARPS * 32 {
+            // SAFETY: one thread (the producer), after the barriers are published; `args` holds the
+            // maps this kernel's contract requires.
             unsafe { layout.ring.produce(args, ROWS, N as u32) };
         }
     } else {
+        // SAFETY: every consumer thread calls it, after the barriers are published.
         unsafe { consume::<T, N, R, FUSED>(args, &layout, ROWS, teams) };
     }
 }
@@ -380,6 +398,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
         // under it and the epilogue reads them from shared memory.
         let b = col0 + team_thread;
         let staged_row = if FUSED && team_thread < N as u32 && b < args.batch {
+            // SAFETY: `b < batch`: a row of the `[batch]` row parameters, 8-byte aligned.
             unsafe { load_row_words(args.rows.cast::<u64>().as_ptr(), b) }
         } else {
             PAD_ROW_WORDS
@@ -391,11 +410,14 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
         // barrier counts its (never run) previous phase as complete.
         if teams.count > 1 {
             let parity = (turns & 1) ^ (team == 0) as u32;
+            // SAFETY: the turn barriers are initialised; the whole team waits on the same phase.
             unsafe { hopper::barrier_wait(layout.turn + 8 * team, parity) };
             turns += 1;
         }
         // The producer fills stages in the block's item order, k-blocks within an item.
         let first = position * k_blocks;
+        // SAFETY: the whole warpgroup multiplies each item together (the items loop is uniform over
+        // the team).
         unsafe {
             layout.ring.multiply::<T, R, 1>(first, k_blocks, w_offset, &mut acc);
             if teams.count > 1 {
@@ -410,6 +432,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             if team_thread < N as u32 {
                 let words = team_rows.cast::<u64>().wrapping_add(ROW_WORDS * team_thread as usize);
                 for (w, &word) in staged_row.iter().enumerate() {
+                    // SAFETY: `team_thread < N`: inside the team's `N` row slots of the layout.
                     unsafe { *words.add(w) = word };
                 }
             }
@@ -419,8 +442,12 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
                 2 => sample_epilogue::<N, R, 2>,
                 _ => sample_epilogue::<N, R, 4>,
             };
+            // SAFETY: every thread of the team calls the epilogue; its row parameters were stored
+            // above, `staging` is the team's.
             unsafe { epilogue(&acc, args, &place, team_rows, staging, team_barrier) };
         } else {
+            // SAFETY: every consumer thread calls the epilogue together; `args.out` holds the
+            // logits.
             unsafe { logits_epilogue::<N, R>(&acc, args, &place) };
         }
     }
@@ -484,6 +511,7 @@ const PAD_ROW_WORDS: [u64; ROW_WORDS] = [0, 0, 1 << 32];
 #[inline(always)]
 unsafe fn load_row_words(rows: *const u64, b: u32) -> [u64; ROW_WORDS] {
     let at = ROW_WORDS * b as usize;
+    // SAFETY: per this function's contract `rows` holds row `b`'s three words.
     unsafe { [*rows.add(at), *rows.add(at + 1), *rows.add(at + 2)] }
 }
 
@@ -507,12 +535,16 @@ pub(crate) use for_each_quad;
 
 /// Exchanges `v[k]` and `v[k | bit]` with lane `lane ^ mask`, where `mask` is the lane bit
 /// that plays the role of `bit`: one step of a 4 × 4 transpose over four lanes.
+///
+/// # Safety
+/// All 32 lanes of the warp call it together.
 #[inline(always)]
 unsafe fn transpose_step(v: &mut [f32; 4], lane: u32, mask: u32, bit: usize) {
     let upper = lane & mask != 0;
     for k in 0..4 {
         if k & bit == 0 {
             let send = if upper { v[k] } else { v[k | bit] };
+            // SAFETY: per this function's contract all 32 lanes are here together.
             let received = f32::from_bits(unsafe { arch::shuffle_xor(send.to_bits(), mask) });
             if upper {
                 v[k] = received;
@@ -532,6 +564,7 @@ unsafe fn transpose_step(v: &mut [f32; 4], lane: u32, mask: u32, bit: usize) {
 #[inline(always)]
 unsafe fn transpose_quad(quad: [f32; 4], lane: u32) -> [f32; 4] {
     let mut v = quad;
+    // SAFETY: per this function's contract all 32 lanes are here together.
     unsafe {
         transpose_step(&mut v, lane, 4, 1);
         transpose_step(&mut v, lane, 8, 2);
@@ -557,6 +590,7 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
     barrier: (u32, u32),
 ) {
     let (barrier, threads) = barrier;
+    // SAFETY: the team's named barrier, reached by all of its threads (this function's contract).
     unsafe { arch::sync_named(barrier, threads) };
     let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
     let block = place.row0 / 4;
@@ -569,21 +603,29 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
             let mut column = [0u32; K];
             let mut in_batch = [false; K];
             unrolled!(k < K, {
+                // SAFETY: all 32 lanes run the rounds together (uniform loop bounds).
                 logits[k] = unsafe { transpose_quad(pick_quad::<R, K>(acc, round, k), place.lane) };
                 column[k] = 8 * (round * K + k) as u32 + place.column;
+                // SAFETY: `column < N`: one of the team's `N` row slots, stored before the team
+                // barrier above.
                 row[k] = unsafe { *rows.add(column[k] as usize) };
                 in_batch[k] = place.col0 + column[k] < args.batch;
             });
             let winners =
+                // SAFETY: all 32 lanes together, and lanes `l ^ 8`, `l ^ 16`, `l ^ 24` hold the
+                // same columns (`transpose_quad`'s layout).
                 unsafe { race_round::<K>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
             unrolled!(k < K, {
+                // SAFETY: all 32 lanes together (uniform loops).
                 let best = unsafe { sample::merge_over_lanes(winners[k], FIRST_COLUMN_LANE_MASK, 16) };
                 if place.lane < FIRST_COLUMN_LANE_MASK {
+                    // SAFETY: `warp < threads / 32`, `column < N`: inside the team's staging.
                     unsafe { *staging.add((place.warp * N as u32 + column[k]) as usize) = best };
                 }
             });
             round += 1;
         }
+        // SAFETY: the team's named barrier, reached by all of its threads.
         unsafe { arch::sync_named(barrier, threads) };
         let mut column = place.thread;
         while column < N as u32 {
@@ -591,13 +633,17 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
             if b < args.batch {
                 let mut best = Candidate::NONE;
                 for w in 0..threads / 32 {
+                    // SAFETY: inside the team's staging, written before the barrier above.
                     best = best.merge(unsafe { *staging.add((w * N as u32 + column) as usize) });
                 }
                 let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + place.tile as u64;
+                // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the `[batch · samples
+                // · tiles]` candidates.
                 unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = best };
             }
             column += threads;
         }
+        // SAFETY: the team's named barrier, reached by all of its threads.
         unsafe { arch::sync_named(barrier, threads) };
     }
 }
@@ -660,6 +706,7 @@ unsafe fn race_round<const K: usize>(
         let mut best = estimates[k].best();
         let mut mask = FIRST_COLUMN_LANE_MASK;
         while mask <= 16 {
+            // SAFETY: per this function's contract all 32 lanes are here together.
             let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) });
             if other > best {
                 best = other;
@@ -693,11 +740,14 @@ unsafe fn race_round<const K: usize>(
 #[inline(always)]
 unsafe fn logits_epilogue<const N: usize, const R: usize>(acc: &[f32; R], args: &TmaArgs, place: &Placement) {
     let store_quad = |tile_column: usize, quad: [f32; 4]| {
+        // SAFETY: every consumer thread runs the quads together (this function's contract).
         let logits = unsafe { transpose_quad(quad, place.lane) };
         let b = place.col0 + 8 * tile_column as u32 + place.column;
         if b < args.batch && place.row0 < args.vocab {
             let address =
                 args.out.cast::<f32>().add(b as u64 * args.logits_stride as u64 + place.row0 as u64).address();
+            // SAFETY: `b < batch` and `row0 < vocab`: inside the `[batch, logits_stride]` logits,
+            // 16-byte aligned (`row0` and the stride are multiples of 4).
             unsafe { arch::store_global_v4(address, logits) };
         }
     };

@@ -83,6 +83,7 @@ pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize
     let warp = thread / 32;
     let layout = HandoffLayout::new(shared, N as u32);
     if thread == 0 {
+        // SAFETY: thread 0 alone initialises every barrier before the block barrier publishes them.
         unsafe {
             layout.ring.init(CONSUMER_THREADS);
             hopper::barrier_init(layout.logits_full, CONSUMER_THREADS);
@@ -90,14 +91,19 @@ pub unsafe fn tma_handoff_kernel<T: WgmmaElement, const N: usize, const R: usize
             hopper::fence_barrier_init();
         }
     }
+    // SAFETY: every thread of the block reaches it.
     unsafe { arch::sync_threads() };
     if warp < TMA_CONSUMER_WARPS {
+        // SAFETY: every consumer thread calls it, after the barriers are published.
         unsafe { consume::<T, N, R>(args, &layout, thread) };
     } else if warp == PRODUCER_WARP {
         if thread == PRODUCER_WARP * 32 {
+            // SAFETY: one thread (the producer), after the barriers are published; `args` holds the
+            // maps this kernel's contract requires.
             unsafe { layout.ring.produce(args, HANDOFF_ROWS, N as u32) };
         }
     } else {
+        // SAFETY: all 32 lanes of every epilogue warp call it, after the barriers are published.
         unsafe { score::<N>(args, &layout, warp - PRODUCER_WARP - 1, thread % 32) };
     }
 }
@@ -125,8 +131,11 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     let column = 2 * (lane % 4);
     let mut acc = [0.0f32; R];
     let mut handoffs = 0u32;
+    // A u32 phase count, as the barrier parity wants it (`enumerate` would count in usize).
+    #[allow(clippy::explicit_counter_loop)]
     for (position, _, _) in Items::new(args, N as u32, 0, 1) {
         let first = position * k_blocks;
+        // SAFETY: all consumer threads multiply every item together; `logits_empty` is initialised.
         unsafe {
             // `wait_group 0` after each stage: the stage is freed as soon as its multiplies
             // end, so one more stage of the short ring is in flight.
@@ -149,6 +158,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
             }
         };
         for_each_quad!(&acc, store);
+        // SAFETY: `logits_full` is initialised; every consumer thread arrives once per item.
         unsafe { hopper::barrier_arrive(layout.logits_full) };
         handoffs += 1;
     }
@@ -208,9 +218,12 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
         layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + HANDOFF_ROWS) as usize).cast::<Deferred>()
     };
     let mut handoffs = 0u32;
+    // A u32 phase count, as the barrier parity wants it (`enumerate` would count in usize).
+    #[allow(clippy::explicit_counter_loop)]
     for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
         // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
         let first_block = tile * HANDOFF_ROWS / 4 + slot;
+        // SAFETY: `logits_full` is initialised; the whole warp waits on the same phase.
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
         for j in 0..args.samples {
             let draw = args.sample_offset + j;
@@ -232,8 +245,12 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                     // aligned (the stride is a multiple of 4 floats).
                     logits[i] = unsafe { (*at.cast::<Quad>()).0 };
                 });
+                // SAFETY: all 32 lanes together (the group loop is uniform over the warp), and the
+                // 8 lanes `l ^ m` (`m < 8`) hold one column.
                 let race = unsafe { estimate_column(&row, draw, first_block, &logits, args.vocab) };
+                // SAFETY: all 32 lanes together.
                 let holders = unsafe { arch::ballot(race.contenders != 0) };
+                // SAFETY: all 32 lanes together.
                 let crowded = unsafe { arch::ballot(race.contenders & race.contenders.wrapping_sub(1) != 0) };
                 let lanes_of = |bits: u32, p: u32| (bits >> (COLUMN_LANES * p)) & COLUMN_MASK;
                 // A column is decided by one entry when one lane holds exactly one contender.
@@ -250,8 +267,12 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 if any_resolve {
                     let own = resolve(part);
                     let winner = if own { race.exact_winner(&row, first_block, &logits) } else { Candidate::NONE };
+                    // SAFETY: all 32 lanes together: `any_resolve` comes from ballots and the
+                    // warp's columns, so it is warp-uniform.
                     let best = unsafe { sample::merge_over_lanes(winner, 1, COLUMN_LANES / 2) };
                     if slot == 0 && own {
+                        // SAFETY: `b < batch` (`own` holds only for columns in the batch), `j <
+                        // samples`, `tile < tiles`.
                         unsafe { write_candidate(args, tile, b, j, best) };
                         let resolved = Deferred { word: 0, logit: 0.0, index: RESOLVED, unused: 0 };
                         // SAFETY: as above.
@@ -260,6 +281,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 }
                 group += HANDOFF_EPILOGUE_WARPS;
             }
+            // SAFETY: all 32 lanes of the warp reach it.
             unsafe { arch::sync_warp() };
             // Lane `l` scores the parked winner of the warp's column `l`: group `warp + 7(l / 2)`.
             let column =
@@ -272,11 +294,14 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                     // SAFETY: b < batch rows exist.
                     let row = unsafe { *rows.add(b as usize) };
                     let score = exact_score(&row, deferred.word, deferred.logit);
+                    // SAFETY: `b < batch`, `j < samples`, `tile < tiles`.
                     unsafe { write_candidate(args, tile, b, j, Candidate { score, index: deferred.index }) };
                 }
             }
+            // SAFETY: all 32 lanes of the warp reach it.
             unsafe { arch::sync_warp() };
         }
+        // SAFETY: `logits_empty` is initialised; every epilogue thread arrives once per item.
         unsafe { hopper::barrier_arrive(layout.logits_empty) };
         handoffs += 1;
     }
@@ -290,6 +315,8 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
 #[inline(always)]
 unsafe fn write_candidate(args: &TmaArgs, tile: u32, b: u32, j: u32, candidate: Candidate) {
     let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+    // SAFETY: per this function's contract the index lies inside the `[batch · samples · tiles]`
+    // candidates.
     unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = candidate };
 }
 
@@ -376,6 +403,7 @@ unsafe fn estimate_column(
     let mut best = lane_best;
     let mut mask = 1;
     while mask < COLUMN_LANES {
+        // SAFETY: per this function's contract all 32 lanes are here together.
         best = best.max(f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
         mask <<= 1;
     }

@@ -48,10 +48,9 @@ pub fn build(options: &Options) -> Result<(), String> {
     let modules = if options.modules.is_empty() { Module::ALL.to_vec() } else { options.modules.clone() };
     let mut stale = Vec::new();
     for module in modules {
-        let target = target(module);
-        let ptx = compile(&root, &nightly, module, &target)?;
+        let ptx = compile(&root, &nightly, module)?;
         if let Some(ptxas) = &ptxas {
-            ptxas::validate(ptxas, &ptx, target.cpu)?;
+            ptxas::validate(ptxas, &ptx, target(module).cpu)?;
         }
         let fresh = std::fs::read_to_string(&ptx).map_err(|e| format!("cannot read {}: {e}", ptx.display()))?;
         check_entries(module, &fresh)?;
@@ -122,10 +121,36 @@ fn check_aligned_ops_not_duplicated(ptx: &str) -> Result<(), String> {
     }
 }
 
-/// Runs the nested nightly cargo for the kernel crate with this binary as its linker; each
-/// module has a target folder of its own, so switching modules rebuilds nothing.
-fn compile(root: &Path, nightly: &toolchain::Nightly, module: Module, target: &Target) -> Result<PathBuf, String> {
-    let target_dir = root.join("target/ptx").join(module.name());
+/// The flags that select `module`'s target for the kernel crate (rustc and clippy alike).
+fn module_flags(module: Module) -> Vec<String> {
+    let target = target(module);
+    let mut flags = vec![format!("-Ctarget-cpu={}", target.cpu)];
+    flags.extend(target.ptx_feature.map(|feature| format!("-Ctarget-feature={feature}")));
+    flags.push(format!("--cfg=flashsample_module=\"{}\"", module.name()));
+    flags
+}
+
+/// A nested nightly cargo in `kernels/` for `module`, with its own target folder (so switching
+/// modules rebuilds nothing) and `flags`.
+fn kernel_cargo(
+    root: &Path,
+    nightly: &toolchain::Nightly,
+    module: Module,
+    subcommand: &str,
+    flags: Vec<String>,
+) -> std::process::Command {
+    let mut command = toolchain::clean_command(&nightly.cargo);
+    command
+        .current_dir(root.join("kernels"))
+        .args([subcommand, "--release", "--target", TARGET, "-Zbuild-std=core", "--target-dir"])
+        .arg(root.join("target/kernels").join(subcommand).join(module.name()))
+        .env("RUSTC", &nightly.rustc)
+        .env("CARGO_ENCODED_RUSTFLAGS", flags.join("\u{1f}"));
+    command
+}
+
+/// Runs the nested nightly cargo for the kernel crate with this binary as its linker.
+fn compile(root: &Path, nightly: &toolchain::Nightly, module: Module) -> Result<PathBuf, String> {
     let this = std::env::current_exe().map_err(|e| format!("cannot locate xtask itself: {e}"))?;
     // Cargo cannot see that this binary is the linker: a fingerprint of the link step's
     // source and of the registry (which decides the launch bounds it writes) in the flags
@@ -133,28 +158,39 @@ fn compile(root: &Path, nightly: &toolchain::Nightly, module: Module, target: &T
     let mut link_step = std::hash::DefaultHasher::new();
     std::hash::Hash::hash(include_str!("link.rs"), &mut link_step);
     std::hash::Hash::hash(&format!("{KERNELS:?}"), &mut link_step);
-    let mut rustflags = vec![format!("-Ctarget-cpu={}", target.cpu)];
-    rustflags.extend(target.ptx_feature.map(|feature| format!("-Ctarget-feature={feature}")));
-    rustflags.extend([
-        format!("--cfg=flashsample_module=\"{}\"", module.name()),
+    let mut flags = module_flags(module);
+    flags.extend([
         format!("-Clinker={}", this.display()),
         format!("--cfg=link_step_{:016x}", std::hash::Hasher::finish(&link_step)),
     ]);
-    let status = toolchain::clean_command(&nightly.cargo)
-        .current_dir(root.join("kernels"))
-        .args(["build", "--release", "--target", TARGET, "-Zbuild-std=core", "--target-dir"])
-        .arg(&target_dir)
-        .env("RUSTC", &nightly.rustc)
-        .env("CARGO_ENCODED_RUSTFLAGS", rustflags.join("\u{1f}"))
+    let status = kernel_cargo(root, nightly, module, "build", flags)
         .env(link::LINKER_MODE_VARIABLE, &nightly.llvm_bin)
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if !status.success() {
         return Err(format!("building kernels/ for {TARGET} ({} module) failed ({status})", module.name()));
     }
-    let ptx = target_dir.join(TARGET).join("release/flashsample_kernels.ptx");
+    let ptx = root.join("target/kernels/build").join(module.name()).join(TARGET).join("release/flashsample_kernels.ptx");
     if !ptx.is_file() {
         return Err(format!("the build wrote no {}", ptx.display()));
     }
     Ok(ptx)
+}
+
+/// `cargo xtask clippy-kernels`: clippy over the kernel crate as each module builds it, every
+/// warning an error, and every `unsafe` block with its `// SAFETY:` line.
+pub fn clippy(modules: &[Module]) -> Result<(), String> {
+    let root = toolchain::workspace_root();
+    let nightly = toolchain::nightly(&root)?;
+    let modules = if modules.is_empty() { Module::ALL.to_vec() } else { modules.to_vec() };
+    for module in modules {
+        let status = kernel_cargo(&root, &nightly, module, "clippy", module_flags(module))
+            .args(["--", "-D", "warnings", "-D", "clippy::undocumented_unsafe_blocks"])
+            .status()
+            .map_err(|e| format!("cannot run cargo clippy: {e}"))?;
+        if !status.success() {
+            return Err(format!("clippy found problems in kernels/ ({} module)", module.name()));
+        }
+    }
+    Ok(())
 }

@@ -5,6 +5,8 @@
 //!   `hopper`: sm_90a), link it ourselves (`llvm-link` → `opt` → `llc`), validate it with
 //!   `ptxas` when one is found, and write `host/ptx/<module>.ptx`, which the host embeds.
 //!   `--check` fails if a committed module differs from a fresh build (CI runs it).
+//! - `clippy-kernels [--module portable|hopper]`: clippy over `kernels/` as each module builds
+//!   it, warnings denied and every `unsafe` block documented (`// SAFETY:`); CI runs it.
 //! - `bundle [--out DIR]`: build the release CLI and test binaries and gather them, the PTX
 //!   and `scripts/gpu-run.sh` into one folder (default `bundle/`) to carry to the GPU machine.
 //!
@@ -22,7 +24,7 @@ use std::process::ExitCode;
 use flashsample_core::registry::Module;
 
 const USAGE: &str =
-    "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask bundle [--out DIR]";
+    "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask clippy-kernels [--module portable|hopper]\n       cargo xtask bundle [--out DIR]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -45,18 +47,23 @@ fn run_command(args: &[String]) -> Result<(), String> {
             let mut rest = rest.iter();
             while let Some(arg) = rest.next() {
                 match arg.as_str() {
-                    "--module" => {
-                        let name = rest.next().ok_or("--module needs a value: portable or hopper")?;
-                        let module = Module::ALL.into_iter().find(|m| m.name() == name).ok_or_else(|| {
-                            format!("--module `{name}`: the modules are portable and hopper")
-                        })?;
-                        options.modules.push(module);
-                    }
+                    "--module" => options.modules.push(module_argument(rest.next())?),
                     "--check" => options.check = true,
                     other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
                 }
             }
             kernels::build(&options)
+        }
+        "clippy-kernels" => {
+            let mut modules = Vec::new();
+            let mut rest = rest.iter();
+            while let Some(arg) = rest.next() {
+                match arg.as_str() {
+                    "--module" => modules.push(module_argument(rest.next())?),
+                    other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
+                }
+            }
+            kernels::clippy(&modules)
         }
         "bundle" => {
             let mut out = None;
@@ -71,4 +78,13 @@ fn run_command(args: &[String]) -> Result<(), String> {
         }
         other => Err(format!("unknown command `{other}`\n{USAGE}")),
     }
+}
+
+/// The module `--module` names.
+fn module_argument(value: Option<&String>) -> Result<Module, String> {
+    let name = value.ok_or("--module needs a value: portable or hopper")?;
+    Module::ALL
+        .into_iter()
+        .find(|m| m.name() == name)
+        .ok_or_else(|| format!("--module `{name}`: the modules are portable and hopper"))
 }

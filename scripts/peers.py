@@ -14,9 +14,9 @@ import torch
 
 def uniform(rows, cols, scale):
     """Uniform on [-scale, scale) from 24 random bits, rounded to bf16: the distribution of
-    `flashsample bench`'s inputs (`fill_uniform_bf16`; host/src/bench.rs makes W at scale
+    `flashsample bench`'s inputs (`fill_uniform_bf16`; cli/src/bench.rs makes W at scale
     0.05 and x at 2.0). At the H200's power cap a GEMM's clock depends on its inputs' bits
-    (docs/PERF.md, session 12), so the peers must multiply the same kind of numbers as our
+    (docs/PERF.md, how it is measured), so the peers must multiply the same kind of numbers as our
     kernels."""
     return ((torch.rand(rows, cols, device="cuda") * 2 - 1) * scale).to(torch.bfloat16)
 

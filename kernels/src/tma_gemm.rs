@@ -9,7 +9,7 @@
 //! warpgroup, one thread of which issues the loads. Every thread gets the 168 registers a
 //! 384-thread block allows; the consumers' code fits in those. (`setmaxnreg` could move the
 //! producer's registers to the consumers, but ptxas honours it only in a kernel that also
-//! declares `.minnctapersm`; without it ptxas ignored it, docs/PERF.md, session 6.)
+//! declares `.minnctapersm`; without it ptxas ignored it: docs/PERF.md, tried and dropped.)
 //! Work item = (`ROWS` vocabulary rows, `N` batch columns), visited in grid-stride order. The
 //! producer streams every item's `⌈dim / 64⌉` stages in that order, each a `ROWS` × 64 box of
 //! `W` and an `N` × 64 box of `H` in the 128-byte swizzled layout `wgmma` reads. A stage is
@@ -178,7 +178,7 @@ impl Ring {
     /// Pass a `w_offset` that ptxas knows to be warp-uniform ([`arch::broadcast_lane0`]):
     /// the tokens do not depend on it, but otherwise every descriptor is built in vector
     /// registers and moved to uniform ones before each `wgmma` (19 more instructions per
-    /// warp and stage, docs/PERF.md session 9).
+    /// warp and stage; docs/PERF.md, "warp-uniform mainloop bookkeeping").
     ///
     /// # Safety
     /// All 128 threads of the warpgroup call it together; `acc` is not touched until

@@ -88,7 +88,8 @@ pub fn run(samplers: &[CudaSampler], options: &Options) -> Result<Vec<Row>> {
 fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cublas>) -> Result<Vec<Row>> {
     let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 };
     let reference = usize::from(cublas.is_some());
-    let points = options.shapes.len() * (samplers.len() * (1 + 3 * options.batches.len()) + (reference + extra) * options.batches.len());
+    let points = options.shapes.len()
+        * (samplers.len() * (1 + 3 * options.batches.len()) + (reference + extra) * options.batches.len());
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
     let mut rows = Vec::new();

@@ -48,7 +48,8 @@ impl Cublas {
             });
         }
         sampler.synchronize("loading cuBLAS")?;
-        let handle = result::create_handle().map_err(|e| Error::Cuda { call: "cublasCreate_v2".into(), detail: format!("{e:?}") })?;
+        let handle = result::create_handle()
+            .map_err(|e| Error::Cuda { call: "cublasCreate_v2".into(), detail: format!("{e:?}") })?;
         let cublas = Cublas { handle };
         // SAFETY: a live handle and the sampler's live stream, in the context cuBLAS took.
         check("cublasSetStream_v2", unsafe { result::set_stream(cublas.handle, sampler.stream().cu_stream() as _) })?;

@@ -187,11 +187,7 @@ fn gpu_sampler(device: DeviceKind, gpu: usize) -> Result<Option<CudaSampler>> {
     match (device, check_gpu(gpu).and_then(|()| CudaSampler::on_device(gpu))) {
         (_, Ok(sampler)) => {
             if device == DeviceKind::Auto {
-                eprintln!(
-                    "flashsample: on GPU {gpu} ({}, {} module)",
-                    sampler.device_name(),
-                    sampler.module().name()
-                );
+                eprintln!("flashsample: on GPU {gpu} ({}, {} module)", sampler.device_name(), sampler.module().name());
             }
             Ok(Some(sampler))
         }
@@ -303,7 +299,9 @@ fn cpu_demo() -> Result<()> {
         println!("{token:>7} {:>12.5} {:>12.5}", counts[token] as f64 / draws as f64, probabilities[token]);
     }
     let (statistic, dof, p) = chi_square(&counts, &probabilities);
-    println!("chi-square over all {vocab} tokens: {statistic:.1} with {dof} dof, p = {p:.3} (exact sampling: p is uniform)");
+    println!(
+        "chi-square over all {vocab} tokens: {statistic:.1} with {dof} dof, p = {p:.3} (exact sampling: p is uniform)"
+    );
     println!("On an NVIDIA GPU (Ampere or newer, with its driver) the same command samples a synthetic");
     println!("LM head of a real model's shape with the fused kernels: flashsample demo --device cuda");
     Ok(())

@@ -31,9 +31,8 @@ impl Timer {
         // SAFETY: the buffer is only ever written (by the flush).
         let flush = driver::check("cuMemAllocAsync(L2 flush)", unsafe { stream.alloc::<u32>(FLUSH_BYTES / 4) })?;
         let flush_ptr = DevicePtr::new(flush.device_ptr(stream).0);
-        let event = || {
-            driver::check("cuEventCreate", stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
-        };
+        let event =
+            || driver::check("cuEventCreate", stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)));
         Ok(Timer { flush_ptr, flush, start: event()?, stop: event()? })
     }
 
@@ -55,7 +54,13 @@ impl Timer {
             // SAFETY: the flush buffer is ours alone and holds `len` words; the fill is
             // ordered on the sampler's stream, on which the buffer was made.
             unsafe {
-                fill_words_async("L2 flush", self.flush_ptr, run as u32 ^ 0x5a5a_5a5a, self.flush.len(), stream.cu_stream())?
+                fill_words_async(
+                    "L2 flush",
+                    self.flush_ptr,
+                    run as u32 ^ 0x5a5a_5a5a,
+                    self.flush.len(),
+                    stream.cu_stream(),
+                )?
             };
             driver::check("cuEventRecord", self.start.record(stream))?;
             work()?;

@@ -204,7 +204,19 @@ fn device_auto_says_in_one_line_where_it_samples() {
     let (w, h) = inputs(&scratch, 20, 8, 2);
     let out = scratch.path("t.npy");
     let output = flashsample(&[
-        "sample", "--lm-head", &w, "--hidden", &h, "--out", &out, "--samples", "3", "--seed", "1", "--temperature", "1",
+        "sample",
+        "--lm-head",
+        &w,
+        "--hidden",
+        &h,
+        "--out",
+        &out,
+        "--samples",
+        "3",
+        "--seed",
+        "1",
+        "--temperature",
+        "1",
     ]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");

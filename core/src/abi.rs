@@ -263,7 +263,21 @@ pub struct TmaArgs {
     pub logits_stride: u32,
 }
 
-/// Stage 1: `candidates[(b · samples + j) · tiles + tile]` for each batch row `b < batch`,
+/// Stage 1's candidates are `[batch, samples, tiles]`: the candidates of one (row, draw) pair
+/// lie together, so stage 2 reads them contiguously. The pair of row `b` and draw `j` of a
+/// launch of `samples` draws.
+#[inline(always)]
+pub const fn candidate_pair(b: u32, samples: u32, j: u32) -> u64 {
+    b as u64 * samples as u64 + j as u64
+}
+
+/// The slot of `tile`'s candidate for a (row, draw) `pair` ([`candidate_pair`]).
+#[inline(always)]
+pub const fn candidate_slot(pair: u64, tiles: u32, tile: u32) -> u64 {
+    pair * tiles as u64 + tile as u64
+}
+
+/// Stage 1: `candidates[candidate_slot(candidate_pair(b, samples, j), tiles, tile)]` for each batch row `b < batch`,
 /// draw `j < samples` (global draw index `sample_offset + j`) and vocabulary tile.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -89,7 +89,8 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (tile, row0, col0) = work_item(item, columns, args.batch);
-        let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        let input =
+            tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
         // SAFETY: all 32 lanes of every warp run the item loop together (items are per block), and
         // `input` describes the launch's valid matrices.
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
@@ -120,7 +121,8 @@ unsafe fn fused_simt<T: Element>(args: FusedArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (tile, row0, col0) = work_item(item, N_TILE, args.batch);
-        let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        let input =
+            tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
         // SAFETY: as for the mma tile; `scratch` is this warp's area.
         let logits = unsafe { tile::simt_tile::<T>(&input, thread % 32, scratch) };
         // SAFETY: all threads of the block run it together; `args` and `staging` are valid.
@@ -142,7 +144,8 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (_, row0, col0) = work_item(item, columns, args.batch);
-        let input = tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        let input =
+            tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
         // SAFETY: all 32 lanes of every warp run the item loop together, and `input` describes the
         // launch's valid matrices.
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };

@@ -1,7 +1,8 @@
 //! Stage 1's sampling epilogue, the unfused logits sampler, and stage 2's reduction.
 
 use flashsample_core::abi::{
-    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, STAGE1_WARPS,
+    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, STAGE1_WARPS, candidate_pair,
+    candidate_slot,
 };
 use flashsample_core::{Candidate, block_candidate};
 
@@ -128,7 +129,7 @@ pub unsafe fn sample_tile<const NT: usize>(
                     // above.
                     best = best.merge(unsafe { *staging.add(((slot * STAGE1_WARPS + w) * columns + column) as usize) });
                 }
-                let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile);
                 // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the `[batch · samples
                 // · tiles]` candidates.
                 unsafe { *args.candidates.as_mut_ptr().add(at as usize) = best };
@@ -194,7 +195,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                     best = best.merge(unsafe { *staging.add((thread * STAGE1_WARPS + w) as usize) });
                 }
                 let j = first + thread;
-                let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+                let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile);
                 // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the candidates.
                 unsafe { *args.candidates.as_mut_ptr().add(at as usize) = best };
             }
@@ -221,7 +222,7 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
     while item < args.batch * args.samples {
         let b = item / args.samples;
         let j = item % args.samples;
-        let base = args.candidates.as_ptr().wrapping_add(item as usize * args.tiles as usize);
+        let base = args.candidates.as_ptr().wrapping_add(candidate_slot(item as u64, args.tiles, 0) as usize);
         let mut best = Candidate::NONE;
         let mut tile = thread;
         while tile < args.tiles {

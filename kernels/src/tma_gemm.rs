@@ -34,14 +34,14 @@
 //! by [`transpose_quad`], so noise stays keyed by vocabulary index, never by tile position.
 
 use flashsample_core::abi::{
-    TMA_CONSUMER_WARPS, TMA_K_BLOCK, TmaArgs, WARPGROUP_ROWS, tma_hidden_stage_bytes, tma_lm_head_stage_bytes,
-    tma_stages,
+    TMA_CONSUMER_WARPS, TMA_K_BLOCK, TmaArgs, WARPGROUP_ROWS, candidate_pair, candidate_slot, tma_hidden_stage_bytes,
+    tma_lm_head_stage_bytes, tma_stages,
 };
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
 
-use crate::hopper::WgmmaElement;
 use crate::hopper;
+use crate::hopper::WgmmaElement;
 use crate::{arch, sample};
 
 /// Named barrier of team `k` (the warps sharing an item) is `FIRST_TEAM_BARRIER + k` (0 is
@@ -636,7 +636,7 @@ unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
                     // SAFETY: inside the team's staging, written before the barrier above.
                     best = best.merge(unsafe { *staging.add((w * N as u32 + column) as usize) });
                 }
-                let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + place.tile as u64;
+                let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, place.tile);
                 // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the `[batch · samples
                 // · tiles]` candidates.
                 unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = best };

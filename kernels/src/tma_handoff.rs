@@ -23,7 +23,7 @@
 
 use flashsample_core::abi::{
     HANDOFF_COLUMN_STRIDE, HANDOFF_COLUMNS, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK,
-    TmaArgs, WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
+    TmaArgs, WARPGROUP_ROWS, candidate_pair, candidate_slot, handoff_logits_bytes, tma_handoff_stages,
 };
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
@@ -314,7 +314,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
 /// `batch × samples × tiles` candidates.
 #[inline(always)]
 unsafe fn write_candidate(args: &TmaArgs, tile: u32, b: u32, j: u32, candidate: Candidate) {
-    let at = (b as u64 * args.samples as u64 + j as u64) * args.tiles as u64 + tile as u64;
+    let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile);
     // SAFETY: per this function's contract the index lies inside the `[batch · samples · tiles]`
     // candidates.
     unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = candidate };

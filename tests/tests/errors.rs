@@ -102,9 +102,18 @@ fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
     }
     assert_eq!(invalid_argument(Variant::Mma { columns: 12 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
     assert_eq!(invalid_argument(Variant::Mma { columns: 64 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::Tma { rows: 64, columns: 256 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::Tma { rows: 32, columns: 8 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
-    assert_eq!(invalid_argument(Variant::TmaHandoff { columns: 32 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
+    assert_eq!(
+        invalid_argument(Variant::Tma { rows: 64, columns: 256 }.resolve(Module::Hopper, DType::BF16, 64, 1)),
+        "variant"
+    );
+    assert_eq!(
+        invalid_argument(Variant::Tma { rows: 32, columns: 8 }.resolve(Module::Hopper, DType::BF16, 64, 1)),
+        "variant"
+    );
+    assert_eq!(
+        invalid_argument(Variant::TmaHandoff { columns: 32 }.resolve(Module::Hopper, DType::BF16, 64, 1)),
+        "variant"
+    );
     assert_eq!(Variant::Auto.resolve(Module::Hopper, DType::F32, 64, 1).unwrap(), Variant::Simt);
     assert_eq!(Variant::Auto.resolve(Module::Hopper, DType::BF16, 63, 9).unwrap(), Variant::Simt);
     for batch in [1, 9, 100, 5000] {

@@ -170,7 +170,8 @@ fn compile(root: &Path, nightly: &toolchain::Nightly, module: Module) -> Result<
     if !status.success() {
         return Err(format!("building kernels/ for {TARGET} ({} module) failed ({status})", module.name()));
     }
-    let ptx = root.join("target/kernels/build").join(module.name()).join(TARGET).join("release/flashsample_kernels.ptx");
+    let ptx =
+        root.join("target/kernels/build").join(module.name()).join(TARGET).join("release/flashsample_kernels.ptx");
     if !ptx.is_file() {
         return Err(format!("the build wrote no {}", ptx.display()));
     }

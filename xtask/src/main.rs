@@ -23,8 +23,7 @@ use std::process::ExitCode;
 
 use flashsample_core::registry::Module;
 
-const USAGE: &str =
-    "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask clippy-kernels [--module portable|hopper]\n       cargo xtask bundle [--out DIR]";
+const USAGE: &str = "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask clippy-kernels [--module portable|hopper]\n       cargo xtask bundle [--out DIR]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _};
-use flashsample_core::abi::{DevicePtr, Element, TMA_ITEM_ROWS, TMA_K_BLOCK, TensorMap};
 use flashsample_core::RowParams;
+use flashsample_core::abi::{DevicePtr, Element, TMA_ITEM_ROWS, TMA_K_BLOCK, TensorMap};
 
 use super::dispatch::TMA_COLUMNS;
 use super::driver::{self, L2Promotion, TensorMapElement};
@@ -172,7 +172,12 @@ pub struct CudaHidden {
 }
 
 impl CudaHidden {
-    pub(crate) fn new(stream: &Arc<CudaStream>, buffer: DeviceBuffer<u8>, shape: MatrixShape, tma: bool) -> Result<Self> {
+    pub(crate) fn new(
+        stream: &Arc<CudaStream>,
+        buffer: DeviceBuffer<u8>,
+        shape: MatrixShape,
+        tma: bool,
+    ) -> Result<Self> {
         let boxes = TMA_COLUMNS.map(|columns| (columns, l2_promotion(columns)));
         let tensor_maps =
             if tma { tensor_maps(stream, "hidden", buffer.ptr().address(), shape, &boxes)? } else { None };

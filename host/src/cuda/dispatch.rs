@@ -59,9 +59,10 @@ impl Variant {
             Variant::Auto if !hopper => {
                 Ok(Variant::Mma { columns: MMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(32) })
             }
-            Variant::Auto if batch <= 32 => {
-                Ok(Variant::Tma { rows: 128, columns: TMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(32) })
-            }
+            Variant::Auto if batch <= 32 => Ok(Variant::Tma {
+                rows: 128,
+                columns: TMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(32),
+            }),
             Variant::Auto if batch <= 64 => Ok(Variant::TmaHandoff { columns: 64 }),
             Variant::Auto => Ok(Variant::TmaHandoff { columns: 128 }),
             Variant::Mma { columns } if !MMA_COLUMNS.contains(&columns) => {
@@ -80,7 +81,10 @@ impl Variant {
             }
             Variant::Tma { .. } | Variant::TmaHandoff { .. } if !hopper => Err(invalid(
                 "variant",
-                format!("{self:?} needs the Hopper module (TMA and wgmma); this sampler runs the {} module", module.name()),
+                format!(
+                    "{self:?} needs the Hopper module (TMA and wgmma); this sampler runs the {} module",
+                    module.name()
+                ),
             )),
             Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
             Variant::Tma { .. } | Variant::TmaHandoff { .. } if !tensor_cores => needs_tensor_cores("TMA"),

@@ -22,7 +22,8 @@ pub fn check<T>(call: &str, result: std::result::Result<T, DriverError>) -> Resu
 
 /// `CUDA_ERROR_… (the driver's text)`.
 pub fn describe(error: &DriverError) -> String {
-    let name = error.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", error.0));
+    let name =
+        error.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", error.0));
     match error.error_string() {
         Ok(text) => format!("{name} ({})", text.to_string_lossy()),
         Err(_) => name,

@@ -103,11 +103,9 @@ impl LoadedModule {
         )?;
         let mut kernels = HashMap::new();
         for entry in module.kernels() {
-            let function = driver::check(
-                &format!("cuModuleGetFunction({})", entry.name),
-                handle.load_function(entry.name),
-            )?
-            .cu_function();
+            let function =
+                driver::check(&format!("cuModuleGetFunction({})", entry.name), handle.load_function(entry.name))?
+                    .cu_function();
             let (threads, shared_bytes) = (entry.kernel.threads(), entry.kernel.shared_bytes());
             // SAFETY: `function` belongs to `handle`, which this struct keeps alive, in the
             // current context.

@@ -62,9 +62,13 @@ mod tests {
     /// the budget allows (unless a single pair already does).
     #[test]
     fn passes_cover_every_pair_once_within_the_budget() {
-        for (batch, samples, tiles, budget) in
-            [(1, 1, 1, 8), (3, 200_000, 547, CANDIDATE_BUDGET_BYTES), (1024, 3, 2, 64), (37, 16, 40, 8 * 40 * 5), (5, 7, 1000, 8)]
-        {
+        for (batch, samples, tiles, budget) in [
+            (1, 1, 1, 8),
+            (3, 200_000, 547, CANDIDATE_BUDGET_BYTES),
+            (1024, 3, 2, 64),
+            (37, 16, 40, 8 * 40 * 5),
+            (5, 7, 1000, 8),
+        ] {
             let plan = Plan::new(batch, samples, tiles, budget);
             let mut seen = vec![0u8; batch * samples];
             for pass in plan.passes() {

@@ -205,7 +205,9 @@ impl CudaSampler {
     pub fn fill_tokens(&self, tokens: &mut DeviceTokens, value: u32) -> Result<()> {
         self.make_current()?;
         // SAFETY: the buffer holds `len` words and lives on our stream.
-        unsafe { driver::fill_words_async("tokens", tokens.buffer.ptr(), value, tokens.buffer.len(), self.stream.cu_stream()) }
+        unsafe {
+            driver::fill_words_async("tokens", tokens.buffer.ptr(), value, tokens.buffer.len(), self.stream.cu_stream())
+        }
     }
 
     /// `samples` draws per row with the dispatcher's kernel, tokens returned to the host.
@@ -444,8 +446,12 @@ impl CudaSampler {
             ));
         }
         let plan = Plan::new(batch, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
-        let candidates =
-            ensure(&self.stream, &mut self.workspace.borrow_mut().candidates, plan.candidate_pairs() * tiles, "candidates")?;
+        let candidates = ensure(
+            &self.stream,
+            &mut self.workspace.borrow_mut().candidates,
+            plan.candidate_pairs() * tiles,
+            "candidates",
+        )?;
         for pass in plan.passes() {
             let stage = Stage { rows: rows.add(pass.first_row as u64), candidates, batch: pass.rows as u32 };
             stage1(&pass, &stage)?;
@@ -476,7 +482,9 @@ impl CudaSampler {
         if let Some(candidates) = workspace.candidates.as_ref() {
             let host = vec![poison; candidates.len()];
             // SAFETY: the buffer holds `len` candidates and lives on our stream.
-            unsafe { driver::copy_to_device_async("poison candidates", candidates.ptr(), &host, self.stream.cu_stream())? };
+            unsafe {
+                driver::copy_to_device_async("poison candidates", candidates.ptr(), &host, self.stream.cu_stream())?
+            };
         }
         if let Some(logits) = workspace.logits.as_ref() {
             // SAFETY: as above, `len` floats.

@@ -34,9 +34,7 @@ mod hopper;
 mod sample;
 mod tile;
 #[cfg(flashsample_module = "hopper")]
-mod tma_gemm;
-#[cfg(flashsample_module = "hopper")]
-mod tma_handoff;
+mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
@@ -222,7 +220,7 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe {
-                tma_gemm::tma_kernel::<element::$element, $rows, $columns, { $columns / 2 }, $fused>(
+                tma::cooperative::tma_kernel::<element::$element, $rows, $columns, { $columns / 2 }, $fused>(
                     &args,
                     shared::<u8>(),
                 )
@@ -243,7 +241,7 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe {
-                tma_handoff::tma_handoff_kernel::<element::$element, $columns, { $columns / 2 }>(
+                tma::handoff::tma_handoff_kernel::<element::$element, $columns, { $columns / 2 }>(
                     &args,
                     shared::<u8>(),
                 )

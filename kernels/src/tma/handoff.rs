@@ -1,4 +1,4 @@
-//! The handoff tile: the cooperative TMA + `wgmma` mainloop of [`crate::tma_gemm`] on items of
+//! The handoff tile: the cooperative TMA + `wgmma` mainloop of [`super::cooperative`] on items of
 //! [`HANDOFF_ROWS`] × `N`, with the sampling epilogue moved to warps of its own, so the
 //! tensor cores do not wait for it.
 //!
@@ -21,15 +21,21 @@
 //! the epilogue scores them with the estimate-then-exact race keyed by vocabulary row, so
 //! the tokens are those of every other tile.
 
+use flashsample_core::Candidate;
 use flashsample_core::abi::{
     HANDOFF_COLUMN_STRIDE, HANDOFF_COLUMNS, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK,
-    TmaArgs, WARPGROUP_ROWS, candidate_pair, candidate_slot, handoff_logits_bytes, tma_handoff_stages,
+    TmaArgs, WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
 };
-use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
-use flashsample_core::{Candidate, RowParams};
+use flashsample_core::estimate::exact_score;
 
+use super::WARPGROUP_THREADS;
+use super::epilogue::{PAD_ROW, write_candidate};
+use super::fragments::for_each_quad;
+use super::pipeline::Ring;
+use super::race::estimate_column;
+use super::scheduler::Items;
+use super::unrolled;
 use crate::hopper::WgmmaElement;
-use crate::tma_gemm::{Items, PAD_ROW, Ring, WARPGROUP_THREADS, for_each_quad, pick_of_four, unrolled};
 use crate::{arch, hopper, sample};
 
 /// Four consecutive logits of one column, read from the buffer with one 16-byte load.
@@ -168,13 +174,13 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
 /// `l / 8` of the warp's current group of [`GROUP_COLUMNS`], quads `l % 8 + 8i` of it. Four
 /// quads per lane give four independent Philox chains that share one key schedule (sixteen
 /// lanes with two quads each ran 1.5–2.6 % slower at B = 256, docs/PERF.md).
-const COLUMN_LANES: u32 = 8;
+pub(super) const COLUMN_LANES: u32 = 8;
 /// Batch columns an epilogue warp scores at a time.
 const GROUP_COLUMNS: u32 = 32 / COLUMN_LANES;
 /// The ballot bits of one column's lanes, shifted down.
 const COLUMN_MASK: u32 = (1 << COLUMN_LANES) - 1;
 /// Quads (four consecutive rows) of one column each lane scores.
-const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
+pub(super) const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
 /// Columns one epilogue warp scores per item, at most: one per lane when it scores their
 /// deferred winners.
 const fn warp_columns(columns: u32) -> u32 {
@@ -186,11 +192,11 @@ const _: () = assert!(warp_columns(HANDOFF_COLUMNS[0]) <= 32 && warp_columns(HAN
 /// the buffer (rows `HANDOFF_ROWS ..`), as (word, logit, index, unused).
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
-struct Deferred {
-    word: u32,
-    logit: f32,
-    index: u32,
-    unused: u32,
+pub(super) struct Deferred {
+    pub(super) word: u32,
+    pub(super) logit: f32,
+    pub(super) index: u32,
+    pub(super) unused: u32,
 }
 
 /// The index a column's slot holds when its candidate is already written.
@@ -305,115 +311,4 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
         unsafe { hopper::barrier_arrive(layout.logits_empty) };
         handoffs += 1;
     }
-}
-
-/// Writes the candidate of (batch column `b`, draw `j`) for `tile`.
-///
-/// # Safety
-/// `b < args.batch`, `j < args.samples`, `tile < args.tiles`; `args.out` holds
-/// `batch × samples × tiles` candidates.
-#[inline(always)]
-unsafe fn write_candidate(args: &TmaArgs, tile: u32, b: u32, j: u32, candidate: Candidate) {
-    let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile);
-    // SAFETY: per this function's contract the index lies inside the `[batch · samples · tiles]`
-    // candidates.
-    unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = candidate };
-}
-
-/// One lane's part of a column's race for one draw, after the estimates.
-struct LaneRace {
-    estimates: [BlockEstimate; LANE_QUADS],
-    /// Bit `4i + r` set where entry `r` of quad `i` may hold the column's exact maximum.
-    contenders: u32,
-}
-
-impl LaneRace {
-    /// The lowest contender of this lane (meaningless when it has none).
-    #[inline(always)]
-    fn first_contender(&self, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Deferred {
-        let bit = self.contenders.trailing_zeros();
-        let (i, r) = (bit / 4, bit % 4);
-        let (mut words, mut quad) = (self.estimates[0].words, logits[0]);
-        unrolled!(q < LANE_QUADS, {
-            if q as u32 == i {
-                (words, quad) = (self.estimates[q].words, logits[q]);
-            }
-        });
-        Deferred {
-            word: pick_of_four(words, r),
-            logit: pick_of_four(quad, r),
-            index: 4 * (first_block + COLUMN_LANES * i) + r,
-            unused: 0,
-        }
-    }
-
-    /// This lane's best exactly scored contender, offered in increasing index order.
-    #[inline(always)]
-    fn exact_winner(&self, row: &RowParams, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Candidate {
-        let mut winner = Candidate::NONE;
-        unrolled!(i < LANE_QUADS, {
-            let mut pending = (self.contenders >> (4 * i)) & 0xf;
-            while pending != 0 {
-                let r = pending.trailing_zeros();
-                pending &= pending - 1;
-                let score = exact_score(row, pick_of_four(self.estimates[i].words, r), pick_of_four(logits[i], r));
-                winner.offer_in_order(score, 4 * (first_block + COLUMN_LANES * i as u32) + r);
-            }
-        });
-        winner
-    }
-}
-
-/// Estimates this lane's [`LANE_QUADS`] quads of one column for draw `sample` (Philox blocks
-/// `first_block + COLUMN_LANES · i`), finds the best estimate of the [`COLUMN_LANES`] lanes
-/// that hold the column's rows, and marks this lane's entries that may hold the column's exact maximum.
-/// Exactly scoring those contenders and merging over the lanes gives what
-/// [`flashsample_core::block_candidate`] merged over the column's rows gives.
-///
-/// The quads' estimates ([`flashsample_core::estimate`]) are independent chains the scheduler
-/// interleaves.
-///
-/// # Safety
-/// All 32 lanes call it together; the [`COLUMN_LANES`] lanes `l ^ m` (`m < COLUMN_LANES`)
-/// hold one column.
-#[inline(always)]
-unsafe fn estimate_column(
-    row: &RowParams,
-    sample: u32,
-    first_block: u32,
-    logits: &[[f32; 4]; LANE_QUADS],
-    vocab: u32,
-) -> LaneRace {
-    let mut estimates = [BlockEstimate::plain([0.0; 4], 0); LANE_QUADS];
-    let block = |i: usize| first_block + COLUMN_LANES * i as u32;
-    let valid = |i: usize| vocab.saturating_sub(4 * block(i)).min(4);
-    if row.greedy == 0 {
-        unrolled!(i < LANE_QUADS, {
-            estimates[i] = block_estimate(row, sample, block(i), logits[i], valid(i), arch::log2_approx);
-        });
-    } else {
-        unrolled!(i < LANE_QUADS, {
-            estimates[i] = BlockEstimate::plain(logits[i], valid(i));
-        });
-    }
-    let mut lane_best = estimates[0].best();
-    unrolled!(i < LANE_QUADS, {
-        lane_best = lane_best.max(estimates[i].best());
-    });
-    let mut best = lane_best;
-    let mut mask = 1;
-    while mask < COLUMN_LANES {
-        // SAFETY: per this function's contract all 32 lanes are here together.
-        best = best.max(f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
-        mask <<= 1;
-    }
-    let threshold = race_threshold(row, best);
-    let mut bits = 0;
-    // Usually only the lane holding the best estimate has contenders.
-    if lane_best >= threshold {
-        unrolled!(i < LANE_QUADS, {
-            bits |= contenders(&estimates[i], threshold) << (4 * i);
-        });
-    }
-    LaneRace { estimates, contenders: bits }
 }

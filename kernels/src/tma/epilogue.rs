@@ -1,0 +1,146 @@
+//! What an item's accumulators become: the consumers' sampling epilogue (one candidate per
+//! column, draw and tile) and the unfused GEMM's logits epilogue; the row parameters they read.
+
+use flashsample_core::abi::{TmaArgs, candidate_pair, candidate_slot};
+use flashsample_core::{Candidate, RowParams};
+
+use super::fragments::{Placement, for_each_quad, pick_quad, transpose_quad};
+use super::race::{FIRST_COLUMN_LANE_MASK, race_round};
+use super::unrolled;
+use crate::{arch, sample};
+
+/// Stands in for the row parameters of columns past the batch: greedy, so it draws no noise.
+pub(super) const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, inv_temperature: 0.0, greedy: 1 };
+
+/// A [`RowParams`] as 8-byte words: copied word by word, it stays in registers (a struct copy
+/// across the mainloop went through local memory).
+pub(super) const ROW_WORDS: usize = core::mem::size_of::<RowParams>() / 8;
+
+/// [`PAD_ROW`] as words: seed; stream and step; `inv_temperature` = 0.0 and `greedy` = 1.
+pub(super) const PAD_ROW_WORDS: [u64; ROW_WORDS] = [0, 0, 1 << 32];
+
+/// The words of row `b` of the `[batch]` array of [`RowParams`] at `rows`.
+///
+/// # Safety
+/// `rows` holds at least `b + 1` row parameters.
+#[inline(always)]
+pub(super) unsafe fn load_row_words(rows: *const u64, b: u32) -> [u64; ROW_WORDS] {
+    let at = ROW_WORDS * b as usize;
+    // SAFETY: per this function's contract `rows` holds row `b`'s three words.
+    unsafe { [*rows.add(at), *rows.add(at + 1), *rows.add(at + 2)] }
+}
+
+/// Per draw: each thread scores its quads `K` at a time ([`race_round`]), lanes of one column
+/// merge, the team's warps merge through `staging`, and one candidate per (column, draw) is
+/// written for this tile.
+///
+/// # Safety
+/// All threads of one team call it together; `rows` holds the `N` row parameters of the item
+/// (written by the team before the call), `staging` `warps · N` candidates of this team;
+/// `barrier` is the team's named barrier and its thread count.
+#[inline(always)]
+pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
+    acc: &[f32; R],
+    args: &TmaArgs,
+    place: &Placement,
+    rows: *const RowParams,
+    staging: *mut Candidate,
+    barrier: (u32, u32),
+) {
+    let (barrier, threads) = barrier;
+    // SAFETY: the team's named barrier, reached by all of its threads (this function's contract).
+    unsafe { arch::sync_named(barrier, threads) };
+    let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
+    let block = place.row0 / 4;
+    for j in 0..args.samples {
+        // A run-time loop over rounds keeps one copy of the Philox and log code.
+        let mut round = 0;
+        while round < N / 8 / K {
+            let mut logits = [[0.0f32; 4]; K];
+            let mut row = [PAD_ROW; K];
+            let mut column = [0u32; K];
+            let mut in_batch = [false; K];
+            unrolled!(k < K, {
+                // SAFETY: all 32 lanes run the rounds together (uniform loop bounds).
+                logits[k] = unsafe { transpose_quad(pick_quad::<R, K>(acc, round, k), place.lane) };
+                column[k] = 8 * (round * K + k) as u32 + place.column;
+                // SAFETY: `column < N`: one of the team's `N` row slots, stored before the team
+                // barrier above.
+                row[k] = unsafe { *rows.add(column[k] as usize) };
+                in_batch[k] = place.col0 + column[k] < args.batch;
+            });
+            let winners =
+                // SAFETY: all 32 lanes together, and lanes `l ^ 8`, `l ^ 16`, `l ^ 24` hold the
+                // same columns (`transpose_quad`'s layout).
+                unsafe { race_round::<K>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
+            unrolled!(k < K, {
+                // SAFETY: all 32 lanes together (uniform loops).
+                let best = unsafe { sample::merge_over_lanes(winners[k], FIRST_COLUMN_LANE_MASK, 16) };
+                if place.lane < FIRST_COLUMN_LANE_MASK {
+                    // SAFETY: `warp < threads / 32`, `column < N`: inside the team's staging.
+                    unsafe { *staging.add((place.warp * N as u32 + column[k]) as usize) = best };
+                }
+            });
+            round += 1;
+        }
+        // SAFETY: the team's named barrier, reached by all of its threads.
+        unsafe { arch::sync_named(barrier, threads) };
+        let mut column = place.thread;
+        while column < N as u32 {
+            let b = place.col0 + column;
+            if b < args.batch {
+                let mut best = Candidate::NONE;
+                for w in 0..threads / 32 {
+                    // SAFETY: inside the team's staging, written before the barrier above.
+                    best = best.merge(unsafe { *staging.add((w * N as u32 + column) as usize) });
+                }
+                let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, place.tile);
+                // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the `[batch · samples
+                // · tiles]` candidates.
+                unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = best };
+            }
+            column += threads;
+        }
+        // SAFETY: the team's named barrier, reached by all of its threads.
+        unsafe { arch::sync_named(barrier, threads) };
+    }
+}
+
+/// The unfused GEMM's epilogue: each transposed quad is four consecutive logits of one
+/// column, stored with one 16-byte write.
+///
+/// # Safety
+/// All consumer threads call it together; `args.out` holds `batch × logits_stride` floats.
+#[inline(always)]
+pub(super) unsafe fn logits_epilogue<const N: usize, const R: usize>(
+    acc: &[f32; R],
+    args: &TmaArgs,
+    place: &Placement,
+) {
+    let store_quad = |tile_column: usize, quad: [f32; 4]| {
+        // SAFETY: every consumer thread runs the quads together (this function's contract).
+        let logits = unsafe { transpose_quad(quad, place.lane) };
+        let b = place.col0 + 8 * tile_column as u32 + place.column;
+        if b < args.batch && place.row0 < args.vocab {
+            let address =
+                args.out.cast::<f32>().add(b as u64 * args.logits_stride as u64 + place.row0 as u64).address();
+            // SAFETY: `b < batch` and `row0 < vocab`: inside the `[batch, logits_stride]` logits,
+            // 16-byte aligned (`row0` and the stride are multiples of 4).
+            unsafe { arch::store_global_v4(address, logits) };
+        }
+    };
+    for_each_quad!(acc, store_quad);
+}
+
+/// Writes the candidate of (batch column `b`, draw `j`) for `tile`.
+///
+/// # Safety
+/// `b < args.batch`, `j < args.samples`, `tile < args.tiles`; `args.out` holds
+/// `batch × samples × tiles` candidates.
+#[inline(always)]
+pub(super) unsafe fn write_candidate(args: &TmaArgs, tile: u32, b: u32, j: u32, candidate: Candidate) {
+    let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile);
+    // SAFETY: per this function's contract the index lies inside the `[batch · samples · tiles]`
+    // candidates.
+    unsafe { *args.out.cast::<Candidate>().as_mut_ptr().add(at as usize) = candidate };
+}

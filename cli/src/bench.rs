@@ -47,7 +47,7 @@ pub struct Options {
     pub cublas: bool,
 }
 
-/// Every tensor-core stage-1 variant of `module`, with its label in the CSV.
+/// Every tensor-core tile variant of `module`, with its label in the CSV.
 fn tensor_core_variants(module: Module) -> Vec<(String, Variant)> {
     Variant::tensor_core(module)
         .map(|variant| match variant {

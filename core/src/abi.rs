@@ -103,38 +103,38 @@ pub struct TensorMap(pub [u64; 16]);
 #[derive(Clone, Copy, Debug)]
 pub enum TmaOutput {}
 
-/// Threads per block of every stage-1 kernel (fused, logits GEMM, logits sampler): four warps.
-pub const STAGE1_WARPS: u32 = 4;
+/// Threads per block of every tile kernel (fused, logits GEMM, logits sampler): four warps.
+pub const TILE_KERNEL_WARPS: u32 = 4;
 /// Vocabulary rows one warp of a fused or GEMM kernel owns: 2 mma m-tiles of 16; each thread
 /// owns four consecutive rows, one Philox block.
 pub const WARP_ROWS: u32 = 32;
 /// Vocabulary rows per work item (block tile) of a fused kernel; one candidate per tile.
-pub const TILE_ROWS: u32 = STAGE1_WARPS * WARP_ROWS;
+pub const TILE_ROWS: u32 = TILE_KERNEL_WARPS * WARP_ROWS;
 /// Batch columns per mma n-tile.
 pub const N_TILE: u32 = 8;
 /// Draws whose per-warp winners are staged in shared memory before one cross-warp merge.
 pub const SAMPLES_PER_MERGE: u32 = 8;
 /// Vocabulary entries per block of the unfused logits sampler (four per thread).
-pub const LOGITS_SAMPLER_TILE: u32 = STAGE1_WARPS * 32 * 4;
+pub const LOGITS_SAMPLER_TILE: u32 = TILE_KERNEL_WARPS * 32 * 4;
 /// f32 scratch per warp of the SIMT fused kernel (32 rows × 8 columns of logits), placed in
 /// shared memory after the candidate staging.
 pub const SIMT_WARP_SCRATCH_FLOATS: u32 = 32 * 8;
-/// Threads per block of the stage-2 reduction.
+/// Threads per block of the merge kernel.
 pub const REDUCE_THREADS: u32 = 128;
 
-/// Dynamic shared memory of a stage-1 fused mma kernel with `columns` batch columns.
+/// Dynamic shared memory of a fused mma tile kernel with `columns` batch columns.
 pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
-    SAMPLES_PER_MERGE * STAGE1_WARPS * columns * 8
+    SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * columns * 8
 }
 
 /// Dynamic shared memory of the SIMT fused kernel: staging for 8 columns, then the scratch.
 pub const fn fused_simt_shared_bytes() -> u32 {
-    fused_mma_shared_bytes(N_TILE) + STAGE1_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
+    fused_mma_shared_bytes(N_TILE) + TILE_KERNEL_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
 }
 
 /// Dynamic shared memory of the unfused logits sampler.
-pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * STAGE1_WARPS * 8;
-/// Dynamic shared memory of the stage-2 reduction.
+pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * 8;
+/// Dynamic shared memory of the merge kernel.
 pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * 8;
 
 /// Warps of a TMA + `wgmma` kernel that compute: two warpgroups. A third warpgroup issues
@@ -248,7 +248,7 @@ pub struct TmaArgs {
     /// The tensor map of the whole `H`, box rows = the kernel's columns.
     pub hidden_map: DevicePtr<TensorMap>,
     /// `[batch]` row parameters (fused kernels).
-    pub rows: DevicePtr<RowParams>,
+    pub row_params: DevicePtr<RowParams>,
     /// Candidates (fused kernels) or f32 logits (GEMM).
     pub out: DevicePtr<TmaOutput>,
     pub vocab: u32,
@@ -256,15 +256,15 @@ pub struct TmaArgs {
     /// Rows of `H` this launch covers, starting at `hidden_row0`.
     pub batch: u32,
     pub hidden_row0: u32,
-    pub sample_offset: u32,
+    pub draw_offset: u32,
     pub samples: u32,
     pub tiles: u32,
     /// Row stride of the logits in elements (GEMM), a multiple of 4 and at least `vocab`.
     pub logits_stride: u32,
 }
 
-/// Stage 1's candidates are `[batch, samples, tiles]`: the candidates of one (row, draw) pair
-/// lie together, so stage 2 reads them contiguously. The pair of row `b` and draw `j` of a
+/// The tile kernel's candidates are `[batch, samples, tiles]`: the candidates of one (row, draw) pair
+/// lie together, so the merge kernel reads them contiguously. The pair of row `b` and draw `j` of a
 /// launch of `samples` draws.
 #[inline(always)]
 pub const fn candidate_pair(b: u32, samples: u32, j: u32) -> u64 {
@@ -277,8 +277,9 @@ pub const fn candidate_slot(pair: u64, tiles: u32, tile: u32) -> u64 {
     pair * tiles as u64 + tile as u64
 }
 
-/// Stage 1: `candidates[candidate_slot(candidate_pair(b, samples, j), tiles, tile)]` for each batch row `b < batch`,
-/// draw `j < samples` (global draw index `sample_offset + j`) and vocabulary tile.
+/// The tile kernel: `candidates[candidate_slot(candidate_pair(b, samples, j), tiles, tile)]`
+/// for each batch row `b < batch`, draw `j < samples` (global draw index `draw_offset + j`)
+/// and vocabulary tile.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -288,13 +289,13 @@ pub struct FusedArgs {
     /// `H[batch, dim]`, row-major, same element type.
     pub hidden: DevicePtr<Element>,
     /// `[batch]` row parameters.
-    pub rows: DevicePtr<RowParams>,
+    pub row_params: DevicePtr<RowParams>,
     /// `[batch · samples · tiles]` candidates.
     pub candidates: DevicePtr<Candidate>,
     pub vocab: u32,
     pub dim: u32,
     pub batch: u32,
-    pub sample_offset: u32,
+    pub draw_offset: u32,
     pub samples: u32,
     pub tiles: u32,
 }
@@ -320,17 +321,17 @@ pub struct LogitsArgs {
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsSamplerArgs {
     pub logits: DevicePtr<f32>,
-    pub rows: DevicePtr<RowParams>,
+    pub row_params: DevicePtr<RowParams>,
     pub candidates: DevicePtr<Candidate>,
     pub vocab: u32,
     pub logits_stride: u32,
     pub batch: u32,
-    pub sample_offset: u32,
+    pub draw_offset: u32,
     pub samples: u32,
     pub tiles: u32,
 }
 
-/// Stage 2: `tokens[b · token_stride + sample_offset + j]` = the winning index over tiles,
+/// The merge kernel: `tokens[b · token_stride + draw_offset + j]` = the winning index over tiles,
 /// or `u32::MAX` when no tile had a finite score.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -341,7 +342,7 @@ pub struct ReduceArgs {
     pub batch: u32,
     pub samples: u32,
     pub tiles: u32,
-    pub sample_offset: u32,
+    pub draw_offset: u32,
     pub token_stride: u32,
     /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
     pub padding: u32,

@@ -105,19 +105,19 @@ pub struct BlockEstimate {
     pub scores: [f32; 4],
 }
 
-/// Estimates the racing scores of the entries `4·block ..` of draw `sample`, of which the first
+/// Estimates the racing scores of the entries `4·philox_block ..` of draw number `draw`, of which the first
 /// `valid` exist. Branch-free: Philox runs for greedy rows too, so a kernel can interleave
 /// several blocks; a caller with only greedy rows can skip it (see [`BlockEstimate::plain`]).
 #[inline(always)]
 pub fn block_estimate(
     row: &RowParams,
-    sample: u32,
-    block: u32,
+    draw: u32,
+    philox_block: u32,
     logits: [f32; 4],
     valid: u32,
     log2: impl Fn(f32) -> f32 + Copy,
 ) -> BlockEstimate {
-    let words = philox4x32_10(counter(block, sample, row.step, row.stream), key(row.seed));
+    let words = philox4x32_10(counter(philox_block, draw, row.step, row.stream), key(row.seed));
     let mut scores = [f32::NEG_INFINITY; 4];
     for r in 0..4 {
         let noisy = score_estimate(logits[r], row.inv_temperature, words[r], log2);

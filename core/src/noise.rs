@@ -1,6 +1,6 @@
 //! Which Philox bits a draw uses: the mapping from a draw's identity to key and counter.
 //!
-//! The noise added to vocabulary entry `i` in draw `sample` of a row is
+//! The noise added to vocabulary entry `i` in draw number `draw` of a row is
 //!
 //! ```text
 //! key     = [seed as u32, (seed >> 32) as u32]
@@ -11,7 +11,7 @@
 //! so one Philox call serves four consecutive vocabulary entries and all four output words are
 //! used. Nothing else enters: not the tile shape, the launch configuration, the batch size nor
 //! the row's position in the batch. Two rows get independent noise when their
-//! `(seed, stream, step)` differ in any field; `sample` tells apart the draws of one row in one
+//! `(seed, stream, step)` differ in any field; `draw` tells apart the draws of one row in one
 //! call. `i / 4 < 2²⁹` because the vocabulary is below 2³¹.
 //!
 //! Architecture Invariant: changing this mapping changes every sampled token; it is versioned
@@ -46,25 +46,25 @@ pub fn key(seed: u64) -> Key {
 }
 
 #[inline(always)]
-pub fn counter(block: u32, sample: u32, step: u32, stream: u32) -> Counter {
-    [block, sample, step, stream]
+pub fn counter(philox_block: u32, draw: u32, step: u32, stream: u32) -> Counter {
+    [philox_block, draw, step, stream]
 }
 
-/// Gumbel noise for the vocabulary entries `4·block .. 4·block + 4` of draw `sample` of `row`.
+/// Gumbel noise for the vocabulary entries `4·philox_block .. 4·philox_block + 4` of draw number `draw` of `row`.
 #[inline(always)]
-pub fn noise_block(row: &RowParams, sample: u32, block: u32) -> [f32; 4] {
-    let words = philox4x32_10(counter(block, sample, row.step, row.stream), key(row.seed));
+pub fn noise_block(row: &RowParams, draw: u32, philox_block: u32) -> [f32; 4] {
+    let words = philox4x32_10(counter(philox_block, draw, row.step, row.stream), key(row.seed));
     [gumbel(words[0]), gumbel(words[1]), gumbel(words[2]), gumbel(words[3])]
 }
 
-/// The racing scores of the vocabulary entries `4·block .. 4·block + 4` of draw `sample`:
+/// The racing scores of the vocabulary entries `4·philox_block .. 4·philox_block + 4` of draw number `draw`:
 /// `logit · (1/T) + g` for a sampling row, the plain logit for a greedy row (no noise drawn).
 #[inline(always)]
-pub fn block_scores(row: &RowParams, sample: u32, block: u32, logits: [f32; 4]) -> [f32; 4] {
+pub fn block_scores(row: &RowParams, draw: u32, philox_block: u32, logits: [f32; 4]) -> [f32; 4] {
     if row.greedy != 0 {
         return logits;
     }
-    let noise = noise_block(row, sample, block);
+    let noise = noise_block(row, draw, philox_block);
     let t = row.inv_temperature;
     [
         perturbed_score(logits[0], t, noise[0]),
@@ -74,17 +74,17 @@ pub fn block_scores(row: &RowParams, sample: u32, block: u32, logits: [f32; 4]) 
     ]
 }
 
-/// The winner among the first `valid` (≤ 4) entries of the block `4·block .. 4·block + 4` of
-/// draw `sample`: the highest score, the lowest index among ties, [`Candidate::NONE`] when no
+/// The winner among the first `valid` (≤ 4) entries of the block `4·philox_block .. 4·philox_block + 4` of
+/// draw number `draw`: the highest score, the lowest index among ties, [`Candidate::NONE`] when no
 /// score is finite or above −∞. Every backend and kernel scores vocabulary entries through
 /// this one function.
 #[inline(always)]
-pub fn block_candidate(row: &RowParams, sample: u32, block: u32, logits: [f32; 4], valid: u32) -> Candidate {
-    let scores = block_scores(row, sample, block, logits);
+pub fn block_candidate(row: &RowParams, draw: u32, philox_block: u32, logits: [f32; 4], valid: u32) -> Candidate {
+    let scores = block_scores(row, draw, philox_block, logits);
     let mut best = Candidate::NONE;
     for (r, &score) in scores.iter().enumerate() {
         if (r as u32) < valid {
-            best.offer_in_order(score, ENTRIES_PER_BLOCK * block + r as u32);
+            best.offer_in_order(score, ENTRIES_PER_BLOCK * philox_block + r as u32);
         }
     }
     best

@@ -10,8 +10,8 @@
 //! with the launch shape `Kernel` gives, in every module that [`Module::holds`] it.
 
 use crate::abi::{
-    LOGITS_SAMPLER_SHARED_BYTES, REDUCE_SHARED_BYTES, REDUCE_THREADS, STAGE1_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS,
-    fused_mma_shared_bytes, fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
+    LOGITS_SAMPLER_SHARED_BYTES, REDUCE_SHARED_BYTES, REDUCE_THREADS, TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS,
+    TMA_THREADS, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
 };
 
 /// The element type of `W` and `H` a kernel reads.
@@ -25,22 +25,22 @@ pub enum ElementType {
 /// What a kernel computes, with the parameters its code is specialised for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
-    /// Stage 1, register-direct `mma.sync` tile of 128 rows × `columns` (`FusedArgs`).
+    /// Tile kernel, register-direct `mma.sync` tile of 128 rows × `columns` (`FusedArgs`).
     FusedMma { element: ElementType, columns: u32 },
-    /// Stage 1, CUDA-core tile (`FusedArgs`).
+    /// Tile kernel, CUDA-core tile (`FusedArgs`).
     FusedSimt { element: ElementType },
     /// The unfused pipeline's GEMM on the `mma.sync` tile (`LogitsArgs`).
     LogitsMma { element: ElementType, columns: u32 },
-    /// Stage 1, TMA + `wgmma` tile of `rows` × `columns` (`TmaArgs`).
+    /// Tile kernel, TMA + `wgmma` tile of `rows` × `columns` (`TmaArgs`).
     FusedTma { element: ElementType, rows: u32, columns: u32 },
     /// The unfused pipeline's GEMM on the TMA + `wgmma` tile (`TmaArgs`).
     LogitsTma { element: ElementType, rows: u32, columns: u32 },
-    /// Stage 1, TMA + `wgmma` handoff tile: 128 rows × `columns`, epilogue in warps of its own
+    /// Tile kernel, TMA + `wgmma` handoff tile: 128 rows × `columns`, epilogue in warps of its own
     /// (`TmaArgs`).
     FusedHandoff { element: ElementType, columns: u32 },
     /// The unfused pipeline's sampler over materialised logits (`LogitsSamplerArgs`).
     SampleLogits,
-    /// Stage 2: candidates → tokens (`ReduceArgs`).
+    /// The merge kernel: candidates → tokens (`ReduceArgs`).
     ReduceCandidates,
     /// Uniform benchmark inputs (`FillArgs`).
     FillUniform { element: ElementType },
@@ -58,7 +58,7 @@ impl Kernel {
     pub const fn threads(self) -> u32 {
         match self {
             Kernel::FusedMma { .. } | Kernel::FusedSimt { .. } | Kernel::LogitsMma { .. } | Kernel::SampleLogits => {
-                STAGE1_WARPS * 32
+                TILE_KERNEL_WARPS * 32
             }
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
             Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,

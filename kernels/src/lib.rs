@@ -1,7 +1,7 @@
 //! GPU kernels of flashsample, compiled to PTX by `cargo xtask build-kernels`.
 //!
-//! Stage 1 (`fused_*`) computes a tile of `H·Wᵀ` on chip and keeps, per batch row and draw,
-//! the best Gumbel-perturbed (score, index) of the tile; stage 2 (`reduce_candidates`) merges
+//! The tile kernel (`fused_*`) computes a tile of `H·Wᵀ` on chip and keeps, per batch row and draw,
+//! the best Gumbel-perturbed (score, index) of the tile; the merge kernel (`reduce_candidates`) merges
 //! the tiles into tokens. The logits never reach device memory. `logits_gemm_*` and
 //! `sample_logits` form the unfused pipeline the benchmarks compare against; `fill_uniform_*`
 //! and `read_probe` make benchmark inputs and measure the read floor.
@@ -10,7 +10,7 @@
 //!
 //! # Safety (all kernels)
 //! The launcher must pass device addresses that are valid for the extents in the argument
-//! block, launch `STAGE1_WARPS · 32` threads per block for stage-1 kernels
+//! block, launch `TILE_KERNEL_WARPS · 32` threads per block for tile kernels
 //! (`REDUCE_THREADS` for `reduce_candidates`, any multiple of 32 for `fill_uniform_*` and
 //! `read_probe`) and the dynamic shared memory the host's launcher computes for the kernel.
 //! The mma kernels further need `dim % 8 == 0` and 16-byte aligned matrices.
@@ -57,7 +57,7 @@ fn shared<T>() -> *mut T {
     core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<T>()
 }
 
-/// Where thread `lane` of warp `warp` starts in work item `item` of a stage-1 kernel whose
+/// Where thread `lane` of warp `warp` starts in work item `item` of a tile kernel whose
 /// batch tiles have `columns` columns: `(tile, row0, col0)`. Batch tiles vary fastest, so the
 /// blocks that read the same rows of `W` run side by side and share them through L2.
 #[inline(always)]
@@ -75,10 +75,10 @@ fn tile_input(lm_head: u64, hidden: u64, vocab: u32, dim: u32, batch: u32, row0:
     TileInput { lm_head, hidden, vocab, dim, batch, row0, col0 }
 }
 
-/// Stage 1 on the `mma.sync` tile of `8·NT` columns.
+/// The tile kernel on the `mma.sync` tile of `8·NT` columns.
 ///
 /// # Safety
-/// As the crate-level safety section (a stage-1 launch of a `fused_{bf16,f16}_n*` kernel).
+/// As the crate-level safety section (a tile-kernel launch of a `fused_{bf16,f16}_n*` kernel).
 #[inline(always)]
 unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     let columns = N_TILE * NT as u32;
@@ -99,10 +99,10 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     }
 }
 
-/// Stage 1 on the SIMT tile.
+/// The tile kernel on the SIMT tile.
 ///
 /// # Safety
-/// As the crate-level safety section (a stage-1 launch of a `fused_simt_*` kernel).
+/// As the crate-level safety section (a tile-kernel launch of a `fused_simt_*` kernel).
 #[inline(always)]
 unsafe fn fused_simt<T: Element>(args: FusedArgs) {
     let items = args.tiles * args.batch.div_ceil(N_TILE);
@@ -167,7 +167,7 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
 /// `Kernel` kind picks the body and the argument block.
 macro_rules! entry_point {
     ($name:ident, FusedMma { element: $element:ident, columns: $columns:tt }) => {
-        /// Stage 1 of fused sampling on the `mma.sync` tile (see the crate docs).
+        /// The tile kernel of fused sampling on the `mma.sync` tile (see the crate docs).
         ///
         /// # Safety
         /// As the crate-level safety section.
@@ -179,7 +179,7 @@ macro_rules! entry_point {
         }
     };
     ($name:ident, FusedSimt { element: $element:ident }) => {
-        /// Stage 1 of fused sampling on the CUDA-core tile (any dtype, any D).
+        /// The tile kernel of fused sampling on the CUDA-core tile (any dtype, any D).
         ///
         /// # Safety
         /// As the crate-level safety section.
@@ -261,7 +261,7 @@ macro_rules! entry_point {
         }
     };
     ($name:ident, ReduceCandidates {}) => {
-        /// Stage 2: candidates → tokens.
+        /// The merge kernel: candidates → tokens.
         ///
         /// # Safety
         /// As the crate-level safety section.

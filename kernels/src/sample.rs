@@ -1,8 +1,8 @@
-//! Stage 1's sampling epilogue, the unfused logits sampler, and stage 2's reduction.
+//! The fused tile kernels' sampling epilogue, the unfused logits sampler, and the merge kernel.
 
 use flashsample_core::abi::{
-    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, STAGE1_WARPS, candidate_pair,
-    candidate_slot,
+    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, TILE_KERNEL_WARPS,
+    candidate_pair, candidate_slot,
 };
 use flashsample_core::{Candidate, block_candidate};
 
@@ -54,7 +54,7 @@ unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
     best.merge(Candidate { score, index })
 }
 
-/// Stage-1 epilogue of the fused kernels: for every draw, the best (score, index) of this
+/// The epilogue of the fused tile kernels: for every draw, the best (score, index) of this
 /// block's tile for each batch column, written to `candidates`.
 ///
 /// Each thread scores its four rows per column with [`block_scores`]; lanes with the same
@@ -63,7 +63,7 @@ unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
 ///
 /// # Safety
 /// Every thread of the block calls it together with its own logits; `staging` holds
-/// `SAMPLES_PER_MERGE · STAGE1_WARPS · 8·NT` candidates of shared memory; `args` describes
+/// `SAMPLES_PER_MERGE · TILE_KERNEL_WARPS · 8·NT` candidates of shared memory; `args` describes
 /// valid device buffers.
 #[inline(always)]
 pub unsafe fn sample_tile<const NT: usize>(
@@ -80,7 +80,7 @@ pub unsafe fn sample_tile<const NT: usize>(
     let g = lane / 4;
     let t = lane % 4;
     let columns = N_TILE * NT as u32;
-    let block = row0 / 4;
+    let philox_block = row0 / 4;
     let rows_valid = args.vocab.saturating_sub(row0).min(4);
     let mut first = 0;
     while first < args.samples {
@@ -99,16 +99,22 @@ pub unsafe fn sample_tile<const NT: usize>(
                 // still join the shuffles below.
                 if col0 + column < args.batch {
                     // SAFETY: `col0 + column < batch`: a row of the `[batch]` row parameters.
-                    let row = unsafe { *args.rows.as_ptr().add((col0 + column) as usize) };
-                    best = block_candidate(&row, args.sample_offset + j, block, pick(logits, column_slot), rows_valid);
+                    let row = unsafe { *args.row_params.as_ptr().add((col0 + column) as usize) };
+                    best = block_candidate(
+                        &row,
+                        args.draw_offset + j,
+                        philox_block,
+                        pick(logits, column_slot),
+                        rows_valid,
+                    );
                 }
                 // SAFETY: every lane of the warp reaches it: the column loop's bounds are the same
                 // for all lanes.
                 best = unsafe { merge_over_lanes(best, 4, 16) };
                 if g == 0 {
-                    // SAFETY: slot < SAMPLES_PER_MERGE, warp < STAGE1_WARPS and column < columns:
+                    // SAFETY: slot < SAMPLES_PER_MERGE, warp < TILE_KERNEL_WARPS and column < columns:
                     // inside the staging area the registry sizes (`fused_mma_shared_bytes`).
-                    unsafe { *staging.add(((slot * STAGE1_WARPS + warp) * columns + column) as usize) = best };
+                    unsafe { *staging.add(((slot * TILE_KERNEL_WARPS + warp) * columns + column) as usize) = best };
                 }
                 column_slot += 1;
             }
@@ -124,17 +130,18 @@ pub unsafe fn sample_tile<const NT: usize>(
             let b = col0 + column;
             if j < args.samples && b < args.batch {
                 let mut best = Candidate::NONE;
-                for w in 0..STAGE1_WARPS {
+                for w in 0..TILE_KERNEL_WARPS {
                     // SAFETY: inside the staging area, written by every warp before the barrier
                     // above.
-                    best = best.merge(unsafe { *staging.add(((slot * STAGE1_WARPS + w) * columns + column) as usize) });
+                    best = best
+                        .merge(unsafe { *staging.add(((slot * TILE_KERNEL_WARPS + w) * columns + column) as usize) });
                 }
                 let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile);
                 // SAFETY: `b < batch`, `j < samples`, `tile < tiles`: inside the `[batch · samples
                 // · tiles]` candidates.
                 unsafe { *args.candidates.as_mut_ptr().add(at as usize) = best };
             }
-            item += STAGE1_WARPS * 32;
+            item += TILE_KERNEL_WARPS * 32;
         }
         // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };
@@ -146,7 +153,7 @@ pub unsafe fn sample_tile<const NT: usize>(
 /// per (row, draw, 512-entry tile) exactly as the fused epilogue would.
 ///
 /// # Safety
-/// Launched with `STAGE1_WARPS · 32` threads and `SAMPLES_PER_MERGE · STAGE1_WARPS` candidates
+/// Launched with `TILE_KERNEL_WARPS · 32` threads and `SAMPLES_PER_MERGE · TILE_KERNEL_WARPS` candidates
 /// of shared memory; `args` describes valid device buffers, `logits_stride % 4 == 0`.
 #[inline(always)]
 pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
@@ -158,7 +165,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
     while item < items {
         let tile = item % args.tiles;
         let b = item / args.tiles;
-        let row0 = (tile * STAGE1_WARPS * 32 + thread) * 4;
+        let row0 = (tile * TILE_KERNEL_WARPS * 32 + thread) * 4;
         let rows_valid = args.vocab.saturating_sub(row0).min(4);
         let logits = if rows_valid > 0 {
             let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
@@ -169,7 +176,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
             [f32::NEG_INFINITY; 4]
         };
         // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
-        let row = unsafe { *args.rows.as_ptr().add(b as usize) };
+        let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
         let mut first = 0;
         while first < args.samples {
             for slot in 0..SAMPLES_PER_MERGE {
@@ -177,22 +184,22 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 if j >= args.samples {
                     break;
                 }
-                let best = block_candidate(&row, args.sample_offset + j, row0 / 4, logits, rows_valid);
+                let best = block_candidate(&row, args.draw_offset + j, row0 / 4, logits, rows_valid);
                 // SAFETY: every lane of the warp reaches it (uniform loops).
                 let best = unsafe { merge_over_lanes(best, 1, 16) };
                 if lane == 0 {
-                    // SAFETY: `slot < SAMPLES_PER_MERGE`, `warp < STAGE1_WARPS`: inside the staging
+                    // SAFETY: `slot < SAMPLES_PER_MERGE`, `warp < TILE_KERNEL_WARPS`: inside the staging
                     // area (`LOGITS_SAMPLER_SHARED_BYTES`).
-                    unsafe { *staging.add((slot * STAGE1_WARPS + warp) as usize) = best };
+                    unsafe { *staging.add((slot * TILE_KERNEL_WARPS + warp) as usize) = best };
                 }
             }
             // SAFETY: every thread of the block reaches it (uniform loops).
             unsafe { arch::sync_threads() };
             if thread < SAMPLES_PER_MERGE && first + thread < args.samples {
                 let mut best = Candidate::NONE;
-                for w in 0..STAGE1_WARPS {
+                for w in 0..TILE_KERNEL_WARPS {
                     // SAFETY: inside the staging area, written before the barrier above.
-                    best = best.merge(unsafe { *staging.add((thread * STAGE1_WARPS + w) as usize) });
+                    best = best.merge(unsafe { *staging.add((thread * TILE_KERNEL_WARPS + w) as usize) });
                 }
                 let j = first + thread;
                 let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile);
@@ -207,7 +214,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
     }
 }
 
-/// Stage 2: one block per (row, draw) merges that draw's candidates over all tiles and
+/// The merge kernel: one block per (row, draw) merges that draw's candidates over all tiles and
 /// writes the winning index (or `u32::MAX` when there is none).
 ///
 /// # Safety
@@ -244,8 +251,8 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
                 // SAFETY: inside the staging area, written before the barrier above.
                 best = best.merge(unsafe { *staging.add(w as usize) });
             }
-            let at = b as u64 * args.token_stride as u64 + args.sample_offset as u64 + j as u64;
-            // SAFETY: `b < batch` and `sample_offset + j < token_stride`: inside the `[batch,
+            let at = b as u64 * args.token_stride as u64 + args.draw_offset as u64 + j as u64;
+            // SAFETY: `b < batch` and `draw_offset + j < token_stride`: inside the `[batch,
             // token_stride]` tokens.
             unsafe { *args.tokens.as_mut_ptr().add(at as usize) = best.index };
         }

@@ -30,8 +30,8 @@ impl Backend for Cpu {
     }
 }
 
-/// The GPU with one stage-1 variant forced; the workspace is poisoned before every call so a
-/// candidate slot that stage 1 fails to write shows up as a wrong token. The sampler runs the
+/// The GPU with one tile variant forced; the workspace is poisoned before every call so a
+/// candidate slot that the tile kernel fails to write shows up as a wrong token. The sampler runs the
 /// module for the device, or the one `FLASHSAMPLE_MODULE` forces (the GPU suite runs once
 /// with each).
 pub struct Cuda {

@@ -1,4 +1,4 @@
-//! The shared test bodies on the GPU, for every stage-1 variant the dispatcher can pick in the
+//! The shared test bodies on the GPU, for every tile variant the dispatcher can pick in the
 //! module the sampler runs. Ignored without a GPU; on the H200: `cargo xtask bundle`, then
 //! `run.sh` runs them with `--include-ignored`, once with the Hopper module and once with
 //! `FLASHSAMPLE_MODULE=portable`. χ² tests use α = 1e-3 and fixed seeds.

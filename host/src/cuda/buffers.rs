@@ -239,7 +239,7 @@ impl DeviceRows {
 /// Device buffers reused across calls; they only grow.
 #[derive(Default)]
 pub(crate) struct Workspace {
-    pub rows: Option<DeviceBuffer<RowParams>>,
+    pub row_params: Option<DeviceBuffer<RowParams>>,
     pub candidates: Option<DeviceBuffer<flashsample_core::Candidate>>,
     pub logits: Option<DeviceBuffer<f32>>,
     /// The read probe's one-word sink.
@@ -255,7 +255,7 @@ pub(crate) fn ensure<T: bytemuck::Pod>(
 ) -> Result<DevicePtr<T>> {
     if slot.as_ref().is_none_or(|b| b.len() < len) {
         *slot = None;
-        // SAFETY: every consumer writes before it reads (stage 1 fills what stage 2 reads).
+        // SAFETY: every consumer writes before it reads (the tile kernel fills what the merge kernel reads).
         *slot = Some(unsafe { DeviceBuffer::uninitialized(stream, len, what)? });
     }
     Ok(slot.as_ref().expect("just ensured").ptr())

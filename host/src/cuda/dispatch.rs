@@ -1,4 +1,4 @@
-//! Which stage-1 kernel computes the logits tile: the [`Variant`] a caller may force, the
+//! Which tile kernel computes the logits tile: the [`Variant`] a caller may force, the
 //! dispatcher's choice, and the registry kernels each variant launches.
 
 use flashsample_core::abi::{HANDOFF_COLUMNS, HANDOFF_ROWS, N_TILE, TILE_ROWS, TMA_ITEM_ROWS};
@@ -12,7 +12,7 @@ pub const MMA_COLUMNS: [u32; 3] = [8, 16, 32];
 /// Batch-tile widths of the TMA + `wgmma` kernels.
 pub const TMA_COLUMNS: [u32; 5] = [8, 16, 32, 64, 128];
 
-/// Which stage-1 kernel computes the logits tile.
+/// Which tile kernel computes the logits tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
     /// The dispatcher's choice for the module, dtype, D and B.
@@ -110,7 +110,7 @@ impl Variant {
         }
     }
 
-    /// Vocabulary rows per stage-1 work item (one candidate per row, draw and such tile).
+    /// Vocabulary rows per tile-kernel work item (one candidate per row, draw and such tile).
     pub(crate) fn tile_rows(self) -> u32 {
         match self {
             Variant::Tma { rows, .. } => rows,
@@ -128,7 +128,7 @@ impl Variant {
         }
     }
 
-    /// The stage-1 kernel of fused sampling for a resolved variant.
+    /// The tile kernel of fused sampling for a resolved variant.
     pub(crate) fn fused_kernel(self, dtype: DType) -> Kernel {
         let element = element_type(dtype);
         match self {

@@ -4,7 +4,7 @@
 //!
 //! - [`modules`]: the embedded PTX modules (portable sm_80, Hopper sm_90a), which one a device
 //!   gets, and the loaded kernels with their launch shapes from the registry.
-//! - [`dispatch`]: [`Variant`], the stage-1 tile a call runs, and the dispatcher's choice.
+//! - [`dispatch`]: [`Variant`], the tile a call runs, and the dispatcher's choice.
 //! - [`buffers`]: device memory, the LM head and hidden states with their TMA descriptors,
 //!   tokens, row parameters, the workspace.
 //! - [`passes`]: requests split into passes of bounded candidate memory.

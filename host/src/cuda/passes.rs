@@ -1,6 +1,6 @@
 //! Splitting a request into passes of bounded candidate memory.
 //!
-//! Stage 1 writes one candidate (8 bytes) per (row, draw, vocabulary tile), so a request for
+//! The tile kernel writes one candidate (8 bytes) per (row, draw, vocabulary tile), so a request for
 //! millions of draws would need gigabytes at once. It runs instead as passes over blocks of
 //! rows and draws whose candidates fit [`CANDIDATE_BUDGET_BYTES`]; each pass reduces its
 //! candidates into its slots of the token buffer. Draw `j` of a row is keyed by its global

@@ -196,7 +196,7 @@ impl CudaSampler {
             .filter(|&n| n <= u32::MAX as usize)
             .ok_or_else(|| invalid("samples", format!("B x samples = {rows} x {samples} tokens: must be < 2^32")))?;
         self.make_current()?;
-        // SAFETY: stage 2 writes every slot before anyone reads it.
+        // SAFETY: the merge kernel writes every slot before anyone reads it.
         let buffer = unsafe { DeviceBuffer::uninitialized(&self.stream, len, "tokens")? };
         Ok(DeviceTokens { buffer, rows, samples })
     }
@@ -221,7 +221,7 @@ impl CudaSampler {
         self.sample_with(lm_head, hidden, params, samples, Variant::Auto)
     }
 
-    /// As [`CudaSampler::sample`] with an explicit stage-1 variant.
+    /// As [`CudaSampler::sample`] with an explicit tile variant.
     pub fn sample_with(
         &self,
         lm_head: &CudaLmHead,
@@ -250,10 +250,10 @@ impl CudaSampler {
         variant: Variant,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
-        let rows = check_request(lm_head.shape, hidden.shape, params, samples)?;
+        let row_params = check_request(lm_head.shape, hidden.shape, params, samples)?;
         self.make_current()?;
-        let rows = self.stage_rows(&rows)?;
-        self.sample_at(lm_head, hidden, rows, samples, variant, tokens)
+        let row_params = self.stage_row_params(&row_params)?;
+        self.sample_at(lm_head, hidden, row_params, samples, variant, tokens)
     }
 
     /// Checks per-row parameters and copies them to the device once.
@@ -285,7 +285,7 @@ impl CudaSampler {
         &self,
         lm_head: &CudaLmHead,
         hidden: &CudaHidden,
-        rows: DevicePtr<RowParams>,
+        row_params: DevicePtr<RowParams>,
         samples: u32,
         variant: Variant,
         tokens: &mut DeviceTokens,
@@ -298,19 +298,19 @@ impl CudaSampler {
             Some((rows, columns)) => Some((lm_head.tensor_map(rows, columns)?, hidden.tensor_map(columns)?)),
             None => None,
         };
-        self.run_passes(hidden, rows, samples, tiles, tokens, |pass, stage| {
-            let items = tiles as u64 * stage.batch.div_ceil(variant.columns()) as u64;
+        self.run_passes(hidden, row_params, samples, tiles, tokens, |pass, launch| {
+            let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
             if let Some((lm_head_map, hidden_map)) = maps {
                 let args = TmaArgs {
                     lm_head_map,
                     hidden_map,
-                    rows: stage.rows,
-                    out: stage.candidates.cast(),
+                    row_params: launch.row_params,
+                    out: launch.candidates.cast(),
                     vocab: shape.vocab as u32,
                     dim: shape.dim as u32,
-                    batch: stage.batch,
+                    batch: launch.batch,
                     hidden_row0: pass.first_row as u32,
-                    sample_offset: pass.first_sample as u32,
+                    draw_offset: pass.first_sample as u32,
                     samples: pass.samples as u32,
                     tiles: tiles as u32,
                     logits_stride: 0,
@@ -321,12 +321,12 @@ impl CudaSampler {
             let args = FusedArgs {
                 lm_head: lm_head.ptr(),
                 hidden: hidden.ptr().byte_add((pass.first_row * shape.dim * shape.dtype.bytes()) as u64),
-                rows: stage.rows,
-                candidates: stage.candidates,
+                row_params: launch.row_params,
+                candidates: launch.candidates,
                 vocab: shape.vocab as u32,
                 dim: shape.dim as u32,
-                batch: stage.batch,
-                sample_offset: pass.first_sample as u32,
+                batch: launch.batch,
+                draw_offset: pass.first_sample as u32,
                 samples: pass.samples as u32,
                 tiles: tiles as u32,
             };
@@ -361,13 +361,13 @@ impl CudaSampler {
             let args = TmaArgs {
                 lm_head_map: lm_head.tensor_map(rows, columns)?,
                 hidden_map: hidden.tensor_map(columns)?,
-                rows: DevicePtr::NULL,
+                row_params: DevicePtr::NULL,
                 out: logits.cast(),
                 vocab: shape.vocab as u32,
                 dim: shape.dim as u32,
                 batch: hidden.rows() as u32,
                 hidden_row0: 0,
-                sample_offset: 0,
+                draw_offset: 0,
                 samples: 0,
                 tiles: gemm_tiles as u32,
                 logits_stride: stride as u32,
@@ -388,20 +388,20 @@ impl CudaSampler {
             unsafe { self.launch(gemm, items, &args)? };
         }
         let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
-        self.run_passes(hidden, rows.buffer.ptr(), samples, tiles, tokens, |pass, stage| {
+        self.run_passes(hidden, rows.buffer.ptr(), samples, tiles, tokens, |pass, launch| {
             let args = LogitsSamplerArgs {
                 logits: logits.add((pass.first_row * stride) as u64),
-                rows: stage.rows,
-                candidates: stage.candidates,
+                row_params: launch.row_params,
+                candidates: launch.candidates,
                 vocab: shape.vocab as u32,
                 logits_stride: stride as u32,
-                batch: stage.batch,
-                sample_offset: pass.first_sample as u32,
+                batch: launch.batch,
+                draw_offset: pass.first_sample as u32,
                 samples: pass.samples as u32,
                 tiles: tiles as u32,
             };
             // SAFETY: as above.
-            unsafe { self.launch(Kernel::SampleLogits, tiles as u64 * stage.batch as u64, &args) }
+            unsafe { self.launch(Kernel::SampleLogits, tiles as u64 * launch.batch as u64, &args) }
         })
     }
 
@@ -417,23 +417,24 @@ impl CudaSampler {
     }
 
     /// Copies row parameters into the workspace, ordered on the stream; returns their address.
-    fn stage_rows(&self, rows: &[RowParams]) -> Result<DevicePtr<RowParams>> {
-        let address = ensure(&self.stream, &mut self.workspace.borrow_mut().rows, rows.len(), "row parameters")?;
-        // SAFETY: the rows buffer holds at least this many; the copy is ordered on our stream.
-        unsafe { driver::copy_to_device_async("row parameters", address, rows, self.stream.cu_stream())? };
+    fn stage_row_params(&self, row_params: &[RowParams]) -> Result<DevicePtr<RowParams>> {
+        let address =
+            ensure(&self.stream, &mut self.workspace.borrow_mut().row_params, row_params.len(), "row parameters")?;
+        // SAFETY: the buffer holds at least this many; the copy is ordered on our stream.
+        unsafe { driver::copy_to_device_async("row parameters", address, row_params, self.stream.cu_stream())? };
         Ok(address)
     }
 
-    /// Runs `stage1` for each pass of the request's [`Plan`], then stage 2 into one
+    /// Runs `tile_kernel` for each pass of the request's [`Plan`], then the merge kernel into one
     /// `[B, samples]` token buffer.
     fn run_passes(
         &self,
         hidden: &CudaHidden,
-        rows: DevicePtr<RowParams>,
+        row_params: DevicePtr<RowParams>,
         samples: u32,
         tiles: usize,
         tokens: &mut DeviceTokens,
-        mut stage1: impl FnMut(&Pass, &Stage) -> Result<()>,
+        mut tile_kernel: impl FnMut(&Pass, &TileLaunch) -> Result<()>,
     ) -> Result<()> {
         let batch = hidden.rows();
         if tokens.rows != batch || tokens.samples != samples as usize {
@@ -453,26 +454,27 @@ impl CudaSampler {
             "candidates",
         )?;
         for pass in plan.passes() {
-            let stage = Stage { rows: rows.add(pass.first_row as u64), candidates, batch: pass.rows as u32 };
-            stage1(&pass, &stage)?;
+            let launch =
+                TileLaunch { row_params: row_params.add(pass.first_row as u64), candidates, batch: pass.rows as u32 };
+            tile_kernel(&pass, &launch)?;
             let reduce = ReduceArgs {
                 candidates,
                 tokens: tokens.buffer.ptr().add((pass.first_row * samples as usize) as u64),
-                batch: stage.batch,
+                batch: launch.batch,
                 samples: pass.samples as u32,
                 tiles: tiles as u32,
-                sample_offset: pass.first_sample as u32,
+                draw_offset: pass.first_sample as u32,
                 token_stride: samples,
                 padding: 0,
             };
-            // SAFETY: candidates hold rows × samples × tiles entries written by stage 1.
+            // SAFETY: candidates hold rows × samples × tiles entries written by the tile kernel.
             unsafe { self.launch(Kernel::ReduceCandidates, (pass.rows * pass.samples) as u64, &reduce)? };
         }
         Ok(())
     }
 
     /// Fills the candidate and logits workspaces with a candidate that wins every merge
-    /// (score +inf, index [`CudaSampler::POISON_INDEX`], not a token). A stage-1 kernel that
+    /// (score +inf, index [`CudaSampler::POISON_INDEX`], not a token). A tile kernel that
     /// leaves a slot unwritten then shows up as that index in the tokens: tests call this
     /// before sampling.
     pub fn poison_workspace(&self) -> Result<()> {
@@ -604,10 +606,10 @@ impl Drop for CudaSampler {
     }
 }
 
-/// What stage 1 of one pass reads and writes besides the request's own buffers.
-struct Stage {
+/// What the tile kernel of one pass reads and writes besides the request's own buffers.
+struct TileLaunch {
     /// Row parameters of the pass's first row.
-    rows: DevicePtr<RowParams>,
+    row_params: DevicePtr<RowParams>,
     candidates: DevicePtr<Candidate>,
     /// Rows in the pass.
     batch: u32,

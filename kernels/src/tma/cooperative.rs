@@ -31,25 +31,25 @@ struct Layout {
     turn: u32,
     staging: *mut Candidate,
     /// Row parameters of each team's current item: `N` per team.
-    rows: *mut RowParams,
+    row_params: *mut RowParams,
 }
 
 impl Layout {
     #[inline(always)]
-    fn new(base: *mut u8, rows: u32, columns: u32) -> Layout {
+    fn new(base: *mut u8, item_rows: u32, columns: u32) -> Layout {
         let shared = hopper::shared_address(base);
         let start = shared.next_multiple_of(1024);
-        let stages = tma_stages(rows, columns);
-        let boxes = Ring::new(start, stages, rows, columns, 0).boxes_end();
-        let ring = Ring::new(start, stages, rows, columns, boxes);
+        let stages = tma_stages(item_rows, columns);
+        let boxes = Ring::new(start, stages, item_rows, columns, 0).boxes_end();
+        let ring = Ring::new(start, stages, item_rows, columns, boxes);
         let turn = ring.barriers_end();
         let staging = base.wrapping_add((turn + CONSUMER_WARPGROUPS * 8 - shared) as usize).cast::<Candidate>();
-        let rows = staging.wrapping_add((TMA_CONSUMER_WARPS * columns) as usize).cast::<RowParams>();
-        Layout { ring, turn, staging, rows }
+        let row_params = staging.wrapping_add((TMA_CONSUMER_WARPS * columns) as usize).cast::<RowParams>();
+        Layout { ring, turn, staging, row_params }
     }
 }
 
-/// How the consumer warps share the work items of height `rows`.
+/// How the consumer warps share the work items of height `item_rows`.
 #[derive(Clone, Copy)]
 struct Teams {
     /// Warps that multiply one item together (4 or 8).
@@ -60,8 +60,8 @@ struct Teams {
 
 impl Teams {
     #[inline(always)]
-    fn new(rows: u32) -> Teams {
-        let warps = 4 * (rows / WARPGROUP_ROWS);
+    fn new(item_rows: u32) -> Teams {
+        let warps = 4 * (item_rows / WARPGROUP_ROWS);
         Teams { warps, count: TMA_CONSUMER_WARPS / warps }
     }
 }
@@ -117,7 +117,7 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
 unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool>(
     args: &TmaArgs,
     layout: &Layout,
-    rows: u32,
+    item_rows: u32,
     teams: Teams,
 ) {
     let thread = arch::thread_index();
@@ -125,12 +125,12 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
     let team = (thread / 32) / teams.warps;
     let team_thread = thread % (32 * teams.warps);
     // This warpgroup's 64 rows within the item's `W` box.
-    let rows_offset = (warpgroup % (rows / WARPGROUP_ROWS)) * WARPGROUP_ROWS;
+    let rows_offset = (warpgroup % (item_rows / WARPGROUP_ROWS)) * WARPGROUP_ROWS;
     // SAFETY: every consumer thread calls `consume`, so whole warps reach the shuffle.
     let w_offset = unsafe { arch::broadcast_lane0(rows_offset * 2 * TMA_K_BLOCK) };
     let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
     let staging = layout.staging.wrapping_add((team * teams.warps * N as u32) as usize);
-    let team_rows = layout.rows.wrapping_add((team * N as u32) as usize);
+    let team_row_params = layout.row_params.wrapping_add((team * N as u32) as usize);
     let mut acc = [0.0f32; R];
     let mut turns = 0u32;
     for (position, tile, col0) in Items::new(args, N as u32, team, teams.count) {
@@ -140,7 +140,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
         let b = col0 + team_thread;
         let staged_row = if FUSED && team_thread < N as u32 && b < args.batch {
             // SAFETY: `b < batch`: a row of the `[batch]` row parameters, 8-byte aligned.
-            unsafe { load_row_words(args.rows.cast::<u64>().as_ptr(), b) }
+            unsafe { load_row_words(args.row_params.cast::<u64>().as_ptr(), b) }
         } else {
             PAD_ROW_WORDS
         };
@@ -166,12 +166,12 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             }
             layout.ring.finish(first, k_blocks);
         }
-        let place = Placement::new(team_thread, tile * rows + rows_offset, tile, col0);
+        let place = Placement::new(team_thread, tile * item_rows + rows_offset, tile, col0);
         if FUSED {
             // The team's previous epilogue ended at a team barrier: no thread still reads
             // the previous item's rows.
             if team_thread < N as u32 {
-                let words = team_rows.cast::<u64>().wrapping_add(ROW_WORDS * team_thread as usize);
+                let words = team_row_params.cast::<u64>().wrapping_add(ROW_WORDS * team_thread as usize);
                 for (w, &word) in staged_row.iter().enumerate() {
                     // SAFETY: `team_thread < N`: inside the team's `N` row slots of the layout.
                     unsafe { *words.add(w) = word };
@@ -185,7 +185,7 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             };
             // SAFETY: every thread of the team calls the epilogue; its row parameters were stored
             // above, `staging` is the team's.
-            unsafe { epilogue(&acc, args, &place, team_rows, staging, team_barrier) };
+            unsafe { epilogue(&acc, args, &place, team_row_params, staging, team_barrier) };
         } else {
             // SAFETY: every consumer thread calls the epilogue together; `args.out` holds the
             // logits.

@@ -19,15 +19,15 @@ pub(super) const ROW_WORDS: usize = core::mem::size_of::<RowParams>() / 8;
 /// [`PAD_ROW`] as words: seed; stream and step; `inv_temperature` = 0.0 and `greedy` = 1.
 pub(super) const PAD_ROW_WORDS: [u64; ROW_WORDS] = [0, 0, 1 << 32];
 
-/// The words of row `b` of the `[batch]` array of [`RowParams`] at `rows`.
+/// The words of row `b` of the `[batch]` array of [`RowParams`] at `row_params`.
 ///
 /// # Safety
-/// `rows` holds at least `b + 1` row parameters.
+/// `row_params` holds at least `b + 1` row parameters.
 #[inline(always)]
-pub(super) unsafe fn load_row_words(rows: *const u64, b: u32) -> [u64; ROW_WORDS] {
+pub(super) unsafe fn load_row_words(row_params: *const u64, b: u32) -> [u64; ROW_WORDS] {
     let at = ROW_WORDS * b as usize;
-    // SAFETY: per this function's contract `rows` holds row `b`'s three words.
-    unsafe { [*rows.add(at), *rows.add(at + 1), *rows.add(at + 2)] }
+    // SAFETY: per this function's contract `row_params` holds row `b`'s three words.
+    unsafe { [*row_params.add(at), *row_params.add(at + 1), *row_params.add(at + 2)] }
 }
 
 /// Per draw: each thread scores its quads `K` at a time ([`race_round`]), lanes of one column
@@ -35,7 +35,7 @@ pub(super) unsafe fn load_row_words(rows: *const u64, b: u32) -> [u64; ROW_WORDS
 /// written for this tile.
 ///
 /// # Safety
-/// All threads of one team call it together; `rows` holds the `N` row parameters of the item
+/// All threads of one team call it together; `row_params` holds the `N` row parameters of the item
 /// (written by the team before the call), `staging` `warps · N` candidates of this team;
 /// `barrier` is the team's named barrier and its thread count.
 #[inline(always)]
@@ -43,7 +43,7 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
     acc: &[f32; R],
     args: &TmaArgs,
     place: &Placement,
-    rows: *const RowParams,
+    row_params: *const RowParams,
     staging: *mut Candidate,
     barrier: (u32, u32),
 ) {
@@ -51,7 +51,7 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
     // SAFETY: the team's named barrier, reached by all of its threads (this function's contract).
     unsafe { arch::sync_named(barrier, threads) };
     let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
-    let block = place.row0 / 4;
+    let philox_block = place.row0 / 4;
     for j in 0..args.samples {
         // A run-time loop over rounds keeps one copy of the Philox and log code.
         let mut round = 0;
@@ -66,13 +66,13 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
                 column[k] = 8 * (round * K + k) as u32 + place.column;
                 // SAFETY: `column < N`: one of the team's `N` row slots, stored before the team
                 // barrier above.
-                row[k] = unsafe { *rows.add(column[k] as usize) };
+                row[k] = unsafe { *row_params.add(column[k] as usize) };
                 in_batch[k] = place.col0 + column[k] < args.batch;
             });
             let winners =
                 // SAFETY: all 32 lanes together, and lanes `l ^ 8`, `l ^ 16`, `l ^ 24` hold the
                 // same columns (`transpose_quad`'s layout).
-                unsafe { race_round::<K>(&row, args.sample_offset + j, block, &logits, rows_valid, in_batch) };
+                unsafe { race_round::<K>(&row, args.draw_offset + j, philox_block, &logits, rows_valid, in_batch) };
             unrolled!(k < K, {
                 // SAFETY: all 32 lanes together (uniform loops).
                 let best = unsafe { sample::merge_over_lanes(winners[k], FIRST_COLUMN_LANE_MASK, 16) };

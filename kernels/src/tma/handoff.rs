@@ -217,7 +217,7 @@ const RESOLVED: u32 = u32::MAX;
 /// As [`tma_handoff_kernel`]; all 32 lanes of each epilogue warp call it.
 #[inline(always)]
 unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u32, lane: u32) {
-    let rows = args.rows.as_ptr();
+    let row_params = args.row_params.as_ptr();
     let slot = lane % COLUMN_LANES;
     let part = lane / COLUMN_LANES;
     let parked = |column: u32| {
@@ -228,11 +228,11 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
     #[allow(clippy::explicit_counter_loop)]
     for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
         // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
-        let first_block = tile * HANDOFF_ROWS / 4 + slot;
+        let first_philox_block = tile * HANDOFF_ROWS / 4 + slot;
         // SAFETY: `logits_full` is initialised; the whole warp waits on the same phase.
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
         for j in 0..args.samples {
-            let draw = args.sample_offset + j;
+            let draw = args.draw_offset + j;
             let mut group = warp;
             while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
                 let first_column = col0 + group * GROUP_COLUMNS;
@@ -242,7 +242,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 // rows (no noise), and write nothing.
                 let in_batch = |p: u32| first_column + p < args.batch;
                 // SAFETY: b < batch rows exist.
-                let row = if b < args.batch { unsafe { *rows.add(b as usize) } } else { PAD_ROW };
+                let row = if b < args.batch { unsafe { *row_params.add(b as usize) } } else { PAD_ROW };
                 let mut logits = [[0.0f32; 4]; LANE_QUADS];
                 unrolled!(i < LANE_QUADS, {
                     let quad = slot + COLUMN_LANES * i as u32;
@@ -253,7 +253,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 });
                 // SAFETY: all 32 lanes together (the group loop is uniform over the warp), and the
                 // 8 lanes `l ^ m` (`m < 8`) hold one column.
-                let race = unsafe { estimate_column(&row, draw, first_block, &logits, args.vocab) };
+                let race = unsafe { estimate_column(&row, draw, first_philox_block, &logits, args.vocab) };
                 // SAFETY: all 32 lanes together.
                 let holders = unsafe { arch::ballot(race.contenders != 0) };
                 // SAFETY: all 32 lanes together.
@@ -268,11 +268,12 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 }
                 if sole(part) && race.contenders != 0 && b < args.batch {
                     // SAFETY: the column's padding, read by this warp only, after `sync_warp`.
-                    unsafe { *parked(column) = race.first_contender(first_block, &logits) };
+                    unsafe { *parked(column) = race.first_contender(first_philox_block, &logits) };
                 }
                 if any_resolve {
                     let own = resolve(part);
-                    let winner = if own { race.exact_winner(&row, first_block, &logits) } else { Candidate::NONE };
+                    let winner =
+                        if own { race.exact_winner(&row, first_philox_block, &logits) } else { Candidate::NONE };
                     // SAFETY: all 32 lanes together: `any_resolve` comes from ballots and the
                     // warp's columns, so it is warp-uniform.
                     let best = unsafe { sample::merge_over_lanes(winner, 1, COLUMN_LANES / 2) };
@@ -298,7 +299,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 let deferred = unsafe { *parked(column) };
                 if deferred.index != RESOLVED {
                     // SAFETY: b < batch rows exist.
-                    let row = unsafe { *rows.add(b as usize) };
+                    let row = unsafe { *row_params.add(b as usize) };
                     let score = exact_score(&row, deferred.word, deferred.logit);
                     // SAFETY: `b < batch`, `j < samples`, `tile < tiles`.
                     unsafe { write_candidate(args, tile, b, j, Candidate { score, index: deferred.index }) };

@@ -23,8 +23,8 @@ impl Ring {
     /// `stages` stages from the 1024-aligned shared address `start`, the `W` boxes first,
     /// then the `H` boxes, then `barriers` (the barriers' own shared address).
     #[inline(always)]
-    pub(super) fn new(start: u32, stages: u32, rows: u32, columns: u32, barriers: u32) -> Ring {
-        let lm_head_stage_bytes = tma_lm_head_stage_bytes(rows);
+    pub(super) fn new(start: u32, stages: u32, item_rows: u32, columns: u32, barriers: u32) -> Ring {
+        let lm_head_stage_bytes = tma_lm_head_stage_bytes(item_rows);
         let hidden = start + stages * lm_head_stage_bytes;
         let hidden_stage_bytes = tma_hidden_stage_bytes(columns);
         Ring {

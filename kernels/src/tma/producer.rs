@@ -13,7 +13,7 @@ impl Ring {
     /// # Safety
     /// As the kernel that calls it; called by one thread, after the barriers are published.
     #[inline(always)]
-    pub(super) unsafe fn produce(&self, args: &TmaArgs, rows: u32, columns: u32) {
+    pub(super) unsafe fn produce(&self, args: &TmaArgs, item_rows: u32, columns: u32) {
         let k_blocks = args.dim.div_ceil(TMA_K_BLOCK);
         let stage_bytes = self.lm_head_stage_bytes + self.hidden_stage_bytes;
         // SAFETY: per this function's contract both maps are 128-byte tensor maps in global memory.
@@ -37,7 +37,7 @@ impl Ring {
                     hopper::barrier_wait(self.empty + 8 * stage, phase ^ 1);
                     hopper::barrier_arrive_expect_bytes(full, stage_bytes);
                     let w = self.lm_head + stage * self.lm_head_stage_bytes;
-                    hopper::tma_load_2d(w, args.lm_head_map.address(), k, (tile * rows) as i32, full);
+                    hopper::tma_load_2d(w, args.lm_head_map.address(), k, (tile * item_rows) as i32, full);
                     let h = self.hidden + stage * self.hidden_stage_bytes;
                     hopper::tma_load_2d(h, args.hidden_map.address(), k, (args.hidden_row0 + col0) as i32, full);
                 }

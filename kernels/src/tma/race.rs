@@ -18,7 +18,7 @@ use crate::arch;
 /// the merge over those lanes the lanes below this mask hold one result per column.
 pub(super) const FIRST_COLUMN_LANE_MASK: u32 = 8;
 
-/// The winners of `K` quads (four consecutive rows each, one column each) of draw `sample`
+/// The winners of `K` quads (four consecutive rows each, one column each) of draw `draw`
 /// among the rows their column has in this warp: lanes `l ^ m` for the masks `m` = 8 and 16
 /// hold the same column (the 16 rows of lanes `l`, `l ^ 8`, `l ^ 16`, `l ^ 24`, see
 /// [`FIRST_COLUMN_LANE_MASK`]). Each lane returns its own best contender, exactly
@@ -35,8 +35,8 @@ pub(super) const FIRST_COLUMN_LANE_MASK: u32 = 8;
 #[inline(always)]
 pub(super) unsafe fn race_round<const K: usize>(
     row: &[RowParams; K],
-    sample: u32,
-    block: u32,
+    draw: u32,
+    philox_block: u32,
     logits: &[[f32; 4]; K],
     rows_valid: u32,
     in_batch: [bool; K],
@@ -49,7 +49,7 @@ pub(super) unsafe fn race_round<const K: usize>(
     });
     if sampling {
         unrolled!(k < K, {
-            estimates[k] = block_estimate(&row[k], sample, block, logits[k], rows_valid, arch::log2_approx);
+            estimates[k] = block_estimate(&row[k], draw, philox_block, logits[k], rows_valid, arch::log2_approx);
         });
     } else {
         unrolled!(k < K, {
@@ -81,7 +81,7 @@ pub(super) unsafe fn race_round<const K: usize>(
             mask &= mask - 1;
             let word = pick_of_four(estimates[k].words, r);
             let score = exact_score(&row[k], word, pick_of_four(logits[k], r));
-            winners[k].offer_in_order(score, 4 * block + r);
+            winners[k].offer_in_order(score, 4 * philox_block + r);
         }
     });
     winners
@@ -97,7 +97,7 @@ pub(super) struct LaneRace {
 impl LaneRace {
     /// The lowest contender of this lane (meaningless when it has none).
     #[inline(always)]
-    pub(super) fn first_contender(&self, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Deferred {
+    pub(super) fn first_contender(&self, first_philox_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Deferred {
         let bit = self.contenders.trailing_zeros();
         let (i, r) = (bit / 4, bit % 4);
         let (mut words, mut quad) = (self.estimates[0].words, logits[0]);
@@ -109,14 +109,19 @@ impl LaneRace {
         Deferred {
             word: pick_of_four(words, r),
             logit: pick_of_four(quad, r),
-            index: 4 * (first_block + COLUMN_LANES * i) + r,
+            index: 4 * (first_philox_block + COLUMN_LANES * i) + r,
             unused: 0,
         }
     }
 
     /// This lane's best exactly scored contender, offered in increasing index order.
     #[inline(always)]
-    pub(super) fn exact_winner(&self, row: &RowParams, first_block: u32, logits: &[[f32; 4]; LANE_QUADS]) -> Candidate {
+    pub(super) fn exact_winner(
+        &self,
+        row: &RowParams,
+        first_philox_block: u32,
+        logits: &[[f32; 4]; LANE_QUADS],
+    ) -> Candidate {
         let mut winner = Candidate::NONE;
         unrolled!(i < LANE_QUADS, {
             let mut pending = (self.contenders >> (4 * i)) & 0xf;
@@ -124,14 +129,14 @@ impl LaneRace {
                 let r = pending.trailing_zeros();
                 pending &= pending - 1;
                 let score = exact_score(row, pick_of_four(self.estimates[i].words, r), pick_of_four(logits[i], r));
-                winner.offer_in_order(score, 4 * (first_block + COLUMN_LANES * i as u32) + r);
+                winner.offer_in_order(score, 4 * (first_philox_block + COLUMN_LANES * i as u32) + r);
             }
         });
         winner
     }
 }
 
-/// Estimates this lane's [`LANE_QUADS`] quads of one column for draw `sample` (Philox blocks
+/// Estimates this lane's [`LANE_QUADS`] quads of one column for draw `draw` (Philox blocks
 /// `first_block + COLUMN_LANES · i`), finds the best estimate of the [`COLUMN_LANES`] lanes
 /// that hold the column's rows, and marks this lane's entries that may hold the column's exact maximum.
 /// Exactly scoring those contenders and merging over the lanes gives what
@@ -146,17 +151,17 @@ impl LaneRace {
 #[inline(always)]
 pub(super) unsafe fn estimate_column(
     row: &RowParams,
-    sample: u32,
-    first_block: u32,
+    draw: u32,
+    first_philox_block: u32,
     logits: &[[f32; 4]; LANE_QUADS],
     vocab: u32,
 ) -> LaneRace {
     let mut estimates = [BlockEstimate::plain([0.0; 4], 0); LANE_QUADS];
-    let block = |i: usize| first_block + COLUMN_LANES * i as u32;
-    let valid = |i: usize| vocab.saturating_sub(4 * block(i)).min(4);
+    let philox_block = |i: usize| first_philox_block + COLUMN_LANES * i as u32;
+    let valid = |i: usize| vocab.saturating_sub(4 * philox_block(i)).min(4);
     if row.greedy == 0 {
         unrolled!(i < LANE_QUADS, {
-            estimates[i] = block_estimate(row, sample, block(i), logits[i], valid(i), arch::log2_approx);
+            estimates[i] = block_estimate(row, draw, philox_block(i), logits[i], valid(i), arch::log2_approx);
         });
     } else {
         unrolled!(i < LANE_QUADS, {

@@ -8,7 +8,7 @@ use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::params::{HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
+use crate::params::{Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
 use crate::tensor::{Elements, Matrix};
 
 /// An LM head held for the CPU backend.
@@ -19,6 +19,12 @@ pub struct CpuLmHead {
 }
 
 impl CpuLmHead {
+    /// Takes `lm_head` (checked: non-empty, `V < 2³¹`, finite) without copying it.
+    pub fn new(lm_head: Matrix) -> Result<CpuLmHead> {
+        let shape = check_lm_head(&lm_head)?;
+        Ok(CpuLmHead { matrix: lm_head, shape })
+    }
+
     pub fn shape(&self) -> HeadShape {
         self.shape
     }
@@ -55,13 +61,14 @@ pub fn logits_row(lm_head: &Matrix, hidden: &Matrix, row: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The winner of draw `sample` over all of `logits` with the shared scoring and merge rule.
-pub fn draw(logits: &[f32], row: &RowParams, sample: u32) -> Candidate {
+/// The winner of draw number `draw_index` over all of `logits` with the shared scoring and merge
+/// rule.
+pub fn draw(logits: &[f32], row: &RowParams, draw_index: u32) -> Candidate {
     let mut best = Candidate::NONE;
-    for (block, chunk) in logits.chunks(4).enumerate() {
+    for (philox_block, chunk) in logits.chunks(4).enumerate() {
         let mut four = [f32::NEG_INFINITY; 4];
         four[..chunk.len()].copy_from_slice(chunk);
-        best = best.merge(block_candidate(row, sample, block as u32, four, chunk.len() as u32));
+        best = best.merge(block_candidate(row, draw_index, philox_block as u32, four, chunk.len() as u32));
     }
     best
 }
@@ -71,9 +78,9 @@ impl CpuSampler {
         CpuSampler
     }
 
+    /// A copy of `lm_head` for this backend ([`CpuLmHead::new`] takes one without copying).
     pub fn upload_lm_head(&self, lm_head: &Matrix) -> Result<CpuLmHead> {
-        let shape = check_lm_head(lm_head)?;
-        Ok(CpuLmHead { matrix: lm_head.clone(), shape })
+        CpuLmHead::new(lm_head.clone())
     }
 
     /// `samples` draws for each row of `hidden`: `tokens[b · samples + j]`.
@@ -84,17 +91,29 @@ impl CpuSampler {
         params: &[SamplingParams],
         samples: u32,
     ) -> Result<Vec<u32>> {
-        let rows = check_request(lm_head.shape, hidden.shape(), params, samples)?;
+        self.sample_draws(lm_head, hidden, params, Draws::first(samples))
+    }
+
+    /// The draws `draws` of each row: `tokens[b · draws.count + (j − draws.first)]`.
+    pub fn sample_draws(
+        &self,
+        lm_head: &CpuLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        draws: Draws,
+    ) -> Result<Vec<u32>> {
+        let draws = draws.check()?;
+        let rows = check_request(lm_head.shape, hidden.shape(), params, draws.count)?;
         check_hidden_values(hidden)?;
         let logits: Vec<Vec<f32>> = (0..hidden.rows()).map(|b| logits_row(&lm_head.matrix, hidden, b)).collect();
-        let n = samples as usize;
+        let n = draws.count as usize;
         (0..rows.len() * n)
             .into_par_iter()
             .map(|k| {
-                let (b, j) = (k / n, k % n);
-                let best = draw(&logits[b], &rows[b], j as u32);
+                let (b, j) = (k / n, draws.first + (k % n) as u32);
+                let best = draw(&logits[b], &rows[b], j);
                 if best.index == Candidate::NONE.index {
-                    Err(Error::NoToken { row: b, draw: j })
+                    Err(Error::NoToken { row: b, draw: j as usize })
                 } else {
                     Ok(best.index)
                 }

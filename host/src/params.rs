@@ -44,6 +44,36 @@ impl SamplingParams {
     }
 }
 
+/// Which draws of each row a call makes: `first .. first + count`. Draw `j` is keyed by its
+/// index, so calls that together cover `0 .. N` give the tokens one call for `N` draws gives
+/// (and a caller can write millions of draws in passes of bounded memory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Draws {
+    pub first: u32,
+    pub count: u32,
+}
+
+impl Draws {
+    /// Draws `0 .. count`.
+    pub fn first(count: u32) -> Draws {
+        Draws { first: 0, count }
+    }
+
+    /// Checks that the draws exist: at least one, every index below 2³².
+    pub fn check(self) -> Result<Draws> {
+        if self.count == 0 {
+            return Err(invalid("samples", "0: at least one draw per row"));
+        }
+        if self.first.checked_add(self.count - 1).is_none() {
+            return Err(invalid(
+                "samples",
+                format!("draws {} .. {} + {}: every draw index must be below 2^32", self.first, self.first, self.count),
+            ));
+        }
+        Ok(self)
+    }
+}
+
 /// The LM head's shape as the backends keep it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeadShape {

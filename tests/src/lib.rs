@@ -3,6 +3,7 @@
 //! them on the GPU (ignored without one) for every kernel variant.
 
 use flashsample::cpu::logits_row;
+use flashsample::params::Draws;
 use flashsample::params::{HeadShape, check_request};
 use flashsample::{CpuSampler, CudaSampler, DType, Elements, Matrix, Result, SamplingParams, Variant};
 use flashsample_core::{RowParams, block_scores};
@@ -13,8 +14,18 @@ use statrs::distribution::{ChiSquared, ContinuousCDF};
 /// A sampler under test.
 pub trait Backend {
     fn name(&self) -> String;
+    /// The draws `draws` of each row: `tokens[b · draws.count + (j − draws.first)]`.
+    fn sample_draws(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        draws: Draws,
+    ) -> Result<Vec<u32>>;
     /// `tokens[b · samples + j]`.
-    fn sample(&self, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>>;
+    fn sample(&self, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+        self.sample_draws(lm_head, hidden, params, Draws::first(samples))
+    }
 }
 
 pub struct Cpu;
@@ -24,9 +35,15 @@ impl Backend for Cpu {
         "cpu".into()
     }
 
-    fn sample(&self, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+    fn sample_draws(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        draws: Draws,
+    ) -> Result<Vec<u32>> {
         let sampler = CpuSampler::new();
-        sampler.sample(&sampler.upload_lm_head(lm_head)?, hidden, params, samples)
+        sampler.sample_draws(&sampler.upload_lm_head(lm_head)?, hidden, params, draws)
     }
 }
 
@@ -50,15 +67,21 @@ impl Backend for Cuda {
         format!("cuda {} {:?}", self.sampler.module().name(), self.variant)
     }
 
-    fn sample(&self, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+    fn sample_draws(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        draws: Draws,
+    ) -> Result<Vec<u32>> {
         let head = self.sampler.upload_lm_head(lm_head)?;
         let device_hidden = self.sampler.upload_hidden(hidden)?;
-        let mut tokens = self.sampler.tokens(hidden.rows(), samples as usize)?;
+        let mut tokens = self.sampler.tokens(hidden.rows(), draws.count as usize)?;
         // Grow the workspace to this problem, then poison it and the output, then sample.
-        self.sampler.sample_into(&head, &device_hidden, params, samples, self.variant, &mut tokens)?;
+        self.sampler.sample_draws_into(&head, &device_hidden, params, draws, self.variant, &mut tokens)?;
         self.sampler.poison_workspace()?;
         self.sampler.fill_tokens(&mut tokens, 0xffff_fffe)?;
-        self.sampler.sample_into(&head, &device_hidden, params, samples, self.variant, &mut tokens)?;
+        self.sampler.sample_draws_into(&head, &device_hidden, params, draws, self.variant, &mut tokens)?;
         let out = self.sampler.tokens_to_host(&tokens)?;
         let vocab = lm_head.rows() as u32;
         if let Some(bad) = out.iter().position(|&t| t >= vocab) {
@@ -287,4 +310,20 @@ pub fn check_identical_rows_independent(backend: &dyn Backend, lm_head: &Matrix,
         "{}: rows agree {agree} times, expected {expected:.1}",
         backend.name()
     );
+}
+
+/// Draws made in several calls (`draws.first > 0`) are the draws of one call: for every row,
+/// the calls for `0 .. a` and `a .. n` concatenate to the call for `0 .. n`.
+pub fn check_draws_split_across_calls(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matrix, n: u32, a: u32) {
+    let params = params_for(hidden.rows(), 1.0, 314);
+    let whole = backend.sample_draws(lm_head, hidden, &params, Draws::first(n)).expect("sampling succeeds");
+    let head = backend.sample_draws(lm_head, hidden, &params, Draws { first: 0, count: a }).expect("sampling succeeds");
+    let tail =
+        backend.sample_draws(lm_head, hidden, &params, Draws { first: a, count: n - a }).expect("sampling succeeds");
+    let (a, n) = (a as usize, n as usize);
+    for row in 0..hidden.rows() {
+        let joined: Vec<u32> =
+            head[row * a..(row + 1) * a].iter().chain(&tail[row * (n - a)..(row + 1) * (n - a)]).copied().collect();
+        assert_eq!(joined, whole[row * n..(row + 1) * n], "{}: row {row}", backend.name());
+    }
 }

@@ -72,3 +72,10 @@ fn identical_rows_draw_independently() {
     let h = random_matrix(1, 16, DType::F32, 1.0, 26);
     check_identical_rows_independent(&Cpu, &w, &h, 20_000);
 }
+
+#[test]
+fn draws_split_across_calls_equal_one_call() {
+    let w = random_matrix(300, 16, DType::BF16, 0.5, 21);
+    let h = random_matrix(3, 16, DType::BF16, 1.0, 22);
+    check_draws_split_across_calls(&Cpu, &w, &h, 50, 17);
+}

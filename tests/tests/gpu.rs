@@ -221,3 +221,15 @@ fn gumbel_estimate_is_within_its_bound_for_every_word() {
     println!("largest |gumbel_estimate - gumbel| over all 2^32 words: {worst:e} (bound {GUMBEL_ESTIMATE_ERROR:e})");
     assert!(worst <= GUMBEL_ESTIMATE_ERROR, "{worst:e} exceeds the bound {GUMBEL_ESTIMATE_ERROR:e}");
 }
+
+/// The draws of one call, made in two calls starting at draw 0 and draw 3000 (the CLI writes
+/// large `--samples` this way), on every variant of the module.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn draws_split_across_calls_equal_one_call() {
+    for (variant, dtype, dim) in cases() {
+        let w = random_matrix(1000, dim, dtype, 0.5, 23);
+        let h = random_matrix(5, dim, dtype, 1.0, 24);
+        check_draws_split_across_calls(&Cuda::new(variant), &w, &h, 5000, 3000);
+    }
+}

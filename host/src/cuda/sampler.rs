@@ -19,7 +19,8 @@ use super::modules::{LoadedModule, ModuleChoice};
 use super::passes::{CANDIDATE_BUDGET_BYTES, Pass, Plan};
 use crate::error::{Error, Result, invalid};
 use crate::params::{
-    HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape, row_params,
+    Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape,
+    row_params,
 };
 use crate::tensor::{DType, Elements, Matrix, MatrixShape};
 
@@ -230,10 +231,23 @@ impl CudaSampler {
         samples: u32,
         variant: Variant,
     ) -> Result<Vec<u32>> {
-        check_request(lm_head.shape, hidden.shape(), params, samples)?;
+        self.sample_draws(lm_head, hidden, params, Draws::first(samples), variant)
+    }
+
+    /// The draws `draws` of each row with `variant`, tokens returned to the host:
+    /// `tokens[b · draws.count + (j − draws.first)]`.
+    pub fn sample_draws(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        draws: Draws,
+        variant: Variant,
+    ) -> Result<Vec<u32>> {
+        check_request(lm_head.shape, hidden.shape(), params, draws.check()?.count)?;
         let hidden = self.upload_hidden(hidden)?;
-        let mut tokens = self.tokens(hidden.rows(), samples as usize)?;
-        self.sample_into(lm_head, &hidden, params, samples, variant, &mut tokens)?;
+        let mut tokens = self.tokens(hidden.rows(), draws.count as usize)?;
+        self.sample_draws_into(lm_head, &hidden, params, draws, variant, &mut tokens)?;
         self.tokens_to_host(&tokens)
     }
 
@@ -250,10 +264,23 @@ impl CudaSampler {
         variant: Variant,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
-        let row_params = check_request(lm_head.shape, hidden.shape, params, samples)?;
+        self.sample_draws_into(lm_head, hidden, params, Draws::first(samples), variant, tokens)
+    }
+
+    /// As [`CudaSampler::sample_into`] for the draws `draws` (`tokens` is `[B, draws.count]`).
+    pub fn sample_draws_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        params: &[SamplingParams],
+        draws: Draws,
+        variant: Variant,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        let row_params = check_request(lm_head.shape, hidden.shape, params, draws.check()?.count)?;
         self.make_current()?;
         let row_params = self.stage_row_params(&row_params)?;
-        self.sample_at(lm_head, hidden, row_params, samples, variant, tokens)
+        self.sample_at(lm_head, hidden, row_params, draws, variant, tokens)
     }
 
     /// Checks per-row parameters and copies them to the device once.
@@ -278,7 +305,7 @@ impl CudaSampler {
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
         self.check_device_rows(lm_head, hidden, rows, samples)?;
-        self.sample_at(lm_head, hidden, rows.buffer.ptr(), samples, variant, tokens)
+        self.sample_at(lm_head, hidden, rows.buffer.ptr(), Draws::first(samples), variant, tokens)
     }
 
     fn sample_at(
@@ -286,7 +313,7 @@ impl CudaSampler {
         lm_head: &CudaLmHead,
         hidden: &CudaHidden,
         row_params: DevicePtr<RowParams>,
-        samples: u32,
+        draws: Draws,
         variant: Variant,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
@@ -298,7 +325,9 @@ impl CudaSampler {
             Some((rows, columns)) => Some((lm_head.tensor_map(rows, columns)?, hidden.tensor_map(columns)?)),
             None => None,
         };
-        self.run_passes(hidden, row_params, samples, tiles, tokens, |pass, launch| {
+        self.run_passes(hidden, row_params, draws.count, tiles, tokens, |pass, launch| {
+            // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
+            let draw_offset = draws.first + pass.first_sample as u32;
             let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
             if let Some((lm_head_map, hidden_map)) = maps {
                 let args = TmaArgs {
@@ -310,7 +339,7 @@ impl CudaSampler {
                     dim: shape.dim as u32,
                     batch: launch.batch,
                     hidden_row0: pass.first_row as u32,
-                    draw_offset: pass.first_sample as u32,
+                    draw_offset,
                     samples: pass.samples as u32,
                     tiles: tiles as u32,
                     logits_stride: 0,
@@ -326,7 +355,7 @@ impl CudaSampler {
                 vocab: shape.vocab as u32,
                 dim: shape.dim as u32,
                 batch: launch.batch,
-                draw_offset: pass.first_sample as u32,
+                draw_offset,
                 samples: pass.samples as u32,
                 tiles: tiles as u32,
             };

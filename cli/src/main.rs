@@ -2,6 +2,7 @@
 
 mod bench;
 mod cublas;
+mod output;
 mod timing;
 
 use std::path::{Path, PathBuf};
@@ -10,11 +11,11 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use flashsample::cpu::{draw, logits_row};
-use flashsample::io::{load_matrix, write_npy_i64};
-use flashsample::params::check_request;
+use flashsample::io::{NpyWriter, load_matrix};
+use flashsample::params::{Draws, check_head_shape, check_request, check_request_shape, row_params};
 use flashsample::{
-    CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, Module, Result, SamplingParams, Variant,
-    cuda_device_count,
+    CpuLmHead, CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module, Result,
+    SamplingParams, Variant, cuda_device_count,
 };
 use flashsample_tests::{chi_square, exact_probabilities};
 use rand::{Rng, SeedableRng};
@@ -61,8 +62,8 @@ enum Command {
         #[arg(long, value_enum, default_value = "auto")]
         device: DeviceKind,
         /// Which GPU (the driver's ordinal).
-        #[arg(long, default_value_t = 0)]
-        gpu: usize,
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        gpu: i64,
     },
     /// Time fused sampling, fused greedy, the unfused pipeline and the read floor on the GPU.
     Bench {
@@ -70,8 +71,8 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
         /// Which GPU (the driver's ordinal).
-        #[arg(long, default_value_t = 0)]
-        gpu: usize,
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        gpu: i64,
         /// PTX modules to time, each on a sampler of its own (e.g. hopper,portable); the
         /// first also times cuBLAS and the forced variants. Default: the device's module.
         #[arg(long, value_enum, value_delimiter = ',')]
@@ -140,9 +141,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Sample(args) => sample(args),
-        Command::Demo { device, gpu } => demo(device, gpu),
+        Command::Demo { device, gpu } => gpu_flag(gpu).and_then(|gpu| demo(device, gpu)),
         Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
         Command::Bench { out, gpu, modules, shapes, batches, dtype, warmup, runs, peers, all_variants, cublas } => {
+            let gpu = match gpu_flag(gpu) {
+                Ok(gpu) => gpu,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
             let options = |shapes| bench::Options {
                 gpu,
                 modules: modules.into_iter().map(Module::from).collect(),
@@ -216,12 +224,12 @@ struct SampleArgs {
     /// Tensor name in --hidden, needed when the file holds several.
     #[arg(long)]
     hidden_tensor: Option<String>,
-    /// Draws per row (independent; may be millions).
-    #[arg(long)]
-    samples: u32,
-    /// Seed of the noise; row r draws from stream r of it.
-    #[arg(long)]
-    seed: u64,
+    /// Draws per row, 1 to 2^32 − 1 (independent; written in passes of bounded memory).
+    #[arg(long, allow_negative_numbers = true)]
+    samples: i64,
+    /// Seed of the noise, 0 to 2^64 − 1; row r draws from stream r of it.
+    #[arg(long, allow_negative_numbers = true)]
+    seed: i128,
     /// Temperature T >= 0; 0 is greedy argmax. (A negative value is read, then rejected with
     /// the sampler's own error.)
     #[arg(long, allow_negative_numbers = true)]
@@ -229,36 +237,132 @@ struct SampleArgs {
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceKind,
     /// Which GPU (the driver's ordinal; CUDA_VISIBLE_DEVICES applies).
-    #[arg(long, default_value_t = 0)]
-    gpu: usize,
-    /// Output .npy path.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    gpu: i64,
+    /// Output .npy path (not one of the inputs).
     #[arg(long)]
     out: PathBuf,
 }
 
+/// Tokens per sampler call while the `.npy` is written: bounds the host and device memory
+/// that any `--samples` needs (64 MiB of u32 tokens).
+const TOKENS_PER_CALL: usize = 1 << 24;
+
+/// `value` of `flag` when it lies in `low ..= high`.
+fn flag_in_range<T: Copy + PartialOrd + std::fmt::Display>(flag: &str, value: T, low: T, high: T) -> Result<T> {
+    if value < low || value > high {
+        return Err(Error::InvalidArgument {
+            argument: flag.into(),
+            rule: format!("{value}: must be {low} to {high}"),
+        });
+    }
+    Ok(value)
+}
+
+/// `--gpu`, an ordinal.
+fn gpu_flag(gpu: i64) -> Result<usize> {
+    Ok(flag_in_range("--gpu", gpu, 0, i64::from(u16::MAX))? as usize)
+}
+
+/// The library's argument names as the `sample` command's flags.
+fn name_the_flag(error: Error) -> Error {
+    match error {
+        Error::InvalidArgument { argument, rule } => {
+            let flag = match argument.as_str() {
+                a if a.starts_with("params[") && a.ends_with(".temperature") => "--temperature",
+                "samples" => "--samples",
+                "lm_head" => "--lm-head",
+                "hidden" => "--hidden",
+                "device" => "--gpu",
+                other => other,
+            };
+            Error::InvalidArgument { argument: flag.into(), rule }
+        }
+        other => other,
+    }
+}
+
 fn sample(args: SampleArgs) -> Result<()> {
+    sample_command(args).map_err(name_the_flag)
+}
+
+fn sample_command(args: SampleArgs) -> Result<()> {
+    let samples = flag_in_range("--samples", args.samples, 1, u32::MAX as i64)? as u32;
+    let seed = flag_in_range("--seed", args.seed, 0, u64::MAX as i128)? as u64;
+    let gpu = gpu_flag(args.gpu)?;
+    let out = output::Partial::new(&args.out, &[&args.lm_head, &args.hidden])?;
     let w = load_matrix(&args.lm_head, args.lm_head_tensor.as_deref(), "--lm-head")?;
     let h = load_matrix(&args.hidden, args.hidden_tensor.as_deref(), "--hidden")?;
-    // Different input types meet in the narrowest type holding both exactly.
+    // Different input types meet in the narrowest type holding both exactly; the shapes are
+    // checked first, so a mismatch costs no conversion.
     let common = w.dtype().common(h.dtype());
-    let (w, h) = (w.to_dtype(common), h.to_dtype(common));
+    check_head_shape(w.rows(), w.cols())?;
+    let head_shape = HeadShape { vocab: w.rows(), dim: w.cols(), dtype: common };
+    let hidden_shape = MatrixShape { rows: h.rows(), cols: h.cols(), dtype: common };
+    check_request_shape(head_shape, hidden_shape, h.rows(), "params", samples)?;
+    let (w, h) = (w.into_dtype(common), h.into_dtype(common));
     let params: Vec<SamplingParams> =
-        (0..h.rows()).map(|r| SamplingParams::new(args.temperature, args.seed, r as u32, 0)).collect();
-    let tokens = match gpu_sampler(args.device, args.gpu)? {
+        (0..h.rows()).map(|r| SamplingParams::new(args.temperature, seed, r as u32, 0)).collect();
+    row_params(&params)?;
+    let mut writer = NpyWriter::create(out.path(), h.rows(), samples as usize)?;
+    let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
+    match gpu_sampler(args.device, gpu)? {
         Some(sampler) => {
             let head = sampler.upload_lm_head(&w)?;
-            let tokens = sampler.sample(&head, &h, &params, args.samples)?;
+            drop(w);
+            write_in_passes(&mut writer, samples, per_call, |draws| {
+                sampler.sample_draws(&head, &h, &params, draws, Variant::Auto)
+            })?;
             drop(head);
             sampler.close()?;
-            tokens
         }
         None => {
             let sampler = CpuSampler::new();
-            let head = sampler.upload_lm_head(&w)?;
-            sampler.sample(&head, &h, &params, args.samples)?
+            let head = CpuLmHead::new(w)?;
+            write_in_passes(&mut writer, samples, per_call, |draws| sampler.sample_draws(&head, &h, &params, draws))?;
         }
-    };
-    write_npy_i64(&args.out, h.rows(), args.samples as usize, &tokens)
+    }
+    writer.finish()?;
+    out.commit()
+}
+
+/// Writes draws `0 .. samples` of every row, `per_call` draws at a time from `next`.
+fn write_in_passes(
+    writer: &mut NpyWriter,
+    samples: u32,
+    per_call: u32,
+    mut next: impl FnMut(Draws) -> Result<Vec<u32>>,
+) -> Result<()> {
+    for first in (0..samples).step_by(per_call as usize) {
+        let draws = Draws { first, count: per_call.min(samples - first) };
+        writer.write_columns(first as usize, draws.count as usize, &next(draws)?)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `.npy` written three draws at a time holds what one call writes.
+    #[test]
+    fn passes_of_draws_write_what_one_call_writes() {
+        let w = Matrix::new("w", 30, 4, Elements::F32((0..120).map(|i| (i % 7) as f32 * 0.3).collect())).unwrap();
+        let h = Matrix::new("h", 2, 4, Elements::F32(vec![0.5, -1.0, 0.25, 2.0, 1.0, 1.0, -1.0, 0.0])).unwrap();
+        let params = [SamplingParams::new(1.0, 9, 0, 0), SamplingParams::new(0.7, 9, 1, 0)];
+        let sampler = CpuSampler::new();
+        let head = CpuLmHead::new(w).unwrap();
+        let dir = std::env::temp_dir().join(format!("flashsample-passes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (one, passes) = (dir.join("one.npy"), dir.join("passes.npy"));
+        for (path, per_call) in [(&one, 10), (&passes, 3)] {
+            let mut writer = NpyWriter::create(path, 2, 10).unwrap();
+            write_in_passes(&mut writer, 10, per_call, |d| sampler.sample_draws(&head, &h, &params, d)).unwrap();
+            writer.finish().unwrap();
+        }
+        assert_eq!(std::fs::read(&one).unwrap(), std::fs::read(&passes).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
 
 fn demo(device: DeviceKind, gpu: usize) -> Result<()> {

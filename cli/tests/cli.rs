@@ -125,8 +125,30 @@ fn bad_inputs_fail_with_a_message_naming_the_problem() {
     let (w, h) = inputs(&scratch, 20, 8, 2);
     let out = scratch.path("t.npy");
     let run = |extra: &[&str]| flashsample(&sample_args(&w, &h, &out, extra));
-    assert_clean_failure(&run(&["--samples", "2", "--seed", "1", "--temperature", "-1"]), "params[0].temperature");
-    assert_clean_failure(&run(&["--samples", "0", "--seed", "1", "--temperature", "1"]), "invalid samples");
+    // Every message names the flag and the rule; negative numbers reach the rule, not the parser.
+    assert_clean_failure(
+        &run(&["--samples", "2", "--seed", "1", "--temperature", "-1"]),
+        "invalid --temperature: T = -1",
+    );
+    assert_clean_failure(&run(&["--samples", "0", "--seed", "1", "--temperature", "1"]), "invalid --samples: 0");
+    assert_clean_failure(&run(&["--samples", "-1", "--seed", "1", "--temperature", "1"]), "invalid --samples: -1");
+    assert_clean_failure(&run(&["--samples", "4294967296", "--seed", "1", "--temperature", "1"]), "--samples");
+    assert_clean_failure(&run(&["--samples", "1", "--seed", "-1", "--temperature", "1"]), "invalid --seed: -1");
+    assert_clean_failure(
+        &run(&["--samples", "1", "--seed", "1", "--temperature", "1", "--gpu", "-1"]),
+        "invalid --gpu",
+    );
+
+    // --out is checked before any work: not a folder, not an input, in a folder that exists;
+    // a failed run leaves neither the output nor a partial file.
+    let out_flag = |path: &str| flashsample(&sample_args(&w, &h, path, &ARGS));
+    assert_clean_failure(&out_flag(&w), "invalid --out");
+    assert!(std::fs::metadata(&w).unwrap().len() > 0, "the input was not touched");
+    assert_clean_failure(&out_flag(&scratch.path("")), "is a folder");
+    assert_clean_failure(&out_flag(&scratch.path("missing/t.npy")), "its folder does not exist");
+    assert_clean_failure(&run(&["--samples", "1", "--seed", "1", "--temperature", "-1"]), "--temperature");
+    assert!(!Path::new(&out).exists() && !Path::new(&format!("{out}.partial")).exists(), "no output after a failure");
+    assert_clean_failure(&flashsample(&sample_args(&scratch.path(""), &h, &out, &ARGS)), "is a folder");
     assert_clean_failure(
         &flashsample(&sample_args("/nonexistent.safetensors", &h, &out, &ARGS)),
         "/nonexistent.safetensors",
@@ -147,6 +169,13 @@ fn bad_inputs_fail_with_a_message_naming_the_problem() {
     let mut good = sample_args(&two, &h, &out, &ARGS);
     good.extend(["--lm-head-tensor", "b"]);
     assert!(flashsample(&good).status.success());
+
+    // A damaged file is described in words, not by the parser's enum.
+    let truncated = scratch.path("truncated.safetensors");
+    std::fs::write(&truncated, &std::fs::read(&w).unwrap()[..100]).unwrap();
+    let output = flashsample(&sample_args(&truncated, &h, &out, &ARGS));
+    assert_clean_failure(&output, "not a safetensors file: the file is truncated");
+    assert!(!String::from_utf8_lossy(&output.stderr).contains("MetadataIncompleteBuffer"));
 
     let flat = scratch.path("flat.safetensors");
     write_tensors(&flat, &[("w", Dtype::F32, vec![160], f32_bytes(&values(160, 1.0, 5)))]);

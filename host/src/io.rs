@@ -15,12 +15,15 @@ fn file_error(path: &Path, message: impl std::fmt::Display) -> Error {
 /// Reads one 2-D F32/F16/BF16 tensor from a safetensors file. `tensor` picks it by name; with
 /// `None` the file must hold exactly one. `argument` (a CLI flag) names the input in errors.
 pub fn load_matrix(path: &Path, tensor: Option<&str>, argument: &str) -> Result<Matrix> {
+    if path.is_dir() {
+        return Err(invalid(argument, format!("{} is a folder: give the .safetensors file", path.display())));
+    }
     let file = std::fs::File::open(path).map_err(|e| file_error(path, e))?;
     // SAFETY: the map is read-only and dropped before we return; a file changed underneath
     // us can only give wrong values, which the finiteness checks may catch.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_error(path, e))?;
-    let tensors =
-        SafeTensors::deserialize(&map).map_err(|e| file_error(path, format!("not a safetensors file: {e}")))?;
+    let tensors = SafeTensors::deserialize(&map)
+        .map_err(|e| file_error(path, format!("not a safetensors file: {}", describe_safetensors_error(&e))))?;
     let mut names: Vec<String> = tensors.names().into_iter().cloned().collect();
     names.sort();
     let name = match tensor {
@@ -44,7 +47,7 @@ pub fn load_matrix(path: &Path, tensor: Option<&str>, argument: &str) -> Result<
             ));
         }
     };
-    let view = tensors.tensor(&name).map_err(|e| file_error(path, e))?;
+    let view = tensors.tensor(&name).map_err(|e| file_error(path, describe_safetensors_error(&e)))?;
     let &[rows, cols] = view.shape() else {
         return Err(invalid(argument, format!("tensor `{name}` has shape {:?}: it must be 2-D", view.shape())));
     };
@@ -60,24 +63,87 @@ pub fn load_matrix(path: &Path, tensor: Option<&str>, argument: &str) -> Result<
     Matrix::new(argument, rows, cols, elements)
 }
 
+/// What a safetensors error means, in words.
+fn describe_safetensors_error(error: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match error {
+        E::InvalidHeader => "its header is not valid UTF-8".into(),
+        E::InvalidHeaderStart => "its header does not start with `{`".into(),
+        E::InvalidHeaderDeserialization => "its header is not valid JSON".into(),
+        E::HeaderTooLarge => "its header is larger than the 100 MB safetensors allows".into(),
+        E::HeaderTooSmall => "it is shorter than the 8-byte header length".into(),
+        E::InvalidHeaderLength => "its header length points past the end of the file".into(),
+        E::TensorNotFound(name) => format!("it holds no tensor `{name}`"),
+        E::TensorInvalidInfo => "a tensor's shape, dtype and offsets disagree".into(),
+        E::InvalidOffset(name) => format!("the offsets of tensor `{name}` are invalid"),
+        E::IoError(e) => format!("it cannot be read: {e}"),
+        E::JsonError(e) => format!("its header is not valid JSON: {e}"),
+        E::InvalidTensorView(dtype, shape, bytes) => {
+            format!("a {dtype:?} tensor of shape {shape:?} cannot hold {bytes} bytes")
+        }
+        E::MetadataIncompleteBuffer => "the file is truncated or has bytes no tensor covers".into(),
+        E::ValidationOverflow => "a tensor's shape overflows".into(),
+    }
+}
+
+/// A little-endian int64 `.npy` file (format 1.0) of shape `[rows, cols]`, written in blocks of
+/// columns, so a caller can write millions of draws per row in bounded memory.
+pub struct NpyWriter {
+    file: std::fs::File,
+    path: std::path::PathBuf,
+    rows: usize,
+    cols: usize,
+    data_offset: u64,
+}
+
+impl NpyWriter {
+    /// Creates (or truncates) `path` with the header and room for every value.
+    pub fn create(path: &Path, rows: usize, cols: usize) -> Result<NpyWriter> {
+        let mut header = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+        // Magic (6) + version (2) + length (2) + header + '\n' is padded to a multiple of 64.
+        let unpadded = 10 + header.len() + 1;
+        header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+        header.push('\n');
+        let mut file = std::fs::File::create(path).map_err(|e| file_error(path, e))?;
+        let mut start = b"\x93NUMPY\x01\x00".to_vec();
+        start.extend((header.len() as u16).to_le_bytes());
+        start.extend(header.as_bytes());
+        file.write_all(&start).map_err(|e| file_error(path, e))?;
+        let data_offset = start.len() as u64;
+        let bytes = (rows as u64).checked_mul(cols as u64).and_then(|n| n.checked_mul(8));
+        let length = bytes.and_then(|b| b.checked_add(data_offset)).ok_or_else(|| file_error(path, "too large"))?;
+        file.set_len(length).map_err(|e| file_error(path, e))?;
+        Ok(NpyWriter { file, path: path.to_path_buf(), rows, cols, data_offset })
+    }
+
+    /// Writes columns `first_col .. first_col + count` of every row from `values`
+    /// (`rows × count`, row-major).
+    pub fn write_columns(&mut self, first_col: usize, count: usize, values: &[u32]) -> Result<()> {
+        use std::io::{Seek, SeekFrom};
+        assert!(first_col + count <= self.cols && values.len() == self.rows * count, "the caller passes whole blocks");
+        let path = self.path.clone();
+        let mut bytes = Vec::with_capacity(count * 8);
+        for (row, chunk) in values.chunks(count.max(1)).enumerate() {
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|&v| (v as i64).to_le_bytes()));
+            let at = self.data_offset + ((row * self.cols + first_col) * 8) as u64;
+            self.file.seek(SeekFrom::Start(at)).map_err(|e| file_error(&path, e))?;
+            self.file.write_all(&bytes).map_err(|e| file_error(&path, e))?;
+        }
+        Ok(())
+    }
+
+    /// Flushes the file to disk.
+    pub fn finish(self) -> Result<()> {
+        self.file.sync_all().map_err(|e| file_error(&self.path, e))
+    }
+}
+
 /// Writes `values` (`rows × cols`, row-major) as a little-endian int64 `.npy` (format 1.0).
 pub fn write_npy_i64(path: &Path, rows: usize, cols: usize, values: &[u32]) -> Result<()> {
-    assert_eq!(values.len(), rows * cols, "the caller passes a full matrix");
-    let mut header = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
-    // Magic (6) + version (2) + length (2) + header + '\n' is padded to a multiple of 64.
-    let unpadded = 10 + header.len() + 1;
-    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
-    header.push('\n');
-    let file = std::fs::File::create(path).map_err(|e| file_error(path, e))?;
-    let mut out = std::io::BufWriter::new(file);
-    let mut write = |bytes: &[u8]| out.write_all(bytes).map_err(|e| file_error(path, e));
-    write(b"\x93NUMPY\x01\x00")?;
-    write(&(header.len() as u16).to_le_bytes())?;
-    write(header.as_bytes())?;
-    for &v in values {
-        write(&(v as i64).to_le_bytes())?;
-    }
-    out.flush().map_err(|e| file_error(path, e))
+    let mut writer = NpyWriter::create(path, rows, cols)?;
+    writer.write_columns(0, cols, values)?;
+    writer.finish()
 }
 
 /// Reads back a `.npy` written by [`write_npy_i64`]: `(rows, cols, values)`.

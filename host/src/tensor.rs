@@ -140,6 +140,15 @@ impl Matrix {
         if dtype == self.dtype() {
             return self.clone();
         }
+        self.converted(dtype)
+    }
+
+    /// As [`Matrix::to_dtype`], without a copy when the type is already `dtype`.
+    pub fn into_dtype(self, dtype: DType) -> Matrix {
+        if dtype == self.dtype() { self } else { self.converted(dtype) }
+    }
+
+    fn converted(&self, dtype: DType) -> Matrix {
         let values = (0..self.elements.len()).map(|i| self.elements.get(i));
         let elements = match dtype {
             DType::F32 => Elements::F32(values.collect()),

@@ -304,7 +304,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
     let params: Vec<SamplingParams> =
         (0..h.rows()).map(|r| SamplingParams::new(args.temperature, seed, r as u32, 0)).collect();
     row_params(&params)?;
-    let mut writer = NpyWriter::create(out.path(), h.rows(), samples as usize)?;
+    let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
     let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
     match gpu_sampler(args.device, gpu)? {
         Some(sampler) => {
@@ -338,31 +338,6 @@ fn write_in_passes(
         writer.write_columns(first as usize, draws.count as usize, &next(draws)?)?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A `.npy` written three draws at a time holds what one call writes.
-    #[test]
-    fn passes_of_draws_write_what_one_call_writes() {
-        let w = Matrix::new("w", 30, 4, Elements::F32((0..120).map(|i| (i % 7) as f32 * 0.3).collect())).unwrap();
-        let h = Matrix::new("h", 2, 4, Elements::F32(vec![0.5, -1.0, 0.25, 2.0, 1.0, 1.0, -1.0, 0.0])).unwrap();
-        let params = [SamplingParams::new(1.0, 9, 0, 0), SamplingParams::new(0.7, 9, 1, 0)];
-        let sampler = CpuSampler::new();
-        let head = CpuLmHead::new(w).unwrap();
-        let dir = std::env::temp_dir().join(format!("flashsample-passes-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (one, passes) = (dir.join("one.npy"), dir.join("passes.npy"));
-        for (path, per_call) in [(&one, 10), (&passes, 3)] {
-            let mut writer = NpyWriter::create(path, 2, 10).unwrap();
-            write_in_passes(&mut writer, 10, per_call, |d| sampler.sample_draws(&head, &h, &params, d)).unwrap();
-            writer.finish().unwrap();
-        }
-        assert_eq!(std::fs::read(&one).unwrap(), std::fs::read(&passes).unwrap());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 }
 
 fn demo(device: DeviceKind, gpu: usize) -> Result<()> {
@@ -526,4 +501,29 @@ fn run_bench(
     }
     write_report(&out, &rows, &peers, dtype)?;
     samplers.into_iter().try_for_each(CudaSampler::close)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `.npy` written three draws at a time holds what one call writes.
+    #[test]
+    fn passes_of_draws_write_what_one_call_writes() {
+        let w = Matrix::new("w", 30, 4, Elements::F32((0..120).map(|i| (i % 7) as f32 * 0.3).collect())).unwrap();
+        let h = Matrix::new("h", 2, 4, Elements::F32(vec![0.5, -1.0, 0.25, 2.0, 1.0, 1.0, -1.0, 0.0])).unwrap();
+        let params = [SamplingParams::new(1.0, 9, 0, 0), SamplingParams::new(0.7, 9, 1, 0)];
+        let sampler = CpuSampler::new();
+        let head = CpuLmHead::new(w).unwrap();
+        let dir = std::env::temp_dir().join(format!("flashsample-passes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (one, passes) = (dir.join("one.npy"), dir.join("passes.npy"));
+        for (path, per_call) in [(&one, 10), (&passes, 3)] {
+            let mut writer = NpyWriter::create(path, 2, 10).unwrap();
+            write_in_passes(&mut writer, 10, per_call, |d| sampler.sample_draws(&head, &h, &params, d)).unwrap();
+            writer.finish().unwrap();
+        }
+        assert_eq!(std::fs::read(&one).unwrap(), std::fs::read(&passes).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -52,7 +52,7 @@ impl Partial {
     }
 
     /// Where to write until the commit.
-    pub fn path(&self) -> &Path {
+    pub fn partial_path(&self) -> &Path {
         &self.partial
     }
 

@@ -323,3 +323,60 @@ fn cuda_cli_chi_square_v131071_4m_draws() {
     println!("CLI --device cuda: V={v} D={d} draws={}: chi2={statistic:.1} dof={dof} p={p:.4}", tokens.len());
     assert!(p > 1e-3, "chi2 = {statistic}, p = {p}");
 }
+
+/// Random argument lists (flags, values and files, good and bad, in any order) end in a
+/// result or a message, never a panic: exit 0, 1 (our typed errors) or 2 (the parser's usage
+/// errors), with an error or the usage in the message.
+#[test]
+fn random_arguments_never_panic() {
+    use proptest::prelude::*;
+    let scratch = Scratch::new("fuzz");
+    let (w, h) = inputs(&scratch, 30, 8, 2);
+    std::fs::write(scratch.path("junk.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{\"w\": 1}").unwrap();
+    let words: Vec<String> = [
+        "sample",
+        "report",
+        "--lm-head",
+        "--hidden",
+        "--samples",
+        "--seed",
+        "--temperature",
+        "--device",
+        "--gpu",
+        "--out",
+        "--lm-head-tensor",
+        "--hidden-tensor",
+        "--bench",
+        "-1",
+        "0",
+        "1",
+        "3",
+        "4294967296",
+        "1e-45",
+        "nan",
+        "inf",
+        "cpu",
+        "auto",
+        "x",
+        "",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([w.clone(), h.clone(), scratch.path("junk.safetensors"), scratch.path("out.npy"), scratch.path("")])
+    .collect();
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 48, ..ProptestConfig::default() });
+    let strategy = prop::collection::vec(prop::sample::select(words), 0..14);
+    runner
+        .run(&strategy, |args| {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let output = flashsample(&args);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            prop_assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+            prop_assert!(matches!(output.status.code(), Some(0..=2)), "{args:?}: {:?} {stderr}", output.status);
+            if !output.status.success() {
+                prop_assert!(stderr.contains("error") || stderr.contains("Usage:"), "{args:?}: {stderr}");
+            }
+            Ok(())
+        })
+        .unwrap();
+}

@@ -62,8 +62,16 @@ fn flashsample(args: &[&str]) -> Output {
     Command::new(binary).args(args).output().unwrap()
 }
 
+/// `sample` on `w` and `h` into `out` with `extra`, on the device `--device` defaults to.
+fn sample_on_default_device<'a>(w: &'a str, h: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["sample", "--lm-head", w, "--hidden", h, "--out", out];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// `sample` on the CPU.
 fn sample_args<'a>(w: &'a str, h: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec!["sample", "--lm-head", w, "--hidden", h, "--out", out, "--device", "cpu"];
+    let mut args = sample_on_default_device(w, h, out, &["--device", "cpu"]);
     args.extend_from_slice(extra);
     args
 }
@@ -202,23 +210,12 @@ fn cuda_device_without_a_gpu_is_a_one_line_error() {
     let scratch = Scratch::new("cuda");
     let (w, h) = inputs(&scratch, 20, 8, 2);
     let out = scratch.path("t.npy");
-    let output = flashsample(&[
-        "sample",
-        "--lm-head",
+    let output = flashsample(&sample_on_default_device(
         &w,
-        "--hidden",
         &h,
-        "--out",
         &out,
-        "--device",
-        "cuda",
-        "--samples",
-        "3",
-        "--seed",
-        "1",
-        "--temperature",
-        "1",
-    ]);
+        &["--device", "cuda", "--samples", "3", "--seed", "1", "--temperature", "1"],
+    ));
     if !output.status.success() {
         assert_clean_failure(&output, "no CUDA device");
         assert_eq!(String::from_utf8_lossy(&output.stderr).lines().count(), 1);
@@ -232,21 +229,8 @@ fn device_auto_says_in_one_line_where_it_samples() {
     let scratch = Scratch::new("auto");
     let (w, h) = inputs(&scratch, 20, 8, 2);
     let out = scratch.path("t.npy");
-    let output = flashsample(&[
-        "sample",
-        "--lm-head",
-        &w,
-        "--hidden",
-        &h,
-        "--out",
-        &out,
-        "--samples",
-        "3",
-        "--seed",
-        "1",
-        "--temperature",
-        "1",
-    ]);
+    let output =
+        flashsample(&sample_on_default_device(&w, &h, &out, &["--samples", "3", "--seed", "1", "--temperature", "1"]));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");

@@ -10,7 +10,7 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     let root = toolchain::workspace_root();
     let out = out.map(PathBuf::from).unwrap_or_else(|| root.join("bundle"));
     let cargo = toolchain::cargo();
-    let status = toolchain::clean_command(&cargo)
+    let status = nvptx_builder::clean_command(&cargo)
         .current_dir(&root)
         .args(["build", "--release", "--package", "flashsample-cli", "--bin", "flashsample"])
         .status()
@@ -18,7 +18,7 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     if !status.success() {
         return Err("building the CLI failed".into());
     }
-    let output = toolchain::clean_command(&cargo)
+    let output = nvptx_builder::clean_command(&cargo)
         .current_dir(&root)
         .args(["test", "--release", "--workspace", "--no-run", "--message-format=json"])
         .stderr(std::process::Stdio::inherit())

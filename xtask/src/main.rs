@@ -1,22 +1,20 @@
 //! `cargo xtask <command>`: the project's build chores, in Rust (matklad's cargo-xtask).
 //!
-//! - `build-kernels [--module portable|hopper] [--check]`: compile `kernels/` to PTX with
-//!   nightly rustc's NVPTX backend once per module of the registry (`portable`: sm_80;
-//!   `hopper`: sm_90a), link it ourselves (`llvm-link` → `opt` → `llc`), validate it with
-//!   `ptxas` when one is found, and write `host/ptx/<module>.ptx`, which the host embeds.
-//!   `--check` fails if a committed module differs from a fresh build (CI runs it).
+//! - `build-kernels [--module portable|hopper] [--check]`: build `kernels/` into one PTX module
+//!   per module of the registry (`portable`: sm_80; `hopper`: sm_90a) with `nvptx-builder`
+//!   (launch bounds and the aligned-op check from the registry, ptxas budgets), check that
+//!   each holds exactly its registry kernels, and write `host/ptx/<module>.ptx`, which the host
+//!   embeds. `--check` fails if a committed module differs from a fresh build (CI runs it).
 //! - `clippy-kernels [--module portable|hopper]`: clippy over `kernels/` as each module builds
 //!   it, warnings denied and every `unsafe` block documented (`// SAFETY:`); CI runs it.
 //! - `bundle [--out DIR]`: build the release CLI and test binaries and gather them, the PTX
 //!   and `scripts/gpu-run.sh` into one folder (default `bundle/`) to carry to the GPU machine.
 //!
-//! The same binary also serves as rustc's linker for the kernel crate: when
-//! `FLASHSAMPLE_PTX_LINK` is set, it performs the bitcode → PTX link step (see `link.rs`).
+//! The same binary also serves as rustc's linker for the kernel crate
+//! (`nvptx_builder::link_if_invoked`).
 
 mod bundle;
 mod kernels;
-mod link;
-mod ptxas;
 mod toolchain;
 
 use std::process::ExitCode;
@@ -26,10 +24,10 @@ use flashsample_core::registry::Module;
 const USAGE: &str = "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask clippy-kernels [--module portable|hopper]\n       cargo xtask bundle [--out DIR]";
 
 fn main() -> ExitCode {
+    // rustc calls this binary back as the kernel crate's linker (nvptx-builder's link step).
+    nvptx_builder::link_if_invoked();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result =
-        if std::env::var_os(link::LINKER_MODE_VARIABLE).is_some() { link::run(&args) } else { run_command(&args) };
-    match result {
+    match run_command(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("error: {message}");

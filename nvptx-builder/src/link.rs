@@ -1,7 +1,8 @@
-//! The bitcode → PTX link step, run when rustc calls this binary as the kernel crate's linker.
+//! The bitcode → PTX link step, run when rustc calls the builder's own process as the kernel
+//! crate's linker.
 //!
-//! rustc's nvptx target expects `llvm-bitcode-linker`, which cannot be installed here. It
-//! calls its linker with `--export-symbol K …`, the crate's bitcode object(s), rlibs,
+//! rustc's nvptx target expects `llvm-bitcode-linker`, a component many installs cannot add.
+//! rustc calls its linker with `--export-symbol K …`, the crate's bitcode object(s), rlibs,
 //! `--target-cpu`, optional `--target-feature`, and `-o out.ptx`. With fat LTO the crate's
 //! object already holds every function it uses, so the rlibs are not read. We then run:
 //! `llvm-link` (merge the objects) → `opt` (internalize all but the kernels, drop dead code,
@@ -10,13 +11,11 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use flashsample_core::registry::Kernel;
+/// Set (to the LLVM tools' folder) when the process is invoked as the linker.
+pub(crate) const LINKER_MODE_VARIABLE: &str = "NVPTX_BUILDER_LINK";
 
-/// Set (to the LLVM tools' folder) when this binary is invoked as the linker.
-pub const LINKER_MODE_VARIABLE: &str = "FLASHSAMPLE_PTX_LINK";
-
-pub fn run(args: &[String]) -> Result<(), String> {
-    let llvm_bin = PathBuf::from(std::env::var_os(LINKER_MODE_VARIABLE).expect("checked by main"));
+/// The link step, from the arguments rustc passes.
+pub(crate) fn run(llvm_bin: PathBuf, args: &[String]) -> Result<(), String> {
     let mut exports = Vec::new();
     let mut objects = Vec::new();
     let mut output = None;
@@ -63,27 +62,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     if !features.is_empty() {
         llc.arg(format!("-mattr={}", features.join(",")));
     }
-    run_tool(&mut llc)?;
-    let ptx = std::fs::read_to_string(&output).map_err(|e| format!("cannot read {}: {e}", output.display()))?;
-    std::fs::write(&output, add_launch_bounds(&ptx)).map_err(|e| format!("cannot write {}: {e}", output.display()))
-}
-
-/// Adds `.maxntid` to every kernel that declares launch bounds in the registry
-/// ([`Kernel::launch_bounds`]): rustc has no attribute for NVVM launch bounds.
-fn add_launch_bounds(ptx: &str) -> String {
-    let mut out = String::with_capacity(ptx.len() + 1024);
-    let mut bounds = None;
-    for line in ptx.lines() {
-        out.push_str(line);
-        out.push('\n');
-        if let Some(entry) = line.strip_prefix(".visible .entry ") {
-            bounds = Kernel::named(entry.split('(').next().unwrap_or(entry)).and_then(Kernel::launch_bounds);
-        } else if let Some(threads) = bounds.filter(|_| line.starts_with(')')) {
-            out.push_str(&format!(".maxntid {threads}, 1, 1\n"));
-            bounds = None;
-        }
-    }
-    out
+    run_tool(&mut llc)
 }
 
 fn run_tool(command: &mut Command) -> Result<(), String> {

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [bench] [peers] [ncu] [iso]
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso]
 # (none named = tests portable demo bench ncu). `tests` runs every test binary with the
 # device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
 # the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100. `quick`
 # runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
 # tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
-# `bench` times both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py).
+# `example` launches nvptx-builder's example kernel and checks it against the CPU. `bench` times
+# both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py).
 # Logs and CSVs go to OUT; a summary table is printed last.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: run.sh OUT [stages]}; shift
 mkdir -p "$out"
-stages=${*:-tests portable demo bench ncu}
+stages=${*:-tests portable demo example bench ncu}
 summary=()
 step() { # name, command...
     local name=$1; shift
@@ -60,6 +61,7 @@ for stage in $stages; do
         step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'"
         step demo-portable timeout 120 bash -c "FLASHSAMPLE_MODULE=portable '$here/flashsample' demo 2>&1 | tee -a '$out/demo.log'"
         ;;
+    example) step example timeout 60 bash -c "'$here/saxpy-example' 2>&1 | tee '$out/example.log'" ;;
     peers) step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1" ;;
     bench)
         libs=$(cublas_path)

@@ -1,6 +1,6 @@
 //! `cargo xtask bundle`: one folder with everything a GPU run needs (the GPU machine has no
-//! Rust): the release CLI, the release test binaries (the PTX is embedded in both), `run.sh` and
-//! `peers.py`.
+//! Rust): the release CLI, the release test binaries (the PTX is embedded in both), the
+//! `nvptx-builder` example, `run.sh` and `peers.py`.
 
 use std::path::{Path, PathBuf};
 
@@ -28,12 +28,24 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
         return Err("building the tests failed".into());
     }
     let tests = test_executables(&String::from_utf8_lossy(&output.stdout));
+    // nvptx-builder's example: its build script builds the example kernels, its binary
+    // launches them (stage `example` of run.sh).
+    let example = root.join("nvptx-builder/example/host");
+    let status = nvptx_builder::clean_command(&cargo)
+        .current_dir(&example)
+        .args(["build", "--release"])
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err("building nvptx-builder's example failed".into());
+    }
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     copy(&root.join("target/release/flashsample"), &out.join("flashsample"))?;
     for (name, path) in &tests {
         copy(path, &out.join("tests").join(name))?;
     }
+    copy(&example.join("target/release/saxpy-example"), &out.join("saxpy-example"))?;
     copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root.join("scripts/peers.py"), &out.join("peers.py"))?;
     println!(

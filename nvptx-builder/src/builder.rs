@@ -168,6 +168,12 @@ impl PtxBuilder {
             }
             println!("cargo:rerun-if-env-changed=PTXAS");
         }
+        if self.targets.is_empty() {
+            return Err(Error::NoTargets);
+        }
+        // The kernel crate is checked before the toolchain: a wrong path is the cheaper mistake
+        // to report, and needs no nightly to find.
+        let crate_name = crate_name(&self.kernel_crate)?;
         let nightly = Nightly::find(&self.toolchain)?;
         let ptxas = match (&self.budget, toolchain::find_ptxas()) {
             (None, _) => None,
@@ -190,7 +196,6 @@ impl PtxBuilder {
                 None => self.kernel_crate.join("target/nvptx-builder"),
             },
         };
-        let crate_name = crate_name(&self.kernel_crate)?;
         let mut built = Vec::new();
         for (index, target) in self.targets.iter().enumerate() {
             let folder = target_dir.join(format!("{index}-{}", target.cpu));
@@ -253,22 +258,27 @@ impl PtxBuilder {
     }
 }
 
-/// The kernel crate's library name: its package name with `-` as `_`.
+/// The kernel crate's library name, which names its PTX: `[lib] name` if set, else the package
+/// name with `-` as `_`.
 fn crate_name(kernel_crate: &Path) -> Result<String, Error> {
     let manifest = kernel_crate.join("Cargo.toml");
-    let text = std::fs::read_to_string(&manifest)
-        .map_err(|e| Error::File(format!("cannot read {}: {e}", manifest.display())))?;
-    let mut in_package = false;
+    let text = std::fs::read_to_string(&manifest).map_err(|e| {
+        Error::File(format!("cannot read {} (is {} a kernel crate?): {e}", manifest.display(), kernel_crate.display()))
+    })?;
+    let (mut section, mut package, mut lib) = ("", None, None);
     for line in text.lines().map(str::trim) {
         if line.starts_with('[') {
-            in_package = line == "[package]";
-        } else if in_package
-            && let Some(value) = line.strip_prefix("name").map(str::trim).and_then(|v| v.strip_prefix('='))
-        {
-            return Ok(value.trim().trim_matches('"').replace('-', "_"));
+            section = line;
+        } else if let Some(value) = line.strip_prefix("name").map(str::trim).and_then(|v| v.strip_prefix('=')) {
+            let value = Some(value.trim().trim_matches('"').replace('-', "_"));
+            match section {
+                "[package]" => package = value,
+                "[lib]" => lib = value,
+                _ => {}
+            }
         }
     }
-    Err(Error::File(format!("{} has no [package] name", manifest.display())))
+    lib.or(package).ok_or_else(|| Error::File(format!("{} has no [package] name", manifest.display())))
 }
 
 fn write(path: &Path, ptx: &str) -> Result<(), Error> {
@@ -276,4 +286,46 @@ fn write(path: &Path, ptx: &str) -> Result<(), Error> {
         std::fs::create_dir_all(parent).map_err(|e| Error::File(format!("cannot create {}: {e}", parent.display())))?;
     }
     std::fs::write(path, ptx).map_err(|e| Error::File(format!("cannot write {}: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel_crate(manifest: &str) -> PathBuf {
+        let folder = std::env::temp_dir().join(format!("nvptx-builder-test-{}-{}", std::process::id(), manifest.len()));
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::write(folder.join("Cargo.toml"), manifest).unwrap();
+        folder
+    }
+
+    #[test]
+    fn a_target_becomes_rustc_flags() {
+        let target = Target::new("sm_90a").ptx_isa(8, 3).feature("+ptx84").cfg("module=\"hopper\"");
+        assert_eq!(
+            target.rustflags(),
+            ["-Ctarget-cpu=sm_90a", "-Ctarget-feature=+ptx83", "-Ctarget-feature=+ptx84", "--cfg=module=\"hopper\""]
+        );
+    }
+
+    #[test]
+    fn the_ptx_is_named_for_the_library() {
+        let plain = kernel_crate("[package]\nname = \"my-kernels\"\nversion = \"0.1.0\"\n");
+        assert_eq!(crate_name(&plain).unwrap(), "my_kernels");
+        let renamed =
+            kernel_crate("[package]\nname = \"my-kernels\"\n\n[lib]\nname = \"gpu\"\ncrate-type = [\"cdylib\"]\n");
+        assert_eq!(crate_name(&renamed).unwrap(), "gpu");
+        for folder in [plain, renamed] {
+            std::fs::remove_dir_all(folder).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_build_without_targets_or_kernel_crate_says_what_is_missing() {
+        let no_targets = PtxBuilder::new("kernels").build().unwrap_err();
+        assert!(matches!(no_targets, Error::NoTargets), "{no_targets}");
+        let missing = PtxBuilder::new("/no/such/kernels").target(Target::new("sm_80")).build().unwrap_err();
+        assert!(matches!(missing, Error::File(_)), "{missing}");
+        assert!(missing.to_string().contains("/no/such/kernels/Cargo.toml"), "{missing}");
+    }
 }

@@ -43,6 +43,8 @@ pub use toolchain::{Nightly, clean_command, find_ptxas};
 pub enum Error {
     /// The toolchain lacks something the build needs; `fix` is the command that installs it.
     Toolchain { missing: String, fix: String },
+    /// The builder was given no [`Target`].
+    NoTargets,
     /// `ptxas` is needed ([`PtxBuilder::require_ptxas`]) and was not found.
     NoPtxas,
     /// The kernel crate did not build.
@@ -61,6 +63,7 @@ impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Error::Toolchain { missing, fix } => write!(f, "the kernel build needs {missing}; fix: {fix}"),
+            Error::NoTargets => f.write_str("no target to build: add one, e.g. .target(Target::new(\"sm_80\"))"),
             Error::NoPtxas => {
                 write!(f, "ptxas not found ($PTXAS, PATH or NVIDIA's PyPI wheels); fix: {}", toolchain::INSTALL_PTXAS)
             }

@@ -61,6 +61,18 @@ pub fn validate(ptxas: &Path, ptx: &Path, arch: &str, budget: &Budget) -> Result
             notices.join("\n")
         )));
     }
+    let kernels = parse_log(&log);
+    let over = over_budget(&kernels, budget);
+    if !over.is_empty() {
+        return Err(Error::Budget(format!("kernels over the budget ({arch}):\n{}", over.join("\n"))));
+    }
+    Ok(kernels)
+}
+
+/// Every entry's resources from a `ptxas -v` log, sorted by name. Functions that are not
+/// entries (a panic path, say) are skipped: their lines follow an entry's but name another
+/// function.
+fn parse_log(log: &str) -> Vec<KernelResources> {
     let mut kernels: Vec<KernelResources> = Vec::new();
     let mut in_entry = false;
     for line in log.lines() {
@@ -68,9 +80,8 @@ pub fn validate(ptxas: &Path, ptx: &Path, arch: &str, budget: &Budget) -> Result
             let name = rest.split('\'').next().unwrap_or("").to_string();
             kernels.push(KernelResources { name, ..Default::default() });
             in_entry = true;
-        } else if line.contains("Function properties for") {
-            // Properties of a non-entry function (e.g. a panic path) follow; only entries count.
-            in_entry = line.contains(kernels.last().map(|k| k.name.as_str()).unwrap_or("\u{0}"));
+        } else if let Some(function) = line.split("Function properties for ").nth(1) {
+            in_entry = kernels.last().is_some_and(|k| k.name == function.trim());
         } else if let (true, Some(kernel)) = (in_entry, kernels.last_mut()) {
             if line.contains("stack frame") {
                 kernel.stack_frame = number_before(line, "bytes stack frame").unwrap_or(0);
@@ -83,19 +94,24 @@ pub fn validate(ptxas: &Path, ptx: &Path, arch: &str, budget: &Budget) -> Result
         }
     }
     kernels.sort_by(|a, b| a.name.cmp(&b.name));
+    kernels
+}
+
+/// One line per kernel and limit it breaks.
+fn over_budget(kernels: &[KernelResources], budget: &Budget) -> Vec<String> {
     let mut over = Vec::new();
-    for k in &kernels {
+    for k in kernels {
         if !budget.allow_local_memory && k.stack_frame + k.spill_stores + k.spill_loads > 0 {
-            over.push(format!("{}: {} B stack, {} B spilled", k.name, k.stack_frame, k.spill_stores));
+            over.push(format!(
+                "{}: {} B stack frame, {} B spill stores, {} B spill loads (local memory)",
+                k.name, k.stack_frame, k.spill_stores, k.spill_loads
+            ));
         }
         if let Some(max) = budget.max_registers.filter(|&max| k.registers > max) {
             over.push(format!("{}: {} registers > {max}", k.name, k.registers));
         }
     }
-    if !over.is_empty() {
-        return Err(Error::Budget(format!("kernels over the budget ({arch}):\n{}", over.join("\n"))));
-    }
-    Ok(kernels)
+    over
 }
 
 /// The resource table, one line per kernel.
@@ -112,4 +128,48 @@ pub fn table(arch: &str, kernels: &[KernelResources]) -> String {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines in the format ptxas 12.9 prints with `-v`: an entry with static shared memory, a
+    /// panic function that follows it, an entry with a stack frame and spills.
+    const LOG: &str = "\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'tile' for 'sm_90a'
+ptxas info    : Function properties for tile
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem, 392 bytes cmem[0]
+ptxas info    : Compile time = 2.771 ms
+ptxas info    : Function properties for _RNvNtCs0_4core9panicking9panic_fmt
+    16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function 'merge' for 'sm_90a'
+ptxas info    : Function properties for merge
+    64 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers, 64 bytes cumulative stack size
+ptxas info    : Compile time = 2.464 ms
+";
+
+    fn kernel(name: &str, registers: u32, stack_frame: u32, spills: (u32, u32), shared: u32) -> KernelResources {
+        let (spill_stores, spill_loads) = spills;
+        KernelResources { name: name.into(), registers, stack_frame, spill_stores, spill_loads, shared }
+    }
+
+    #[test]
+    fn the_log_gives_each_entrys_resources_and_skips_other_functions() {
+        assert_eq!(parse_log(LOG), [kernel("merge", 8, 64, (8, 4), 0), kernel("tile", 168, 0, (0, 0), 1024)]);
+    }
+
+    #[test]
+    fn the_default_budget_forbids_local_memory_and_a_register_limit_is_enforced() {
+        let kernels = parse_log(LOG);
+        assert_eq!(
+            over_budget(&kernels, &Budget::default()),
+            ["merge: 64 B stack frame, 8 B spill stores, 4 B spill loads (local memory)"]
+        );
+        let budget = Budget { max_registers: Some(128), allow_local_memory: true, ..Budget::default() };
+        assert_eq!(over_budget(&kernels, &budget), ["tile: 168 registers > 128"]);
+    }
 }

@@ -4,10 +4,8 @@ use std::path::{Path, PathBuf};
 
 use crate::checks::{Occurrences, add_launch_bounds, check_written_once};
 use crate::ptxas::{self, Budget, KernelResources};
-use crate::toolchain::{self, Nightly, clean_command};
+use crate::toolchain::{self, NVPTX_TARGET, Nightly};
 use crate::{Error, link};
-
-const TARGET: &str = "nvptx64-nvidia-cuda";
 
 /// One PTX target of the kernel crate.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -233,24 +231,19 @@ impl PtxBuilder {
             format!("-Clinker={}", this.display()),
             format!("--cfg=nvptx_builder_link_{:016x}", std::hash::Hasher::finish(&link_step)),
         ]);
-        let status = clean_command(&nightly.cargo)
-            .current_dir(&self.kernel_crate)
-            .args(["build", "--release", "--target", TARGET, "-Zbuild-std=core", "--target-dir"])
-            .arg(folder)
-            .env("RUSTC", &nightly.rustc)
-            .env("RUSTUP_TOOLCHAIN", &nightly.name)
-            .env("CARGO_ENCODED_RUSTFLAGS", flags.join("\u{1f}"))
+        let status = nightly
+            .kernel_cargo("build", &self.kernel_crate, folder, &flags)
             .env(link::LINKER_MODE_VARIABLE, &nightly.llvm_bin)
             .status()
             .map_err(|e| Error::Build(format!("cannot run {}: {e}", nightly.cargo.display())))?;
         if !status.success() {
             return Err(Error::Build(format!(
-                "building {} for {TARGET} ({}) failed ({status})",
+                "building {} for {NVPTX_TARGET} ({}) failed ({status})",
                 self.kernel_crate.display(),
                 target.cpu
             )));
         }
-        let ptx = folder.join(TARGET).join("release").join(format!("{crate_name}.ptx"));
+        let ptx = folder.join(NVPTX_TARGET).join("release").join(format!("{crate_name}.ptx"));
         if !ptx.is_file() {
             return Err(Error::Build(format!("the build wrote no {}", ptx.display())));
         }

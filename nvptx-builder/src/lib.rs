@@ -36,7 +36,7 @@ mod toolchain;
 pub use builder::{Built, PtxBuilder, Target};
 pub use checks::{Occurrences, add_launch_bounds, check_written_once, entries};
 pub use ptxas::{Budget, KernelResources, table};
-pub use toolchain::{Nightly, clean_command, find_ptxas};
+pub use toolchain::{NVPTX_TARGET, Nightly, clean_command, find_ptxas};
 
 /// What can go wrong, each with what is missing and how to fix it where that is known.
 #[derive(Debug)]

@@ -1,7 +1,7 @@
 //! Finding the nightly toolchain the kernels build with, its LLVM tools, and `ptxas`; every
 //! failure names what is missing and the command that installs it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::Error;
@@ -89,7 +89,31 @@ impl Nightly {
         }
         Ok(Nightly { name: name.to_string(), rustc, cargo: sysroot.join("bin/cargo"), llvm_bin })
     }
+
+    /// `cargo <subcommand>` on the kernel crate in `kernel_crate` for the NVPTX target, release,
+    /// with `core` built from source, into `target_dir`, with `rustflags`: the one nested cargo
+    /// every kernel build and check runs (`build` here, `clippy` in a caller's xtask).
+    pub fn kernel_cargo(
+        &self,
+        subcommand: &str,
+        kernel_crate: &Path,
+        target_dir: &Path,
+        rustflags: &[String],
+    ) -> Command {
+        let mut command = clean_command(&self.cargo);
+        command
+            .current_dir(kernel_crate)
+            .args([subcommand, "--release", "--target", NVPTX_TARGET, "-Zbuild-std=core", "--target-dir"])
+            .arg(target_dir)
+            .env("RUSTC", &self.rustc)
+            .env("RUSTUP_TOOLCHAIN", &self.name)
+            .env("CARGO_ENCODED_RUSTFLAGS", rustflags.join("\u{1f}"));
+        command
+    }
 }
+
+/// rustc's target for PTX.
+pub const NVPTX_TARGET: &str = "nvptx64-nvidia-cuda";
 
 /// `ptxas` from `$PTXAS`, the `PATH`, or the NVIDIA PyPI wheels of `python3`.
 pub fn find_ptxas() -> Option<PathBuf> {

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use flashsample_core::registry::{Kernel, Module};
-use nvptx_builder::{Budget, Nightly, PtxBuilder, Target, clean_command, entries, table};
+use nvptx_builder::{Budget, Nightly, PtxBuilder, Target, entries, table};
 
 use crate::toolchain;
 
@@ -106,13 +106,9 @@ pub fn clippy(modules: &[Module]) -> Result<(), String> {
 }
 
 fn run_clippy(root: &Path, nightly: &Nightly, module: Module) -> Result<(), String> {
-    let status = clean_command(&nightly.cargo)
-        .current_dir(root.join("kernels"))
-        .args(["clippy", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--target-dir"])
-        .arg(root.join("target/kernels/clippy").join(module.name()))
-        .env("RUSTC", &nightly.rustc)
-        .env("RUSTUP_TOOLCHAIN", &nightly.name)
-        .env("CARGO_ENCODED_RUSTFLAGS", target(module).rustflags().join("\u{1f}"))
+    let target_dir = root.join("target/kernels/clippy").join(module.name());
+    let status = nightly
+        .kernel_cargo("clippy", &root.join("kernels"), &target_dir, &target(module).rustflags())
         .args(["--", "-D", "warnings", "-D", "clippy::undocumented_unsafe_blocks"])
         .status()
         .map_err(|e| format!("cannot run cargo clippy: {e}"))?;

@@ -120,15 +120,20 @@ impl NpyWriter {
     /// (`rows × count`, row-major).
     pub fn write_columns(&mut self, first_col: usize, count: usize, values: &[u32]) -> Result<()> {
         use std::io::{Seek, SeekFrom};
-        assert!(first_col + count <= self.cols && values.len() == self.rows * count, "the caller passes whole blocks");
-        let path = self.path.clone();
+        if first_col.checked_add(count).is_none_or(|end| end > self.cols) {
+            return Err(invalid("first_col", format!("columns {first_col} + {count} exceed the file's {}", self.cols)));
+        }
+        if Some(values.len()) != self.rows.checked_mul(count) {
+            return Err(invalid("values", format!("{} values for {} rows × {count} columns", values.len(), self.rows)));
+        }
+        let path = &self.path;
         let mut bytes = Vec::with_capacity(count * 8);
         for (row, chunk) in values.chunks(count.max(1)).enumerate() {
             bytes.clear();
             bytes.extend(chunk.iter().flat_map(|&v| (v as i64).to_le_bytes()));
             let at = self.data_offset + ((row * self.cols + first_col) * 8) as u64;
-            self.file.seek(SeekFrom::Start(at)).map_err(|e| file_error(&path, e))?;
-            self.file.write_all(&bytes).map_err(|e| file_error(&path, e))?;
+            self.file.seek(SeekFrom::Start(at)).map_err(|e| file_error(path, e))?;
+            self.file.write_all(&bytes).map_err(|e| file_error(path, e))?;
         }
         Ok(())
     }
@@ -173,4 +178,27 @@ pub fn read_npy_i64(path: &Path) -> Result<(usize, usize, Vec<i64>)> {
         return Err(bad());
     }
     Ok((rows, cols, values))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block that does not fit the file is an error naming the argument, and the blocks that
+    /// fit read back in place.
+    #[test]
+    fn npy_blocks_outside_the_file_are_errors() {
+        let path = std::env::temp_dir().join(format!("flashsample-npy-{}.npy", std::process::id()));
+        let mut writer = NpyWriter::create(&path, 2, 3).unwrap();
+        let beyond = writer.write_columns(2, 2, &[0; 4]).unwrap_err();
+        assert!(matches!(&beyond, Error::InvalidArgument { argument, .. } if argument == "first_col"), "{beyond}");
+        let short = writer.write_columns(0, 2, &[0; 3]).unwrap_err();
+        assert!(matches!(&short, Error::InvalidArgument { argument, .. } if argument == "values"), "{short}");
+        writer.write_columns(1, 2, &[1, 2, 3, 4]).unwrap();
+        writer.write_columns(0, 1, &[5, 6]).unwrap();
+        writer.finish().unwrap();
+        let read = read_npy_i64(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(read, (2, 3, vec![5, 1, 2, 6, 3, 4]));
+    }
 }

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso]
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso] [candle]
 # (none named = tests portable demo bench ncu). `tests` runs every test binary with the
 # device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
 # the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100. `quick`
 # runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
 # tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
-# `example` launches nvptx-builder's example kernel and checks it against the CPU. `bench` times
+# `example` launches nvptx-builder's example kernel and checks it against the CPU, and runs the
+# borrowed-mode decode loop with both modules; `candle` runs the candle adapter's tests and
+# example (from the folder `cargo xtask bundle --candle` makes). `bench` times
 # both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py).
 # Logs and CSVs go to OUT; a summary table is printed last.
 set -u
@@ -48,7 +50,7 @@ run_tests() { # log, binaries...
 for stage in $stages; do
     case $stage in
     tests) run_tests "$out/gpu-tests.log" "$here"/tests/* ;;
-    portable) FLASHSAMPLE_MODULE=portable run_tests "$out/gpu-tests-portable.log" "$here/tests/tests-gpu" "$here/tests/cli-cli" ;;
+    portable) FLASHSAMPLE_MODULE=portable run_tests "$out/gpu-tests-portable.log" "$here/tests/tests-gpu" "$here/tests/tests-borrowed" "$here/tests/cli-cli" ;;
     quick|smoke)
         step quick-tests timeout 120 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused tile_width >> "$out/smoke.log" 2>&1
         grep -E "test result|FAILED|panicked" "$out/smoke.log" | tail -10
@@ -61,7 +63,29 @@ for stage in $stages; do
         step demo timeout 120 bash -c "'$here/flashsample' demo 2>&1 | tee '$out/demo.log'"
         step demo-portable timeout 120 bash -c "FLASHSAMPLE_MODULE=portable '$here/flashsample' demo 2>&1 | tee -a '$out/demo.log'"
         ;;
-    example) step example timeout 60 bash -c "'$here/saxpy-example' 2>&1 | tee '$out/example.log'" ;;
+    example)
+        step example timeout 60 bash -c "'$here/saxpy-example' 2>&1 | tee '$out/example.log'"
+        step decode-loop timeout 120 bash -c "'$here/decode-loop-example' 2>&1 | tee -a '$out/example.log'"
+        step decode-loop-portable timeout 120 bash -c "FLASHSAMPLE_MODULE=portable '$here/decode-loop-example' 2>&1 | tail -3 | tee -a '$out/example.log'"
+        ;;
+    candle)
+        # The candle adapter (bundle made by `cargo xtask bundle --candle`): candle links the
+        # CUDA runtime, cuBLAS and cuRAND, which torch's wheels carry.
+        libs=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)) + "/nvidia/cu13/lib")')
+        candle=/tmp/flashsample-candle && mkdir -p $candle
+        for packed in "$here"/*.xz "$here"/../bundle-candle/*.xz; do
+            [ -f "$packed" ] || continue
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$packed" "$candle/$(basename "$packed" .xz)"
+            chmod +x "$candle/$(basename "$packed" .xz)"
+        done
+        for module in auto portable; do
+            step "candle-example $module" timeout 200 bash -c "FLASHSAMPLE_MODULE=$module LD_LIBRARY_PATH='$libs' '$candle/candle-example' 2>&1 | tail -6 | tee -a '$out/candle.log'"
+            for t in "$candle"/*adapter*; do
+                step "candle-tests $module" timeout 400 bash -c "FLASHSAMPLE_MODULE=$module LD_LIBRARY_PATH='$libs' '$t' --include-ignored --test-threads=1 --nocapture >> '$out/candle.log' 2>&1"
+            done
+        done
+        grep -E "test result|FAILED|panicked|chi2|tokens drawn" "$out/candle.log" | tail -20
+        ;;
     peers) step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1" ;;
     bench)
         libs=$(cublas_path)

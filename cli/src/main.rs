@@ -2,6 +2,7 @@
 
 mod bench;
 mod cublas;
+mod host_cost;
 mod output;
 mod timing;
 
@@ -460,6 +461,9 @@ fn write_report(out: &Path, rows: &[bench::Row], peers: &[bench::PeerTiming], dt
     Ok(())
 }
 
+/// Batch sizes whose host cost per step the bench reports.
+const HOST_COST_BATCHES: [usize; 2] = [1, 64];
+
 fn run_bench(
     out: PathBuf,
     shapes: Vec<String>,
@@ -500,6 +504,10 @@ fn run_bench(
         eprintln!("warning: no plot: {e}");
     }
     write_report(&out, &rows, &peers, dtype)?;
+    let (dim, vocab) = options.shapes[0];
+    let costs = host_cost::measure(&samplers[0], dim, vocab, dtype, &HOST_COST_BATCHES)?;
+    host_cost::write_csv(&out.join("host-cost.csv"), &costs)?;
+    println!("{}", host_cost::table(&costs));
     samplers.into_iter().try_for_each(CudaSampler::close)
 }
 

@@ -57,6 +57,12 @@ impl<T> DevicePtr<T> {
     }
 }
 
+// SAFETY: a `DevicePtr` is an address, not an access: sending or sharing it between threads
+// reads or writes nothing (whoever dereferences it on the device keeps the aliasing rules).
+unsafe impl<T> Send for DevicePtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for DevicePtr<T> {}
+
 impl<T> Clone for DevicePtr<T> {
     fn clone(&self) -> Self {
         *self
@@ -284,9 +290,9 @@ pub const fn candidate_slot(pair: u64, tiles: u32, tile: u32) -> u64 {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct FusedArgs {
-    /// `W[vocab, dim]`, row-major, the element type of the kernel.
+    /// `W[vocab, dim]`, rows `lm_head_stride` elements apart, the element type of the kernel.
     pub lm_head: DevicePtr<Element>,
-    /// `H[batch, dim]`, row-major, same element type.
+    /// `H[batch, dim]`, rows `hidden_stride` elements apart, same element type.
     pub hidden: DevicePtr<Element>,
     /// `[batch]` row parameters.
     pub row_params: DevicePtr<RowParams>,
@@ -298,6 +304,10 @@ pub struct FusedArgs {
     pub draw_offset: u32,
     pub samples: u32,
     pub tiles: u32,
+    /// Elements from one row of `W` to the next (at least `dim`).
+    pub lm_head_stride: u32,
+    /// Elements from one row of `H` to the next (at least `dim`).
+    pub hidden_stride: u32,
 }
 
 /// The unfused GEMM: `logits[b · logits_stride + i] = H[b]·W[i]` in f32.
@@ -313,6 +323,9 @@ pub struct LogitsArgs {
     pub batch: u32,
     /// Row stride of `logits` in elements, a multiple of 4 and at least `vocab`.
     pub logits_stride: u32,
+    /// Row strides of `W` and `H` in elements, as in [`FusedArgs`].
+    pub lm_head_stride: u32,
+    pub hidden_stride: u32,
 }
 
 /// The unfused sampler over materialised logits; writes candidates like [`FusedArgs`].
@@ -381,4 +394,28 @@ pub struct ReadProbeArgs {
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct EstimateErrorArgs {
     pub out: DevicePtr<u32>,
+}
+
+/// Adds `by` (wrapping) to the `step` of row parameters `row_params[0 .. batch]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AdvanceStepsArgs {
+    pub row_params: DevicePtr<RowParams>,
+    pub batch: u32,
+    pub by: u32,
+}
+
+/// Writes `lm_head` to `destination[0]` and `hidden` to `destination[1]`, then releases them to
+/// the tensor-map proxy, which the TMA kernels acquire before their first load. The maps travel
+/// by value in the argument block, which the driver copies at launch, so a call may be queued
+/// (or captured in a CUDA graph) while the host reuses its copy.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct StoreTensorMapsArgs {
+    /// Two 64-byte aligned tensor maps in global memory.
+    pub destination: DevicePtr<TensorMap>,
+    pub lm_head: [u64; 16],
+    pub hidden: [u64; 16],
 }

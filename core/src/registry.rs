@@ -48,10 +48,18 @@ pub enum Kernel {
     ReadProbe,
     /// The exhaustive check of the noise estimate's bound (`EstimateErrorArgs`).
     GumbelEstimateError,
+    /// Adds to the decode step of every row parameter (`AdvanceStepsArgs`): how a loop, or a
+    /// replayed CUDA graph, draws fresh noise without a host copy.
+    AdvanceSteps,
+    /// Writes a call's two tensor maps into device memory (`StoreTensorMapsArgs`), ordered on
+    /// the stream before the TMA kernel that reads them.
+    StoreTensorMaps,
 }
 
 /// Threads of the kernels that do not depend on a block shape (any multiple of 32 works).
 const UTILITY_THREADS: u32 = 256;
+/// Threads of the tensor-map writer: one warp, of which one thread writes.
+const STORE_TENSOR_MAPS_THREADS: u32 = 32;
 
 impl Kernel {
     /// Threads per block.
@@ -63,7 +71,10 @@ impl Kernel {
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
             Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,
             Kernel::ReduceCandidates => REDUCE_THREADS,
-            Kernel::FillUniform { .. } | Kernel::ReadProbe | Kernel::GumbelEstimateError => UTILITY_THREADS,
+            Kernel::FillUniform { .. } | Kernel::ReadProbe | Kernel::GumbelEstimateError | Kernel::AdvanceSteps => {
+                UTILITY_THREADS
+            }
+            Kernel::StoreTensorMaps => STORE_TENSOR_MAPS_THREADS,
         }
     }
 
@@ -78,9 +89,12 @@ impl Kernel {
             Kernel::FusedHandoff { columns, .. } => tma_handoff_shared_bytes(columns),
             Kernel::SampleLogits => LOGITS_SAMPLER_SHARED_BYTES,
             Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
-            Kernel::LogitsMma { .. } | Kernel::FillUniform { .. } | Kernel::ReadProbe | Kernel::GumbelEstimateError => {
-                0
-            }
+            Kernel::LogitsMma { .. }
+            | Kernel::FillUniform { .. }
+            | Kernel::ReadProbe
+            | Kernel::GumbelEstimateError
+            | Kernel::AdvanceSteps
+            | Kernel::StoreTensorMaps => 0,
         }
     }
 
@@ -95,9 +109,15 @@ impl Kernel {
         }
     }
 
-    /// Whether the kernel uses Hopper's TMA and `wgmma` (only the Hopper module holds it).
-    pub const fn needs_hopper(self) -> bool {
+    /// Whether the kernel is a TMA + `wgmma` tile kernel.
+    pub const fn is_tma_tile(self) -> bool {
         matches!(self, Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } | Kernel::FusedHandoff { .. })
+    }
+
+    /// Whether the kernel uses sm_90 instructions (TMA, `wgmma`, the tensor-map proxy fence), so
+    /// that only the Hopper module holds it.
+    pub const fn needs_hopper(self) -> bool {
+        self.is_tma_tile() || matches!(self, Kernel::StoreTensorMaps)
     }
 
     /// The warpgroup-collective `.sync.aligned` ops the kernel's PTX holds exactly once each
@@ -107,7 +127,7 @@ impl Kernel {
     /// `wait_group 0` appear exactly once, `wait_group 1` at most once (the handoff kernels
     /// wait with `wait_group 0` only).
     pub const fn aligned_ops_written_once(self) -> &'static [(&'static str, usize, usize)] {
-        if self.needs_hopper() {
+        if self.is_tma_tile() {
             &[
                 ("wgmma.commit_group.sync.aligned", 1, 1),
                 ("wgmma.wait_group.sync.aligned 0", 1, 1),
@@ -271,6 +291,8 @@ macro_rules! for_each_kernel {
             fill_uniform_f32 => FillUniform { element: F32 };
             read_probe => ReadProbe {};
             gumbel_estimate_error => GumbelEstimateError {};
+            advance_steps => AdvanceSteps {};
+            store_tensor_maps => StoreTensorMaps {};
         }
     };
 }
@@ -314,7 +336,8 @@ mod tests {
     #[test]
     fn the_portable_module_holds_everything_but_the_tma_kernels() {
         let portable: Vec<_> = Module::Portable.kernels().map(|e| e.kernel).collect();
-        assert!(portable.iter().all(|k| !k.needs_hopper() && k.launch_bounds().is_none()));
+        assert!(portable.iter().all(|k| !k.needs_hopper() && !k.is_tma_tile() && k.launch_bounds().is_none()));
+        assert!(portable.contains(&Kernel::AdvanceSteps) && !portable.contains(&Kernel::StoreTensorMaps));
         assert_eq!(Module::Hopper.kernels().count(), KERNELS.len());
         assert_eq!(portable.len(), KERNELS.iter().filter(|e| !e.kernel.needs_hopper()).count());
         assert!(portable.contains(&Kernel::FusedMma { element: ElementType::Bf16, columns: 32 }));

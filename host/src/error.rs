@@ -20,6 +20,9 @@ pub enum Error {
     /// Every logit of the row was −∞ or NaN, so there is no token to draw.
     #[error("row {row}, draw {draw}: no token can be drawn (every logit is -inf or NaN)")]
     NoToken { row: usize, draw: usize },
+    /// A call into the caller's framework (candle) failed.
+    #[error("{call} failed: {detail}")]
+    Framework { call: String, detail: String },
     /// Reading or writing a file failed.
     #[error("{path}: {message}")]
     File { path: String, message: String },

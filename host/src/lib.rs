@@ -17,6 +17,8 @@
 //! # Ok::<(), flashsample::Error>(())
 //! ```
 
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
@@ -24,13 +26,19 @@ pub mod io;
 pub mod params;
 pub mod tensor;
 
+#[cfg(feature = "candle")]
+pub use candle::CandleSampler;
 pub use cpu::{CpuLmHead, CpuSampler};
 pub use cuda::{
-    CudaHidden, CudaLmHead, CudaSampler, DeviceRows, DeviceTokens, MMA_COLUMNS, ModuleChoice, TMA_COLUMNS, Variant,
-    cuda_device_count,
+    CudaHidden, CudaLmHead, CudaSampler, DeviceElement, DeviceMatrix, DeviceRows, DeviceTokens, DeviceWorkspace,
+    MMA_COLUMNS, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, TMA_COLUMNS, Variant, cuda_device_count,
 };
+/// The cudarc this crate is built with: the safe wrappers of borrowed mode take its
+/// `CudaStream` and `CudaSlice`.
+pub use cudarc;
 pub use error::{Error, Result};
+pub use flashsample_core::RowParams;
 pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 pub use flashsample_core::registry::Module;
-pub use params::{HeadShape, SamplingParams};
+pub use params::{Draws, HeadShape, SamplingParams, row_params};
 pub use tensor::{DType, Elements, Matrix, MatrixShape};

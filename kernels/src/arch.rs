@@ -24,6 +24,15 @@ pub fn grid_size() -> u32 {
     unsafe { nvptx::_grid_dim_x() as u32 }
 }
 
+/// This thread's index in the grid and the grid's thread count (a grid-stride loop's start and
+/// step).
+#[inline(always)]
+pub fn global_thread() -> (u64, u64) {
+    // SAFETY: reads a special register.
+    let block_dim = unsafe { nvptx::_block_dim_x() } as u64;
+    (block_index() as u64 * block_dim + thread_index() as u64, grid_size() as u64 * block_dim)
+}
+
 /// Block-wide barrier.
 ///
 /// # Safety

@@ -45,18 +45,11 @@ impl Store for F16 {
     }
 }
 
-#[inline(always)]
-fn global_thread() -> (u64, u64) {
-    // SAFETY: reads special registers.
-    let block_dim = unsafe { core::arch::nvptx::_block_dim_x() } as u64;
-    (arch::block_index() as u64 * block_dim + arch::thread_index() as u64, arch::grid_size() as u64 * block_dim)
-}
-
 /// # Safety
 /// `args.out` holds `args.count` elements of `T`.
 #[inline(always)]
 pub unsafe fn fill_uniform<T: Store>(args: &FillArgs) {
-    let (mut group, stride) = global_thread();
+    let (mut group, stride) = arch::global_thread();
     let groups = args.count.div_ceil(4);
     while group < groups {
         let words = philox4x32_10([group as u32, (group >> 32) as u32, 0, 0], key(args.seed));
@@ -77,7 +70,7 @@ pub unsafe fn fill_uniform<T: Store>(args: &FillArgs) {
 /// `args.source` holds `args.bytes` readable bytes (a multiple of 64); `args.sink` one u32.
 #[inline(always)]
 pub unsafe fn read_probe(args: &ReadProbeArgs) {
-    let (thread, stride) = global_thread();
+    let (thread, stride) = arch::global_thread();
     let vectors = args.bytes / 16;
     let source = args.source.address();
     let mut checksum = 0u32;
@@ -114,7 +107,7 @@ pub unsafe fn read_probe(args: &ReadProbeArgs) {
 /// `args.out` is a zeroed, writable `u32`; every thread of the grid calls it.
 #[inline(always)]
 pub unsafe fn gumbel_estimate_error(args: &EstimateErrorArgs) {
-    let (thread, stride) = global_thread();
+    let (thread, stride) = arch::global_thread();
     let mut worst = 0.0f32;
     let mut x = thread;
     while x < 1 << 32 {

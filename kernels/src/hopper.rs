@@ -95,8 +95,8 @@ pub unsafe fn barrier_wait(bar: u32, parity: u32) {
 }
 
 /// Acquires the tensor map at global address `map` for this thread's TMA operations: the host
-/// wrote it with a copy before the launch, and the CUDA programming guide requires this fence
-/// before a tensor map in global memory is used.
+/// wrote it with a copy, or the tensor-map writer with stores, before the launch, and the CUDA
+/// programming guide requires this fence before a tensor map in global memory is used.
 ///
 /// # Safety
 /// `map` is the global address of a 128-byte tensor map.
@@ -104,6 +104,17 @@ pub unsafe fn barrier_wait(bar: u32, parity: u32) {
 pub unsafe fn fence_tensor_map(map: u64) {
     // SAFETY: per this function's contract: `map` is a 128-byte tensor map in global memory.
     unsafe { asm!("fence.proxy.tensormap::generic.acquire.sys [{m}], 128;", m = in(reg64) map, options(nostack)) }
+}
+
+/// Releases this thread's earlier stores of a tensor map to the tensor-map proxy, for a later
+/// kernel's [`fence_tensor_map`].
+///
+/// # Safety
+/// None beyond inline assembly: a fence.
+#[inline(always)]
+pub unsafe fn release_tensor_map() {
+    // SAFETY: a fence has no operands.
+    unsafe { asm!("fence.proxy.tensormap::generic.release.gpu;", options(nostack)) }
 }
 
 /// TMA: copies the box at element coordinates `(inner, outer)` of the tensor described by the

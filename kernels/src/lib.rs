@@ -32,14 +32,15 @@ mod fill;
 #[cfg(flashsample_module = "hopper")]
 mod hopper;
 mod sample;
+mod state;
 mod tile;
 #[cfg(flashsample_module = "hopper")]
 mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs, ReduceArgs,
-    SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
+    AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs,
+    ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -70,9 +71,22 @@ fn work_item(item: u32, columns: u32, batch: u32) -> (u32, u32, u32) {
     (tile, row0, col0)
 }
 
-#[inline(always)]
-fn tile_input(lm_head: u64, hidden: u64, vocab: u32, dim: u32, batch: u32, row0: u32, col0: u32) -> TileInput {
-    TileInput { lm_head, hidden, vocab, dim, batch, row0, col0 }
+/// The tile input of a launch's work item (`FusedArgs` and `LogitsArgs` describe `W` and `H`
+/// with the same fields).
+macro_rules! tile_input {
+    ($args:expr, $row0:expr, $col0:expr) => {
+        TileInput {
+            lm_head: $args.lm_head.address(),
+            hidden: $args.hidden.address(),
+            vocab: $args.vocab,
+            dim: $args.dim,
+            batch: $args.batch,
+            lm_head_stride: $args.lm_head_stride,
+            hidden_stride: $args.hidden_stride,
+            row0: $row0,
+            col0: $col0,
+        }
+    };
 }
 
 /// The tile kernel on the `mma.sync` tile of `8·NT` columns.
@@ -87,8 +101,7 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (tile, row0, col0) = work_item(item, columns, args.batch);
-        let input =
-            tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        let input = tile_input!(args, row0, col0);
         // SAFETY: all 32 lanes of every warp run the item loop together (items are per block), and
         // `input` describes the launch's valid matrices.
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
@@ -119,8 +132,7 @@ unsafe fn fused_simt<T: Element>(args: FusedArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (tile, row0, col0) = work_item(item, N_TILE, args.batch);
-        let input =
-            tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        let input = tile_input!(args, row0, col0);
         // SAFETY: as for the mma tile; `scratch` is this warp's area.
         let logits = unsafe { tile::simt_tile::<T>(&input, thread % 32, scratch) };
         // SAFETY: all threads of the block run it together; `args` and `staging` are valid.
@@ -142,8 +154,7 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     let mut item = arch::block_index();
     while item < items {
         let (_, row0, col0) = work_item(item, columns, args.batch);
-        let input =
-            tile_input(args.lm_head.address(), args.hidden.address(), args.vocab, args.dim, args.batch, row0, col0);
+        let input = tile_input!(args, row0, col0);
         // SAFETY: all 32 lanes of every warp run the item loop together, and `input` describes the
         // launch's valid matrices.
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
@@ -307,6 +318,30 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { fill::gumbel_estimate_error(&args) }
+        }
+    };
+    ($name:ident, AdvanceSteps {}) => {
+        /// Adds to the decode step of a batch's row parameters.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: AdvanceStepsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: `row_params` holds `batch`
+            // entries.
+            unsafe { state::advance_steps(&args) }
+        }
+    };
+    ($name:ident, StoreTensorMaps {}) => {
+        /// Writes a call's two tensor maps to device memory for the TMA kernel after it.
+        ///
+        /// # Safety
+        /// As the crate-level safety section; `destination` holds two 64-byte aligned maps.
+        #[cfg(flashsample_module = "hopper")]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: flashsample_core::abi::StoreTensorMapsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract.
+            unsafe { state::store_tensor_maps(&args) }
         }
     };
 }

@@ -19,6 +19,10 @@ pub struct TileInput {
     pub vocab: u32,
     pub dim: u32,
     pub batch: u32,
+    /// Elements from one row of `W` to the next.
+    pub lm_head_stride: u32,
+    /// Elements from one row of `H` to the next.
+    pub hidden_stride: u32,
     /// First vocabulary row of this thread (a multiple of 4).
     pub row0: u32,
     /// First batch column of the work item.
@@ -50,15 +54,16 @@ struct Addresses<const NT: usize> {
 fn addresses<const NT: usize>(input: &TileInput, lane: u32, element_bytes: u64) -> Addresses<NT> {
     let g = lane / 4;
     let t = lane % 4;
-    let row_bytes = input.dim as u64 * element_bytes;
+    let lm_head_row_bytes = input.lm_head_stride as u64 * element_bytes;
+    let hidden_row_bytes = input.hidden_stride as u64 * element_bytes;
     let thread_offset = 8 * t as u64 * element_bytes;
     let w = core::array::from_fn(|r| {
         let row = (input.row0 + r as u32).min(input.vocab - 1);
-        input.lm_head + row as u64 * row_bytes + thread_offset
+        input.lm_head + row as u64 * lm_head_row_bytes + thread_offset
     });
     let h = core::array::from_fn(|nt| {
         let col = (input.col0 + 8 * nt as u32 + g).min(input.batch - 1);
-        input.hidden + col as u64 * row_bytes + thread_offset
+        input.hidden + col as u64 * hidden_row_bytes + thread_offset
     });
     Addresses { w, h }
 }
@@ -199,13 +204,15 @@ pub unsafe fn simt_tile<T: Element>(input: &TileInput, lane: u32, scratch: *mut 
     let g = lane / 4;
     let t = lane % 4;
     let element = T::BYTES;
-    let row_bytes = input.dim as u64 * element;
+    let lm_head_row_bytes = input.lm_head_stride as u64 * element;
+    let hidden_row_bytes = input.hidden_stride as u64 * element;
     let warp_row0 = input.row0 - 4 * g;
-    let cols: [u64; 8] =
-        core::array::from_fn(|c| input.hidden + (input.col0 + c as u32).min(input.batch - 1) as u64 * row_bytes);
+    let cols: [u64; 8] = core::array::from_fn(|c| {
+        input.hidden + (input.col0 + c as u32).min(input.batch - 1) as u64 * hidden_row_bytes
+    });
     for q in 0..8u32 {
         let rows: [u64; 4] = core::array::from_fn(|r| {
-            input.lm_head + (warp_row0 + 4 * q + r as u32).min(input.vocab - 1) as u64 * row_bytes
+            input.lm_head + (warp_row0 + 4 * q + r as u32).min(input.vocab - 1) as u64 * lm_head_row_bytes
         });
         let mut partial = [0.0f32; 32];
         let mut k = lane;

@@ -12,11 +12,11 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     let cargo = toolchain::cargo();
     let status = nvptx_builder::clean_command(&cargo)
         .current_dir(&root)
-        .args(["build", "--release", "--package", "flashsample-cli", "--bin", "flashsample"])
+        .args(["build", "--release", "--package", "flashsample-cli", "--package", "flashsample-cudarc-example", "--bins"])
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if !status.success() {
-        return Err("building the CLI failed".into());
+        return Err("building the CLI and the decode-loop example failed".into());
     }
     let output = nvptx_builder::clean_command(&cargo)
         .current_dir(&root)
@@ -46,6 +46,7 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
         copy(path, &out.join("tests").join(name))?;
     }
     copy(&example.join("target/release/saxpy-example"), &out.join("saxpy-example"))?;
+    copy(&root.join("target/release/flashsample-cudarc-example"), &out.join("decode-loop-example"))?;
     copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root.join("scripts/peers.py"), &out.join("peers.py"))?;
     println!(
@@ -78,4 +79,56 @@ fn test_executables(messages: &str) -> Vec<(String, PathBuf)> {
 
 fn copy(from: &Path, to: &Path) -> Result<(), String> {
     std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("cannot copy {} to {}: {e}", from.display(), to.display()))
+}
+
+/// `cargo xtask bundle --candle`: the candle adapter's GPU tests and generation-loop example,
+/// in a folder of their own (default `bundle-candle/`; candle's kernels make the binaries too
+/// big to travel with the main bundle). Needs candle's CUDA build environment
+/// (`source scripts/candle-cuda-env.sh`).
+pub fn build_candle(out: Option<&str>) -> Result<(), String> {
+    let root = toolchain::workspace_root();
+    let out = out.map(PathBuf::from).unwrap_or_else(|| root.join("bundle-candle"));
+    let crate_dir = root.join("examples/candle");
+    let cargo = toolchain::cargo();
+    let output = nvptx_builder::clean_command(&cargo)
+        .current_dir(&crate_dir)
+        .args(["test", "--release", "--no-run", "--message-format=json"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !output.status.success() {
+        return Err("building the candle adapter's tests failed (is scripts/candle-cuda-env.sh sourced?)".into());
+    }
+    let tests = test_executables(&String::from_utf8_lossy(&output.stdout));
+    let status = nvptx_builder::clean_command(&cargo)
+        .current_dir(&crate_dir)
+        .args(["build", "--release"])
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err("building the candle example failed".into());
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    // xz shrinks each binary from about 57 MB (candle's kernels) to about 8, so this folder
+    // and the main bundle travel together; run.sh unpacks them.
+    for (name, path) in tests.iter().filter(|(name, _)| name.contains("adapter")) {
+        compress(path, &out.join(format!("{name}.xz")))?;
+    }
+    compress(&crate_dir.join("target/release/flashsample-candle-example"), &out.join("candle-example.xz"))?;
+    copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
+    println!("candle bundle in {}; on the GPU machine: bash {}/run.sh OUT candle", out.display(), out.display());
+    Ok(())
+}
+
+/// `to` = `from` compressed by `xz`.
+fn compress(from: &Path, to: &Path) -> Result<(), String> {
+    let file = std::fs::File::create(to).map_err(|e| format!("cannot create {}: {e}", to.display()))?;
+    let status = std::process::Command::new("xz")
+        .args(["-T2", "-3", "-c"])
+        .arg(from)
+        .stdout(file)
+        .status()
+        .map_err(|e| format!("cannot run xz: {e}"))?;
+    if status.success() { Ok(()) } else { Err(format!("xz failed on {}", from.display())) }
 }

@@ -7,8 +7,10 @@
 //!   embeds. `--check` fails if a committed module differs from a fresh build (CI runs it).
 //! - `clippy-kernels [--module portable|hopper]`: clippy over `kernels/` as each module builds
 //!   it, warnings denied and every `unsafe` block documented (`// SAFETY:`); CI runs it.
-//! - `bundle [--out DIR]`: build the release CLI and test binaries and gather them, the PTX
-//!   and `scripts/gpu-run.sh` into one folder (default `bundle/`) to carry to the GPU machine.
+//! - `bundle [--out DIR]`: build the release CLI, the test binaries and the examples and gather
+//!   them with `scripts/gpu-run.sh` into one folder (default `bundle/`) to carry to the GPU
+//!   machine. With `--candle`: the candle adapter's tests and example alone (default
+//!   `bundle-candle/`), built in candle's CUDA environment (`scripts/candle-cuda-env.sh`).
 //!
 //! The same binary also serves as rustc's linker for the kernel crate
 //! (`nvptx_builder::link_if_invoked`).
@@ -21,7 +23,7 @@ use std::process::ExitCode;
 
 use flashsample_core::registry::Module;
 
-const USAGE: &str = "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask clippy-kernels [--module portable|hopper]\n       cargo xtask bundle [--out DIR]";
+const USAGE: &str = "usage: cargo xtask build-kernels [--module portable|hopper] [--check]\n       cargo xtask clippy-kernels [--module portable|hopper]\n       cargo xtask bundle [--out DIR] [--candle]";
 
 fn main() -> ExitCode {
     // rustc calls this binary back as the kernel crate's linker (nvptx-builder's link step).
@@ -63,15 +65,16 @@ fn run_command(args: &[String]) -> Result<(), String> {
             kernels::clippy(&modules)
         }
         "bundle" => {
-            let mut out = None;
+            let (mut out, mut candle) = (None, false);
             let mut rest = rest.iter();
             while let Some(arg) = rest.next() {
                 match arg.as_str() {
                     "--out" => out = Some(rest.next().ok_or("--out needs a folder")?.clone()),
+                    "--candle" => candle = true,
                     other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
                 }
             }
-            bundle::build(out.as_deref())
+            if candle { bundle::build_candle(out.as_deref()) } else { bundle::build(out.as_deref()) }
         }
         other => Err(format!("unknown command `{other}`\n{USAGE}")),
     }

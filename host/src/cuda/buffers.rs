@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _};
 use flashsample_core::RowParams;
-use flashsample_core::abi::{DevicePtr, Element, TMA_ITEM_ROWS, TMA_K_BLOCK, TensorMap};
+use flashsample_core::abi::{DevicePtr, Element, TMA_ITEM_ROWS, TensorMap};
 
 use super::dispatch::TMA_COLUMNS;
-use super::driver::{self, L2Promotion, TensorMapElement};
+use super::driver::{self, L2Promotion};
+use super::stream::{DeviceMatrix, tensor_map};
 use crate::error::{Error, Result, invalid};
-use crate::params::HeadShape;
+use crate::params::{HeadShape, SamplingParams, row_params};
 use crate::tensor::{DType, MatrixShape};
 
 /// `len` values of `T` in device memory, with their address.
@@ -88,29 +89,21 @@ pub(crate) fn l2_promotion(columns: u32) -> L2Promotion {
 /// Both L2 promotions, in the order the `W` maps are stored (see [`CudaLmHead::tensor_map`]).
 const W_PROMOTIONS: [L2Promotion; 2] = [L2Promotion::None, L2Promotion::Bytes256];
 
-/// TMA descriptors for a `[rows, cols]` matrix at `address`, one per (box height, L2
-/// promotion), stored back to back in device memory; `None` when the TMA kernels cannot read
-/// it (f32, or rows not a multiple of 16 bytes) or the module has none.
+/// TMA descriptors for `matrix`, one per (box height, L2 promotion), stored back to back in
+/// device memory; `None` when the TMA kernels cannot read it (f32, or rows not a multiple of 16
+/// bytes).
 fn tensor_maps(
     stream: &Arc<CudaStream>,
     what: &str,
-    address: u64,
-    shape: MatrixShape,
+    matrix: &DeviceMatrix,
     boxes: &[(u32, L2Promotion)],
 ) -> Result<Option<DeviceBuffer<TensorMap>>> {
-    let element = match shape.dtype {
-        DType::BF16 => TensorMapElement::Bf16,
-        DType::F16 => TensorMapElement::F16,
-        DType::F32 => return Ok(None),
-    };
-    if !shape.cols.is_multiple_of(8) {
+    if matrix.dtype == DType::F32 || !matrix.cols.is_multiple_of(8) {
         return Ok(None);
     }
     let maps = boxes
         .iter()
-        .map(|&(height, promotion)| {
-            driver::encode_tensor_map_2d(what, element, address, shape.rows, shape.cols, height, TMA_K_BLOCK, promotion)
-        })
+        .map(|&(height, promotion)| tensor_map(what, matrix, height, promotion))
         .collect::<Result<Vec<_>>>()?;
     DeviceBuffer::from_host(stream, &maps, &format!("{what} tensor maps")).map(Some)
 }
@@ -133,9 +126,8 @@ impl CudaLmHead {
     pub(crate) fn new(stream: &Arc<CudaStream>, buffer: DeviceBuffer<u8>, shape: HeadShape, tma: bool) -> Result<Self> {
         let boxes: Vec<_> =
             W_PROMOTIONS.iter().flat_map(|&promotion| TMA_ITEM_ROWS.map(|rows| (rows, promotion))).collect();
-        let matrix = MatrixShape { rows: shape.vocab, cols: shape.dim, dtype: shape.dtype };
-        let tensor_maps =
-            if tma { tensor_maps(stream, "lm_head", buffer.ptr().address(), matrix, &boxes)? } else { None };
+        let matrix = DeviceMatrix::contiguous(buffer.ptr().address(), shape.vocab, shape.dim, shape.dtype);
+        let tensor_maps = if tma { tensor_maps(stream, "lm_head", &matrix, &boxes)? } else { None };
         Ok(CudaLmHead { buffer, shape, tensor_maps })
     }
 
@@ -179,8 +171,8 @@ impl CudaHidden {
         tma: bool,
     ) -> Result<Self> {
         let boxes = TMA_COLUMNS.map(|columns| (columns, l2_promotion(columns)));
-        let tensor_maps =
-            if tma { tensor_maps(stream, "hidden", buffer.ptr().address(), shape, &boxes)? } else { None };
+        let matrix = DeviceMatrix::contiguous(buffer.ptr().address(), shape.rows, shape.cols, shape.dtype);
+        let tensor_maps = if tma { tensor_maps(stream, "hidden", &matrix, &boxes)? } else { None };
         Ok(CudaHidden { buffer, shape, tensor_maps })
     }
 
@@ -231,8 +223,23 @@ pub struct DeviceRows {
 }
 
 impl DeviceRows {
+    /// Checks `params` and copies them to the device on `stream` (any cudarc stream; the
+    /// buffer is allocated and freed on it).
+    pub fn upload(stream: &Arc<CudaStream>, params: &[SamplingParams]) -> Result<DeviceRows> {
+        let rows = row_params(params)?;
+        if rows.is_empty() {
+            return Err(invalid("params", "no entries: one per batch row is needed"));
+        }
+        Ok(DeviceRows { buffer: DeviceBuffer::from_host(stream, &rows, "row parameters")? })
+    }
+
     pub fn rows(&self) -> usize {
         self.buffer.len()
+    }
+
+    /// The device address of the first row's parameters (`[rows]` [`RowParams`]).
+    pub fn address(&self) -> u64 {
+        self.buffer.ptr().address()
     }
 }
 
@@ -240,7 +247,8 @@ impl DeviceRows {
 #[derive(Default)]
 pub(crate) struct Workspace {
     pub row_params: Option<DeviceBuffer<RowParams>>,
-    pub candidates: Option<DeviceBuffer<flashsample_core::Candidate>>,
+    /// A call's scratch: its tensor maps and candidates (see `StreamSampler::workspace_bytes`).
+    pub scratch: Option<DeviceBuffer<u8>>,
     pub logits: Option<DeviceBuffer<f32>>,
     /// The read probe's one-word sink.
     pub probe_sink: Option<DeviceBuffer<u32>>,

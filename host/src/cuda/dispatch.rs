@@ -46,11 +46,28 @@ impl Variant {
     /// Portable module: the `mma.sync` tile with the narrowest width of 8, 16 and 32 that
     /// holds B, and 32 columns above (wider tiles read `W` fewer times).
     pub fn resolve(self, module: Module, dtype: DType, dim: usize, batch: usize) -> Result<Variant> {
-        let tensor_cores = dtype != DType::F32 && dim.is_multiple_of(8);
+        self.resolve_aligned(module, dtype, dim, batch, true)
+    }
+
+    /// As [`Variant::resolve`] for matrices whose start and row stride are (`aligned`) or are
+    /// not all multiples of 16 bytes: the tensor-core tiles load 16-byte vectors, so unaligned
+    /// matrices get the SIMT tile.
+    pub fn resolve_aligned(
+        self,
+        module: Module,
+        dtype: DType,
+        dim: usize,
+        batch: usize,
+        aligned: bool,
+    ) -> Result<Variant> {
+        let tensor_cores = dtype != DType::F32 && dim.is_multiple_of(8) && aligned;
         let needs_tensor_cores = |name: &str| {
             Err(invalid(
                 "variant",
-                format!("the {name} kernels need BF16 or F16 and D % 8 == 0 (got {dtype}, D = {dim})"),
+                format!(
+                    "the {name} kernels need BF16 or F16, D % 8 == 0 and 16-byte aligned rows (got {dtype}, D = {dim}{})",
+                    if aligned { "" } else { ", rows not 16-byte aligned" }
+                ),
             ))
         };
         let hopper = module == Module::Hopper;

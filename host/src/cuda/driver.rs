@@ -159,11 +159,11 @@ pub enum L2Promotion {
     Bytes256,
 }
 
-/// A TMA descriptor for a row-major `[rows, cols]` matrix of 16-bit elements at device
-/// `address`, read in boxes of `box_cols × box_rows` with the 128-byte swizzle and L2
-/// `promotion`; reads past the matrix give zeros. Needs `cols % 8 == 0` (16-byte row stride)
-/// and a 16-byte aligned address; `box_cols · 2 ≤ 128`, `box_rows ≤ 256`. Encoding only reads
-/// its arguments; the device memory is not touched.
+/// A TMA descriptor for a `[rows, cols]` matrix of 16-bit elements at device `address`, rows
+/// `row_stride` elements apart, read in boxes of `box_cols × box_rows` with the 128-byte
+/// swizzle and L2 `promotion`; reads past the matrix give zeros. Needs a 16-byte aligned
+/// address and row stride (`row_stride % 8 == 0`); `box_cols · 2 ≤ 128`, `box_rows ≤ 256`.
+/// Encoding only reads its arguments; the device memory is not touched.
 #[allow(clippy::too_many_arguments)]
 pub fn encode_tensor_map_2d(
     what: &str,
@@ -171,6 +171,7 @@ pub fn encode_tensor_map_2d(
     address: u64,
     rows: usize,
     cols: usize,
+    row_stride: usize,
     box_rows: u32,
     box_cols: u32,
     promotion: L2Promotion,
@@ -185,7 +186,7 @@ pub fn encode_tensor_map_2d(
     };
     let mut map = TensorMap([0; 16]);
     let dims = [cols as u64, rows as u64];
-    let strides = [cols as u64 * 2];
+    let strides = [row_stride as u64 * 2];
     let box_dims = [box_cols, box_rows];
     let element_strides = [1u32, 1];
     // SAFETY: `TensorMap` has the size (128) and alignment (64) of `CUtensorMap`; every
@@ -210,4 +211,84 @@ pub fn encode_tensor_map_2d(
     .result();
     check(&format!("cuTensorMapEncodeTiled({what}, {rows} x {cols}, box {box_rows} x {box_cols})"), result)?;
     Ok(map)
+}
+
+/// The context current on this thread (null if none).
+pub fn current_context() -> Result<sys::CUcontext> {
+    let mut context = std::ptr::null_mut();
+    // SAFETY: the call writes one handle.
+    let result = unsafe { sys::cuCtxGetCurrent(&mut context) }.result();
+    check("cuCtxGetCurrent", result)?;
+    Ok(context)
+}
+
+/// Makes `context` current on this thread.
+///
+/// # Safety
+/// `context` is a live context (or null, which unbinds the thread's context).
+pub unsafe fn set_current_context(context: sys::CUcontext) -> Result<()> {
+    // SAFETY: per this function's contract.
+    check("cuCtxSetCurrent", unsafe { cudarc::driver::result::ctx::set_current(context) })
+}
+
+/// A context made current for the duration of a call, and the one it displaced: the library
+/// never leaves a caller's thread with a different current context than it found.
+pub struct ContextScope {
+    previous: sys::CUcontext,
+    /// Whether entering changed the current context (and leaving must restore it).
+    switched: bool,
+}
+
+impl ContextScope {
+    /// Makes `context` current, remembering the current one.
+    ///
+    /// # Safety
+    /// `context` is a live context for as long as the scope lasts.
+    pub unsafe fn enter(context: sys::CUcontext) -> Result<ContextScope> {
+        let previous = current_context()?;
+        let switched = previous != context;
+        if switched {
+            // SAFETY: per this function's contract.
+            unsafe { set_current_context(context)? };
+        }
+        Ok(ContextScope { previous, switched })
+    }
+
+    /// Restores the context that was current before [`ContextScope::enter`].
+    pub fn leave(mut self) -> Result<()> {
+        self.restore()
+    }
+
+    fn restore(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.switched) {
+            return Ok(());
+        }
+        // SAFETY: `previous` was current on this thread when the scope began; a caller that
+        // destroys a context while it is current elsewhere breaks the driver's own rules.
+        unsafe { set_current_context(self.previous) }
+    }
+}
+
+impl Drop for ContextScope {
+    /// A scope left by an early return: restore here, and say so if that fails (the caller is
+    /// already getting the error that ended the scope).
+    fn drop(&mut self) {
+        if let Err(e) = self.restore() {
+            eprintln!("flashsample: restoring the caller's CUDA context failed: {e}");
+        }
+    }
+}
+
+/// Runs `body` with `context` current, then restores the caller's context; the body's error
+/// comes first.
+///
+/// # Safety
+/// `context` is a live context.
+pub unsafe fn in_context<R>(context: sys::CUcontext, body: impl FnOnce() -> Result<R>) -> Result<R> {
+    // SAFETY: per this function's contract.
+    let scope = unsafe { ContextScope::enter(context)? };
+    let result = body();
+    let left = scope.leave();
+    let value = result?;
+    left.map(|()| value)
 }

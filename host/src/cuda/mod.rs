@@ -8,7 +8,9 @@
 //! - [`buffers`]: device memory, the LM head and hidden states with their TMA descriptors,
 //!   tokens, row parameters, the workspace.
 //! - [`passes`]: requests split into passes of bounded candidate memory.
-//! - [`sampler`]: [`CudaSampler`], its lifecycle and entry points.
+//! - [`stream`]: [`StreamSampler`], the one path every call takes: kernels loaded in a
+//!   context, queued on a given stream over given device memory (borrowed mode).
+//! - [`sampler`]: [`CudaSampler`], the owned sampler (its own stream and buffers) on top.
 
 pub mod buffers;
 pub mod dispatch;
@@ -16,8 +18,10 @@ pub mod driver;
 pub mod modules;
 pub mod passes;
 pub mod sampler;
+pub mod stream;
 
 pub use buffers::{CudaHidden, CudaLmHead, DeviceRows, DeviceTokens};
 pub use dispatch::{MMA_COLUMNS, TMA_COLUMNS, Variant};
 pub use modules::{MODULE_VARIABLE, ModuleChoice};
 pub use sampler::{CudaSampler, cuda_device_count};
+pub use stream::{DeviceElement, DeviceMatrix, DeviceWorkspace, SampleRequest, StreamSampler, StreamWorkspace};

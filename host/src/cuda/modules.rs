@@ -5,10 +5,8 @@
 //! if a committed file is stale (`cargo xtask build-kernels --check`).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaModule, sys};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::sys;
 use flashsample_core::registry::{Kernel, Module};
 
 use super::driver;
@@ -86,28 +84,41 @@ pub struct LoadedKernel {
 /// Dynamic shared memory a kernel may use without opting in.
 const STATIC_SHARED_LIMIT_BYTES: u32 = 48 << 10;
 
-/// The module a sampler runs, with every kernel it holds looked up once.
+/// The module a sampler runs, loaded in one context, with every kernel it holds looked up
+/// once. Unloaded by [`LoadedModule::unload`] (or, failing that, on drop).
 pub struct LoadedModule {
     pub module: Module,
     kernels: HashMap<Kernel, LoadedKernel>,
-    // Keeps every `function` above valid.
-    _handle: Arc<CudaModule>,
+    handle: sys::CUmodule,
+    context: sys::CUcontext,
 }
 
+// SAFETY: a module handle and its functions may be used from any thread that makes their
+// context current (the driver's rule); the table is never written after loading.
+unsafe impl Send for LoadedModule {}
+// SAFETY: as above; shared use only reads the table and launches.
+unsafe impl Sync for LoadedModule {}
+
 impl LoadedModule {
-    /// Loads `module` into `context` (which must be current) and looks up its kernels.
-    pub fn load(context: &Arc<CudaContext>, module: Module) -> Result<LoadedModule> {
-        let handle = driver::check(
-            &format!("cuModuleLoadData({} module)", module.name()),
-            context.load_module(Ptx::from_src(ptx(module))),
-        )?;
-        let mut kernels = HashMap::new();
+    /// Loads `module` into `context` and looks up its kernels.
+    ///
+    /// # Safety
+    /// `context` is live and current on this thread, and outlives the returned module.
+    pub unsafe fn load(context: sys::CUcontext, module: Module) -> Result<LoadedModule> {
+        let image = std::ffi::CString::new(ptx(module)).expect("PTX text has no NUL byte");
+        // SAFETY: `image` is a NUL-terminated PTX image; the driver copies what it keeps.
+        let handle = driver::check(&format!("cuModuleLoadData({} module)", module.name()), unsafe {
+            cudarc::driver::result::module::load_data(image.as_ptr().cast())
+        })?;
+        let mut loaded = LoadedModule { module, kernels: HashMap::new(), handle, context };
         for entry in module.kernels() {
-            let function =
-                driver::check(&format!("cuModuleGetFunction({})", entry.name), handle.load_function(entry.name))?
-                    .cu_function();
+            let name = std::ffi::CString::new(entry.name).expect("kernel names have no NUL byte");
+            // SAFETY: `handle` is the module just loaded.
+            let function = driver::check(&format!("cuModuleGetFunction({})", entry.name), unsafe {
+                cudarc::driver::result::module::get_function(handle, name)
+            })?;
             let (threads, shared_bytes) = (entry.kernel.threads(), entry.kernel.shared_bytes());
-            // SAFETY: `function` belongs to `handle`, which this struct keeps alive, in the
+            // SAFETY: `function` belongs to `handle`, which lives as long as this struct, in the
             // current context.
             let blocks_per_multiprocessor = unsafe {
                 if shared_bytes > STATIC_SHARED_LIMIT_BYTES {
@@ -115,10 +126,10 @@ impl LoadedModule {
                 }
                 driver::blocks_per_multiprocessor(entry.name, function, threads, shared_bytes)?
             };
-            let loaded = LoadedKernel { name: entry.name, function, threads, shared_bytes, blocks_per_multiprocessor };
-            kernels.insert(entry.kernel, loaded);
+            let kernel = LoadedKernel { name: entry.name, function, threads, shared_bytes, blocks_per_multiprocessor };
+            loaded.kernels.insert(entry.kernel, kernel);
         }
-        Ok(LoadedModule { module, kernels, _handle: handle })
+        Ok(loaded)
     }
 
     /// The loaded `kernel`; the dispatcher only asks for kernels the module holds.
@@ -129,5 +140,33 @@ impl LoadedModule {
                 format!("{} is not in the {} module (it needs the Hopper module)", kernel.name(), self.module.name()),
             )
         })
+    }
+
+    /// Unloads the module from its context (made current for the call, then restored).
+    pub fn unload(mut self) -> Result<()> {
+        self.unload_handle()
+    }
+
+    fn unload_handle(&mut self) -> Result<()> {
+        let handle = std::mem::replace(&mut self.handle, std::ptr::null_mut());
+        if handle.is_null() {
+            return Ok(());
+        }
+        self.kernels.clear();
+        // SAFETY: the context outlives the module (`load`'s contract); `handle` is its module,
+        // unloaded once.
+        unsafe {
+            driver::in_context(self.context, || {
+                driver::check("cuModuleUnload", cudarc::driver::result::module::unload(handle))
+            })
+        }
+    }
+}
+
+impl Drop for LoadedModule {
+    fn drop(&mut self) {
+        if let Err(e) = self.unload_handle() {
+            eprintln!("flashsample: unloading the {} module failed: {e}", self.module.name());
+        }
     }
 }

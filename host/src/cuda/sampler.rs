@@ -4,19 +4,19 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream, sys};
+use cudarc::driver::{CudaContext, CudaStream};
 use flashsample_core::abi::{
-    DevicePtr, EstimateErrorArgs, FillArgs, FusedArgs, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs,
-    ReadProbeArgs, ReduceArgs, TmaArgs,
+    DevicePtr, EstimateErrorArgs, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, ReadProbeArgs, TmaArgs,
 };
 use flashsample_core::registry::{Kernel, Module};
 use flashsample_core::{Candidate, RowParams};
 
 use super::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens, Workspace, ensure};
-use super::dispatch::{Variant, element_type};
+use super::dispatch::Variant;
 use super::driver;
-use super::modules::{LoadedModule, ModuleChoice};
-use super::passes::{CANDIDATE_BUDGET_BYTES, Pass, Plan};
+use super::modules::ModuleChoice;
+use super::passes::{CANDIDATE_BUDGET_BYTES, Plan};
+use super::stream::{DeviceMatrix, DeviceWorkspace, SampleRequest, StreamSampler, TensorMaps};
 use crate::error::{Error, Result, invalid};
 use crate::params::{
     Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape,
@@ -47,16 +47,13 @@ pub fn cuda_device_count() -> Result<usize> {
 /// [`CudaSampler::close`], or, if the sampler is just dropped, on standard error (never
 /// silently lost).
 pub struct CudaSampler {
-    /// `None` only after [`CudaSampler::close`] or in `Drop`, which unload it before
-    /// collecting the errors the driver reports.
-    module: Option<LoadedModule>,
+    /// The kernels, loaded in the context. `None` only after [`CudaSampler::close`] or in
+    /// `Drop`, which unload them before collecting the errors the driver reports.
+    kernels: Option<StreamSampler>,
     workspace: RefCell<Workspace>,
     closed: bool,
     stream: Arc<CudaStream>,
     context: Arc<CudaContext>,
-    device_name: String,
-    multiprocessors: u32,
-    compute_capability: (u32, u32),
 }
 
 impl CudaSampler {
@@ -87,54 +84,39 @@ impl CudaSampler {
         // touch a buffer from another stream order that themselves (documented on the
         // buffers).
         unsafe { context.disable_event_tracking() };
-        let (major, minor) = driver::check("cuDeviceGetAttribute(COMPUTE_CAPABILITY)", context.compute_capability())?;
-        let (major, minor) = (major as u32, minor as u32);
-        let module = choice.resolve(major, minor)?;
-        let device_name = driver::check("cuDeviceGetName", context.name())?;
-        let multiprocessors = driver::check(
-            "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
-            context.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-        )? as u32;
-        let module = LoadedModule::load(&context, module)?;
+        let kernels = StreamSampler::on_context(&context, choice)?;
         let stream = driver::check("cuStreamCreate(NON_BLOCKING)", context.new_stream())?;
-        Ok(CudaSampler {
-            module: Some(module),
-            workspace: RefCell::default(),
-            closed: false,
-            stream,
-            context,
-            device_name,
-            multiprocessors,
-            compute_capability: (major, minor),
-        })
+        Ok(CudaSampler { kernels: Some(kernels), workspace: RefCell::default(), closed: false, stream, context })
     }
 
     pub fn device_name(&self) -> &str {
-        &self.device_name
+        self.kernels().device_name()
     }
 
     pub fn multiprocessors(&self) -> u32 {
-        self.multiprocessors
+        self.kernels().multiprocessors()
     }
 
     /// The device's compute capability (major, minor).
     pub fn compute_capability(&self) -> (u32, u32) {
-        self.compute_capability
+        self.kernels().compute_capability()
     }
 
     /// The PTX module this sampler runs.
     pub fn module(&self) -> Module {
-        self.loaded().module
+        self.kernels().module()
+    }
+
+    /// The kernels, which borrowed-mode callers can also use on streams of their own (see
+    /// [`StreamSampler`]).
+    pub fn kernels(&self) -> &StreamSampler {
+        self.kernels.as_ref().expect("the kernels are unloaded only by close and drop")
     }
 
     /// The stream all work is queued on (for event timing and for ordering the caller's own
     /// work with the sampler's).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
-    }
-
-    fn loaded(&self) -> &LoadedModule {
-        self.module.as_ref().expect("the module is unloaded only by close and drop")
     }
 
     /// Makes the context current on this thread and reports any error the driver kept from
@@ -148,21 +130,8 @@ impl CudaSampler {
     /// # Safety
     /// `args` must be the kernel's argument block with valid device addresses.
     unsafe fn launch<A: bytemuck::Pod>(&self, kernel: Kernel, items: u64, args: &A) -> Result<()> {
-        let loaded = self.loaded().kernel(kernel)?;
-        let resident = loaded.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
-        let grid = items.clamp(1, resident) as u32;
-        // SAFETY: per this function's contract; the launch shape comes from the registry.
-        unsafe {
-            driver::launch(
-                loaded.name,
-                loaded.function,
-                self.stream.cu_stream(),
-                grid,
-                loaded.threads,
-                loaded.shared_bytes,
-                args,
-            )
-        }
+        // SAFETY: per this function's contract; the stream is of the kernels' context.
+        unsafe { self.kernels().launch(self.stream.cu_stream(), kernel, items, args) }
     }
 
     /// Waits for all queued work; a kernel fault is reported as failing `after`.
@@ -317,51 +286,44 @@ impl CudaSampler {
         variant: Variant,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
+        self.check_tokens(hidden, draws.count, tokens)?;
         let shape = lm_head.shape;
         let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
-        let tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
-        let kernel = variant.fused_kernel(shape.dtype);
-        let maps = match variant.tma_boxes() {
-            Some((rows, columns)) => Some((lm_head.tensor_map(rows, columns)?, hidden.tensor_map(columns)?)),
-            None => None,
+        let request = SampleRequest {
+            lm_head: DeviceMatrix::contiguous(lm_head.address(), shape.vocab, shape.dim, shape.dtype),
+            hidden: DeviceMatrix::contiguous(hidden.address(), hidden.rows(), hidden.shape.cols, hidden.shape.dtype),
+            row_params: row_params.address(),
+            tokens: tokens.address(),
+            draws,
+            variant,
         };
-        self.run_passes(hidden, row_params, draws.count, tiles, tokens, |pass, launch| {
-            // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
-            let draw_offset = draws.first + pass.first_sample as u32;
-            let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
-            if let Some((lm_head_map, hidden_map)) = maps {
-                let args = TmaArgs {
-                    lm_head_map,
-                    hidden_map,
-                    row_params: launch.row_params,
-                    out: launch.candidates.cast(),
-                    vocab: shape.vocab as u32,
-                    dim: shape.dim as u32,
-                    batch: launch.batch,
-                    hidden_row0: pass.first_row as u32,
-                    draw_offset,
-                    samples: pass.samples as u32,
-                    tiles: tiles as u32,
-                    logits_stride: 0,
-                };
-                // SAFETY: the maps describe live buffers; the others are sized for this pass.
-                return unsafe { self.launch(kernel, items, &args) };
-            }
-            let args = FusedArgs {
-                lm_head: lm_head.ptr(),
-                hidden: hidden.ptr().byte_add((pass.first_row * shape.dim * shape.dtype.bytes()) as u64),
-                row_params: launch.row_params,
-                candidates: launch.candidates,
-                vocab: shape.vocab as u32,
-                dim: shape.dim as u32,
-                batch: launch.batch,
-                draw_offset,
-                samples: pass.samples as u32,
-                tiles: tiles as u32,
-            };
-            // SAFETY: the addresses come from live buffers sized for this pass.
-            unsafe { self.launch(kernel, items, &args) }
-        })
+        let maps = match variant.tma_boxes() {
+            Some((rows, columns)) => TensorMaps::Resident {
+                lm_head: lm_head.tensor_map(rows, columns)?,
+                hidden: hidden.tensor_map(columns)?,
+            },
+            None => TensorMaps::Store,
+        };
+        let bytes = self.kernels().workspace_bytes(&request.lm_head, &request.hidden, draws.check()?.count, variant)?;
+        let scratch = ensure(&self.stream, &mut self.workspace.borrow_mut().scratch, bytes, "workspace")?;
+        let workspace = DeviceWorkspace { address: scratch.address(), bytes };
+        // SAFETY: every address comes from a live buffer of this sampler, sized for the request
+        // and used on its one stream; the resident maps live as long as the buffers.
+        unsafe { self.kernels().enqueue(self.stream.cu_stream(), &request, maps, workspace) }
+    }
+
+    fn check_tokens(&self, hidden: &CudaHidden, samples: u32, tokens: &DeviceTokens) -> Result<()> {
+        let batch = hidden.rows();
+        if tokens.rows != batch || tokens.samples != samples as usize {
+            return Err(invalid(
+                "tokens",
+                format!(
+                    "room for [{}, {}] tokens, the request makes [{batch}, {samples}]",
+                    tokens.rows, tokens.samples
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The unfused pipeline on the same inputs: a GEMM (the tile of `variant`, an mma or TMA
@@ -412,26 +374,50 @@ impl CudaSampler {
                 dim: shape.dim as u32,
                 batch: hidden.rows() as u32,
                 logits_stride: stride as u32,
+                lm_head_stride: shape.dim as u32,
+                hidden_stride: shape.dim as u32,
             };
             // SAFETY: the logits buffer holds B × stride floats.
             unsafe { self.launch(gemm, items, &args)? };
         }
+        self.check_tokens(hidden, samples, tokens)?;
         let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
-        self.run_passes(hidden, rows.buffer.ptr(), samples, tiles, tokens, |pass, launch| {
-            let args = LogitsSamplerArgs {
-                logits: logits.add((pass.first_row * stride) as u64),
-                row_params: launch.row_params,
-                candidates: launch.candidates,
-                vocab: shape.vocab as u32,
-                logits_stride: stride as u32,
-                batch: launch.batch,
-                draw_offset: pass.first_sample as u32,
-                samples: pass.samples as u32,
-                tiles: tiles as u32,
-            };
-            // SAFETY: as above.
-            unsafe { self.launch(Kernel::SampleLogits, tiles as u64 * launch.batch as u64, &args) }
-        })
+        let plan = Plan::new(hidden.rows(), samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+        let scratch = ensure(
+            &self.stream,
+            &mut self.workspace.borrow_mut().scratch,
+            plan.candidate_pairs() * tiles * size_of::<Candidate>(),
+            "workspace",
+        )?;
+        let candidates = scratch.cast::<Candidate>();
+        // SAFETY: the workspace holds the largest pass's candidates, the rows and tokens the
+        // request's extents; all on this sampler's stream.
+        unsafe {
+            self.kernels().queue_passes(
+                self.stream.cu_stream(),
+                &plan,
+                tiles,
+                rows.buffer.ptr(),
+                candidates,
+                tokens.buffer.ptr(),
+                samples,
+                |pass, launch| {
+                    let args = LogitsSamplerArgs {
+                        logits: logits.add((pass.first_row * stride) as u64),
+                        row_params: launch.row_params,
+                        candidates,
+                        vocab: shape.vocab as u32,
+                        logits_stride: stride as u32,
+                        batch: launch.batch,
+                        draw_offset: pass.first_sample as u32,
+                        samples: pass.samples as u32,
+                        tiles: tiles as u32,
+                    };
+                    // SAFETY: the logits hold `B × stride` floats written by the GEMM above.
+                    self.launch(Kernel::SampleLogits, tiles as u64 * launch.batch as u64, &args)
+                },
+            )
+        }
     }
 
     fn check_device_rows(
@@ -454,54 +440,6 @@ impl CudaSampler {
         Ok(address)
     }
 
-    /// Runs `tile_kernel` for each pass of the request's [`Plan`], then the merge kernel into one
-    /// `[B, samples]` token buffer.
-    fn run_passes(
-        &self,
-        hidden: &CudaHidden,
-        row_params: DevicePtr<RowParams>,
-        samples: u32,
-        tiles: usize,
-        tokens: &mut DeviceTokens,
-        mut tile_kernel: impl FnMut(&Pass, &TileLaunch) -> Result<()>,
-    ) -> Result<()> {
-        let batch = hidden.rows();
-        if tokens.rows != batch || tokens.samples != samples as usize {
-            return Err(invalid(
-                "tokens",
-                format!(
-                    "room for [{}, {}] tokens, the request makes [{batch}, {samples}]",
-                    tokens.rows, tokens.samples
-                ),
-            ));
-        }
-        let plan = Plan::new(batch, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
-        let candidates = ensure(
-            &self.stream,
-            &mut self.workspace.borrow_mut().candidates,
-            plan.candidate_pairs() * tiles,
-            "candidates",
-        )?;
-        for pass in plan.passes() {
-            let launch =
-                TileLaunch { row_params: row_params.add(pass.first_row as u64), candidates, batch: pass.rows as u32 };
-            tile_kernel(&pass, &launch)?;
-            let reduce = ReduceArgs {
-                candidates,
-                tokens: tokens.buffer.ptr().add((pass.first_row * samples as usize) as u64),
-                batch: launch.batch,
-                samples: pass.samples as u32,
-                tiles: tiles as u32,
-                draw_offset: pass.first_sample as u32,
-                token_stride: samples,
-                padding: 0,
-            };
-            // SAFETY: candidates hold rows × samples × tiles entries written by the tile kernel.
-            unsafe { self.launch(Kernel::ReduceCandidates, (pass.rows * pass.samples) as u64, &reduce)? };
-        }
-        Ok(())
-    }
-
     /// Fills the candidate and logits workspaces with a candidate that wins every merge
     /// (score +inf, index [`CudaSampler::POISON_INDEX`], not a token). A tile kernel that
     /// leaves a slot unwritten then shows up as that index in the tokens: tests call this
@@ -510,11 +448,12 @@ impl CudaSampler {
         self.make_current()?;
         let poison = Candidate { score: f32::INFINITY, index: Self::POISON_INDEX };
         let workspace = self.workspace.borrow();
-        if let Some(candidates) = workspace.candidates.as_ref() {
-            let host = vec![poison; candidates.len()];
-            // SAFETY: the buffer holds `len` candidates and lives on our stream.
+        if let Some(scratch) = workspace.scratch.as_ref() {
+            let host = vec![poison; scratch.len() / size_of::<Candidate>()];
+            // SAFETY: the buffer holds `len` bytes (at least this many candidates) and lives on
+            // our stream.
             unsafe {
-                driver::copy_to_device_async("poison candidates", candidates.ptr(), &host, self.stream.cu_stream())?
+                driver::copy_to_device_async("poison candidates", scratch.ptr().cast(), &host, self.stream.cu_stream())?
             };
         }
         if let Some(logits) = workspace.logits.as_ref() {
@@ -563,10 +502,17 @@ impl CudaSampler {
         self.make_current()?;
         // SAFETY: the fill kernel writes every element before anything reads it.
         let buffer = unsafe { DeviceBuffer::<u8>::uninitialized(&self.stream, count * dtype.bytes(), "random")? };
-        let args = FillArgs { out: buffer.ptr().cast(), count: count as u64, seed, scale, padding: 0 };
-        let kernel = Kernel::FillUniform { element: element_type(dtype) };
-        // SAFETY: the buffer holds `count` elements of `dtype`.
-        unsafe { self.launch(kernel, count.div_ceil(4 * 256) as u64, &args)? };
+        // SAFETY: the buffer holds `count` elements of `dtype` and lives on our stream.
+        unsafe {
+            self.kernels().fill_uniform(
+                self.stream.cu_stream().cast(),
+                buffer.ptr().address(),
+                count,
+                dtype,
+                seed,
+                scale,
+            )?
+        };
         Ok(buffer)
     }
 
@@ -614,9 +560,9 @@ impl CudaSampler {
         self.closed = true;
         let waited = self.make_current().and_then(|()| self.synchronize("all queued work"));
         *self.workspace.get_mut() = Workspace::default();
-        self.module = None;
+        let unloaded = self.kernels.take().map_or(Ok(()), StreamSampler::close);
         let freed = self.synchronize("freeing the workspace and unloading the module");
-        waited.and(freed)
+        waited.and(unloaded).and(freed)
     }
 
     /// Waits for outstanding work and reports any error it left; the sampler is then gone.
@@ -633,15 +579,6 @@ impl Drop for CudaSampler {
             eprintln!("flashsample: error while dropping CudaSampler (call close to handle it): {e}");
         }
     }
-}
-
-/// What the tile kernel of one pass reads and writes besides the request's own buffers.
-struct TileLaunch {
-    /// Row parameters of the pass's first row.
-    row_params: DevicePtr<RowParams>,
-    candidates: DevicePtr<Candidate>,
-    /// Rows in the pass.
-    batch: u32,
 }
 
 fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {

@@ -1,0 +1,118 @@
+//! The CPU time a decode loop spends queueing one sampling step in borrowed mode (warm: the
+//! workspace is allocated, nothing else is), and replaying the same step captured in a CUDA
+//! graph. Each call is timed alone on the host clock; the stream is drained between rounds so
+//! that a full launch queue never makes a call wait.
+
+use std::path::Path;
+use std::time::Instant;
+
+use flashsample::cudarc::driver::sys;
+use flashsample::{
+    CudaSampler, DType, DeviceMatrix, Draws, Error, Result, SampleRequest, SamplingParams, StreamWorkspace, Variant,
+};
+
+/// Calls per round, and rounds.
+const CALLS: usize = 25;
+const ROUNDS: usize = 8;
+
+/// Median and 90th percentile CPU microseconds per call, at one batch size.
+pub struct HostCost {
+    pub batch: usize,
+    pub enqueue: (f64, f64),
+    pub graph_launch: (f64, f64),
+}
+
+fn cuda(call: &str, e: impl std::fmt::Display) -> Error {
+    Error::Cuda { call: call.into(), detail: e.to_string() }
+}
+
+/// Times `call` `ROUNDS × CALLS` times, waiting for the stream between rounds.
+fn time_calls(sampler: &CudaSampler, call: &mut dyn FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    for _ in 0..CALLS {
+        call()?;
+    }
+    let mut micros = Vec::with_capacity(ROUNDS * CALLS);
+    for _ in 0..ROUNDS {
+        sampler.synchronize("host-cost round")?;
+        for _ in 0..CALLS {
+            let start = Instant::now();
+            call()?;
+            micros.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    sampler.synchronize("host-cost round")?;
+    micros.sort_by(f64::total_cmp);
+    Ok((micros[micros.len() / 2], micros[micros.len() * 9 / 10]))
+}
+
+/// The host cost of one step at each of `batches` on the LM head `[vocab, dim]`.
+pub fn measure(
+    sampler: &CudaSampler,
+    dim: usize,
+    vocab: usize,
+    dtype: DType,
+    batches: &[usize],
+) -> Result<Vec<HostCost>> {
+    let head = sampler.random_lm_head(vocab, dim, dtype, 0x5eed, 0.05)?;
+    let stream = sampler.stream();
+    let kernels = sampler.kernels();
+    let mut workspace = StreamWorkspace::new();
+    let mut costs = Vec::new();
+    for &batch in batches {
+        let hidden = sampler.random_hidden(batch, dim, dtype, batch as u64, 2.0)?;
+        let params: Vec<_> = (0..batch).map(|r| SamplingParams::new(1.0, 7, r as u32, 0)).collect();
+        let rows = sampler.upload_rows(&params)?;
+        let tokens = sampler.tokens(batch, 1)?;
+        let request = SampleRequest {
+            lm_head: DeviceMatrix::contiguous(head.address(), vocab, dim, dtype),
+            hidden: DeviceMatrix::contiguous(hidden.address(), batch, dim, dtype),
+            row_params: rows.address(),
+            tokens: tokens.address(),
+            draws: Draws::first(1),
+            variant: Variant::Auto,
+        };
+        let bytes = kernels.workspace_bytes(&request.lm_head, &request.hidden, 1, Variant::Auto)?;
+        let space = workspace.ensure(stream, bytes)?;
+        let raw_stream = stream.cu_stream().cast();
+        // SAFETY: every buffer belongs to the sampler, lives through the timing, and is used on
+        // its stream only.
+        let enqueue = time_calls(sampler, &mut || unsafe { kernels.sample(raw_stream, &request, space) })?;
+        sampler.synchronize("host-cost capture")?;
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        stream.begin_capture(mode).map_err(|e| cuda("cuStreamBeginCapture", e))?;
+        // SAFETY: as above; captured, not run.
+        let captured = unsafe { kernels.sample(raw_stream, &request, space) };
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda("cuStreamEndCapture", e))?;
+        captured?;
+        let graph = graph.ok_or_else(|| cuda("cuStreamEndCapture", "nothing was captured"))?;
+        let graph_launch = time_calls(sampler, &mut || graph.launch().map_err(|e| cuda("cuGraphLaunch", e)))?;
+        costs.push(HostCost { batch, enqueue, graph_launch });
+    }
+    Ok(costs)
+}
+
+/// The CSV `host-cost.csv`: batch, enqueue and graph-launch medians and 90th percentiles (µs).
+pub fn write_csv(path: &Path, costs: &[HostCost]) -> Result<()> {
+    let mut text = String::from("batch,enqueue_median_us,enqueue_p90_us,graph_launch_median_us,graph_launch_p90_us\n");
+    for c in costs {
+        text += &format!(
+            "{},{:.2},{:.2},{:.2},{:.2}\n",
+            c.batch, c.enqueue.0, c.enqueue.1, c.graph_launch.0, c.graph_launch.1
+        );
+    }
+    std::fs::write(path, text).map_err(|e| Error::File { path: path.display().to_string(), message: e.to_string() })
+}
+
+/// The table the bench prints.
+pub fn table(costs: &[HostCost]) -> String {
+    let mut text = String::from(
+        "host cost of one step (CPU µs per call, median / p90; borrowed mode, warm)\n  B      enqueue         graph launch\n",
+    );
+    for c in costs {
+        text += &format!(
+            "  {:<6} {:>6.2} / {:<6.2}  {:>6.2} / {:<6.2}\n",
+            c.batch, c.enqueue.0, c.enqueue.1, c.graph_launch.0, c.graph_launch.1
+        );
+    }
+    text
+}

@@ -1,0 +1,128 @@
+//! The candle adapter on the GPU with a real model's code: a Qwen2 from candle-transformers
+//! (random weights, D = 1024, V = 32,000) decodes a few steps, and the adapter draws each next
+//! token from the model's final hidden states. Ignored without a GPU.
+
+use candle_core::{DType, Device, Module as _, Tensor};
+use flashsample::{CandleSampler, CudaSampler, Elements, Matrix, SamplingParams};
+use flashsample_candle_example::{TinyQwen2, tiny_qwen2};
+use flashsample_tests::chi_square;
+
+const ALPHA: f64 = 1e-3;
+const BATCH: usize = 4;
+
+fn model() -> (Device, TinyQwen2, Tensor) {
+    let device = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let tiny = tiny_qwen2(&device, DType::BF16).unwrap();
+    let vocab = tiny.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..BATCH * 6).map(|i| (i as u32 * 40_503 + 7) % vocab).collect();
+    let input = Tensor::from_vec(prompt, (BATCH, 6), &device).unwrap();
+    (device, tiny, input)
+}
+
+/// candle's own LM head logits for `hidden`, in f32, on the host.
+fn candle_logits(hidden: &Tensor, lm_head: &Tensor) -> Vec<Vec<f32>> {
+    let head = candle_nn::Linear::new(lm_head.to_dtype(DType::F32).unwrap(), None);
+    head.forward(&hidden.to_dtype(DType::F32).unwrap()).unwrap().to_vec2::<f32>().unwrap()
+}
+
+fn to_matrix(name: &str, tensor: &Tensor) -> Matrix {
+    let (rows, cols) = tensor.dims2().unwrap();
+    let values = tensor.contiguous().unwrap().flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+    Matrix::new(name, rows, cols, Elements::BF16(values)).unwrap()
+}
+
+/// (a) Greedy rows equal the argmax of candle's logits, step after step (a token may differ
+/// only where two logits tie within f32 rounding of the two summation orders).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn greedy_tokens_are_the_argmax_of_candles_logits() {
+    let (device, mut tiny, mut input) = model();
+    let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.0, 1, b as u32, 0)).collect();
+    let mut sampler = CandleSampler::new(&device, &params).unwrap();
+    let mut offset = 0;
+    let (mut exact, mut near_ties) = (0, 0);
+    for step in 0..4 {
+        let hidden = tiny.last_hidden(&input, offset).unwrap();
+        offset += input.dim(1).unwrap();
+        let tokens = sampler.sample(&hidden, &tiny.lm_head, 1).unwrap();
+        let got = tokens.to_vec2::<u32>().unwrap();
+        for (b, logits) in candle_logits(&hidden, &tiny.lm_head).iter().enumerate() {
+            let argmax = (0..logits.len()).max_by(|&i, &j| logits[i].total_cmp(&logits[j])).unwrap();
+            let token = got[b][0] as usize;
+            if token == argmax {
+                exact += 1;
+            } else {
+                let gap = logits[argmax] - logits[token];
+                assert!(gap <= 1e-3 * logits[argmax].abs().max(1.0), "step {step}, row {b}: {token} vs {argmax}, gap {gap}");
+                near_ties += 1;
+            }
+        }
+        sampler.advance_steps(1).unwrap();
+        input = tokens;
+    }
+    assert!(near_ties <= 1, "{exact} exact, {near_ties} near ties");
+}
+
+/// (b) 200,000 draws from one step's hidden states follow the softmax of candle's logits
+/// (computed in f64 on the host): χ² at α = 1e-3, for T = 1 and T = 0.6.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn draws_follow_the_softmax_of_candles_logits() {
+    let (device, mut tiny, input) = model();
+    let hidden = tiny.last_hidden(&input, 0).unwrap();
+    let logits = candle_logits(&hidden, &tiny.lm_head);
+    let draws = 200_000u32;
+    for (row, temperature) in [(0usize, 1.0f32), (2, 0.6)] {
+        let params = [SamplingParams::new(temperature, 1234, row as u32, 3)];
+        let mut sampler = CandleSampler::new(&device, &params).unwrap();
+        let one = hidden.narrow(0, row, 1).unwrap();
+        let tokens = sampler.sample(&one, &tiny.lm_head, draws).unwrap().to_vec2::<u32>().unwrap();
+        let mut counts = vec![0u64; logits[row].len()];
+        for &t in &tokens[0] {
+            counts[t as usize] += 1;
+        }
+        let scaled: Vec<f64> = logits[row].iter().map(|&l| l as f64 / temperature as f64).collect();
+        let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scaled.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let probabilities: Vec<f64> = weights.iter().map(|w| w / total).collect();
+        let (statistic, dof, p) = chi_square(&counts, &probabilities);
+        println!("row {row}, T = {temperature}: chi2 = {statistic:.1}, dof = {dof}, p = {p:.4}");
+        assert!(p > ALPHA, "row {row}, T = {temperature}: chi2 = {statistic:.1}, dof = {dof}, p = {p}");
+    }
+}
+
+/// (c) The adapter's tokens equal the owned API's for the same hidden states, weights and
+/// keys (the adapter reads the model's strided view in place; the owned API gets a copy).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn adapter_tokens_equal_the_owned_apis() {
+    let (device, mut tiny, input) = model();
+    let hidden = tiny.last_hidden(&input, 0).unwrap();
+    assert!(!hidden.is_contiguous(), "the model's last position is a strided view");
+    let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.9, 77, b as u32, 5)).collect();
+    let mut sampler = CandleSampler::new(&device, &params).unwrap();
+    let adapter = sampler.sample(&hidden, &tiny.lm_head, 64).unwrap();
+    let adapter = adapter.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let owned = CudaSampler::new().unwrap();
+    let head = owned.upload_lm_head(&to_matrix("lm_head", &tiny.lm_head)).unwrap();
+    let tokens = owned.sample(&head, &to_matrix("hidden", &hidden), &params, 64).unwrap();
+    assert_eq!(adapter, tokens);
+}
+
+/// CPU tensors go to the CPU sampler: the same tokens as `CpuSampler` on the same values.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cpu_tensors_are_sampled_on_the_cpu() {
+    let (_, mut tiny, input) = model();
+    let hidden = tiny.last_hidden(&input, 0).unwrap().to_device(&Device::Cpu).unwrap();
+    let lm_head = tiny.lm_head.to_device(&Device::Cpu).unwrap();
+    let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(1.0, 5, b as u32, 0)).collect();
+    let mut sampler = CandleSampler::new(&Device::Cpu, &params).unwrap();
+    let got = sampler.sample(&hidden, &lm_head, 8).unwrap();
+    assert!(got.device().is_cpu());
+    let cpu = flashsample::CpuSampler::new();
+    let head = cpu.upload_lm_head(&to_matrix("lm_head", &lm_head)).unwrap();
+    let expected = cpu.sample(&head, &to_matrix("hidden", &hidden), &params, 8).unwrap();
+    assert_eq!(got.flatten_all().unwrap().to_vec1::<u32>().unwrap(), expected);
+}

@@ -1,0 +1,254 @@
+//! The candle adapter (feature `candle`): tokens drawn from candle tensors, on candle's device
+//! and candle's stream, returned as a candle tensor that stays where it was made.
+//!
+//! On a CUDA device the adapter is borrowed mode ([`crate::StreamSampler`]) with candle's
+//! handles: the kernels are loaded in the device's context and queued on `CudaDevice`'s stream
+//! (candle 0.11 queues every op on it), so they run after the op that wrote the hidden states
+//! and before whatever candle frees next on that stream. Per-row parameters live on the device,
+//! and [`CandleSampler::advance_steps`] moves the decode step there. On the CPU the adapter
+//! runs [`crate::CpuSampler`], the exact twin.
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::{CudaDType, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{Device, Storage, Tensor};
+use cudarc::driver::{CudaStream, DevicePtr as _, DevicePtrMut as _};
+
+use crate::cuda::{DeviceMatrix, DeviceRows, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, Variant};
+use crate::error::{Error, Result, invalid};
+use crate::params::{Draws, SamplingParams, row_params};
+use crate::tensor::{DType, Elements, Matrix};
+use crate::{CpuLmHead, CpuSampler};
+
+/// A sampler a generation loop keeps: one device, one set of per-row parameters.
+pub struct CandleSampler {
+    device: Device,
+    params: Vec<SamplingParams>,
+    variant: Variant,
+    cuda: Option<CudaState>,
+}
+
+/// What the adapter holds on a CUDA device.
+struct CudaState {
+    kernels: StreamSampler,
+    stream: Arc<CudaStream>,
+    rows: DeviceRows,
+    workspace: StreamWorkspace,
+}
+
+fn candle_error(call: &str, error: candle_core::Error) -> Error {
+    Error::Framework { call: call.to_string(), detail: error.to_string() }
+}
+
+/// The library's dtype of a candle dtype the kernels read.
+fn dtype(what: &str, dtype: candle_core::DType) -> Result<DType> {
+    match dtype {
+        candle_core::DType::BF16 => Ok(DType::BF16),
+        candle_core::DType::F16 => Ok(DType::F16),
+        candle_core::DType::F32 => Ok(DType::F32),
+        other => Err(invalid(what, format!("dtype {other:?}: must be bf16, f16 or f32"))),
+    }
+}
+
+/// A 2-D tensor's shape as rows of contiguous elements: `(rows, cols, row stride, first
+/// element)`. Views whose rows are not contiguous are refused.
+fn rows_of(what: &str, tensor: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    let (rows, cols) = tensor.dims2().map_err(|e| invalid(what, format!("{e}: must be a 2-D tensor")))?;
+    let layout = tensor.layout();
+    let stride = layout.stride();
+    if cols > 1 && stride[1] != 1 {
+        return Err(invalid(
+            what,
+            format!("a view with strides {stride:?}: each row's elements must be contiguous (call .contiguous())"),
+        ));
+    }
+    let row_stride = if rows > 1 { stride[0] } else { cols };
+    Ok((rows, cols, row_stride, layout.start_offset()))
+}
+
+impl CandleSampler {
+    /// A sampler for tensors on `device` with one entry of `params` per batch row.
+    pub fn new(device: &Device, params: &[SamplingParams]) -> Result<CandleSampler> {
+        row_params(params)?;
+        if params.is_empty() {
+            return Err(invalid("params", "no entries: one per batch row is needed"));
+        }
+        let cuda = match device {
+            Device::Cuda(cuda) => {
+                let stream = cuda.cuda_stream();
+                let kernels = StreamSampler::on_context(stream.context(), ModuleChoice::from_environment()?)?;
+                let rows = DeviceRows::upload(&stream, params)?;
+                Some(CudaState { kernels, stream, rows, workspace: StreamWorkspace::new() })
+            }
+            Device::Cpu => None,
+            other => {
+                return Err(invalid("device", format!("{other:?}: the adapter samples on CUDA devices and the CPU")));
+            }
+        };
+        Ok(CandleSampler { device: device.clone(), params: params.to_vec(), variant: Variant::Auto, cuda })
+    }
+
+    /// The same sampler with a forced tile variant (CUDA only; tests and benchmarks).
+    pub fn with_variant(mut self, variant: Variant) -> CandleSampler {
+        self.variant = variant;
+        self
+    }
+
+    /// The per-row parameters, with the steps advanced so far.
+    pub fn params(&self) -> &[SamplingParams] {
+        &self.params
+    }
+
+    /// The module the kernels come from (`None` on the CPU).
+    pub fn module(&self) -> Option<crate::Module> {
+        self.cuda.as_ref().map(|cuda| cuda.kernels.module())
+    }
+
+    /// Replaces the per-row parameters (copied to the device on candle's stream).
+    pub fn set_params(&mut self, params: &[SamplingParams]) -> Result<()> {
+        let replacement = CandleSampler::new(&self.device, params)?;
+        self.params = replacement.params;
+        if let (Some(cuda), Some(new)) = (self.cuda.as_mut(), replacement.cuda) {
+            cuda.rows = new.rows;
+        }
+        Ok(())
+    }
+
+    /// Adds `by` to every row's decode step, so the next call draws fresh noise. On a CUDA
+    /// device a kernel on candle's stream does it: nothing is copied.
+    pub fn advance_steps(&mut self, by: u32) -> Result<()> {
+        for p in &mut self.params {
+            p.step = p.step.wrapping_add(by);
+        }
+        if let Some(cuda) = &self.cuda {
+            // SAFETY: the row parameters live on candle's stream, the kernels in its context.
+            unsafe {
+                cuda.kernels.advance_steps(
+                    cuda.stream.cu_stream().cast(),
+                    cuda.rows.address(),
+                    self.params.len(),
+                    by,
+                )?
+            };
+        }
+        Ok(())
+    }
+
+    /// `samples` draws per row from `softmax(hidden · lm_headᵀ / T)`: `hidden` `[B, D]` and
+    /// `lm_head` `[V, D]` of one dtype (bf16, f16 or f32; views with contiguous rows are read
+    /// in place), on this sampler's device. Returns `[B, samples]` u32 tokens on that device;
+    /// on a CUDA device the call only queues work on candle's stream.
+    pub fn sample(&mut self, hidden: &Tensor, lm_head: &Tensor, samples: u32) -> Result<Tensor> {
+        let (h_dtype, w_dtype) = (dtype("hidden", hidden.dtype())?, dtype("lm_head", lm_head.dtype())?);
+        if h_dtype != w_dtype {
+            return Err(Error::DTypeMismatch { lm_head: w_dtype, hidden: h_dtype });
+        }
+        for (what, tensor) in [("hidden", hidden), ("lm_head", lm_head)] {
+            if !tensor.device().same_device(&self.device) {
+                return Err(invalid(
+                    what,
+                    format!("on {:?}, the sampler's device is {:?}", tensor.device(), self.device),
+                ));
+            }
+        }
+        let batch = rows_of("hidden", hidden)?.0;
+        if batch != self.params.len() {
+            return Err(invalid("hidden", format!("B = {batch} rows for {} rows of parameters", self.params.len())));
+        }
+        match h_dtype {
+            DType::BF16 => self.sample_typed::<half::bf16>(hidden, lm_head, samples, h_dtype),
+            DType::F16 => self.sample_typed::<half::f16>(hidden, lm_head, samples, h_dtype),
+            DType::F32 => self.sample_typed::<f32>(hidden, lm_head, samples, h_dtype),
+        }
+    }
+
+    fn sample_typed<T>(&mut self, hidden: &Tensor, lm_head: &Tensor, samples: u32, dtype: DType) -> Result<Tensor>
+    where
+        T: CudaDType + cudarc::driver::DeviceRepr + candle_core::WithDType,
+    {
+        let Some(cuda) = self.cuda.as_mut() else {
+            return sample_on_cpu::<T>(hidden, lm_head, &self.params, samples, dtype);
+        };
+        let (batch, dim, h_stride, h_offset) = rows_of("hidden", hidden)?;
+        let (vocab, w_dim, w_stride, w_offset) = rows_of("lm_head", lm_head)?;
+        let stream = &cuda.stream;
+        let (h_storage, _) = hidden.storage_and_layout();
+        let (w_storage, _) = lm_head.storage_and_layout();
+        let (h_slice, w_slice) = (cuda_slice::<T>("hidden", &h_storage)?, cuda_slice::<T>("lm_head", &w_storage)?);
+        let (h_base, _h_use) = h_slice.device_ptr(stream);
+        let (w_base, _w_use) = w_slice.device_ptr(stream);
+        let element = dtype.bytes() as u64;
+        let lm_head = DeviceMatrix {
+            address: w_base + w_offset as u64 * element,
+            rows: vocab,
+            cols: w_dim,
+            row_stride: w_stride,
+            dtype,
+        };
+        let hidden = DeviceMatrix {
+            address: h_base + h_offset as u64 * element,
+            rows: batch,
+            cols: dim,
+            row_stride: h_stride,
+            dtype,
+        };
+        let count = Draws::first(samples).check()?.count as usize;
+        let bytes = cuda.kernels.workspace_bytes(&lm_head, &hidden, samples, self.variant)?;
+        let workspace = cuda.workspace.ensure(stream, bytes)?;
+        // SAFETY: the merge kernel writes every token before anything reads it.
+        let tokens = unsafe { stream.alloc::<u32>(batch * count) };
+        let mut tokens = crate::cuda::driver::check("cuMemAllocAsync(tokens)", tokens)?;
+        let (t_base, t_use) = tokens.device_ptr_mut(stream);
+        let request = SampleRequest {
+            lm_head,
+            hidden,
+            row_params: cuda.rows.address(),
+            tokens: t_base,
+            draws: Draws::first(samples),
+            variant: self.variant,
+        };
+        // SAFETY: the tensors' storages are read-locked and live through the call, and candle
+        // frees on this same stream, after this work; the views' extents were checked by
+        // `rows_of` against candle's layouts; tokens and workspace are this stream's.
+        unsafe { cuda.kernels.sample(stream.cu_stream().cast(), &request, workspace)? };
+        drop(t_use);
+        let device = self.device.as_cuda_device().map_err(|e| candle_error("as_cuda_device", e))?.clone();
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(tokens, device));
+        Ok(Tensor::from_storage(storage, (batch, count), BackpropOp::none(), false))
+    }
+}
+
+/// The cudarc buffer under a candle storage.
+fn cuda_slice<'a, T: CudaDType>(what: &str, storage: &'a Storage) -> Result<&'a cudarc::driver::CudaSlice<T>> {
+    match storage {
+        Storage::Cuda(storage) => storage.as_cuda_slice::<T>().map_err(|e| candle_error(what, e)),
+        _ => Err(invalid(what, "not in CUDA memory")),
+    }
+}
+
+fn to_matrix<T: candle_core::WithDType>(what: &str, tensor: &Tensor, dtype: DType) -> Result<Matrix> {
+    let (rows, cols) = tensor.dims2().map_err(|e| candle_error(what, e))?;
+    let flat = tensor.flatten_all().and_then(|t| t.to_vec1::<T>()).map_err(|e| candle_error(what, e))?;
+    let values: Vec<f64> = flat.iter().map(|v| v.to_f64()).collect();
+    let elements = match dtype {
+        DType::BF16 => Elements::BF16(values.iter().map(|&v| half::bf16::from_f64(v)).collect()),
+        DType::F16 => Elements::F16(values.iter().map(|&v| half::f16::from_f64(v)).collect()),
+        DType::F32 => Elements::F32(values.iter().map(|&v| v as f32).collect()),
+    };
+    Matrix::new(what, rows, cols, elements)
+}
+
+fn sample_on_cpu<T: candle_core::WithDType>(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    params: &[SamplingParams],
+    samples: u32,
+    dtype: DType,
+) -> Result<Tensor> {
+    let h = to_matrix::<T>("hidden", hidden, dtype)?;
+    let w = to_matrix::<T>("lm_head", lm_head, dtype)?;
+    let tokens = CpuSampler::new().sample(&CpuLmHead::new(w)?, &h, params, samples)?;
+    Tensor::from_vec(tokens, (h.rows(), samples as usize), &Device::Cpu)
+        .map_err(|e| candle_error("Tensor::from_vec", e))
+}

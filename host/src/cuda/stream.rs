@@ -1,0 +1,642 @@
+//! [`StreamSampler`]: the one path every GPU sampling call takes. It queues work on a stream it
+//! is given, reads and writes device memory it is given, and owns only the loaded module.
+//!
+//! Borrowed mode is this path with the caller's handles: a context and a stream as raw driver
+//! values, `W`, `H`, the row parameters, the tokens and a workspace as device addresses
+//! ([`StreamSampler::sample`]), so it works with any cudarc version, candle, or C/C++ code. Thin
+//! safe wrappers over cudarc's `CudaStream` and `CudaSlice` sit on top
+//! ([`StreamSampler::on_context`], [`StreamSampler::sample_slices`]), and the owned
+//! [`super::CudaSampler`] calls the same enqueue with its own stream and buffers.
+//!
+//! Architecture Invariant: a call queues work on the stream it is given and nowhere else; it
+//! creates no context and no stream, allocates nothing (the workspace is the caller's), never
+//! waits for the device, and leaves the thread's current context as it found it. A workspace
+//! serves one stream at a time: two streams sampling at once use two workspaces.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _, sys};
+use flashsample_core::abi::{
+    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, StoreTensorMapsArgs, TENSOR_MAP_BYTES, TensorMap,
+    TmaArgs,
+};
+use flashsample_core::registry::{Kernel, Module};
+use flashsample_core::{Candidate, RowParams};
+
+use super::buffers::{DeviceRows, l2_promotion};
+use super::dispatch::{Variant, element_type};
+use super::driver::{self, L2Promotion, TensorMapElement};
+use super::modules::{LoadedModule, ModuleChoice};
+use super::passes::{CANDIDATE_BUDGET_BYTES, Pass, Plan};
+use crate::error::{Error, Result, invalid};
+use crate::params::{Draws, check_head_shape};
+use crate::tensor::DType;
+
+/// A matrix in device memory: `rows × cols` elements of `dtype` at `address`, row `r` starting
+/// `r · row_stride` elements after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceMatrix {
+    pub address: u64,
+    pub rows: usize,
+    pub cols: usize,
+    /// Elements from one row to the next (at least `cols`).
+    pub row_stride: usize,
+    pub dtype: DType,
+}
+
+impl DeviceMatrix {
+    /// A matrix whose rows follow each other (`row_stride = cols`).
+    pub fn contiguous(address: u64, rows: usize, cols: usize, dtype: DType) -> DeviceMatrix {
+        DeviceMatrix { address, rows, cols, row_stride: cols, dtype }
+    }
+
+    /// Whether the tensor-core tiles can read it: 16-byte aligned start and rows.
+    fn rows_16_byte_aligned(&self) -> bool {
+        self.address.is_multiple_of(16) && (self.row_stride * self.dtype.bytes()).is_multiple_of(16)
+    }
+}
+
+/// One sampling call in device memory: `draws` of each row of `H` from `softmax(H·Wᵀ / T)`.
+#[derive(Clone, Copy, Debug)]
+pub struct SampleRequest {
+    /// `W[V, D]`.
+    pub lm_head: DeviceMatrix,
+    /// `H[B, D]`, the same dtype as `W`.
+    pub hidden: DeviceMatrix,
+    /// `[B]` row parameters ([`RowParams`], 8-byte aligned; see [`crate::params::row_params`]).
+    pub row_params: u64,
+    /// `[B, draws.count]` u32 tokens, row-major; a draw with no finite score gets `u32::MAX`.
+    pub tokens: u64,
+    pub draws: Draws,
+    pub variant: Variant,
+}
+
+/// Device memory a call may use for its scratch: candidates and the call's tensor maps.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceWorkspace {
+    /// 64-byte aligned.
+    pub address: u64,
+    pub bytes: usize,
+}
+
+/// Where a TMA call's tensor maps come from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum TensorMaps {
+    /// Encoded on the host for this call and written to the workspace by a kernel on the
+    /// stream (borrowed mode: the matrices may change from call to call).
+    Store,
+    /// Already in device memory for the lifetime of the call (the owned buffers keep theirs).
+    Resident { lm_head: DevicePtr<TensorMap>, hidden: DevicePtr<TensorMap> },
+}
+
+/// Bytes at the start of a workspace that hold a call's two tensor maps.
+const WORKSPACE_MAPS_BYTES: usize = 2 * TENSOR_MAP_BYTES;
+
+/// The GPU sampling kernels loaded in one context; calls queue them on any stream of it.
+///
+/// `Send` and `Sync`: several threads and streams may sample with one `StreamSampler` at once,
+/// each call with its own workspace.
+pub struct StreamSampler {
+    /// `None` only during [`StreamSampler::close`] and drop.
+    module: Option<LoadedModule>,
+    context: sys::CUcontext,
+    device_name: String,
+    multiprocessors: u32,
+    compute_capability: (u32, u32),
+    /// Keeps a cudarc context alive for samplers made by [`StreamSampler::on_context`].
+    _context_owner: Option<Arc<CudaContext>>,
+}
+
+// SAFETY: the context handle and the loaded module may be used from any thread that makes the
+// context current, which every call does; nothing is mutated after construction.
+unsafe impl Send for StreamSampler {}
+// SAFETY: as above; calls only read the kernel table and queue launches.
+unsafe impl Sync for StreamSampler {}
+
+impl StreamSampler {
+    /// Loads the kernels into the caller's CUDA context: the module for its device, or the one
+    /// `choice` names (`ModuleChoice::from_environment()` reads `FLASHSAMPLE_MODULE`). The
+    /// thread's current context is restored before returning.
+    ///
+    /// # Safety
+    /// `context` is a live `CUcontext` that outlives the sampler (for a primary context: keep
+    /// it retained). The sampler unloads its module from it on [`StreamSampler::close`] or drop.
+    pub unsafe fn new(context: *mut c_void, choice: ModuleChoice) -> Result<StreamSampler> {
+        super::sampler::cuda_device_count()?;
+        let context: sys::CUcontext = context.cast();
+        if context.is_null() {
+            return Err(invalid("context", "null: a live CUDA context is needed"));
+        }
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(context, || {
+                let mut device = 0;
+                driver::check("cuCtxGetDevice", sys::cuCtxGetDevice(&mut device).result())?;
+                let attribute = |what: &str, attribute| {
+                    driver::check(
+                        &format!("cuDeviceGetAttribute({what})"),
+                        cudarc::driver::result::device::get_attribute(device, attribute),
+                    )
+                    .map(|value| value as u32)
+                };
+                use sys::CUdevice_attribute as A;
+                let major = attribute("COMPUTE_CAPABILITY_MAJOR", A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+                let minor = attribute("COMPUTE_CAPABILITY_MINOR", A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+                let multiprocessors = attribute("MULTIPROCESSOR_COUNT", A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+                let device_name = driver::check("cuDeviceGetName", cudarc::driver::result::device::get_name(device))?;
+                let module = LoadedModule::load(context, choice.resolve(major, minor)?)?;
+                Ok(StreamSampler {
+                    module: Some(module),
+                    context,
+                    device_name,
+                    multiprocessors,
+                    compute_capability: (major, minor),
+                    _context_owner: None,
+                })
+            })
+        }
+    }
+
+    /// As [`StreamSampler::new`] on a cudarc context, which the sampler keeps alive.
+    pub fn on_context(context: &Arc<CudaContext>, choice: ModuleChoice) -> Result<StreamSampler> {
+        // SAFETY: the sampler holds a reference to the context, so it outlives the sampler.
+        let mut sampler = unsafe { StreamSampler::new(context.cu_ctx().cast(), choice)? };
+        sampler._context_owner = Some(context.clone());
+        Ok(sampler)
+    }
+
+    /// The raw context the kernels are loaded in.
+    pub fn context(&self) -> *mut c_void {
+        self.context.cast()
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    pub fn multiprocessors(&self) -> u32 {
+        self.multiprocessors
+    }
+
+    /// The device's compute capability (major, minor).
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
+    }
+
+    /// The PTX module the kernels come from.
+    pub fn module(&self) -> Module {
+        self.loaded().module
+    }
+
+    fn loaded(&self) -> &LoadedModule {
+        self.module.as_ref().expect("the module is unloaded only by close and drop")
+    }
+
+    /// Workspace bytes a call with these shapes needs (the candidates of its largest pass and
+    /// room for two tensor maps); at most a few hundred MiB, however many draws.
+    pub fn workspace_bytes(
+        &self,
+        lm_head: &DeviceMatrix,
+        hidden: &DeviceMatrix,
+        samples: u32,
+        variant: Variant,
+    ) -> Result<usize> {
+        let variant = self.resolve(lm_head, hidden, variant)?;
+        let tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
+        let plan = Plan::new(hidden.rows, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+        Ok(WORKSPACE_MAPS_BYTES + plan.candidate_pairs() * tiles * size_of::<Candidate>())
+    }
+
+    fn resolve(&self, lm_head: &DeviceMatrix, hidden: &DeviceMatrix, variant: Variant) -> Result<Variant> {
+        let aligned = lm_head.rows_16_byte_aligned() && hidden.rows_16_byte_aligned();
+        variant.resolve_aligned(self.module(), lm_head.dtype, lm_head.cols, hidden.rows, aligned)
+    }
+
+    /// Queues one sampling call on the caller's `stream`: `request.tokens` holds the tokens
+    /// once the stream reaches the end of the call. The caller's context is made current and
+    /// the thread's previous context restored; nothing is allocated and nothing waits.
+    /// Invalid shapes, strides, alignments or a small workspace are typed errors that name the
+    /// argument, before anything is queued.
+    ///
+    /// # Safety
+    /// - `stream` is a live stream of this sampler's context, or `CU_STREAM_PER_THREAD` (the
+    ///   calling thread's per-thread default stream: the work then orders with what this
+    ///   thread queued there, so call from the thread that queues the model's work), or null
+    ///   (the legacy default stream).
+    /// - Extents: `W` holds `V` rows and `H` `B` rows of `row_stride` elements each (the last
+    ///   row `cols` elements), `row_params` `B` [`RowParams`], `tokens` `B · draws.count` u32,
+    ///   `workspace` its `bytes`; all are device memory of this context (or mapped into it).
+    /// - Lifetimes: every buffer stays allocated, and `W`, `H` and the row parameters stay
+    ///   unchanged, until `stream` has run past this call's work (the caller's later work on
+    ///   the same stream may free or rewrite them).
+    /// - Streams: no other stream writes `W`, `H` or the row parameters, or touches `tokens`
+    ///   or `workspace`, until `stream` has run past this call's work, unless the caller
+    ///   orders it after with an event. A workspace serves one stream at a time.
+    pub unsafe fn sample(
+        &self,
+        stream: *mut c_void,
+        request: &SampleRequest,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(self.context, || self.enqueue(stream.cast(), request, TensorMaps::Store, workspace))
+        }
+    }
+
+    /// Queues `row_params[b].step += by` (wrapping) for `b < batch` on `stream`: a decode loop
+    /// (or a replayed CUDA graph) that reads its step from device memory draws fresh noise.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample`], for `row_params` holding `batch` row parameters.
+    pub unsafe fn advance_steps(&self, stream: *mut c_void, row_params: u64, batch: usize, by: u32) -> Result<()> {
+        check_address("row_params", row_params, align_of::<RowParams>())?;
+        let batch = u32::try_from(batch).map_err(|_| invalid("batch", format!("{batch}: must be < 2^32")))?;
+        let args = AdvanceStepsArgs { row_params: DevicePtr::new(row_params), batch, by };
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(self.context, || {
+                self.launch(stream.cast(), Kernel::AdvanceSteps, (batch as u64).div_ceil(256), &args)
+            })
+        }
+    }
+
+    /// Queues `count` values of `dtype`, uniform in `[-scale, scale)` and drawn from Philox
+    /// under `seed`, into device memory at `address` on `stream`: inputs made on the device
+    /// for benchmarks, tests and examples (the same seed gives the same values).
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample`], for `address` holding `count` elements of `dtype` that no
+    /// other stream touches until `stream` has run the fill.
+    pub unsafe fn fill_uniform(
+        &self,
+        stream: *mut c_void,
+        address: u64,
+        count: usize,
+        dtype: DType,
+        seed: u64,
+        scale: f32,
+    ) -> Result<()> {
+        check_address("fill", address, dtype.bytes())?;
+        let args = FillArgs { out: DevicePtr::new(address), count: count as u64, seed, scale, padding: 0 };
+        let kernel = Kernel::FillUniform { element: element_type(dtype) };
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(self.context, || {
+                self.launch(stream.cast(), kernel, count.div_ceil(4 * 256) as u64, &args)
+            })
+        }
+    }
+
+    /// [`StreamSampler::sample`] over cudarc buffers on a cudarc stream of this sampler's
+    /// context: `W` is `lm_head` as `[vocab, lm_head.len() / vocab]`, `H` is `hidden` as
+    /// `[rows.rows(), D]`, `tokens` gets `[B, draws.count]`. The workspace grows on `stream` to
+    /// what the call needs (once per new largest shape). cudarc's event tracking, where the
+    /// context has it, orders the buffers' use with their other streams.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sample_slices<T: DeviceElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        lm_head: &CudaSlice<T>,
+        vocab: usize,
+        hidden: &CudaSlice<T>,
+        rows: &DeviceRows,
+        draws: Draws,
+        variant: Variant,
+        tokens: &mut CudaSlice<u32>,
+        workspace: &mut StreamWorkspace,
+    ) -> Result<()> {
+        if stream.context().cu_ctx() != self.context {
+            return Err(invalid("stream", "belongs to another context than the sampler's"));
+        }
+        if vocab == 0 || !lm_head.len().is_multiple_of(vocab) {
+            return Err(invalid("lm_head", format!("{} elements are not [vocab = {vocab}, D] rows", lm_head.len())));
+        }
+        let dim = lm_head.len() / vocab;
+        let batch = rows.rows();
+        if hidden.len() != batch * dim {
+            return Err(invalid("hidden", format!("{} elements for B = {batch} rows of D = {dim}", hidden.len())));
+        }
+        let needed = batch.saturating_mul(draws.count as usize);
+        if tokens.len() < needed {
+            return Err(invalid(
+                "tokens",
+                format!("room for {} tokens, the call writes B x N = {needed}", tokens.len()),
+            ));
+        }
+        let (w, _w_use) = lm_head.device_ptr(stream);
+        let (h, _h_use) = hidden.device_ptr(stream);
+        let (t, _t_use) = tokens.device_ptr_mut(stream);
+        let request = SampleRequest {
+            lm_head: DeviceMatrix::contiguous(w, vocab, dim, T::DTYPE),
+            hidden: DeviceMatrix::contiguous(h, batch, dim, T::DTYPE),
+            row_params: rows.address(),
+            tokens: t,
+            draws,
+            variant,
+        };
+        let bytes = self.workspace_bytes(&request.lm_head, &request.hidden, draws.check()?.count, variant)?;
+        let workspace = workspace.ensure(stream, bytes)?;
+        // SAFETY: the slices hold the extents checked above and live until the guards drop
+        // (cudarc frees them on their stream, after this work); the stream belongs to this
+        // sampler's context; the workspace is this stream's.
+        unsafe { self.sample(stream.cu_stream().cast(), &request, workspace) }
+    }
+
+    /// Checks `request` and queues its kernels on `stream`; the context is current.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample`]; `maps`, when resident, describe `W` and `H` for the
+    /// resolved variant's boxes and live until the stream has run the call.
+    pub(crate) unsafe fn enqueue(
+        &self,
+        stream: sys::CUstream,
+        request: &SampleRequest,
+        maps: TensorMaps,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        let checked = check_request(request)?;
+        let (lm_head, hidden) = (&request.lm_head, &request.hidden);
+        let variant = self.resolve(lm_head, hidden, request.variant)?;
+        let tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
+        let plan = Plan::new(hidden.rows, checked.samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+        let needed = WORKSPACE_MAPS_BYTES + plan.candidate_pairs() * tiles * size_of::<Candidate>();
+        check_address("workspace", workspace.address, 64)?;
+        if workspace.bytes < needed {
+            return Err(invalid(
+                "workspace",
+                format!("{} bytes: this call needs {needed} (StreamSampler::workspace_bytes)", workspace.bytes),
+            ));
+        }
+        let kernel = variant.fused_kernel(lm_head.dtype);
+        let maps = match (variant.tma_boxes(), maps) {
+            (None, _) => None,
+            (Some(_), TensorMaps::Resident { lm_head, hidden }) => Some((lm_head, hidden)),
+            (Some((rows, columns)), TensorMaps::Store) => {
+                let destination = DevicePtr::<TensorMap>::new(workspace.address);
+                let args = StoreTensorMapsArgs {
+                    destination,
+                    lm_head: tensor_map("lm_head", lm_head, rows, l2_promotion(columns))?.0,
+                    hidden: tensor_map("hidden", hidden, columns, l2_promotion(columns))?.0,
+                };
+                // SAFETY: the workspace starts with room for two 64-byte aligned maps, and only
+                // this stream's work touches it.
+                unsafe { self.launch(stream, Kernel::StoreTensorMaps, 1, &args)? };
+                Some((destination, destination.add(1)))
+            }
+        };
+        let candidates = DevicePtr::<Candidate>::new(workspace.address + WORKSPACE_MAPS_BYTES as u64);
+        let element_bytes = lm_head.dtype.bytes() as u64;
+        let row_params = DevicePtr::<RowParams>::new(request.row_params);
+        let tokens = DevicePtr::<u32>::new(request.tokens);
+        // SAFETY: the candidates of the largest pass fit the workspace (checked above); the row
+        // parameters and tokens hold the request's extents (`sample`'s contract).
+        unsafe {
+            self.queue_passes(stream, &plan, tiles, row_params, candidates, tokens, checked.samples, |pass, launch| {
+                // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
+                let draw_offset = request.draws.first + pass.first_sample as u32;
+                let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
+                if let Some((lm_head_map, hidden_map)) = maps {
+                    let args = TmaArgs {
+                        lm_head_map,
+                        hidden_map,
+                        row_params: launch.row_params,
+                        out: candidates.cast(),
+                        vocab: lm_head.rows as u32,
+                        dim: lm_head.cols as u32,
+                        batch: launch.batch,
+                        hidden_row0: pass.first_row as u32,
+                        draw_offset,
+                        samples: pass.samples as u32,
+                        tiles: tiles as u32,
+                        logits_stride: 0,
+                    };
+                    // SAFETY: the maps describe the request's matrices.
+                    return self.launch(stream, kernel, items, &args);
+                }
+                let first_row_bytes = pass.first_row as u64 * hidden.row_stride as u64 * element_bytes;
+                let args = FusedArgs {
+                    lm_head: DevicePtr::new(lm_head.address),
+                    hidden: DevicePtr::new(hidden.address + first_row_bytes),
+                    row_params: launch.row_params,
+                    candidates,
+                    vocab: lm_head.rows as u32,
+                    dim: lm_head.cols as u32,
+                    batch: launch.batch,
+                    draw_offset,
+                    samples: pass.samples as u32,
+                    tiles: tiles as u32,
+                    lm_head_stride: lm_head.row_stride as u32,
+                    hidden_stride: hidden.row_stride as u32,
+                };
+                // SAFETY: the matrices hold their extents (`sample`'s contract).
+                self.launch(stream, kernel, items, &args)
+            })
+        }
+    }
+
+    /// Queues, for each pass of `plan`, `tile_kernel` (which writes the pass's candidates) and
+    /// the merge kernel into the pass's slots of the `[B, samples]` tokens.
+    ///
+    /// # Safety
+    /// The context is current; `candidates` holds the largest pass's `rows × samples × tiles`
+    /// candidates, `row_params` `B` entries, `tokens` `B × samples` slots; `tile_kernel` queues
+    /// a kernel that writes every candidate of its pass on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn queue_passes(
+        &self,
+        stream: sys::CUstream,
+        plan: &Plan,
+        tiles: usize,
+        row_params: DevicePtr<RowParams>,
+        candidates: DevicePtr<Candidate>,
+        tokens: DevicePtr<u32>,
+        samples: u32,
+        mut tile_kernel: impl FnMut(&Pass, &TileLaunch) -> Result<()>,
+    ) -> Result<()> {
+        for pass in plan.passes() {
+            let launch = TileLaunch { row_params: row_params.add(pass.first_row as u64), batch: pass.rows as u32 };
+            tile_kernel(&pass, &launch)?;
+            let reduce = ReduceArgs {
+                candidates,
+                tokens: tokens.add((pass.first_row * samples as usize) as u64),
+                batch: launch.batch,
+                samples: pass.samples as u32,
+                tiles: tiles as u32,
+                draw_offset: pass.first_sample as u32,
+                token_stride: samples,
+                padding: 0,
+            };
+            // SAFETY: the tile kernel just wrote `rows × samples × tiles` candidates; the tokens
+            // hold `B × samples` slots (this function's contract).
+            unsafe { self.launch(stream, Kernel::ReduceCandidates, (pass.rows * pass.samples) as u64, &reduce)? };
+        }
+        Ok(())
+    }
+
+    /// Launches `kernel` over `items` work items on `stream` with a persistent grid (at most
+    /// one wave); the context is current.
+    ///
+    /// # Safety
+    /// `args` is the kernel's argument block with valid device addresses, `stream` a stream
+    /// of this sampler's context.
+    pub(crate) unsafe fn launch<A: bytemuck::Pod>(
+        &self,
+        stream: sys::CUstream,
+        kernel: Kernel,
+        items: u64,
+        args: &A,
+    ) -> Result<()> {
+        let loaded = self.loaded().kernel(kernel)?;
+        let resident = loaded.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
+        let grid = items.clamp(1, resident) as u32;
+        // SAFETY: per this function's contract; the launch shape comes from the registry.
+        unsafe { driver::launch(loaded.name, loaded.function, stream, grid, loaded.threads, loaded.shared_bytes, args) }
+    }
+
+    /// Unloads the kernels from the context and reports the driver's error, if any. Work
+    /// already queued must have finished first (the caller synchronises its streams).
+    pub fn close(mut self) -> Result<()> {
+        self.module.take().map_or(Ok(()), LoadedModule::unload)
+    }
+}
+
+/// What the tile kernel of one pass reads besides the request's own buffers.
+pub(crate) struct TileLaunch {
+    /// Row parameters of the pass's first row.
+    pub row_params: DevicePtr<RowParams>,
+    /// Rows in the pass.
+    pub batch: u32,
+}
+
+/// What [`check_request`] derives from a valid request.
+struct CheckedRequest {
+    samples: u32,
+}
+
+/// The rules of a request that do not depend on the module: shapes, strides, dtypes,
+/// alignments, and draws.
+fn check_request(request: &SampleRequest) -> Result<CheckedRequest> {
+    let (lm_head, hidden) = (&request.lm_head, &request.hidden);
+    check_head_shape(lm_head.rows, lm_head.cols)?;
+    check_matrix("lm_head", lm_head)?;
+    check_matrix("hidden", hidden)?;
+    if hidden.rows == 0 || hidden.rows > u32::MAX as usize {
+        return Err(invalid("hidden", format!("B = {} rows: must be 1 to 2^32 - 1", hidden.rows)));
+    }
+    if hidden.cols != lm_head.cols {
+        return Err(invalid(
+            "hidden",
+            format!("{} columns, but the LM head has D = {}: they must match", hidden.cols, lm_head.cols),
+        ));
+    }
+    if hidden.dtype != lm_head.dtype {
+        return Err(Error::DTypeMismatch { lm_head: lm_head.dtype, hidden: hidden.dtype });
+    }
+    check_address("row_params", request.row_params, align_of::<RowParams>())?;
+    check_address("tokens", request.tokens, align_of::<u32>())?;
+    let samples = request.draws.check()?.count;
+    if hidden.rows.checked_mul(samples as usize).is_none_or(|n| n > u32::MAX as usize) {
+        return Err(invalid("samples", format!("B x samples = {} x {samples} tokens: must be < 2^32", hidden.rows)));
+    }
+    Ok(CheckedRequest { samples })
+}
+
+fn check_matrix(what: &str, matrix: &DeviceMatrix) -> Result<()> {
+    check_address(what, matrix.address, matrix.dtype.bytes())?;
+    if matrix.row_stride < matrix.cols || matrix.row_stride > u32::MAX as usize {
+        return Err(invalid(
+            what,
+            format!("row stride {}: must be at least the {} columns and below 2^32", matrix.row_stride, matrix.cols),
+        ));
+    }
+    Ok(())
+}
+
+fn check_address(what: &str, address: u64, alignment: usize) -> Result<()> {
+    if address == 0 || !address.is_multiple_of(alignment as u64) {
+        return Err(invalid(what, format!("address {address:#x}: must be non-null and {alignment}-byte aligned")));
+    }
+    Ok(())
+}
+
+/// The tensor map of `matrix` for boxes of `box_rows` rows with L2 `promotion` (a tile of
+/// `columns` columns wants [`l2_promotion`]`(columns)`).
+pub(crate) fn tensor_map(
+    what: &str,
+    matrix: &DeviceMatrix,
+    box_rows: u32,
+    promotion: L2Promotion,
+) -> Result<TensorMap> {
+    let element = match matrix.dtype {
+        DType::BF16 => TensorMapElement::Bf16,
+        DType::F16 => TensorMapElement::F16,
+        DType::F32 => return Err(invalid(what, "no TMA descriptor: the TMA kernels need BF16 or F16")),
+    };
+    driver::encode_tensor_map_2d(
+        what,
+        element,
+        matrix.address,
+        matrix.rows,
+        matrix.cols,
+        matrix.row_stride,
+        box_rows,
+        flashsample_core::abi::TMA_K_BLOCK,
+        promotion,
+    )
+}
+
+/// An element type the kernels read from cudarc buffers.
+pub trait DeviceElement: cudarc::driver::DeviceRepr {
+    const DTYPE: DType;
+}
+
+impl DeviceElement for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+impl DeviceElement for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+impl DeviceElement for f32 {
+    const DTYPE: DType = DType::F32;
+}
+
+/// A grow-only workspace for the calls on one stream ([`StreamSampler::sample_slices`]); it
+/// is allocated and freed on that stream.
+#[derive(Default)]
+pub struct StreamWorkspace {
+    bytes: Option<CudaSlice<u8>>,
+}
+
+impl StreamWorkspace {
+    pub fn new() -> StreamWorkspace {
+        StreamWorkspace::default()
+    }
+
+    /// At least `bytes` of workspace on `stream` (contents not kept when it grows).
+    pub fn ensure(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<DeviceWorkspace> {
+        if self.bytes.as_ref().is_none_or(|b| b.len() < bytes) {
+            self.bytes = None;
+            // SAFETY: the tile kernels write every candidate the merge reads, and the map
+            // writer writes the maps before the TMA kernel reads them.
+            let slice = unsafe { stream.alloc::<u8>(bytes) };
+            self.bytes = Some(driver::check(&format!("cuMemAllocAsync(workspace, {bytes} bytes)"), slice)?);
+        }
+        let slice = self.bytes.as_ref().expect("just ensured");
+        let (address, _) = slice.device_ptr(stream);
+        Ok(DeviceWorkspace { address, bytes: slice.len() })
+    }
+}
+
+impl Drop for StreamSampler {
+    fn drop(&mut self) {
+        if let Some(module) = self.module.take()
+            && let Err(e) = module.unload()
+        {
+            eprintln!("flashsample: error while dropping StreamSampler (call close to handle it): {e}");
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! Borrowed mode on the GPU: sampling queued on a caller's stream from the caller's device
+//! memory, ordered with the caller's own kernels, concurrent on two streams, restoring the
+//! caller's context, and captured once in a CUDA graph that replays fresh noise each step.
+//! Ignored without a GPU (run by the GPU bundle with `--include-ignored`).
+
+use std::sync::Arc;
+
+use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
+use flashsample::{
+    CudaSampler, DType, DeviceMatrix, DeviceRows, Draws, ModuleChoice, SampleRequest, SamplingParams, StreamSampler,
+    StreamWorkspace, Variant,
+};
+use half::bf16;
+
+const VOCAB: usize = 151_936;
+const DIM: usize = 1024;
+
+fn params(batch: usize, seed: u64) -> Vec<SamplingParams> {
+    (0..batch).map(|b| SamplingParams::new(if b % 4 == 3 { 0.0 } else { 0.8 }, seed, b as u32, 0)).collect()
+}
+
+/// The caller's side: a cudarc context, a non-blocking stream of it, and the kernels loaded
+/// there.
+struct Caller {
+    context: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    sampler: StreamSampler,
+}
+
+impl Caller {
+    fn new() -> Caller {
+        let context = CudaContext::new(0).expect("these tests need a CUDA GPU");
+        let stream = context.new_stream().unwrap();
+        let sampler = StreamSampler::on_context(&context, ModuleChoice::from_environment().unwrap()).unwrap();
+        Caller { context, stream, sampler }
+    }
+
+    /// `rows × cols` bf16 made on `stream` by the library's fill kernel (the values
+    /// `CudaSampler::random_*` makes for the same seed), queued without waiting.
+    fn random(&self, stream: &Arc<CudaStream>, rows: usize, cols: usize, seed: u64, scale: f32) -> CudaSlice<bf16> {
+        let mut slice = stream.alloc_zeros::<bf16>(rows * cols).unwrap();
+        let (address, _use) = slice.device_ptr_mut(stream);
+        // SAFETY: the slice holds `rows × cols` elements on this stream.
+        unsafe {
+            self.sampler
+                .fill_uniform(stream.cu_stream().cast(), address, rows * cols, DType::BF16, seed, scale)
+                .unwrap()
+        };
+        drop(_use);
+        slice
+    }
+
+    fn tokens(&self, stream: &Arc<CudaStream>, len: usize) -> CudaSlice<u32> {
+        // Poisoned, so that a slot the sampler does not write shows.
+        stream.clone_htod(&vec![0xdead_beef_u32; len]).unwrap()
+    }
+}
+
+/// Tokens of the owned API for the same W and H seeds.
+fn owned_tokens(batch: usize, samples: u32, w_seed: u64, h_seed: u64, params: &[SamplingParams]) -> Vec<u32> {
+    let owned = CudaSampler::new().unwrap();
+    let head = owned.random_lm_head(VOCAB, DIM, DType::BF16, w_seed, 0.05).unwrap();
+    let hidden = owned.random_hidden(batch, DIM, DType::BF16, h_seed, 1.0).unwrap();
+    let rows = owned.upload_rows(params).unwrap();
+    let mut tokens = owned.tokens(batch, samples as usize).unwrap();
+    owned.sample_rows_into(&head, &hidden, &rows, samples, Variant::Auto, &mut tokens).unwrap();
+    owned.tokens_to_host(&tokens).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn inputs_made_on_the_callers_stream_just_before_give_the_owned_tokens() {
+    for batch in [1, 37, 200] {
+        let samples = 3;
+        let params = params(batch, 11);
+        let expected = owned_tokens(batch, samples, 5, 6, &params);
+        let caller = Caller::new();
+        let stream = &caller.stream;
+        let rows = DeviceRows::upload(stream, &params).unwrap();
+        let mut tokens = caller.tokens(stream, batch * samples as usize);
+        let mut workspace = StreamWorkspace::new();
+        stream.synchronize().unwrap();
+        // W (about 300 MB) and H are written by kernels on the caller's stream and sampled at
+        // once: a sampler on any other stream would read them half-written.
+        let w = caller.random(stream, VOCAB, DIM, 5, 0.05);
+        let h = caller.random(stream, batch, DIM, 6, 1.0);
+        caller
+            .sampler
+            .sample_slices(
+                stream,
+                &w,
+                VOCAB,
+                &h,
+                &rows,
+                Draws::first(samples),
+                Variant::Auto,
+                &mut tokens,
+                &mut workspace,
+            )
+            .unwrap();
+        let got = stream.clone_dtoh(&tokens).unwrap();
+        stream.synchronize().unwrap();
+        assert_eq!(got, expected, "B = {batch}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_strided_hidden_view_gives_the_contiguous_tokens() {
+    let caller = Caller::new();
+    let stream = &caller.stream;
+    let (batch, samples, stride) = (9usize, 2u32, DIM + 64);
+    let params = params(batch, 3);
+    let w = caller.random(stream, VOCAB, DIM, 21, 0.05);
+    let h = caller.random(stream, batch, DIM, 22, 1.0);
+    // The same rows, `stride` elements apart (the rest of each row is garbage).
+    let mut wide = caller.random(stream, batch, stride, 23, 9.0);
+    for b in 0..batch {
+        let mut row = wide.slice_mut(b * stride..b * stride + DIM);
+        stream.memcpy_dtod(&h.slice(b * DIM..(b + 1) * DIM), &mut row).unwrap();
+    }
+    let rows = DeviceRows::upload(stream, &params).unwrap();
+    for variant in [Variant::Auto, Variant::Simt] {
+        let mut contiguous = caller.tokens(stream, batch * samples as usize);
+        let mut strided = caller.tokens(stream, batch * samples as usize);
+        let mut workspace = StreamWorkspace::new();
+        caller
+            .sampler
+            .sample_slices(
+                stream,
+                &w,
+                VOCAB,
+                &h,
+                &rows,
+                Draws::first(samples),
+                variant,
+                &mut contiguous,
+                &mut workspace,
+            )
+            .unwrap();
+        let (w_address, _w) = w.device_ptr(stream);
+        let (h_address, _h) = wide.device_ptr(stream);
+        let (t_address, _t) = strided.device_ptr_mut(stream);
+        let request = SampleRequest {
+            lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
+            hidden: DeviceMatrix { address: h_address, rows: batch, cols: DIM, row_stride: stride, dtype: DType::BF16 },
+            row_params: rows.address(),
+            tokens: t_address,
+            draws: Draws::first(samples),
+            variant,
+        };
+        let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, samples, variant).unwrap();
+        let space = workspace.ensure(stream, bytes).unwrap();
+        // SAFETY: every buffer above lives on `stream` with the extents the request states.
+        unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
+        drop((_w, _h, _t));
+        let a = stream.clone_dtoh(&contiguous).unwrap();
+        let b = stream.clone_dtoh(&strided).unwrap();
+        assert_eq!(a, b, "{variant:?}");
+        assert!(a.iter().all(|&t| (t as usize) < VOCAB), "{variant:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_streams_at_once_give_the_tokens_each_gives_alone() {
+    let caller = Caller::new();
+    let streams = [caller.context.new_stream().unwrap(), caller.context.new_stream().unwrap()];
+    let batches = [64usize, 5];
+    let samples = 4u32;
+    let w = caller.random(&caller.stream, VOCAB, DIM, 31, 0.05);
+    let hs: Vec<_> =
+        batches.iter().enumerate().map(|(i, &b)| caller.random(&caller.stream, b, DIM, 40 + i as u64, 1.0)).collect();
+    let rows: Vec<_> = batches
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| DeviceRows::upload(&caller.stream, &params(b, 50 + i as u64)).unwrap())
+        .collect();
+    caller.stream.synchronize().unwrap();
+    let mut workspaces = [StreamWorkspace::new(), StreamWorkspace::new()];
+    let run = |i: usize, workspace: &mut StreamWorkspace, tokens: &mut CudaSlice<u32>| {
+        caller
+            .sampler
+            .sample_slices(
+                &streams[i],
+                &w,
+                VOCAB,
+                &hs[i],
+                &rows[i],
+                Draws::first(samples),
+                Variant::Auto,
+                tokens,
+                workspace,
+            )
+            .unwrap();
+    };
+    let alone: Vec<Vec<u32>> = (0..2)
+        .map(|i| {
+            let mut tokens = caller.tokens(&streams[i], batches[i] * samples as usize);
+            run(i, &mut workspaces[i], &mut tokens);
+            streams[i].clone_dtoh(&tokens).unwrap()
+        })
+        .collect();
+    // Both streams queue 20 calls each from two threads, interleaved, with no wait between.
+    let mut outputs: Vec<Vec<CudaSlice<u32>>> =
+        (0..2).map(|i| (0..20).map(|_| caller.tokens(&streams[i], batches[i] * samples as usize)).collect()).collect();
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    let [w0, w1] = &mut workspaces;
+    let (o0, o1) = outputs.split_at_mut(1);
+    std::thread::scope(|scope| {
+        scope.spawn(|| o0[0].iter_mut().for_each(|t| run(0, w0, t)));
+        scope.spawn(|| o1[0].iter_mut().for_each(|t| run(1, w1, t)));
+    });
+    for i in 0..2 {
+        for (call, tokens) in outputs[i].iter().enumerate() {
+            assert_eq!(streams[i].clone_dtoh(tokens).unwrap(), alone[i], "stream {i}, call {call}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_callers_current_context_is_restored() {
+    let caller = Caller::new();
+    let stream = &caller.stream;
+    let batch = 4;
+    let w = caller.random(stream, VOCAB, DIM, 1, 0.05);
+    let h = caller.random(stream, batch, DIM, 2, 1.0);
+    let rows = DeviceRows::upload(stream, &params(batch, 3)).unwrap();
+    let mut tokens = caller.tokens(stream, batch);
+    let mut workspace = StreamWorkspace::new();
+    // Warm: the workspace is allocated (cudarc binds its context for that).
+    caller
+        .sampler
+        .sample_slices(stream, &w, VOCAB, &h, &rows, Draws::first(1), Variant::Auto, &mut tokens, &mut workspace)
+        .unwrap();
+    stream.synchronize().unwrap();
+    let (w_address, _w) = w.device_ptr(stream);
+    let (h_address, _h) = h.device_ptr(stream);
+    let (t_address, _t) = tokens.device_ptr_mut(stream);
+    let request = SampleRequest {
+        lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
+        hidden: DeviceMatrix::contiguous(h_address, batch, DIM, DType::BF16),
+        row_params: rows.address(),
+        tokens: t_address,
+        draws: Draws::first(1),
+        variant: Variant::Auto,
+    };
+    let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, 1, Variant::Auto).unwrap();
+    let space = workspace.ensure(stream, bytes).unwrap();
+    let current = || {
+        let mut context = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        unsafe { sys::cuCtxGetCurrent(&mut context) }.result().unwrap();
+        context
+    };
+    let mut device = 0;
+    // SAFETY: writes one device handle.
+    unsafe { sys::cuDeviceGet(&mut device, 0) }.result().unwrap();
+    let mut other = std::ptr::null_mut();
+    // SAFETY: creates a context (made current by the call) that this test destroys below.
+    unsafe { sys::cuCtxCreate_v2(&mut other, 0, device) }.result().unwrap();
+    for previous in [std::ptr::null_mut(), other] {
+        // SAFETY: null unbinds; `other` is live.
+        unsafe { sys::cuCtxSetCurrent(previous) }.result().unwrap();
+        // SAFETY: the buffers live on `stream` with the request's extents.
+        unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
+        assert_eq!(current(), previous, "after sample");
+        // SAFETY: as above.
+        unsafe { caller.sampler.advance_steps(stream.cu_stream().cast(), rows.address(), batch, 1).unwrap() };
+        assert_eq!(current(), previous, "after advance_steps");
+        // An invalid call restores it too.
+        let bad = SampleRequest { tokens: 0, ..request };
+        // SAFETY: refused before anything is queued.
+        assert!(unsafe { caller.sampler.sample(stream.cu_stream().cast(), &bad, space) }.is_err());
+        assert_eq!(current(), previous, "after a refused call");
+    }
+    // SAFETY: `other` was created above and is no longer used.
+    unsafe { sys::cuCtxDestroy_v2(other) }.result().unwrap();
+    stream.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
+    let caller = Caller::new();
+    let stream = &caller.stream;
+    let (batch, samples, steps) = (8usize, 2u32, 100);
+    let initial: Vec<_> = (0..batch).map(|b| SamplingParams::new(1.0, 99, b as u32, 0)).collect();
+    let w = caller.random(stream, VOCAB, DIM, 7, 0.05);
+    let h = caller.random(stream, batch, DIM, 8, 1.0);
+    let mut tokens = caller.tokens(stream, batch * samples as usize);
+    let mut workspace = StreamWorkspace::new();
+    let (w_address, _w) = w.device_ptr(stream);
+    let (h_address, _h) = h.device_ptr(stream);
+    let (t_address, _t) = tokens.device_ptr_mut(stream);
+    let run_steps = |rows: &DeviceRows, step: &mut dyn FnMut()| -> Vec<Vec<u32>> {
+        (0..steps)
+            .map(|_| {
+                step();
+                let mut host = vec![0u32; batch * samples as usize];
+                // SAFETY: `t_address` holds this many tokens; the copy is ordered on `stream`.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), t_address, host.len() * 4, stream.cu_stream())
+                }
+                .result()
+                .unwrap();
+                stream.synchronize().unwrap();
+                // SAFETY: the step counter lives in `rows`, on `stream`.
+                unsafe { caller.sampler.advance_steps(stream.cu_stream().cast(), rows.address(), batch, 1).unwrap() };
+                host
+            })
+            .collect()
+    };
+    let request_for = |rows: &DeviceRows| SampleRequest {
+        lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
+        hidden: DeviceMatrix::contiguous(h_address, batch, DIM, DType::BF16),
+        row_params: rows.address(),
+        tokens: t_address,
+        draws: Draws::first(samples),
+        variant: Variant::Auto,
+    };
+    let rows = DeviceRows::upload(stream, &initial).unwrap();
+    let request = request_for(&rows);
+    let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, samples, Variant::Auto).unwrap();
+    let space = workspace.ensure(stream, bytes).unwrap();
+    // SAFETY (both closures): the buffers live on `stream` with the request's extents.
+    let uncaptured =
+        run_steps(&rows, &mut || unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() });
+
+    let rows = DeviceRows::upload(stream, &initial).unwrap();
+    let request = request_for(&rows);
+    stream.synchronize().unwrap();
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    // SAFETY: as above; captured, not run.
+    unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("one captured call");
+    let replayed = run_steps(&rows, &mut || graph.launch().unwrap());
+
+    for (step, (a, b)) in uncaptured.iter().zip(&replayed).enumerate() {
+        assert_eq!(a, b, "step {step}");
+        assert!(a.iter().all(|&t| (t as usize) < VOCAB), "step {step}");
+    }
+    let repeats = uncaptured.windows(2).filter(|pair| pair[0] == pair[1]).count();
+    assert_eq!(repeats, 0, "a step drew the same {batch} x {samples} tokens as the step before");
+}

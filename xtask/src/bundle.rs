@@ -12,7 +12,15 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     let cargo = toolchain::cargo();
     let status = nvptx_builder::clean_command(&cargo)
         .current_dir(&root)
-        .args(["build", "--release", "--package", "flashsample-cli", "--package", "flashsample-cudarc-example", "--bins"])
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "flashsample-cli",
+            "--package",
+            "flashsample-cudarc-example",
+            "--bins",
+        ])
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if !status.success() {

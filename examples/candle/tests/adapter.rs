@@ -53,7 +53,10 @@ fn greedy_tokens_are_the_argmax_of_candles_logits() {
                 exact += 1;
             } else {
                 let gap = logits[argmax] - logits[token];
-                assert!(gap <= 1e-3 * logits[argmax].abs().max(1.0), "step {step}, row {b}: {token} vs {argmax}, gap {gap}");
+                assert!(
+                    gap <= 1e-3 * logits[argmax].abs().max(1.0),
+                    "step {step}, row {b}: {token} vs {argmax}, gap {gap}"
+                );
                 near_ties += 1;
             }
         }

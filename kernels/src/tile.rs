@@ -207,9 +207,8 @@ pub unsafe fn simt_tile<T: Element>(input: &TileInput, lane: u32, scratch: *mut 
     let lm_head_row_bytes = input.lm_head_stride as u64 * element;
     let hidden_row_bytes = input.hidden_stride as u64 * element;
     let warp_row0 = input.row0 - 4 * g;
-    let cols: [u64; 8] = core::array::from_fn(|c| {
-        input.hidden + (input.col0 + c as u32).min(input.batch - 1) as u64 * hidden_row_bytes
-    });
+    let cols: [u64; 8] =
+        core::array::from_fn(|c| input.hidden + (input.col0 + c as u32).min(input.batch - 1) as u64 * hidden_row_bytes);
     for q in 0..8u32 {
         let rows: [u64; 4] = core::array::from_fn(|r| {
             input.lm_head + (warp_row0 + 4 * q + r as u32).min(input.vocab - 1) as u64 * lm_head_row_bytes

@@ -1,9 +1,15 @@
-//! The sampling race of the Hopper epilogues: estimate every score of a column's rows
-//! (`flashsample_core::estimate`), find the best estimate over the lanes that hold the column,
-//! and give exact scores only to the entries that may still win. Both epilogues run it over
-//! their own lane layout: [`race_round`] for the consumers' quads (four lanes per column, `K`
-//! quads at a time), [`estimate_column`] for the handoff warps' columns (eight lanes per column,
-//! four quads per lane).
+//! The sampling race of the Hopper epilogues, written once: estimate every score of a lane's
+//! quads (`flashsample_core::estimate`), find each column's best estimate over the lanes that
+//! share the column, and give exact scores only to the entries that may still win. Three
+//! steps, composed by both epilogues over their own lane layouts:
+//! - [`estimate_quads`]: the estimates of a lane's quads, branch-free so that the scheduler
+//!   interleaves their Philox chains and logarithms;
+//! - [`column_best`]: a column's best estimate over the lanes that hold its rows;
+//! - [`offer_contenders`]: a quad's contenders, exactly scored, offered in index order.
+//!
+//! [`race_round`] is the consumers' race (`K` quads of `K` columns per lane; lanes `l ^ 8`,
+//! `l ^ 16`, `l ^ 24` share a column), [`estimate_column`] and [`LaneRace`] the handoff warps'
+//! (four quads of one column per lane; eight lanes share a column).
 
 use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
 use flashsample_core::{Candidate, RowParams};
@@ -41,48 +47,25 @@ pub(super) unsafe fn race_round<const K: usize>(
     rows_valid: u32,
     in_batch: [bool; K],
 ) -> [Candidate; K] {
-    let mut estimates = [BlockEstimate::plain([0.0; 4], 0); K];
     // No early exit (as `any` would have): a loop with one keeps `row` out of registers.
     let mut sampling = false;
     unrolled!(k < K, {
         sampling |= in_batch[k] & (row[k].greedy == 0);
     });
-    if sampling {
-        unrolled!(k < K, {
-            estimates[k] = block_estimate(&row[k], draw, philox_block, logits[k], rows_valid, arch::log2_approx);
-        });
-    } else {
-        unrolled!(k < K, {
-            estimates[k] = BlockEstimate::plain(logits[k], rows_valid);
-        });
-    }
+    let estimates = estimate_quads::<K>(|k| &row[k], sampling, draw, |_| philox_block, logits, |_| rows_valid);
     let mut pending = 0u32;
     unrolled!(k < K, {
-        let mut best = estimates[k].best();
-        let mut mask = FIRST_COLUMN_LANE_MASK;
-        while mask <= 16 {
-            // SAFETY: per this function's contract all 32 lanes are here together.
-            let other = f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) });
-            if other > best {
-                best = other;
-            }
-            mask <<= 1;
-        }
+        // SAFETY: per this function's contract all 32 lanes are here together, and the lanes
+        // `l ^ 8`, `l ^ 16`, `l ^ 24` hold column `k`'s other rows.
+        let best = unsafe { column_best(estimates[k].best(), FIRST_COLUMN_LANE_MASK, 16) };
         if in_batch[k] {
             pending |= contenders(&estimates[k], race_threshold(&row[k], best)) << (4 * k);
         }
     });
     let mut winners = [Candidate::NONE; K];
     unrolled!(k < K, {
-        let mut mask = (pending >> (4 * k)) & 0xf;
-        // Lowest bit first: the entries are offered in increasing index order.
-        while mask != 0 {
-            let r = mask.trailing_zeros();
-            mask &= mask - 1;
-            let word = pick_of_four(estimates[k].words, r);
-            let score = exact_score(&row[k], word, pick_of_four(logits[k], r));
-            winners[k].offer_in_order(score, 4 * philox_block + r);
-        }
+        let bits = (pending >> (4 * k)) & 0xf;
+        offer_contenders(&mut winners[k], &row[k], &estimates[k], logits[k], bits, 4 * philox_block);
     });
     winners
 }
@@ -124,13 +107,9 @@ impl LaneRace {
     ) -> Candidate {
         let mut winner = Candidate::NONE;
         unrolled!(i < LANE_QUADS, {
-            let mut pending = (self.contenders >> (4 * i)) & 0xf;
-            while pending != 0 {
-                let r = pending.trailing_zeros();
-                pending &= pending - 1;
-                let score = exact_score(row, pick_of_four(self.estimates[i].words, r), pick_of_four(logits[i], r));
-                winner.offer_in_order(score, 4 * (first_philox_block + COLUMN_LANES * i as u32) + r);
-            }
+            let bits = (self.contenders >> (4 * i)) & 0xf;
+            let first_index = 4 * (first_philox_block + COLUMN_LANES * i as u32);
+            offer_contenders(&mut winner, row, &self.estimates[i], logits[i], bits, first_index);
         });
         winner
     }
@@ -156,29 +135,16 @@ pub(super) unsafe fn estimate_column(
     logits: &[[f32; 4]; LANE_QUADS],
     vocab: u32,
 ) -> LaneRace {
-    let mut estimates = [BlockEstimate::plain([0.0; 4], 0); LANE_QUADS];
     let philox_block = |i: usize| first_philox_block + COLUMN_LANES * i as u32;
     let valid = |i: usize| vocab.saturating_sub(4 * philox_block(i)).min(4);
-    if row.greedy == 0 {
-        unrolled!(i < LANE_QUADS, {
-            estimates[i] = block_estimate(row, draw, philox_block(i), logits[i], valid(i), arch::log2_approx);
-        });
-    } else {
-        unrolled!(i < LANE_QUADS, {
-            estimates[i] = BlockEstimate::plain(logits[i], valid(i));
-        });
-    }
+    let estimates = estimate_quads::<LANE_QUADS>(|_| row, row.greedy == 0, draw, philox_block, logits, valid);
     let mut lane_best = estimates[0].best();
     unrolled!(i < LANE_QUADS, {
         lane_best = lane_best.max(estimates[i].best());
     });
-    let mut best = lane_best;
-    let mut mask = 1;
-    while mask < COLUMN_LANES {
-        // SAFETY: per this function's contract all 32 lanes are here together.
-        best = best.max(f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
-        mask <<= 1;
-    }
+    // SAFETY: per this function's contract all 32 lanes are here together, and the lanes
+    // `l ^ m` (`m < COLUMN_LANES`) hold the column.
+    let best = unsafe { column_best(lane_best, 1, COLUMN_LANES / 2) };
     let threshold = race_threshold(row, best);
     let mut bits = 0;
     // Usually only the lane holding the best estimate has contenders.
@@ -188,4 +154,66 @@ pub(super) unsafe fn estimate_column(
         });
     }
     LaneRace { estimates, contenders: bits }
+}
+
+/// The estimates of `Q` quads: quad `q` holds four consecutive entries (`valid(q)` of them in
+/// the vocabulary, Philox block `philox_block(q)`) of the row `row(q)`. Without `sampling`
+/// (every row greedy) they are the plain logits.
+#[inline(always)]
+fn estimate_quads<'a, const Q: usize>(
+    row: impl Fn(usize) -> &'a RowParams,
+    sampling: bool,
+    draw: u32,
+    philox_block: impl Fn(usize) -> u32,
+    logits: &[[f32; 4]; Q],
+    valid: impl Fn(usize) -> u32,
+) -> [BlockEstimate; Q] {
+    let mut estimates = [BlockEstimate::plain([0.0; 4], 0); Q];
+    if sampling {
+        unrolled!(q < Q, {
+            estimates[q] = block_estimate(row(q), draw, philox_block(q), logits[q], valid(q), arch::log2_approx);
+        });
+    } else {
+        unrolled!(q < Q, {
+            estimates[q] = BlockEstimate::plain(logits[q], valid(q));
+        });
+    }
+    estimates
+}
+
+/// The largest `value` over this lane and the lanes `l ^ m` for `m = first_mask, 2·first_mask,
+/// …, last_mask` (a NaN is ignored, as [`BlockEstimate::best`] ignores one).
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn column_best(value: f32, first_mask: u32, last_mask: u32) -> f32 {
+    let mut best = value;
+    let mut mask = first_mask;
+    while mask <= last_mask {
+        // SAFETY: per this function's contract all 32 lanes are here together.
+        best = best.max(f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
+        mask <<= 1;
+    }
+    best
+}
+
+/// Offers the entries `bits` (bit `r`: entry `r`) of a quad to `winner` with their exact
+/// scores, lowest index first; entry `r` is vocabulary index `first_index + r`.
+#[inline(always)]
+fn offer_contenders(
+    winner: &mut Candidate,
+    row: &RowParams,
+    estimate: &BlockEstimate,
+    logits: [f32; 4],
+    bits: u32,
+    first_index: u32,
+) {
+    let mut pending = bits;
+    while pending != 0 {
+        let r = pending.trailing_zeros();
+        pending &= pending - 1;
+        let score = exact_score(row, pick_of_four(estimate.words, r), pick_of_four(logits, r));
+        winner.offer_in_order(score, first_index + r);
+    }
 }

@@ -261,7 +261,7 @@ fn the_callers_current_context_is_restored() {
     unsafe { sys::cuDeviceGet(&mut device, 0) }.result().unwrap();
     let mut other = std::ptr::null_mut();
     // SAFETY: creates a context (made current by the call) that this test destroys below.
-    unsafe { sys::cuCtxCreate_v2(&mut other, 0, device) }.result().unwrap();
+    unsafe { sys::cuCtxCreate_v4(&mut other, std::ptr::null_mut(), 0, device) }.result().unwrap();
     for previous in [std::ptr::null_mut(), other] {
         // SAFETY: null unbinds; `other` is live.
         unsafe { sys::cuCtxSetCurrent(previous) }.result().unwrap();

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso] [candle]
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle]
 # (none named = tests portable demo bench ncu). `tests` runs every test binary with the
 # device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
 # the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100. `quick`
 # runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
 # tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
-# `example` launches nvptx-builder's example kernel and checks it against the CPU, and runs the
+# `sanitizer` runs compute-sanitizer's memcheck, racecheck, synccheck and initcheck over every
+# kernel variant on odd shapes, with each module. `example` launches nvptx-builder's example kernel and checks it against the CPU, and runs the
 # borrowed-mode decode loop with both modules; `candle` runs the candle adapter's tests and
 # example (from the folder `cargo xtask bundle --candle` makes). `bench` times
 # both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py).
@@ -67,6 +68,17 @@ for stage in $stages; do
         step example timeout 60 bash -c "'$here/saxpy-example' 2>&1 | tee '$out/example.log'"
         step decode-loop timeout 120 bash -c "'$here/decode-loop-example' 2>&1 | tee -a '$out/example.log'"
         step decode-loop-portable timeout 120 bash -c "FLASHSAMPLE_MODULE=portable '$here/decode-loop-example' 2>&1 | tail -3 | tee -a '$out/example.log'"
+        ;;
+    sanitizer)
+        # compute-sanitizer's four tools over every kernel variant on odd shapes (the
+        # hardening tests' sanitizer workload), with each module; any report fails the step.
+        sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+        for module in hopper portable; do
+            for tool in memcheck racecheck synccheck initcheck; do
+                step "sanitizer $tool $module" timeout 300 bash -c "FLASHSAMPLE_MODULE=$module '$sanitizer' --tool $tool --error-exitcode 3 '$here/tests/tests-hardening' --include-ignored --exact sanitizer_workload_every_variant_on_odd_shapes --test-threads=1 >> '$out/sanitizer.log' 2>&1"
+            done
+        done
+        grep -E "ERROR SUMMARY|test result|FAILED|panicked" "$out/sanitizer.log" | tail -20
         ;;
     candle)
         # The candle adapter (bundle made by `cargo xtask bundle --candle`): candle links the

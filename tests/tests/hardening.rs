@@ -1,0 +1,175 @@
+//! The GPU at the edges: an LM head past 2³¹ elements, a batch of 4,096 rows, a request for
+//! more memory than the card has, ten thousand decode steps of changing shapes, and the small
+//! workload `compute-sanitizer` runs over every kernel variant (stage `sanitizer` of the GPU
+//! bundle's run.sh). Ignored without a GPU.
+
+use flashsample::cudarc::driver::result::mem_get_info;
+use flashsample::params::Draws;
+use flashsample::{CudaSampler, DType, Elements, Error, Matrix, Result, SamplingParams, Variant};
+use flashsample_tests::*;
+
+/// Tokens computed elsewhere, offered to [`check_matches_cpu`] as a backend.
+struct Fixed(Vec<u32>);
+
+impl Backend for Fixed {
+    fn name(&self) -> String {
+        "cuda (tokens from the test)".into()
+    }
+
+    fn sample_draws(&self, _: &Matrix, _: &Matrix, _: &[SamplingParams], _: Draws) -> Result<Vec<u32>> {
+        Ok(self.0.clone())
+    }
+}
+
+/// bf16 matrices of one width, one under the other.
+fn stack_bf16(parts: &[Matrix]) -> Matrix {
+    let mut values = Vec::new();
+    for part in parts {
+        let Elements::BF16(part_values) = part.elements() else { panic!("bf16 parts") };
+        values.extend_from_slice(part_values);
+    }
+    Matrix::new("hidden", values.len() / parts[0].cols(), parts[0].cols(), Elements::BF16(values)).unwrap()
+}
+
+fn sampler() -> CudaSampler {
+    CudaSampler::new().expect("these tests need a CUDA GPU")
+}
+
+/// `W[262,147, 8,192]` bf16 holds 2,147,508,224 elements (4.3 GB): every offset past 2³¹
+/// elements must be computed in 64 bits. Rows sample as on the CPU, and a greedy row whose
+/// hidden state is one of the last rows of `W` gets that row.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_lm_head_past_2_pow_31_elements_samples_like_the_cpu() {
+    let (vocab, dim) = (262_147, 8192);
+    assert!(vocab * dim > 1 << 31);
+    let sampler = sampler();
+    let head = sampler.random_lm_head(vocab, dim, DType::BF16, 17, 0.05).unwrap();
+    let w = sampler.lm_head_to_host(&head).unwrap();
+    let random = sampler.hidden_to_host(&sampler.random_hidden(3, dim, DType::BF16, 18, 1.0).unwrap()).unwrap();
+    let target = vocab - 3;
+    let hidden = stack_bf16(&[random, w.row_range(target, target + 1)]);
+    let mut params = params_for(4, 1.0, 19);
+    params[3].temperature = 0.0;
+    let tokens = sampler.sample(&head, &hidden, &params, 8).unwrap();
+    assert!(tokens[24..].iter().all(|&t| t as usize == target), "greedy row: {:?}", &tokens[24..]);
+    assert!(tokens.iter().any(|&t| t as usize > vocab / 2), "no token from the upper half: {tokens:?}");
+    let disagreements = check_matches_cpu(&Fixed(tokens), &w, &hidden, &params, 8);
+    assert!(disagreements <= 1, "{disagreements} near-tie disagreements");
+}
+
+/// B = 4,096: four rows of the batch (first, second, middle, last) get the tokens they get
+/// alone, and those match the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_batch_of_4096_rows_samples_each_row_as_alone() {
+    let (vocab, dim, batch, samples) = (151_936, 4096, 4096, 2u32);
+    let sampler = sampler();
+    let head = sampler.random_lm_head(vocab, dim, DType::BF16, 21, 0.05).unwrap();
+    let hidden = sampler.hidden_to_host(&sampler.random_hidden(batch, dim, DType::BF16, 22, 1.0).unwrap()).unwrap();
+    let params = params_for(batch, 0.9, 23);
+    let tokens = sampler.sample(&head, &hidden, &params, samples).unwrap();
+    let w = sampler.lm_head_to_host(&head).unwrap();
+    for row in [0, 1, 2047, 4095] {
+        let alone = sampler.sample(&head, &hidden.row_range(row, row + 1), &params[row..row + 1], samples).unwrap();
+        let n = samples as usize;
+        assert_eq!(alone, tokens[row * n..(row + 1) * n], "row {row}");
+        let disagreements =
+            check_matches_cpu(&Fixed(alone), &w, &hidden.row_range(row, row + 1), &params[row..row + 1], samples);
+        assert!(disagreements <= 1, "row {row}: {disagreements} near-tie disagreements");
+    }
+}
+
+/// An LM head of 2⁴⁸ bytes cannot be allocated: the error names the allocation, and the
+/// sampler keeps working (the same tokens as a fresh sampler's).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn more_memory_than_the_card_has_is_an_error_and_the_sampler_stays_usable() {
+    let sampler = sampler();
+    let error = sampler.random_lm_head(1 << 30, 1 << 17, DType::BF16, 1, 0.05).err().expect("2^48 bytes do not fit");
+    assert!(matches!(&error, Error::Cuda { call, .. } if call.contains("cuMemAllocAsync")), "{error}");
+    let w = random_matrix(1000, 64, DType::BF16, 0.3, 2);
+    let h = random_matrix(3, 64, DType::BF16, 1.0, 3);
+    let params = params_for(3, 1.0, 4);
+    let after = sampler.sample(&sampler.upload_lm_head(&w).unwrap(), &h, &params, 5).unwrap();
+    let fresh = CudaSampler::new().unwrap();
+    let expected = fresh.sample(&fresh.upload_lm_head(&w).unwrap(), &h, &params, 5).unwrap();
+    assert_eq!(after, expected);
+    sampler.close().unwrap();
+}
+
+/// Ten thousand decode steps whose batch size, temperatures and step counters change every
+/// step: every step's tokens are read back (a fault or a missing token fails the step), every
+/// 100th step's first rows are checked against the CPU, and the device's free memory is the
+/// same before and after.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
+    let (vocab, dim, steps) = (32_000, 1024, 10_000u32);
+    let sampler = sampler();
+    let head = sampler.random_lm_head(vocab, dim, DType::BF16, 31, 0.05).unwrap();
+    let w = sampler.lm_head_to_host(&head).unwrap();
+    let temperatures = [0.0, 0.5, 1.0, 1.7];
+    let step = |s: u32| -> (Vec<u32>, Option<Matrix>, Vec<SamplingParams>) {
+        let batch = 1 + (s as usize * 7919) % 64;
+        let hidden = sampler.random_hidden(batch, dim, DType::BF16, s as u64, 1.0).unwrap();
+        let params: Vec<_> =
+            (0..batch).map(|b| SamplingParams::new(temperatures[(s as usize + b) % 4], 41, b as u32, s)).collect();
+        let rows = sampler.upload_rows(&params).unwrap();
+        let mut tokens = sampler.tokens(batch, 1).unwrap();
+        sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens).unwrap();
+        let host = sampler.tokens_to_host(&tokens).unwrap();
+        assert!(host.iter().all(|&t| (t as usize) < vocab), "step {s}");
+        let hidden = s.is_multiple_of(100).then(|| sampler.hidden_to_host(&hidden).unwrap());
+        (host, hidden, params)
+    };
+    // Warm: the workspace grows to the largest batch once.
+    for s in 0..64 {
+        step(s);
+    }
+    sampler.synchronize("warm-up").unwrap();
+    let (free_before, _) = mem_get_info().unwrap();
+    let mut disagreements = 0;
+    for s in 0..steps {
+        let (tokens, hidden, params) = step(s);
+        if let Some(hidden) = hidden {
+            let rows = hidden.rows().min(4);
+            disagreements +=
+                check_matches_cpu(&Fixed(tokens[..rows].to_vec()), &w, &hidden.row_range(0, rows), &params[..rows], 1);
+        }
+    }
+    sampler.synchronize("the soak").unwrap();
+    let (free_after, _) = mem_get_info().unwrap();
+    assert!(disagreements <= 2, "{disagreements} near-tie disagreements");
+    let lost = free_before.saturating_sub(free_after);
+    assert!(lost <= 4 << 20, "{lost} bytes of device memory fewer after {steps} steps");
+}
+
+/// The workload of the bundle's `sanitizer` stage: every kernel variant the module has (the
+/// unfused pipeline too) on a prime vocabulary, D not a multiple of 8 for the SIMT tile, and
+/// B = 1, 37 and 1023, each checked against the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sanitizer_workload_every_variant_on_odd_shapes() {
+    let module = sampler().module();
+    let mut variants: Vec<Variant> = Variant::tensor_core(module).collect();
+    variants.push(Variant::Simt);
+    for variant in variants {
+        let dim = if variant == Variant::Simt { 199 } else { 200 };
+        for batch in [1, 37] {
+            let w = random_matrix(1009, dim, DType::BF16, 0.3, 51);
+            let h = random_matrix(batch, dim, DType::BF16, 1.0, 52);
+            check_matches_cpu(&Cuda::new(variant), &w, &h, &params_for(batch, 1.0, 53), 3);
+        }
+    }
+    let w = random_matrix(1009, 136, DType::F16, 0.3, 54);
+    let h = random_matrix(1023, 136, DType::F16, 1.0, 55);
+    check_matches_cpu(&Cuda::new(Variant::Auto), &w, &h, &params_for(1023, 0.7, 56), 2);
+    let sampler = sampler();
+    let head = sampler.upload_lm_head(&w).unwrap();
+    let hidden = sampler.upload_hidden(&h).unwrap();
+    let rows = sampler.upload_rows(&params_for(1023, 0.7, 56)).unwrap();
+    let mut tokens = sampler.tokens(1023, 2).unwrap();
+    sampler.sample_unfused_into(&head, &hidden, &rows, 2, Variant::Auto, &mut tokens).unwrap();
+    assert!(sampler.tokens_to_host(&tokens).unwrap().iter().all(|&t| t < 1009));
+}

@@ -7,6 +7,10 @@
 //! and before whatever candle frees next on that stream. Per-row parameters live on the device,
 //! and [`CandleSampler::advance_steps`] moves the decode step there. On the CPU the adapter
 //! runs [`crate::CpuSampler`], the exact twin.
+//!
+//! candle's `Device::new_cuda` queues on the per-thread default stream, which is the calling
+//! thread's own: call the sampler from the thread that runs the model (as candle's own ops
+//! must be), or its work is not ordered after the model's.
 
 use std::sync::Arc;
 
@@ -35,6 +39,16 @@ struct CudaState {
     stream: Arc<CudaStream>,
     rows: DeviceRows,
     workspace: StreamWorkspace,
+}
+
+impl Drop for CudaState {
+    /// The kernels are unloaded after the drop; work queued on candle's stream that still uses
+    /// them must finish first.
+    fn drop(&mut self) {
+        if let Err(e) = self.stream.synchronize() {
+            eprintln!("flashsample: waiting for candle's stream before unloading the kernels failed: {e}");
+        }
+    }
 }
 
 fn candle_error(call: &str, error: candle_core::Error) -> Error {
@@ -107,11 +121,14 @@ impl CandleSampler {
 
     /// Replaces the per-row parameters (copied to the device on candle's stream).
     pub fn set_params(&mut self, params: &[SamplingParams]) -> Result<()> {
-        let replacement = CandleSampler::new(&self.device, params)?;
-        self.params = replacement.params;
-        if let (Some(cuda), Some(new)) = (self.cuda.as_mut(), replacement.cuda) {
-            cuda.rows = new.rows;
+        row_params(params)?;
+        if params.is_empty() {
+            return Err(invalid("params", "no entries: one per batch row is needed"));
         }
+        if let Some(cuda) = self.cuda.as_mut() {
+            cuda.rows = DeviceRows::upload(&cuda.stream, params)?;
+        }
+        self.params = params.to_vec();
         Ok(())
     }
 
@@ -194,6 +211,9 @@ impl CandleSampler {
             dtype,
         };
         let count = Draws::first(samples).check()?.count as usize;
+        if batch.checked_mul(count).is_none_or(|n| n > u32::MAX as usize) {
+            return Err(invalid("samples", format!("B x samples = {batch} x {count} tokens: must be < 2^32")));
+        }
         let bytes = cuda.kernels.workspace_bytes(&lm_head, &hidden, samples, self.variant)?;
         let workspace = cuda.workspace.ensure(stream, bytes)?;
         // SAFETY: the merge kernel writes every token before anything reads it.

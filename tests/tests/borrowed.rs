@@ -109,15 +109,16 @@ fn inputs_made_on_the_callers_stream_just_before_give_the_owned_tokens() {
 fn a_strided_hidden_view_gives_the_contiguous_tokens() {
     let caller = Caller::new();
     let stream = &caller.stream;
-    let (batch, samples, stride) = (9usize, 2u32, DIM + 64);
+    // D = 1000 ends in a partial 64-element block, whose loads stop at D, not at the stride.
+    let (batch, samples, dim, stride) = (9usize, 2u32, 1000usize, 1000 + 56);
     let params = params(batch, 3);
-    let w = caller.random(stream, VOCAB, DIM, 21, 0.05);
-    let h = caller.random(stream, batch, DIM, 22, 1.0);
+    let w = caller.random(stream, VOCAB, dim, 21, 0.05);
+    let h = caller.random(stream, batch, dim, 22, 1.0);
     // The same rows, `stride` elements apart (the rest of each row is garbage).
     let mut wide = caller.random(stream, batch, stride, 23, 9.0);
     for b in 0..batch {
-        let mut row = wide.slice_mut(b * stride..b * stride + DIM);
-        stream.memcpy_dtod(&h.slice(b * DIM..(b + 1) * DIM), &mut row).unwrap();
+        let mut row = wide.slice_mut(b * stride..b * stride + dim);
+        stream.memcpy_dtod(&h.slice(b * dim..(b + 1) * dim), &mut row).unwrap();
     }
     let rows = DeviceRows::upload(stream, &params).unwrap();
     for variant in [Variant::Auto, Variant::Simt] {
@@ -142,8 +143,8 @@ fn a_strided_hidden_view_gives_the_contiguous_tokens() {
         let (h_address, _h) = wide.device_ptr(stream);
         let (t_address, _t) = strided.device_ptr_mut(stream);
         let request = SampleRequest {
-            lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
-            hidden: DeviceMatrix { address: h_address, rows: batch, cols: DIM, row_stride: stride, dtype: DType::BF16 },
+            lm_head: DeviceMatrix::contiguous(w_address, VOCAB, dim, DType::BF16),
+            hidden: DeviceMatrix { address: h_address, rows: batch, cols: dim, row_stride: stride, dtype: DType::BF16 },
             row_params: rows.address(),
             tokens: t_address,
             draws: Draws::first(samples),
@@ -214,6 +215,7 @@ fn two_streams_at_once_give_the_tokens_each_gives_alone() {
         scope.spawn(|| o1[0].iter_mut().for_each(|t| run(1, w1, t)));
     });
     for i in 0..2 {
+        assert!(alone[i].iter().all(|&t| (t as usize) < VOCAB), "stream {i} alone wrote no tokens");
         for (call, tokens) in outputs[i].iter().enumerate() {
             assert_eq!(streams[i].clone_dtoh(tokens).unwrap(), alone[i], "stream {i}, call {call}");
         }
@@ -256,6 +258,13 @@ fn the_callers_current_context_is_restored() {
         unsafe { sys::cuCtxGetCurrent(&mut context) }.result().unwrap();
         context
     };
+    // Empty this thread's context stack (cudarc's calls above left the primary context on it),
+    // so that "no current context" is a state the test can set.
+    while !current().is_null() {
+        let mut popped = std::ptr::null_mut();
+        // SAFETY: pops the current context off this thread's stack.
+        unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }.result().unwrap();
+    }
     let mut device = 0;
     // SAFETY: writes one device handle.
     unsafe { sys::cuDeviceGet(&mut device, 0) }.result().unwrap();
@@ -265,6 +274,7 @@ fn the_callers_current_context_is_restored() {
     for previous in [std::ptr::null_mut(), other] {
         // SAFETY: null unbinds; `other` is live.
         unsafe { sys::cuCtxSetCurrent(previous) }.result().unwrap();
+        assert_eq!(current(), previous, "set by the test");
         // SAFETY: the buffers live on `stream` with the request's extents.
         unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
         assert_eq!(current(), previous, "after sample");
@@ -345,4 +355,5 @@ fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
     }
     let repeats = uncaptured.windows(2).filter(|pair| pair[0] == pair[1]).count();
     assert_eq!(repeats, 0, "a step drew the same {batch} x {samples} tokens as the step before");
+    stream.synchronize().unwrap();
 }

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _};
 use flashsample_core::RowParams;
 use flashsample_core::abi::{DevicePtr, Element, TMA_ITEM_ROWS, TensorMap};
 
@@ -48,9 +48,12 @@ impl<T: bytemuck::Pod> DeviceBuffer<T> {
     /// once).
     pub(crate) fn from_host(stream: &Arc<CudaStream>, values: &[T], what: &str) -> Result<DeviceBuffer<T>> {
         // SAFETY: the copy below writes every value.
-        let buffer = unsafe { DeviceBuffer::uninitialized(stream, values.len(), what)? };
+        let mut buffer = unsafe { DeviceBuffer::uninitialized(stream, values.len(), what)? };
+        // Recorded as a write on `stream` for cudarc's event tracking, where the context has it.
+        let (_, write) = buffer.bytes.device_ptr_mut(stream);
         // SAFETY: the buffer holds `values.len()` values and lives on `stream`.
         unsafe { driver::copy_to_device_async(what, buffer.ptr, values, stream.cu_stream())? };
+        drop(write);
         Ok(buffer)
     }
 
@@ -240,6 +243,13 @@ impl DeviceRows {
     /// The device address of the first row's parameters (`[rows]` [`RowParams`]).
     pub fn address(&self) -> u64 {
         self.buffer.ptr().address()
+    }
+
+    /// Marks a read of the rows on `stream` for cudarc's event tracking (where the context has
+    /// it): the upload is waited for, and the free waits for the read. Dropping the guard
+    /// records the read; keep it until the work is queued.
+    pub(crate) fn used_on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> cudarc::driver::SyncOnDrop<'a> {
+        self.buffer.bytes.device_ptr(stream).1
     }
 }
 

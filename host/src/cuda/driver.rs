@@ -289,6 +289,13 @@ pub unsafe fn in_context<R>(context: sys::CUcontext, body: impl FnOnce() -> Resu
     let scope = unsafe { ContextScope::enter(context)? };
     let result = body();
     let left = scope.leave();
-    let value = result?;
-    left.map(|()| value)
+    match (result, left) {
+        (Ok(value), left) => left.map(|()| value),
+        (Err(error), Err(restore)) => {
+            // The body's error is the one returned; the restore's would be lost otherwise.
+            eprintln!("flashsample: restoring the caller's CUDA context failed: {restore}");
+            Err(error)
+        }
+        (Err(error), Ok(())) => Err(error),
+    }
 }

@@ -11,7 +11,9 @@
 //! Architecture Invariant: a call queues work on the stream it is given and nowhere else; it
 //! creates no context and no stream, allocates nothing (the workspace is the caller's), never
 //! waits for the device, and leaves the thread's current context as it found it. A workspace
-//! serves one stream at a time: two streams sampling at once use two workspaces.
+//! serves one stream at a time: two streams sampling at once use two workspaces. (The safe
+//! wrappers' own cudarc calls, an allocation in [`StreamWorkspace::ensure`] or
+//! `DeviceRows::upload`, bind cudarc's context as every cudarc call does.)
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -292,8 +294,9 @@ impl StreamSampler {
     /// [`StreamSampler::sample`] over cudarc buffers on a cudarc stream of this sampler's
     /// context: `W` is `lm_head` as `[vocab, lm_head.len() / vocab]`, `H` is `hidden` as
     /// `[rows.rows(), D]`, `tokens` gets `[B, draws.count]`. The workspace grows on `stream` to
-    /// what the call needs (once per new largest shape). cudarc's event tracking, where the
-    /// context has it, orders the buffers' use with their other streams.
+    /// what the call needs (once per new largest shape: under CUDA graph capture, ensure it
+    /// first, or the growth becomes an allocation the graph owns). cudarc's event tracking,
+    /// where the context has it, orders the buffers' use with their other streams.
     #[allow(clippy::too_many_arguments)]
     pub fn sample_slices<T: DeviceElement>(
         &self,
@@ -325,9 +328,13 @@ impl StreamSampler {
                 format!("room for {} tokens, the call writes B x N = {needed}", tokens.len()),
             ));
         }
+        // cudarc's own calls below bind its context; the scope returns the caller's afterwards.
+        // SAFETY: the sampler's context lives as long as the sampler.
+        let scope = unsafe { driver::ContextScope::enter(self.context)? };
         let (w, _w_use) = lm_head.device_ptr(stream);
         let (h, _h_use) = hidden.device_ptr(stream);
         let (t, _t_use) = tokens.device_ptr_mut(stream);
+        let _rows_use = rows.used_on(stream);
         let request = SampleRequest {
             lm_head: DeviceMatrix::contiguous(w, vocab, dim, T::DTYPE),
             hidden: DeviceMatrix::contiguous(h, batch, dim, T::DTYPE),
@@ -341,7 +348,8 @@ impl StreamSampler {
         // SAFETY: the slices hold the extents checked above and live until the guards drop
         // (cudarc frees them on their stream, after this work); the stream belongs to this
         // sampler's context; the workspace is this stream's.
-        unsafe { self.sample(stream.cu_stream().cast(), &request, workspace) }
+        let queued = unsafe { self.sample(stream.cu_stream().cast(), &request, workspace) };
+        queued.and(scope.leave())
     }
 
     /// Checks `request` and queues its kernels on `stream`; the context is current.
@@ -605,11 +613,15 @@ impl DeviceElement for f32 {
 }
 
 /// A grow-only workspace for the calls on one stream ([`StreamSampler::sample_slices`]); it
-/// is allocated and freed on that stream.
+/// is allocated and freed on that stream, and asked for on another it is made anew there.
 #[derive(Default)]
 pub struct StreamWorkspace {
     bytes: Option<CudaSlice<u8>>,
+    stream: Option<sys::CUstream>,
 }
+
+// SAFETY: the stream handle is only compared, never used to queue work.
+unsafe impl Send for StreamWorkspace {}
 
 impl StreamWorkspace {
     pub fn new() -> StreamWorkspace {
@@ -618,8 +630,11 @@ impl StreamWorkspace {
 
     /// At least `bytes` of workspace on `stream` (contents not kept when it grows).
     pub fn ensure(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<DeviceWorkspace> {
-        if self.bytes.as_ref().is_none_or(|b| b.len() < bytes) {
+        let other_stream = self.stream != Some(stream.cu_stream());
+        if other_stream || self.bytes.as_ref().is_none_or(|b| b.len() < bytes) {
+            // Freed on the stream that used it, after that stream's work.
             self.bytes = None;
+            self.stream = Some(stream.cu_stream());
             // SAFETY: the tile kernels write every candidate the merge reads, and the map
             // writer writes the maps before the TMA kernel reads them.
             let slice = unsafe { stream.alloc::<u8>(bytes) };

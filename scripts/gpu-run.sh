@@ -78,7 +78,7 @@ for stage in $stages; do
                 step "sanitizer $tool $module" timeout 300 bash -c "FLASHSAMPLE_MODULE=$module '$sanitizer' --tool $tool --error-exitcode 3 '$here/tests/tests-hardening' --include-ignored --exact sanitizer_workload_every_variant_on_odd_shapes --test-threads=1 >> '$out/sanitizer.log' 2>&1"
             done
         done
-        grep -E "ERROR SUMMARY|test result|FAILED|panicked" "$out/sanitizer.log" | tail -20
+        grep -E "SUMMARY|test result|FAILED|panicked" "$out/sanitizer.log" | tail -20
         ;;
     candle)
         # The candle adapter (bundle made by `cargo xtask bundle --candle`): candle links the

@@ -65,9 +65,26 @@ fn dtype(what: &str, dtype: candle_core::DType) -> Result<DType> {
     }
 }
 
-/// A 2-D tensor's shape as rows of contiguous elements: `(rows, cols, row stride, first
-/// element)`. Views whose rows are not contiguous are refused.
-fn rows_of(what: &str, tensor: &Tensor) -> Result<(usize, usize, usize, usize)> {
+/// A 2-D tensor seen as rows of contiguous elements.
+struct Rows {
+    rows: usize,
+    cols: usize,
+    /// Elements from one row to the next.
+    row_stride: usize,
+    /// The first element's index in the storage.
+    first: usize,
+}
+
+impl Rows {
+    /// The matrix in a storage whose element 0 is at device address `base`.
+    fn at(&self, base: u64, dtype: DType) -> DeviceMatrix {
+        let address = base + (self.first * dtype.bytes()) as u64;
+        DeviceMatrix { address, rows: self.rows, cols: self.cols, row_stride: self.row_stride, dtype }
+    }
+}
+
+/// A 2-D tensor's layout as [`Rows`]; views whose rows are not contiguous are refused.
+fn rows_of(what: &str, tensor: &Tensor) -> Result<Rows> {
     let (rows, cols) = tensor.dims2().map_err(|e| invalid(what, format!("{e}: must be a 2-D tensor")))?;
     let layout = tensor.layout();
     let stride = layout.stride();
@@ -78,7 +95,7 @@ fn rows_of(what: &str, tensor: &Tensor) -> Result<(usize, usize, usize, usize)> 
         ));
     }
     let row_stride = if rows > 1 { stride[0] } else { cols };
-    Ok((rows, cols, row_stride, layout.start_offset()))
+    Ok(Rows { rows, cols, row_stride, first: layout.start_offset() })
 }
 
 impl CandleSampler {
@@ -169,7 +186,7 @@ impl CandleSampler {
                 ));
             }
         }
-        let batch = rows_of("hidden", hidden)?.0;
+        let batch = rows_of("hidden", hidden)?.rows;
         if batch != self.params.len() {
             return Err(invalid("hidden", format!("B = {batch} rows for {} rows of parameters", self.params.len())));
         }
@@ -187,29 +204,17 @@ impl CandleSampler {
         let Some(cuda) = self.cuda.as_mut() else {
             return sample_on_cpu::<T>(hidden, lm_head, &self.params, samples, dtype);
         };
-        let (batch, dim, h_stride, h_offset) = rows_of("hidden", hidden)?;
-        let (vocab, w_dim, w_stride, w_offset) = rows_of("lm_head", lm_head)?;
+        let hidden_rows = rows_of("hidden", hidden)?;
+        let lm_head_rows = rows_of("lm_head", lm_head)?;
+        let batch = hidden_rows.rows;
         let stream = &cuda.stream;
         let (h_storage, _) = hidden.storage_and_layout();
         let (w_storage, _) = lm_head.storage_and_layout();
         let (h_slice, w_slice) = (cuda_slice::<T>("hidden", &h_storage)?, cuda_slice::<T>("lm_head", &w_storage)?);
         let (h_base, _h_use) = h_slice.device_ptr(stream);
         let (w_base, _w_use) = w_slice.device_ptr(stream);
-        let element = dtype.bytes() as u64;
-        let lm_head = DeviceMatrix {
-            address: w_base + w_offset as u64 * element,
-            rows: vocab,
-            cols: w_dim,
-            row_stride: w_stride,
-            dtype,
-        };
-        let hidden = DeviceMatrix {
-            address: h_base + h_offset as u64 * element,
-            rows: batch,
-            cols: dim,
-            row_stride: h_stride,
-            dtype,
-        };
+        let lm_head = lm_head_rows.at(w_base, dtype);
+        let hidden = hidden_rows.at(h_base, dtype);
         let count = Draws::first(samples).check()?.count as usize;
         if batch.checked_mul(count).is_none_or(|n| n > u32::MAX as usize) {
             return Err(invalid("samples", format!("B x samples = {batch} x {count} tokens: must be < 2^32")));

@@ -31,9 +31,9 @@ use super::dispatch::{Variant, element_type};
 use super::driver::{self, L2Promotion, TensorMapElement};
 use super::modules::{LoadedModule, ModuleChoice};
 use super::passes::{CANDIDATE_BUDGET_BYTES, Pass, Plan};
-use crate::error::{Error, Result, invalid};
-use crate::params::{Draws, check_head_shape};
-use crate::tensor::DType;
+use crate::error::{Result, invalid};
+use crate::params::{Draws, HeadShape, check_head_shape, check_request_shape};
+use crate::tensor::{DType, MatrixShape};
 
 /// A matrix in device memory: `rows × cols` elements of `dtype` at `address`, row `r` starting
 /// `r · row_stride` elements after it.
@@ -530,21 +530,13 @@ fn check_request(request: &SampleRequest) -> Result<CheckedRequest> {
     check_head_shape(lm_head.rows, lm_head.cols)?;
     check_matrix("lm_head", lm_head)?;
     check_matrix("hidden", hidden)?;
-    if hidden.rows == 0 || hidden.rows > u32::MAX as usize {
-        return Err(invalid("hidden", format!("B = {} rows: must be 1 to 2^32 - 1", hidden.rows)));
-    }
-    if hidden.cols != lm_head.cols {
-        return Err(invalid(
-            "hidden",
-            format!("{} columns, but the LM head has D = {}: they must match", hidden.cols, lm_head.cols),
-        ));
-    }
-    if hidden.dtype != lm_head.dtype {
-        return Err(Error::DTypeMismatch { lm_head: lm_head.dtype, hidden: hidden.dtype });
-    }
+    let samples = request.draws.check()?.count;
+    // The shape rules every backend applies (B, D, dtypes); one row of parameters per row of H.
+    let head = HeadShape { vocab: lm_head.rows, dim: lm_head.cols, dtype: lm_head.dtype };
+    let hidden_shape = MatrixShape { rows: hidden.rows, cols: hidden.cols, dtype: hidden.dtype };
+    check_request_shape(head, hidden_shape, hidden.rows, "row_params", samples)?;
     check_address("row_params", request.row_params, align_of::<RowParams>())?;
     check_address("tokens", request.tokens, align_of::<u32>())?;
-    let samples = request.draws.check()?.count;
     if hidden.rows.checked_mul(samples as usize).is_none_or(|n| n > u32::MAX as usize) {
         return Err(invalid("samples", format!("B x samples = {} x {samples} tokens: must be < 2^32", hidden.rows)));
     }

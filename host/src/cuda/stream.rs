@@ -108,10 +108,6 @@ pub struct StreamSampler {
     compute_capability: (u32, u32),
     /// Keeps a cudarc context alive for samplers made by [`StreamSampler::on_context`].
     _context_owner: Option<Arc<CudaContext>>,
-    /// The last tensor maps encoded on the host (a decode loop asks for the same ones every
-    /// step). Only the host's encoding is saved: every call still writes its maps on the
-    /// stream.
-    encoded: EncodedMaps,
 }
 
 // SAFETY: the context handle and the loaded module may be used from any thread that makes the
@@ -159,7 +155,6 @@ impl StreamSampler {
                     multiprocessors,
                     compute_capability: (major, minor),
                     _context_owner: None,
-                    encoded: EncodedMaps::default(),
                 })
             })
         }
@@ -390,8 +385,8 @@ impl StreamSampler {
                 let destination = DevicePtr::<TensorMap>::new(workspace.address);
                 let args = StoreTensorMapsArgs {
                     destination,
-                    lm_head: self.encoded.get("lm_head", lm_head, rows, l2_promotion(columns))?.0,
-                    hidden: self.encoded.get("hidden", hidden, columns, l2_promotion(columns))?.0,
+                    lm_head: tensor_map("lm_head", lm_head, rows, l2_promotion(columns))?.0,
+                    hidden: tensor_map("hidden", hidden, columns, l2_promotion(columns))?.0,
                 };
                 // SAFETY: the workspace starts with room for two 64-byte aligned maps, and only
                 // this stream's work touches it.
@@ -590,36 +585,6 @@ pub(crate) fn tensor_map(
         flashsample_core::abi::TMA_K_BLOCK,
         promotion,
     )
-}
-
-/// What a tensor map is encoded from.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct MapKey {
-    matrix: DeviceMatrix,
-    box_rows: u32,
-    promotion: L2Promotion,
-}
-
-/// The last [`ENCODED_MAPS`] tensor maps encoded, newest first.
-#[derive(Default)]
-struct EncodedMaps(std::sync::Mutex<Vec<(MapKey, TensorMap)>>);
-
-/// Maps kept by [`EncodedMaps`]: a step's two, for two streams.
-const ENCODED_MAPS: usize = 4;
-
-impl EncodedMaps {
-    /// [`tensor_map`] of these arguments, from the cache when it holds them.
-    fn get(&self, what: &str, matrix: &DeviceMatrix, box_rows: u32, promotion: L2Promotion) -> Result<TensorMap> {
-        let key = MapKey { matrix: *matrix, box_rows, promotion };
-        let mut maps = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(&(_, map)) = maps.iter().find(|(k, _)| *k == key) {
-            return Ok(map);
-        }
-        let map = tensor_map(what, matrix, box_rows, promotion)?;
-        maps.insert(0, (key, map));
-        maps.truncate(ENCODED_MAPS);
-        Ok(map)
-    }
 }
 
 /// An element type the kernels read from cudarc buffers.

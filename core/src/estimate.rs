@@ -46,7 +46,7 @@ fn mul_add(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-use crate::candidate::perturbed_score;
+use crate::candidate::{Candidate, perturbed_score};
 use crate::gumbel::{TWO_POW_NEG_33, gumbel};
 use crate::noise::{RowParams, counter, key};
 use crate::philox::philox4x32_10;
@@ -188,10 +188,40 @@ pub fn exact_score(row: &RowParams, word: u32, logit: f32) -> f32 {
     if row.greedy != 0 { logit } else { perturbed_score(logit, row.inv_temperature, gumbel(word)) }
 }
 
+/// Offers the entries `bits` (bit `r`: entry `r`) of a four-entry block to `winner` with their
+/// exact scores, lowest index first; entry `r` is vocabulary index `first_index + r`. The last
+/// step of the race every filtered epilogue runs: its contenders, exactly scored.
+#[inline(always)]
+pub fn offer_contenders(
+    winner: &mut Candidate,
+    row: &RowParams,
+    estimate: &BlockEstimate,
+    logits: [f32; 4],
+    bits: u32,
+    first_index: u32,
+) {
+    let mut pending = bits;
+    while pending != 0 {
+        let r = pending.trailing_zeros();
+        pending &= pending - 1;
+        let score = exact_score(row, pick_of_four(estimate.words, r), pick_of_four(logits, r));
+        winner.offer_in_order(score, first_index + r);
+    }
+}
+
+/// `values[r]` through selects with constant indices (on the GPU an indexed load would move
+/// the array to local memory).
+#[inline(always)]
+pub fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
+    let [v0, v1, v2, v3] = values;
+    let low = if r & 1 != 0 { v1 } else { v0 };
+    let high = if r & 1 != 0 { v3 } else { v2 };
+    if r & 2 != 0 { high } else { low }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Candidate;
     use crate::noise::block_candidate;
     use crate::philox::philox4x32_10;
     use std::vec::Vec;
@@ -247,13 +277,8 @@ mod tests {
                 let mut filtered = Candidate::NONE;
                 for ((&b, l), estimate) in blocks.iter().zip(&logits).zip(&estimates) {
                     exact = exact.merge(block_candidate(&row, 3, b, *l, valid(b)));
-                    let mut mask = contenders(estimate, threshold);
                     let mut own = Candidate::NONE;
-                    while mask != 0 {
-                        let r = mask.trailing_zeros();
-                        mask &= mask - 1;
-                        own.offer_in_order(exact_score(&row, estimate.words[r as usize], l[r as usize]), 4 * b + r);
-                    }
+                    offer_contenders(&mut own, &row, estimate, *l, contenders(estimate, threshold), 4 * b);
                     filtered = filtered.merge(own);
                 }
                 assert_eq!(filtered, exact, "group {group}");

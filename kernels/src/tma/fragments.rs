@@ -100,13 +100,3 @@ pub(super) unsafe fn transpose_quad(quad: [f32; 4], lane: u32) -> [f32; 4] {
     }
     v
 }
-
-/// `values[r]` through selects with constant indices (an indexed load would move the array to
-/// local memory).
-#[inline(always)]
-pub(super) fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
-    let [v0, v1, v2, v3] = values;
-    let low = if r & 1 != 0 { v1 } else { v0 };
-    let high = if r & 1 != 0 { v3 } else { v2 };
-    if r & 2 != 0 { high } else { low }
-}

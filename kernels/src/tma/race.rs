@@ -5,16 +5,18 @@
 //! - [`estimate_quads`]: the estimates of a lane's quads, branch-free so that the scheduler
 //!   interleaves their Philox chains and logarithms;
 //! - [`column_best`]: a column's best estimate over the lanes that hold its rows;
-//! - [`offer_contenders`]: a quad's contenders, exactly scored, offered in index order.
+//! - `flashsample_core::estimate::offer_contenders`: a quad's contenders, exactly scored,
+//!   offered in index order (the core's own test of the filter runs the same function).
 //!
 //! [`race_round`] is the consumers' race (`K` quads of `K` columns per lane; lanes `l ^ 8`,
 //! `l ^ 16`, `l ^ 24` share a column), [`estimate_column`] and [`LaneRace`] the handoff warps'
 //! (four quads of one column per lane; eight lanes share a column).
 
-use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, exact_score, race_threshold};
+use flashsample_core::estimate::{
+    BlockEstimate, block_estimate, contenders, offer_contenders, pick_of_four, race_threshold,
+};
 use flashsample_core::{Candidate, RowParams};
 
-use super::fragments::pick_of_four;
 use super::handoff::{COLUMN_LANES, Deferred, LANE_QUADS};
 use super::unrolled;
 use crate::arch;
@@ -196,24 +198,4 @@ unsafe fn column_best(value: f32, first_mask: u32, last_mask: u32) -> f32 {
         mask <<= 1;
     }
     best
-}
-
-/// Offers the entries `bits` (bit `r`: entry `r`) of a quad to `winner` with their exact
-/// scores, lowest index first; entry `r` is vocabulary index `first_index + r`.
-#[inline(always)]
-fn offer_contenders(
-    winner: &mut Candidate,
-    row: &RowParams,
-    estimate: &BlockEstimate,
-    logits: [f32; 4],
-    bits: u32,
-    first_index: u32,
-) {
-    let mut pending = bits;
-    while pending != 0 {
-        let r = pending.trailing_zeros();
-        pending &= pending - 1;
-        let score = exact_score(row, pick_of_four(estimate.words, r), pick_of_four(logits, r));
-        winner.offer_in_order(score, first_index + r);
-    }
 }

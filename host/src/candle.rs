@@ -219,8 +219,6 @@ impl CandleSampler {
         if batch.checked_mul(count).is_none_or(|n| n > u32::MAX as usize) {
             return Err(invalid("samples", format!("B x samples = {batch} x {count} tokens: must be < 2^32")));
         }
-        let bytes = cuda.kernels.workspace_bytes(&lm_head, &hidden, samples, self.variant)?;
-        let workspace = cuda.workspace.ensure(stream, bytes)?;
         // SAFETY: the merge kernel writes every token before anything reads it.
         let tokens = unsafe { stream.alloc::<u32>(batch * count) };
         let mut tokens = crate::cuda::driver::check("cuMemAllocAsync(tokens)", tokens)?;
@@ -233,10 +231,12 @@ impl CandleSampler {
             draws: Draws::first(samples),
             variant: self.variant,
         };
+        let plan = cuda.kernels.plan_call(&request)?;
+        let workspace = cuda.workspace.ensure(stream, plan.workspace_bytes)?;
         // SAFETY: the tensors' storages are read-locked and live through the call, and candle
         // frees on this same stream, after this work; the views' extents were checked by
         // `rows_of` against candle's layouts; tokens and workspace are this stream's.
-        unsafe { cuda.kernels.sample(stream.cu_stream().cast(), &request, workspace)? };
+        unsafe { cuda.kernels.sample_planned(stream.cu_stream(), &request, &plan, workspace)? };
         drop(t_use);
         let device = self.device.as_cuda_device().map_err(|e| candle_error("as_cuda_device", e))?.clone();
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(tokens, device));

@@ -297,19 +297,20 @@ impl CudaSampler {
             draws,
             variant,
         };
-        let maps = match variant.tma_boxes() {
+        let plan = self.kernels().plan_call(&request)?;
+        let maps = match plan.variant.tma_boxes() {
             Some((rows, columns)) => TensorMaps::Resident {
                 lm_head: lm_head.tensor_map(rows, columns)?,
                 hidden: hidden.tensor_map(columns)?,
             },
             None => TensorMaps::Store,
         };
-        let bytes = self.kernels().workspace_bytes(&request.lm_head, &request.hidden, draws.check()?.count, variant)?;
+        let bytes = plan.workspace_bytes;
         let scratch = ensure(&self.stream, &mut self.workspace.borrow_mut().scratch, bytes, "workspace")?;
         let workspace = DeviceWorkspace { address: scratch.address(), bytes };
         // SAFETY: every address comes from a live buffer of this sampler, sized for the request
         // and used on its one stream; the resident maps live as long as the buffers.
-        unsafe { self.kernels().enqueue(self.stream.cu_stream(), &request, maps, workspace) }
+        unsafe { self.kernels().enqueue(self.stream.cu_stream(), &request, &plan, maps, workspace) }
     }
 
     fn check_tokens(&self, hidden: &CudaHidden, samples: u32, tokens: &DeviceTokens) -> Result<()> {

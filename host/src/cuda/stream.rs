@@ -204,10 +204,28 @@ impl StreamSampler {
         samples: u32,
         variant: Variant,
     ) -> Result<usize> {
+        Ok(self.plan_shape(lm_head, hidden, samples, variant)?.workspace_bytes)
+    }
+
+    /// Checks `request` and plans it: what [`StreamSampler::enqueue`] runs and the workspace it
+    /// needs, computed once per call.
+    pub(crate) fn plan_call(&self, request: &SampleRequest) -> Result<CallPlan> {
+        let samples = check_request(request)?;
+        self.plan_shape(&request.lm_head, &request.hidden, samples, request.variant)
+    }
+
+    fn plan_shape(
+        &self,
+        lm_head: &DeviceMatrix,
+        hidden: &DeviceMatrix,
+        samples: u32,
+        variant: Variant,
+    ) -> Result<CallPlan> {
         let variant = self.resolve(lm_head, hidden, variant)?;
         let tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
-        let plan = Plan::new(hidden.rows, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
-        Ok(WORKSPACE_MAPS_BYTES + plan.candidate_pairs() * tiles * size_of::<Candidate>())
+        let passes = Plan::new(hidden.rows, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+        let workspace_bytes = WORKSPACE_MAPS_BYTES + passes.candidate_pairs() * tiles * size_of::<Candidate>();
+        Ok(CallPlan { variant, tiles, passes, samples, workspace_bytes })
     }
 
     fn resolve(&self, lm_head: &DeviceMatrix, hidden: &DeviceMatrix, variant: Variant) -> Result<Variant> {
@@ -241,9 +259,25 @@ impl StreamSampler {
         request: &SampleRequest,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
+        let plan = self.plan_call(request)?;
+        // SAFETY: per this function's contract.
+        unsafe { self.sample_planned(stream.cast(), request, &plan, workspace) }
+    }
+
+    /// [`StreamSampler::sample`] of a request already planned by [`StreamSampler::plan_call`].
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample`]; `plan` is `request`'s.
+    pub(crate) unsafe fn sample_planned(
+        &self,
+        stream: sys::CUstream,
+        request: &SampleRequest,
+        plan: &CallPlan,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
         // SAFETY: per this function's contract.
         unsafe {
-            driver::in_context(self.context, || self.enqueue(stream.cast(), request, TensorMaps::Store, workspace))
+            driver::in_context(self.context, || self.enqueue(stream, request, plan, TensorMaps::Store, workspace))
         }
     }
 
@@ -343,33 +377,31 @@ impl StreamSampler {
             draws,
             variant,
         };
-        let bytes = self.workspace_bytes(&request.lm_head, &request.hidden, draws.check()?.count, variant)?;
-        let workspace = workspace.ensure(stream, bytes)?;
+        let plan = self.plan_call(&request)?;
+        let workspace = workspace.ensure(stream, plan.workspace_bytes)?;
         // SAFETY: the slices hold the extents checked above and live until the guards drop
         // (cudarc frees them on their stream, after this work); the stream belongs to this
         // sampler's context; the workspace is this stream's.
-        let queued = unsafe { self.sample(stream.cu_stream().cast(), &request, workspace) };
+        let queued = unsafe { self.sample_planned(stream.cu_stream(), &request, &plan, workspace) };
         queued.and(scope.leave())
     }
 
-    /// Checks `request` and queues its kernels on `stream`; the context is current.
+    /// Queues the kernels of a planned request on `stream`; the context is current.
     ///
     /// # Safety
-    /// As [`StreamSampler::sample`]; `maps`, when resident, describe `W` and `H` for the
-    /// resolved variant's boxes and live until the stream has run the call.
+    /// As [`StreamSampler::sample`]; `plan` is `request`'s ([`StreamSampler::plan_call`]);
+    /// `maps`, when resident, describe `W` and `H` for the plan's variant's boxes and live until
+    /// the stream has run the call.
     pub(crate) unsafe fn enqueue(
         &self,
         stream: sys::CUstream,
         request: &SampleRequest,
+        plan: &CallPlan,
         maps: TensorMaps,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
-        let checked = check_request(request)?;
+        let CallPlan { variant, tiles, samples, workspace_bytes: needed, .. } = *plan;
         let (lm_head, hidden) = (&request.lm_head, &request.hidden);
-        let variant = self.resolve(lm_head, hidden, request.variant)?;
-        let tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
-        let plan = Plan::new(hidden.rows, checked.samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
-        let needed = WORKSPACE_MAPS_BYTES + plan.candidate_pairs() * tiles * size_of::<Candidate>();
         check_address("workspace", workspace.address, 64)?;
         if workspace.bytes < needed {
             return Err(invalid(
@@ -401,7 +433,7 @@ impl StreamSampler {
         // SAFETY: the candidates of the largest pass fit the workspace (checked above); the row
         // parameters and tokens hold the request's extents (`sample`'s contract).
         unsafe {
-            self.queue_passes(stream, &plan, tiles, row_params, candidates, tokens, checked.samples, |pass, launch| {
+            self.queue_passes(stream, &plan.passes, tiles, row_params, candidates, tokens, samples, |pass, launch| {
                 // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
                 let draw_offset = request.draws.first + pass.first_sample as u32;
                 let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
@@ -518,14 +550,23 @@ pub(crate) struct TileLaunch {
     pub batch: u32,
 }
 
-/// What [`check_request`] derives from a valid request.
-struct CheckedRequest {
-    samples: u32,
+/// A checked request's launch plan ([`StreamSampler::plan_call`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallPlan {
+    /// The resolved tile variant.
+    pub variant: Variant,
+    /// Vocabulary tiles of that variant.
+    pub tiles: usize,
+    pub passes: Plan,
+    /// Draws per row.
+    pub samples: u32,
+    /// The workspace the call needs: its tensor maps and the largest pass's candidates.
+    pub workspace_bytes: usize,
 }
 
 /// The rules of a request that do not depend on the module: shapes, strides, dtypes,
-/// alignments, and draws.
-fn check_request(request: &SampleRequest) -> Result<CheckedRequest> {
+/// alignments, and draws. Returns the draws per row.
+fn check_request(request: &SampleRequest) -> Result<u32> {
     let (lm_head, hidden) = (&request.lm_head, &request.hidden);
     check_head_shape(lm_head.rows, lm_head.cols)?;
     check_matrix("lm_head", lm_head)?;
@@ -540,7 +581,7 @@ fn check_request(request: &SampleRequest) -> Result<CheckedRequest> {
     if hidden.rows.checked_mul(samples as usize).is_none_or(|n| n > u32::MAX as usize) {
         return Err(invalid("samples", format!("B x samples = {} x {samples} tokens: must be < 2^32", hidden.rows)));
     }
-    Ok(CheckedRequest { samples })
+    Ok(samples)
 }
 
 fn check_matrix(what: &str, matrix: &DeviceMatrix) -> Result<()> {

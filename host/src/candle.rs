@@ -21,7 +21,7 @@ use cudarc::driver::{CudaStream, DevicePtr as _, DevicePtrMut as _};
 
 use crate::cuda::{DeviceMatrix, DeviceRows, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, Variant};
 use crate::error::{Error, Result, invalid};
-use crate::params::{Draws, SamplingParams, row_params};
+use crate::params::{Draws, SamplingParams, batch_row_params};
 use crate::tensor::{DType, Elements, Matrix};
 use crate::{CpuLmHead, CpuSampler};
 
@@ -101,10 +101,7 @@ fn rows_of(what: &str, tensor: &Tensor) -> Result<Rows> {
 impl CandleSampler {
     /// A sampler for tensors on `device` with one entry of `params` per batch row.
     pub fn new(device: &Device, params: &[SamplingParams]) -> Result<CandleSampler> {
-        row_params(params)?;
-        if params.is_empty() {
-            return Err(invalid("params", "no entries: one per batch row is needed"));
-        }
+        batch_row_params(params)?;
         let cuda = match device {
             Device::Cuda(cuda) => {
                 let stream = cuda.cuda_stream();
@@ -138,10 +135,7 @@ impl CandleSampler {
 
     /// Replaces the per-row parameters (copied to the device on candle's stream).
     pub fn set_params(&mut self, params: &[SamplingParams]) -> Result<()> {
-        row_params(params)?;
-        if params.is_empty() {
-            return Err(invalid("params", "no entries: one per batch row is needed"));
-        }
+        batch_row_params(params)?;
         if let Some(cuda) = self.cuda.as_mut() {
             cuda.rows = DeviceRows::upload(&cuda.stream, params)?;
         }

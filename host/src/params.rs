@@ -174,3 +174,12 @@ pub fn check_request_shape(
 pub fn row_params(params: &[SamplingParams]) -> Result<Vec<RowParams>> {
     params.iter().enumerate().map(|(i, p)| p.to_row(i)).collect()
 }
+
+/// [`row_params`] of a batch kept apart from its hidden states (on the device, in an
+/// adapter): at least one row.
+pub fn batch_row_params(params: &[SamplingParams]) -> Result<Vec<RowParams>> {
+    if params.is_empty() {
+        return Err(invalid("params", "no entries: one per batch row is needed"));
+    }
+    row_params(params)
+}

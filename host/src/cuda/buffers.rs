@@ -16,7 +16,7 @@ use super::dispatch::TMA_COLUMNS;
 use super::driver::{self, L2Promotion};
 use super::stream::{DeviceMatrix, tensor_map};
 use crate::error::{Error, Result, invalid};
-use crate::params::{HeadShape, SamplingParams, row_params};
+use crate::params::{HeadShape, SamplingParams, batch_row_params};
 use crate::tensor::{DType, MatrixShape};
 
 /// `len` values of `T` in device memory, with their address.
@@ -229,10 +229,7 @@ impl DeviceRows {
     /// Checks `params` and copies them to the device on `stream` (any cudarc stream; the
     /// buffer is allocated and freed on it).
     pub fn upload(stream: &Arc<CudaStream>, params: &[SamplingParams]) -> Result<DeviceRows> {
-        let rows = row_params(params)?;
-        if rows.is_empty() {
-            return Err(invalid("params", "no entries: one per batch row is needed"));
-        }
+        let rows = batch_row_params(params)?;
         Ok(DeviceRows { buffer: DeviceBuffer::from_host(stream, &rows, "row parameters")? })
     }
 

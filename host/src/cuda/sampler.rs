@@ -20,7 +20,6 @@ use super::stream::{DeviceMatrix, DeviceWorkspace, SampleRequest, StreamSampler,
 use crate::error::{Error, Result, invalid};
 use crate::params::{
     Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape,
-    row_params,
 };
 use crate::tensor::{DType, Elements, Matrix, MatrixShape};
 
@@ -254,12 +253,8 @@ impl CudaSampler {
 
     /// Checks per-row parameters and copies them to the device once.
     pub fn upload_rows(&self, params: &[SamplingParams]) -> Result<DeviceRows> {
-        let rows = row_params(params)?;
-        if rows.is_empty() {
-            return Err(invalid("params", "no entries: one per batch row is needed"));
-        }
         self.make_current()?;
-        Ok(DeviceRows { buffer: DeviceBuffer::from_host(&self.stream, &rows, "row parameters")? })
+        DeviceRows::upload(&self.stream, params)
     }
 
     /// As [`CudaSampler::sample_into`] with row parameters already on the device: the call

@@ -19,6 +19,8 @@ const ROUNDS: usize = 8;
 pub struct HostCost {
     pub batch: usize,
     pub enqueue: (f64, f64),
+    /// `sample_with_stored_maps`: the tensor maps left in the workspace by the previous call.
+    pub enqueue_stored_maps: (f64, f64),
     pub graph_launch: (f64, f64),
 }
 
@@ -77,6 +79,9 @@ pub fn measure(
         // SAFETY: every buffer belongs to the sampler, lives through the timing, and is used on
         // its stream only.
         let enqueue = time_calls(sampler, &mut || unsafe { kernels.sample(raw_stream, &request, space) })?;
+        // SAFETY: as above; the last call wrote this request's maps into the workspace.
+        let enqueue_stored_maps =
+            time_calls(sampler, &mut || unsafe { kernels.sample_with_stored_maps(raw_stream, &request, space) })?;
         sampler.synchronize("host-cost capture")?;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         stream.begin_capture(mode).map_err(|e| cuda("cuStreamBeginCapture", e))?;
@@ -86,18 +91,26 @@ pub fn measure(
         captured?;
         let graph = graph.ok_or_else(|| cuda("cuStreamEndCapture", "nothing was captured"))?;
         let graph_launch = time_calls(sampler, &mut || graph.launch().map_err(|e| cuda("cuGraphLaunch", e)))?;
-        costs.push(HostCost { batch, enqueue, graph_launch });
+        costs.push(HostCost { batch, enqueue, enqueue_stored_maps, graph_launch });
     }
     Ok(costs)
 }
 
 /// The CSV `host-cost.csv`: batch, enqueue and graph-launch medians and 90th percentiles (µs).
 pub fn write_csv(path: &Path, costs: &[HostCost]) -> Result<()> {
-    let mut text = String::from("batch,enqueue_median_us,enqueue_p90_us,graph_launch_median_us,graph_launch_p90_us\n");
+    let mut text = String::from(
+        "batch,enqueue_median_us,enqueue_p90_us,stored_maps_median_us,stored_maps_p90_us,graph_launch_median_us,graph_launch_p90_us\n",
+    );
     for c in costs {
         text += &format!(
-            "{},{:.2},{:.2},{:.2},{:.2}\n",
-            c.batch, c.enqueue.0, c.enqueue.1, c.graph_launch.0, c.graph_launch.1
+            "{},{:.2},{:.2},{:.2},{:.2},{:.2},{:.2}\n",
+            c.batch,
+            c.enqueue.0,
+            c.enqueue.1,
+            c.enqueue_stored_maps.0,
+            c.enqueue_stored_maps.1,
+            c.graph_launch.0,
+            c.graph_launch.1
         );
     }
     std::fs::write(path, text).map_err(|e| Error::File { path: path.display().to_string(), message: e.to_string() })
@@ -106,12 +119,18 @@ pub fn write_csv(path: &Path, costs: &[HostCost]) -> Result<()> {
 /// The table the bench prints.
 pub fn table(costs: &[HostCost]) -> String {
     let mut text = String::from(
-        "host cost of one step (CPU µs per call, median / p90; borrowed mode, warm)\n  B      enqueue         graph launch\n",
+        "host cost of one step (CPU µs per call, median / p90; borrowed mode, warm)\n  B      enqueue          maps stored      graph launch\n",
     );
     for c in costs {
         text += &format!(
-            "  {:<6} {:>6.2} / {:<6.2}  {:>6.2} / {:<6.2}\n",
-            c.batch, c.enqueue.0, c.enqueue.1, c.graph_launch.0, c.graph_launch.1
+            "  {:<6} {:>6.2} / {:<6.2}  {:>6.2} / {:<6.2}  {:>6.2} / {:<6.2}\n",
+            c.batch,
+            c.enqueue.0,
+            c.enqueue.1,
+            c.enqueue_stored_maps.0,
+            c.enqueue_stored_maps.1,
+            c.graph_launch.0,
+            c.graph_launch.1
         );
     }
     text

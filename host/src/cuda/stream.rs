@@ -281,6 +281,29 @@ impl StreamSampler {
         }
     }
 
+    /// As [`StreamSampler::sample`], reading the tensor maps the workspace already holds
+    /// instead of writing them first: two launches instead of three on the Hopper module's TMA
+    /// tiles (elsewhere the same as `sample`). A decode loop whose `W` and `H` buffers stay put
+    /// (as under CUDA graphs) calls `sample` once and this afterwards.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample`]; further, the last call that wrote maps into `workspace`
+    /// (a `sample` on it, ordered before this call) was for the same `lm_head`, `hidden` and
+    /// variant (the same matrices, strides and B): otherwise the kernels read another call's
+    /// matrices.
+    pub unsafe fn sample_with_stored_maps(
+        &self,
+        stream: *mut c_void,
+        request: &SampleRequest,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        let destination = DevicePtr::<TensorMap>::new(workspace.address);
+        let maps = TensorMaps::Resident { lm_head: destination, hidden: destination.add(1) };
+        // SAFETY: per this function's contract; `enqueue` checks the workspace's size and
+        // alignment before it reads the maps' slot.
+        unsafe { driver::in_context(self.context, || self.enqueue(stream.cast(), request, maps, workspace)) }
+    }
+
     /// Queues `row_params[b].step += by` (wrapping) for `b < batch` on `stream`: a decode loop
     /// (or a replayed CUDA graph) that reads its step from device memory draws fresh noise.
     ///

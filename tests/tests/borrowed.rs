@@ -340,6 +340,22 @@ fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
     let uncaptured =
         run_steps(&rows, &mut || unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() });
 
+    // After one call has written the maps into the workspace, later calls may read them.
+    let rows = DeviceRows::upload(stream, &initial).unwrap();
+    let request = request_for(&rows);
+    let mut first = true;
+    // SAFETY: as above; every call after the first reads the maps the first wrote for the same
+    // matrices and batch.
+    let stored = run_steps(&rows, &mut || unsafe {
+        let stream = stream.cu_stream().cast();
+        if std::mem::take(&mut first) {
+            caller.sampler.sample(stream, &request, space).unwrap()
+        } else {
+            caller.sampler.sample_with_stored_maps(stream, &request, space).unwrap()
+        }
+    });
+    assert_eq!(stored, uncaptured, "reading stored maps changed the tokens");
+
     let rows = DeviceRows::upload(stream, &initial).unwrap();
     let request = request_for(&rows);
     stream.synchronize().unwrap();

@@ -297,11 +297,12 @@ impl StreamSampler {
         request: &SampleRequest,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
+        let plan = self.plan_call(request)?;
         let destination = DevicePtr::<TensorMap>::new(workspace.address);
         let maps = TensorMaps::Resident { lm_head: destination, hidden: destination.add(1) };
         // SAFETY: per this function's contract; `enqueue` checks the workspace's size and
         // alignment before it reads the maps' slot.
-        unsafe { driver::in_context(self.context, || self.enqueue(stream.cast(), request, maps, workspace)) }
+        unsafe { driver::in_context(self.context, || self.enqueue(stream.cast(), request, &plan, maps, workspace)) }
     }
 
     /// Queues `row_params[b].step += by` (wrapping) for `b < batch` on `stream`: a decode loop

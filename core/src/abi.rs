@@ -128,9 +128,12 @@ pub const SIMT_WARP_SCRATCH_FLOATS: u32 = 32 * 8;
 /// Threads per block of the merge kernel.
 pub const REDUCE_THREADS: u32 = 128;
 
+/// Bytes of one [`Candidate`] in shared and global memory.
+pub const CANDIDATE_BYTES: u32 = core::mem::size_of::<Candidate>() as u32;
+
 /// Dynamic shared memory of a fused mma tile kernel with `columns` batch columns.
 pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
-    SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * columns * 8
+    SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * columns * CANDIDATE_BYTES
 }
 
 /// Dynamic shared memory of the SIMT fused kernel: staging for 8 columns, then the scratch.
@@ -139,9 +142,9 @@ pub const fn fused_simt_shared_bytes() -> u32 {
 }
 
 /// Dynamic shared memory of the unfused logits sampler.
-pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * 8;
+pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * CANDIDATE_BYTES;
 /// Dynamic shared memory of the merge kernel.
-pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * 8;
+pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * CANDIDATE_BYTES;
 
 /// Warps of a TMA + `wgmma` kernel that compute: two warpgroups. A third warpgroup issues
 /// the TMA loads (one thread of it).
@@ -190,7 +193,7 @@ pub const fn tma_shared_bytes(rows: u32, columns: u32) -> u32 {
     1024 + stages * (tma_lm_head_stage_bytes(rows) + tma_hidden_stage_bytes(columns))
         + 2 * stages * 8
         + (TMA_CONSUMER_WARPS / 4) * 8
-        + TMA_CONSUMER_WARPS * columns * 8
+        + TMA_CONSUMER_WARPS * columns * CANDIDATE_BYTES
         + (TMA_CONSUMER_WARPS / 4) * columns * core::mem::size_of::<RowParams>() as u32
 }
 

@@ -9,15 +9,23 @@
 //! they get the exact noise ([`contenders`], [`exact_score`]); the rest lose to the exact
 //! winner whatever their exact scores are.
 //!
-//! Why the threshold is safe. Let `s = fl(fl(l·(1/T)) + g)` be an exact score and
-//! `s' = fl(fl(l·(1/T) + c) − ln 2 · L)` its estimate (two fused multiply-adds, `c = −ln ln 2`,
-//! `L` the logarithm [`gumbel_estimate`] also starts from), and `δ` the bound on
-//! `|gumbel_estimate − g|`. With `a = l·(1/T)`, `|a| ≤ |s| + 23` (every `|g| < 23`), the
-//! roundings give `|s − s'| ≤ δ + 2⁻²⁴(23 + 2|a| + ½ + |s| + |s'|)`, which for entries near
-//! the largest estimate `m` is at most `E = δ + 2⁻¹⁷ + 2⁻²²·|m|`. If `k` holds `m` and `j` the
-//! exact maximum, `s'_j ≥ s_j − E ≥ s_k − E ≥ m − 2E`, and the margin `3δ + 2⁻²⁰·|m|` covers
-//! `2E` (`δ = 2⁻¹⁴ > 2⁻¹⁶`) with room for the roundings of the margin itself.
-//! Entries tied with the exact maximum pass too, so the lowest index among ties still wins.
+//! Why the threshold is safe. Let `s = fl(l + fl(T·g))` be an exact score and
+//! `s' = fl(T·g' + l)` its estimate (a fused multiply-add, with `g' = fl(c − ln 2 · L)` the
+//! [`gumbel_estimate`], `c = −ln ln 2`), and `δ` the bound on `|g' − g|`. Each rounding is
+//! within 2⁻²⁴ relative or 2⁻¹⁵⁰ absolute (subnormal results, which tiny `T` gives), and
+//! `|g| < 23`, so `|s − s'| ≤ T·δ + 2⁻²⁴(23·T + |s| + |s'|) + 3·2⁻¹⁵⁰`, which for entries near
+//! the largest estimate `m` is at most `E = T·(δ + 2⁻¹⁹) + 2⁻²³·|m| + 2⁻¹⁴⁸`. If `k` holds
+//! `m` and `j` the exact maximum, `s'_j ≥ s_j − E ≥ s_k − E ≥ m − 2E`, and the margin
+//! `3δ·T + 2⁻²⁰·|m| + 2⁻¹⁴⁰` covers `2E` (`δ = 2⁻¹⁴ > 2⁻¹⁸`) with room for the roundings of
+//! the margin and of `m − margin` itself. Entries tied with the exact maximum pass too, so
+//! [`Candidate`]'s tie rules still pick the winner.
+//!
+//! Non-finite entries: an estimate is NaN exactly when the logit is NaN, and a NaN reaches
+//! the row's best estimate ([`maximum`]), whose threshold is then NaN and lets every entry
+//! contend; the exact scores then make the row [`Candidate::NON_FINITE`]. An entry whose exact
+//! score is +∞ (a +∞ logit, or an overflow within `T·23` of `f32::MAX`) is estimated at or
+//! near `f32::MAX`, which is why an infinite best estimate of a sampling row counts as
+//! `f32::MAX`: every such entry then contends.
 //!
 //! Architecture Invariant: the estimate only decides which entries get the exact score; every
 //! score a candidate carries is an exact one, so tokens are bit-identical with and without the
@@ -46,7 +54,7 @@ fn mul_add(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-use crate::candidate::{Candidate, perturbed_score};
+use crate::candidate::{Candidate, maximum, perturbed_score};
 use crate::gumbel::{TWO_POW_NEG_33, gumbel};
 use crate::noise::{RowParams, counter, key};
 use crate::philox::philox4x32_10;
@@ -89,11 +97,11 @@ pub fn gumbel_estimate(x: u32, log2: impl Fn(f32) -> f32) -> f32 {
 }
 
 /// The estimated racing score of a sampling row's entry with logit `logit` and Philox word
-/// `x`: `logit · (1/T) + gumbel_estimate(x)` in two fused multiply-adds (the module docs bound
-/// its distance to the exact score).
+/// `x`: `logit + T · gumbel_estimate(x)` in two fused multiply-adds (the module docs bound its
+/// distance to the exact score).
 #[inline(always)]
-pub fn score_estimate(logit: f32, inv_temperature: f32, x: u32, log2: impl Fn(f32) -> f32) -> f32 {
-    mul_add(log2_scaled_exponential(x, log2), -LN_2, mul_add(logit, inv_temperature, NOISE_OFFSET))
+pub fn score_estimate(logit: f32, temperature: f32, x: u32, log2: impl Fn(f32) -> f32) -> f32 {
+    mul_add(temperature, gumbel_estimate(x, log2), logit)
 }
 
 /// The Philox words of a four-entry block and the estimated racing scores of its entries.
@@ -120,7 +128,7 @@ pub fn block_estimate(
     let words = philox4x32_10(counter(philox_block, draw, row.step, row.stream), key(row.seed));
     let mut scores = [f32::NEG_INFINITY; 4];
     for r in 0..4 {
-        let noisy = score_estimate(logits[r], row.inv_temperature, words[r], log2);
+        let noisy = score_estimate(logits[r], row.temperature, words[r], log2);
         let score = if row.greedy != 0 { logits[r] } else { noisy };
         scores[r] = if (r as u32) < valid { score } else { f32::NEG_INFINITY };
     }
@@ -138,54 +146,68 @@ impl BlockEstimate {
         BlockEstimate { words: [0; 4], scores }
     }
 
-    /// The largest estimated score (NaN never wins; −∞ when none is above it).
+    /// The largest estimated score: NaN if any is NaN (a NaN logit), −∞ when none is above it.
     #[inline(always)]
     pub fn best(&self) -> f32 {
-        // `max` ignores a NaN operand, and the sign of a zero maximum does not matter here.
+        // The sign of a zero maximum does not matter here.
         let mut best = f32::NEG_INFINITY;
         for r in 0..4 {
-            best = best.max(self.scores[r]);
+            best = maximum(best, self.scores[r]);
         }
         best
     }
 }
 
+/// The smallest margin below the best estimate, 2⁻¹⁴⁰ (subnormal; see the module docs).
+const MARGIN_FLOOR: f32 = f32::from_bits(1 << 9);
+
 /// The lowest estimate an entry may have and still hold the exact maximum, given the largest
-/// estimate `best` among the entries that race together. A greedy row's estimates are exact.
-/// Never −∞ or NaN, so an entry at −∞ (which is −∞ exactly) or NaN never passes it.
+/// estimate `best` ([`BlockEstimate::best`]) among the entries that race together. A greedy
+/// row's estimates are exact. NaN when `best` is (every entry contends); +∞ when every entry
+/// is −∞ (none does, past the NaN and +∞ ones).
 #[inline(always)]
 pub fn race_threshold(row: &RowParams, best: f32) -> f32 {
     if best == f32::NEG_INFINITY {
-        // Every entry is −∞ or NaN: none can win.
+        // Every entry is −∞: none can win.
         return f32::INFINITY;
     }
-    if row.greedy != 0 || best == f32::INFINITY {
-        // +∞: only the +∞ entries can win.
+    if row.greedy != 0 {
         return best;
     }
+    // An estimate of +∞ may belong to an exact score just below it (module docs).
+    let best = if best == f32::INFINITY { f32::MAX } else { best };
     let magnitude = if best < 0.0 { -best } else { best };
-    best - (3.0 * GUMBEL_ESTIMATE_ERROR + magnitude * (1.0 / 1_048_576.0))
+    best - (3.0 * GUMBEL_ESTIMATE_ERROR * row.temperature + magnitude * (1.0 / 1_048_576.0) + MARGIN_FLOOR)
 }
 
 /// Bit `r` set for each entry of the block that may hold the exact maximum: estimated at or
-/// above `threshold` (from [`race_threshold`]).
+/// above `threshold` (from [`race_threshold`]), or unordered with it (a NaN estimate or
+/// threshold), so that NaN logits always reach the exact scores.
 #[inline(always)]
 pub fn contenders(estimate: &BlockEstimate, threshold: f32) -> u32 {
     let mut mask = 0;
     for r in 0..4 {
-        if estimate.scores[r] >= threshold {
+        if may_contend(estimate.scores[r], threshold) {
             mask |= 1 << r;
         }
     }
     mask
 }
 
-/// The exact racing score of one entry from its Philox word: what [`block_candidate`] gives it.
+/// `estimate ≥ threshold`, or either is NaN (one unordered-or-greater-equal comparison on the
+/// GPU): the rule of [`contenders`], for a single estimate.
+#[inline(always)]
+pub fn may_contend(estimate: f32, threshold: f32) -> bool {
+    estimate >= threshold || estimate.is_nan() || threshold.is_nan()
+}
+
+/// The exact racing score and tie-break word of one entry from its Philox word: what
+/// [`block_candidate`] gives it (a greedy row's word is 0).
 ///
 /// [`block_candidate`]: crate::noise::block_candidate
 #[inline(always)]
-pub fn exact_score(row: &RowParams, word: u32, logit: f32) -> f32 {
-    if row.greedy != 0 { logit } else { perturbed_score(logit, row.inv_temperature, gumbel(word)) }
+pub fn exact_entry(row: &RowParams, word: u32, logit: f32) -> (f32, u32) {
+    if row.greedy != 0 { (logit, 0) } else { (perturbed_score(logit, row.temperature, gumbel(word)), word) }
 }
 
 /// Offers the entries `bits` (bit `r`: entry `r`) of a four-entry block to `winner` with their
@@ -204,8 +226,8 @@ pub fn offer_contenders(
     while pending != 0 {
         let r = pending.trailing_zeros();
         pending &= pending - 1;
-        let score = exact_score(row, pick_of_four(estimate.words, r), pick_of_four(logits, r));
-        winner.offer_in_order(score, first_index + r);
+        let (score, word) = exact_entry(row, pick_of_four(estimate.words, r), pick_of_four(logits, r));
+        winner.offer_in_order(score, word, first_index + r);
     }
 }
 
@@ -222,7 +244,7 @@ pub fn pick_of_four<T: Copy>(values: [T; 4], r: u32) -> T {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::noise::block_candidate;
+    use crate::noise::{MAX_TEMPERATURE, block_candidate};
     use crate::philox::philox4x32_10;
     use std::vec::Vec;
 
@@ -272,7 +294,7 @@ mod tests {
                 let mut exact = Candidate::NONE;
                 let estimates: Vec<BlockEstimate> =
                     blocks.iter().zip(&logits).map(|(&b, &l)| block_estimate(&row, 3, b, l, valid(b), log2)).collect();
-                let best = estimates.iter().map(BlockEstimate::best).fold(f32::NEG_INFINITY, f32::max);
+                let best = estimates.iter().map(BlockEstimate::best).fold(f32::NEG_INFINITY, maximum);
                 let threshold = race_threshold(&row, best);
                 let mut filtered = Candidate::NONE;
                 for ((&b, l), estimate) in blocks.iter().zip(&logits).zip(&estimates) {
@@ -286,14 +308,14 @@ mod tests {
         }
     }
 
-    fn sampling_row(inv_temperature: f32) -> RowParams {
-        RowParams { seed: 99, stream: 4, step: 7, inv_temperature, greedy: 0 }
+    fn sampling_row(temperature: f32) -> RowParams {
+        RowParams { seed: 99, stream: 4, step: 7, temperature, greedy: 0 }
     }
 
     #[test]
     fn filter_keeps_the_exact_winner_for_spread_logits() {
         filtered_matches_exact(sampling_row(1.0), |i| (i.wrapping_mul(2_654_435_761) % 1000) as f32 * 0.01);
-        filtered_matches_exact(sampling_row(0.05), |i| (i.wrapping_mul(2_654_435_761) % 1000) as f32 * -3.7 - 4000.0);
+        filtered_matches_exact(sampling_row(20.0), |i| (i.wrapping_mul(2_654_435_761) % 1000) as f32 * -3.7 - 4000.0);
     }
 
     #[test]
@@ -323,6 +345,28 @@ mod tests {
         filtered_matches_exact(sampling_row(1.0), |i| if i % 5 == 2 { f32::INFINITY } else { 0.0 });
         filtered_matches_exact(sampling_row(1.0), |_| f32::NEG_INFINITY);
         filtered_matches_exact(sampling_row(1.0), |i| if i % 2 == 0 { f32::NAN } else { -1.0 });
+    }
+
+    #[test]
+    fn filter_keeps_the_exact_winner_at_extreme_temperatures() {
+        let spread = |i: u32| (i.wrapping_mul(2_654_435_761) % 1000) as f32 * 0.01;
+        let few_values = |i: u32| (i.wrapping_mul(2_654_435_761) % 3) as f32;
+        for t in [1e-45, 1e-38, 1e-30, 1e-6, 1e6, 1e30, MAX_TEMPERATURE] {
+            filtered_matches_exact(sampling_row(t), spread);
+            // Many exact ties in the logits: the noise decides among them however small T is.
+            filtered_matches_exact(sampling_row(t), few_values);
+            filtered_matches_exact(sampling_row(t), |_| 0.0);
+            filtered_matches_exact(sampling_row(t), |i| if i % 9 == 4 { f32::MAX } else { -f32::MAX });
+        }
+    }
+
+    #[test]
+    fn filter_finds_every_non_finite_logit() {
+        for t in [1e-38, 1.0, 1e30] {
+            filtered_matches_exact(sampling_row(t), |i| if i == 4321 { f32::NAN } else { (i % 13) as f32 });
+            filtered_matches_exact(sampling_row(t), |i| if i == 77 { f32::INFINITY } else { (i % 13) as f32 });
+            filtered_matches_exact(sampling_row(t), |i| if i % 2 == 0 { f32::NEG_INFINITY } else { f32::NAN });
+        }
     }
 
     #[test]

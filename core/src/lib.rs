@@ -19,7 +19,8 @@
 //! build has anyway), on the host the standard library's; both are the correctly rounded
 //! `fma`.
 #![no_std]
-#![cfg_attr(target_arch = "nvptx64", feature(core_float_math))]
+#![cfg_attr(target_arch = "nvptx64", feature(core_float_math, link_llvm_intrinsics))]
+#![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
 
 #[cfg(not(target_arch = "nvptx64"))]
 extern crate std;
@@ -32,5 +33,5 @@ pub mod noise;
 pub mod philox;
 pub mod registry;
 
-pub use candidate::{Candidate, perturbed_score};
+pub use candidate::{Candidate, NO_TOKEN, NON_FINITE_TOKEN, perturbed_score};
 pub use noise::{RowParams, block_candidate, block_scores, noise_block};

@@ -31,11 +31,17 @@ pub struct RowParams {
     pub stream: u32,
     /// The decode step or position, so successive steps draw fresh noise.
     pub step: u32,
-    /// `1 / T`; read only when `greedy == 0`.
-    pub inv_temperature: f32,
+    /// `T`, in `(0, MAX_TEMPERATURE]`; read only when `greedy == 0`.
+    pub temperature: f32,
     /// 1 for a greedy row (`T = 0`): the plain argmax, no noise.
     pub greedy: u32,
 }
+
+/// The largest temperature a row may have: `T · g` stays below `f32::MAX / 10` for every
+/// noise `g`, so a score overflows only for a logit within `T · 23` of `f32::MAX`. (At
+/// `T = 10³⁶` every logit below about 10²⁹ in size is lost in `T · g` anyway: the draw is
+/// uniform over the allowed tokens, as `softmax(l / T)` is to f32 precision.)
+pub const MAX_TEMPERATURE: f32 = 1e36;
 
 /// Vocabulary entries served by one Philox call.
 pub const ENTRIES_PER_BLOCK: u32 = 4;
@@ -57,34 +63,37 @@ pub fn noise_block(row: &RowParams, draw: u32, philox_block: u32) -> [f32; 4] {
     [gumbel(words[0]), gumbel(words[1]), gumbel(words[2]), gumbel(words[3])]
 }
 
-/// The racing scores of the vocabulary entries `4·philox_block .. 4·philox_block + 4` of draw number `draw`:
-/// `logit · (1/T) + g` for a sampling row, the plain logit for a greedy row (no noise drawn).
+/// The racing scores of the vocabulary entries `4·philox_block .. 4·philox_block + 4` of draw
+/// number `draw`, with their Philox words: `logit + T · g` for a sampling row; the plain logit
+/// and word 0 for a greedy row (no noise drawn).
 #[inline(always)]
-pub fn block_scores(row: &RowParams, draw: u32, philox_block: u32, logits: [f32; 4]) -> [f32; 4] {
+pub fn block_scores(row: &RowParams, draw: u32, philox_block: u32, logits: [f32; 4]) -> ([f32; 4], [u32; 4]) {
     if row.greedy != 0 {
-        return logits;
+        return (logits, [0; 4]);
     }
-    let noise = noise_block(row, draw, philox_block);
-    let t = row.inv_temperature;
-    [
-        perturbed_score(logits[0], t, noise[0]),
-        perturbed_score(logits[1], t, noise[1]),
-        perturbed_score(logits[2], t, noise[2]),
-        perturbed_score(logits[3], t, noise[3]),
-    ]
+    let words = philox4x32_10(counter(philox_block, draw, row.step, row.stream), key(row.seed));
+    let t = row.temperature;
+    let scores = [
+        perturbed_score(logits[0], t, gumbel(words[0])),
+        perturbed_score(logits[1], t, gumbel(words[1])),
+        perturbed_score(logits[2], t, gumbel(words[2])),
+        perturbed_score(logits[3], t, gumbel(words[3])),
+    ];
+    (scores, words)
 }
 
 /// The winner among the first `valid` (≤ 4) entries of the block `4·philox_block .. 4·philox_block + 4` of
-/// draw number `draw`: the highest score, the lowest index among ties, [`Candidate::NONE`] when no
-/// score is finite or above −∞. Every backend and kernel scores vocabulary entries through
-/// this one function.
+/// draw number `draw` by [`Candidate`]'s order: [`Candidate::NONE`] when every score is −∞,
+/// [`Candidate::NON_FINITE`] when one is NaN or +∞. Every backend and kernel scores
+/// vocabulary entries through this function or its filtered twin
+/// ([`estimate`](crate::estimate)), which gives the same candidate.
 #[inline(always)]
 pub fn block_candidate(row: &RowParams, draw: u32, philox_block: u32, logits: [f32; 4], valid: u32) -> Candidate {
-    let scores = block_scores(row, draw, philox_block, logits);
+    let (scores, words) = block_scores(row, draw, philox_block, logits);
     let mut best = Candidate::NONE;
-    for (r, &score) in scores.iter().enumerate() {
+    for r in 0..4 {
         if (r as u32) < valid {
-            best.offer_in_order(score, ENTRIES_PER_BLOCK * philox_block + r as u32);
+            best.offer_in_order(scores[r], words[r], ENTRIES_PER_BLOCK * philox_block + r as u32);
         }
     }
     best
@@ -95,7 +104,7 @@ mod tests {
     use super::*;
 
     fn row(seed: u64, stream: u32, step: u32) -> RowParams {
-        RowParams { seed, stream, step, inv_temperature: 1.0, greedy: 0 }
+        RowParams { seed, stream, step, temperature: 1.0, greedy: 0 }
     }
 
     #[test]
@@ -112,7 +121,7 @@ mod tests {
     #[test]
     fn temperature_does_not_enter_the_noise() {
         let mut hot = row(1, 2, 3);
-        hot.inv_temperature = 0.25;
+        hot.temperature = 4.0;
         assert_eq!(noise_block(&hot, 0, 9), noise_block(&row(1, 2, 3), 0, 9));
     }
 
@@ -121,10 +130,13 @@ mod tests {
         let mut greedy = row(1, 2, 3);
         greedy.greedy = 1;
         let logits = [0.5, -1.0, f32::NEG_INFINITY, 3.0];
-        assert_eq!(block_scores(&greedy, 0, 0, logits), logits);
-        let sampled = block_scores(&row(1, 2, 3), 0, 0, logits);
-        let noise = noise_block(&row(1, 2, 3), 0, 0);
-        assert_eq!(sampled[0], 0.5 + noise[0]);
+        assert_eq!(block_scores(&greedy, 0, 0, logits), (logits, [0; 4]));
+        let mut cold = row(1, 2, 3);
+        cold.temperature = 0.5;
+        let (sampled, words) = block_scores(&cold, 0, 0, logits);
+        let noise = noise_block(&cold, 0, 0);
+        assert_eq!(sampled[0], 0.5 + 0.5 * noise[0]);
+        assert_eq!(noise, words.map(gumbel));
     }
 
     #[test]
@@ -132,12 +144,38 @@ mod tests {
         let mut greedy = row(1, 2, 3);
         greedy.greedy = 1;
         let best = block_candidate(&greedy, 0, 10, [1.0, 3.0, 3.0, 9.0], 3);
-        assert_eq!(best, Candidate { score: 3.0, index: 41 });
+        assert_eq!(best, Candidate { score: 3.0, word: 0, index: 41 });
         assert_eq!(block_candidate(&greedy, 0, 10, [1.0, 3.0, 3.0, 9.0], 0), Candidate::NONE);
         let sampled = block_candidate(&row(1, 2, 3), 4, 10, [0.0; 4], 4);
-        let noise = noise_block(&row(1, 2, 3), 4, 10);
+        let (noise, words) = (noise_block(&row(1, 2, 3), 4, 10), block_scores(&row(1, 2, 3), 4, 10, [0.0; 4]).1);
         let top = (0..4).fold(0, |b, r| if noise[r] > noise[b] { r } else { b });
-        assert_eq!(sampled, Candidate { score: noise[top], index: 40 + top as u32 });
+        assert_eq!(sampled, Candidate { score: noise[top], word: words[top], index: 40 + top as u32 });
+    }
+
+    #[test]
+    fn tied_logits_at_a_vanishing_temperature_go_to_the_largest_noise() {
+        // At T = 1e-38, `T · g` is lost in a logit of 10: the scores tie, and the word decides.
+        let mut cold = row(5, 6, 7);
+        cold.temperature = 1e-38;
+        let words = block_scores(&cold, 0, 3, [0.0; 4]).1;
+        let best = block_candidate(&cold, 0, 3, [10.0, 10.0, 10.0, 4.0], 4);
+        let top = (0..3).fold(0, |b, r| if words[r] > words[b] { r } else { b });
+        assert_eq!(best, Candidate { score: 10.0, word: words[top], index: 12 + top as u32 });
+    }
+
+    #[test]
+    fn nan_and_infinite_logits_make_the_block_non_finite() {
+        for greedy in [0, 1] {
+            let mut r = row(1, 2, 3);
+            r.greedy = greedy;
+            for bad in [f32::NAN, f32::INFINITY] {
+                assert_eq!(block_candidate(&r, 0, 0, [1.0, bad, 2.0, 3.0], 4), Candidate::NON_FINITE);
+                // Entries past the vocabulary are not read.
+                assert_ne!(block_candidate(&r, 0, 0, [1.0, 2.0, 3.0, bad], 3), Candidate::NON_FINITE);
+            }
+            let excluded = [f32::NEG_INFINITY; 4];
+            assert_eq!(block_candidate(&r, 0, 0, excluded, 4), Candidate::NONE);
+        }
     }
 
     #[test]

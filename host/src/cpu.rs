@@ -7,7 +7,7 @@
 use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
-use crate::error::{Error, Result};
+use crate::error::{Result, tokens_or_row_status};
 use crate::params::{Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
 use crate::tensor::{Elements, Matrix};
 
@@ -107,17 +107,10 @@ impl CpuSampler {
         check_hidden_values(hidden)?;
         let logits: Vec<Vec<f32>> = (0..hidden.rows()).map(|b| logits_row(&lm_head.matrix, hidden, b)).collect();
         let n = draws.count as usize;
-        (0..rows.len() * n)
+        let tokens = (0..rows.len() * n)
             .into_par_iter()
-            .map(|k| {
-                let (b, j) = (k / n, draws.first + (k % n) as u32);
-                let best = draw(&logits[b], &rows[b], j);
-                if best.index == Candidate::NONE.index {
-                    Err(Error::NoToken { row: b, draw: j as usize })
-                } else {
-                    Ok(best.index)
-                }
-            })
-            .collect()
+            .map(|k| draw(&logits[k / n], &rows[k / n], draws.first + (k % n) as u32).index)
+            .collect();
+        tokens_or_row_status(tokens, n)
     }
 }

@@ -36,8 +36,8 @@ pub use cuda::{
 /// The cudarc this crate is built with: the safe wrappers of borrowed mode take its
 /// `CudaStream` and `CudaSlice`.
 pub use cudarc;
-pub use error::{Error, Result};
-pub use flashsample_core::RowParams;
+pub use error::{Error, Result, RowStatus};
+pub use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 pub use flashsample_core::registry::Module;
 pub use params::{Draws, HeadShape, SamplingParams, row_params};

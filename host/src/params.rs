@@ -1,6 +1,7 @@
 //! Per-row sampling parameters and the checks every backend applies before any work.
 
 use flashsample_core::RowParams;
+use flashsample_core::noise::MAX_TEMPERATURE;
 
 use crate::error::{Error, Result, invalid};
 use crate::tensor::{DType, Matrix, MatrixShape};
@@ -12,7 +13,8 @@ use crate::tensor::{DType, Matrix, MatrixShape};
 /// is in, its position there, or the kernel's tiling.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// `T ≥ 0`; `T = 0` is greedy argmax (no noise).
+    /// `0 ≤ T ≤ 10³⁶`; `T = 0` is greedy argmax (no noise, ties to the lowest index). Any
+    /// `T > 0` samples `softmax(logits / T)`, ties broken by the noise however small `T` is.
     pub temperature: f32,
     pub seed: u64,
     /// Independent stream of the seed, e.g. a request id.
@@ -28,19 +30,14 @@ impl SamplingParams {
 
     fn to_row(self, index: usize) -> Result<RowParams> {
         let t = self.temperature;
-        let argument = || format!("params[{index}].temperature");
-        if !t.is_finite() || t < 0.0 {
-            return Err(invalid(argument(), format!("T = {t}: must be finite and >= 0 (0 = greedy)")));
-        }
-        let greedy = t == 0.0;
-        let inv_temperature = if greedy { 0.0 } else { 1.0 / t };
-        if !inv_temperature.is_finite() {
+        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
             return Err(invalid(
-                argument(),
-                format!("T = {t:e}: 1/T overflows f32; use T = 0 for greedy or T >= {:e}", f32::MIN_POSITIVE),
+                format!("params[{index}].temperature"),
+                format!("T = {t:e}: must be 0 (greedy) or in (0, {MAX_TEMPERATURE:e}]"),
             ));
         }
-        Ok(RowParams { seed: self.seed, stream: self.stream, step: self.step, inv_temperature, greedy: greedy as u32 })
+        let greedy = t == 0.0;
+        Ok(RowParams { seed: self.seed, stream: self.stream, step: self.step, temperature: t, greedy: greedy as u32 })
     }
 }
 

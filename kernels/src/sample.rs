@@ -50,12 +50,14 @@ unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
     // SAFETY: per this function's contract all 32 lanes are here together.
     let score = f32::from_bits(unsafe { arch::shuffle_xor(best.score.to_bits(), mask) });
     // SAFETY: as above.
+    let word = unsafe { arch::shuffle_xor(best.word, mask) };
+    // SAFETY: as above.
     let index = unsafe { arch::shuffle_xor(best.index, mask) };
-    best.merge(Candidate { score, index })
+    best.merge(Candidate { score, word, index })
 }
 
-/// The epilogue of the fused tile kernels: for every draw, the best (score, index) of this
-/// block's tile for each batch column, written to `candidates`.
+/// The epilogue of the fused tile kernels: for every draw, the best candidate of this block's
+/// tile for each batch column, written to `candidates`.
 ///
 /// Each thread scores its four rows per column with [`block_scores`]; lanes with the same
 /// `t` (same columns) merge over `g`; warps merge through `staging` in batches of
@@ -215,7 +217,8 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
 }
 
 /// The merge kernel: one block per (row, draw) merges that draw's candidates over all tiles and
-/// writes the winning index (or `u32::MAX` when there is none).
+/// writes the winning index, which is [`NO_TOKEN`](flashsample_core::NO_TOKEN) or
+/// [`NON_FINITE_TOKEN`](flashsample_core::NON_FINITE_TOKEN) for a row without a token.
 ///
 /// # Safety
 /// Launched with [`REDUCE_THREADS`] threads and `REDUCE_THREADS / 32` candidates of shared

@@ -5,7 +5,10 @@
 use flashsample::cpu::logits_row;
 use flashsample::params::Draws;
 use flashsample::params::{HeadShape, check_request};
-use flashsample::{CpuSampler, CudaSampler, DType, Elements, Matrix, Result, SamplingParams, Variant};
+use flashsample::{
+    CpuSampler, CudaSampler, DType, Elements, Error, HANDOFF_COLUMNS, MMA_COLUMNS, Matrix, Module, Result, RowStatus,
+    SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
+};
 use flashsample_core::{RowParams, block_scores};
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
@@ -80,21 +83,28 @@ impl Backend for Cuda {
         // Grow the workspace to this problem, then poison it and the output, then sample.
         self.sampler.sample_draws_into(&head, &device_hidden, params, draws, self.variant, &mut tokens)?;
         self.sampler.poison_workspace()?;
-        self.sampler.fill_tokens(&mut tokens, 0xffff_fffe)?;
+        self.sampler.fill_tokens(&mut tokens, UNWRITTEN)?;
         self.sampler.sample_draws_into(&head, &device_hidden, params, draws, self.variant, &mut tokens)?;
-        let out = self.sampler.tokens_to_host(&tokens)?;
+        let out = self.sampler.tokens_to_host(&tokens);
+        let slots = match &out {
+            Ok(tokens) | Err(Error::RowsWithoutToken { tokens, .. }) => tokens,
+            Err(_) => return out,
+        };
         let vocab = lm_head.rows() as u32;
-        if let Some(bad) = out.iter().position(|&t| t >= vocab) {
-            panic!("{}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", self.name(), out[bad]);
+        if let Some(bad) = slots.iter().position(|&t| t >= vocab && RowStatus::of_token(t).is_none()) {
+            panic!("{}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", self.name(), slots[bad]);
         }
-        Ok(out)
+        out
     }
 }
 
+/// What the GPU backend writes into every token slot before sampling: neither a token nor a
+/// row status, so a slot the merge kernel leaves unwritten shows.
+const UNWRITTEN: u32 = 0xffff_fff0;
+
 /// A `rows × cols` matrix of uniform values in `[-scale, scale)`, in `dtype`.
 pub fn random_matrix(rows: usize, cols: usize, dtype: DType, scale: f32, seed: u64) -> Matrix {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let values: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-scale..scale)).collect();
+    let values = uniform_values(rows * cols, scale, seed);
     let elements = match dtype {
         DType::F32 => Elements::F32(values),
         DType::F16 => Elements::F16(values.into_iter().map(f16::from_f32).collect()),
@@ -113,9 +123,9 @@ pub fn row_params(lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], 
     check_request(head, hidden.row_range(row, row + 1).shape(), &params[row..row + 1], 1).expect("valid params")[0]
 }
 
-/// `softmax(logits · (1/T))` in f64 from the CPU's f32 logits: the distribution being sampled.
+/// `softmax(logits / T)` in f64 from the CPU's f32 logits: the distribution being sampled.
 pub fn exact_probabilities(logits: &[f32], row: &RowParams) -> Vec<f64> {
-    let scaled: Vec<f64> = logits.iter().map(|&l| (l * row.inv_temperature) as f64).collect();
+    let scaled: Vec<f64> = logits.iter().map(|&l| l as f64 / row.temperature as f64).collect();
     let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let weights: Vec<f64> = scaled.iter().map(|s| (s - max).exp()).collect();
     let total: f64 = weights.iter().sum();
@@ -210,11 +220,11 @@ pub fn check_matches_cpu(
             let score = |i: usize| {
                 let block = i / 4;
                 let four = std::array::from_fn(|r| logits.get(4 * block + r).copied().unwrap_or(f32::NEG_INFINITY));
-                block_scores(&rp, j as u32, block as u32, four)[i % 4]
+                block_scores(&rp, j as u32, block as u32, four).0[i % 4]
             };
+            // A score is `logit + T·g`: a logit's rounding moves it by as much.
             let gap = (score(c) - score(g)).abs();
-            let scale = if rp.greedy != 0 { 1.0 } else { rp.inv_temperature };
-            let bound = (logit_tolerance(lm_head, hidden, row, g) + logit_tolerance(lm_head, hidden, row, c)) * scale;
+            let bound = logit_tolerance(lm_head, hidden, row, g) + logit_tolerance(lm_head, hidden, row, c);
             assert!(
                 gap <= bound,
                 "{}: row {row} draw {j}: token {g} vs CPU {c}, score gap {gap:e} > rounding bound {bound:e}",
@@ -326,4 +336,162 @@ pub fn check_draws_split_across_calls(backend: &dyn Backend, lm_head: &Matrix, h
             head[row * a..(row + 1) * a].iter().chain(&tail[row * (n - a)..(row + 1) * (n - a)]).copied().collect();
         assert_eq!(joined, whole[row * n..(row + 1) * n], "{}: row {row}", backend.name());
     }
+}
+
+/// `len` uniform values in `[-scale, scale)` (the values of [`random_matrix`] in f32).
+pub fn uniform_values(len: usize, scale: f32, seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// `values` (row-major, exactly representable in `dtype`) as a `rows × cols` matrix.
+pub fn matrix_of(rows: usize, cols: usize, dtype: DType, values: Vec<f32>) -> Matrix {
+    Matrix::new("test matrix", rows, cols, Elements::F32(values)).expect("sizes agree").to_dtype(dtype)
+}
+
+/// The tied largest logits of [`check_extreme_temperatures`]'s head.
+pub const TIED_TOKENS: [usize; 4] = [3, 250, 611, 999];
+
+/// Every temperature a row may have, at its extremes: `T = 1.4·10⁻⁴⁵` (the smallest f32),
+/// `10⁻³⁸`, `10⁻³⁰` and `10⁻⁶`, where `softmax(l / T)` puts all its mass on the largest logits,
+/// and `10⁶`, `10³⁰` and the largest accepted, where it is uniform to f32 precision; a greedy row
+/// beside them.
+///
+/// The head's logits for the hidden row `[1, 0, …, 0]` are exactly its first column: 10 at the
+/// four [`TIED_TOKENS`], and 9, 5, −2 or 0 elsewhere (V = 1000). Each cold row's draws must all
+/// land on the tied tokens, evenly (χ² at `alpha` over 4,000 draws: a sampler that broke the
+/// tie by index, as `logit · (1/T)` overflowing to +∞ did, puts them all on token 3); each hot
+/// row's draws must follow `softmax(l / T)` (χ² over 20,000 draws in 1000 bins); the greedy row
+/// takes token 3, the lowest of the tied argmax, every time.
+pub fn check_extreme_temperatures(backend: &dyn Backend, dtype: DType, dim: usize, alpha: f64) {
+    let vocab = 1000;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(606);
+    let mut w = Vec::with_capacity(vocab * dim);
+    for i in 0..vocab {
+        let logit = if TIED_TOKENS.contains(&i) { 10.0 } else { [9.0, 5.0, -2.0, 0.0][i % 4] };
+        w.push(logit);
+        w.extend((1..dim).map(|_| rng.random_range(-0.5f32..0.5)));
+    }
+    let lm_head = matrix_of(vocab, dim, dtype, w);
+    let cold = [1e-45, 1e-38, 1e-30, 1e-6];
+    let hot = [1e6, 1e30, flashsample_core::noise::MAX_TEMPERATURE];
+    let temperatures: Vec<f32> = cold.iter().chain(&hot).copied().chain([0.0]).collect();
+    let rows = temperatures.len();
+    let hidden = matrix_of(rows, dim, dtype, (0..rows * dim).map(|k| if k % dim == 0 { 1.0 } else { 0.0 }).collect());
+    let params: Vec<SamplingParams> =
+        temperatures.iter().enumerate().map(|(r, &t)| SamplingParams::new(t, 808, r as u32, 0)).collect();
+    let draws = 20_000u32;
+    let tokens = backend.sample(&lm_head, &hidden, &params, draws).expect("sampling succeeds");
+    let n = draws as usize;
+    for (row, &t) in temperatures.iter().enumerate() {
+        let slots = &tokens[row * n..(row + 1) * n];
+        if t == 0.0 {
+            assert!(slots.iter().all(|&token| token == 3), "{}: greedy row drew {slots:?}", backend.name());
+            continue;
+        }
+        let (counts, probabilities) = if cold.contains(&t) {
+            // The first 4,000 draws, binned by tied token.
+            let mut counts = vec![0u64; TIED_TOKENS.len()];
+            for &token in &slots[..4000] {
+                let bin = TIED_TOKENS.iter().position(|&tied| tied == token as usize);
+                let bin = bin.unwrap_or_else(|| panic!("{}: T = {t:e} drew token {token}", backend.name()));
+                counts[bin] += 1;
+            }
+            (counts, vec![0.25; 4])
+        } else {
+            let mut counts = vec![0u64; vocab];
+            slots.iter().for_each(|&token| counts[token as usize] += 1);
+            (counts, exact_probabilities(&logits_row(&lm_head, &hidden, row), &row_params(&lm_head, &hidden, &params, row)))
+        };
+        let (statistic, dof, p) = chi_square(&counts, &probabilities);
+        println!("{}: T = {t:e}: chi2 = {statistic:.1}, dof = {dof}, p = {p:.3}", backend.name());
+        assert!(p > alpha, "{}: T = {t:e}: chi2 = {statistic:.1}, p = {p:.2e}", backend.name());
+    }
+}
+
+/// Non-finite logits from finite inputs (products that overflow f32), one policy on every
+/// backend: a row with a +∞ or NaN logit gets [`RowStatus::NonFiniteLogits`] and a row whose
+/// logits are all −∞ gets [`RowStatus::NoAllowedToken`], in every slot and whatever the
+/// temperature (greedy too); the other rows draw the tokens they draw alone.
+///
+/// `W` holds 10³⁰ in column 0 of every row and in column 1 of row 17; the hidden rows hold
+/// (0, 0), (0, 10³⁰) (+∞ at token 17), (10³⁰, −10³⁰) (NaN or +∞ at 17, +∞ elsewhere),
+/// (−10³⁰, 0) (−∞ everywhere), then small values, in those columns. `dtype` is BF16 or F32
+/// (F16 cannot hold 10³⁰).
+pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize) {
+    let (vocab, big) = (777, 1e30f32);
+    let mut w = uniform_values(vocab * dim, 0.3, 909);
+    for i in 0..vocab {
+        w[i * dim] = big;
+    }
+    w[17 * dim + 1] = big;
+    let lm_head = matrix_of(vocab, dim, dtype, w);
+    let heads: [(f32, f32, f32, Option<RowStatus>); 6] = [
+        (0.0, 0.0, 1.0, None),
+        (0.0, big, 1.0, Some(RowStatus::NonFiniteLogits)),
+        (big, -big, 0.5, Some(RowStatus::NonFiniteLogits)),
+        (-big, 0.0, 0.7, Some(RowStatus::NoAllowedToken)),
+        (0.0, 0.0, 0.0, None),
+        (0.0, big, 0.0, Some(RowStatus::NonFiniteLogits)),
+    ];
+    let rows = heads.len();
+    let mut h = uniform_values(rows * dim, 1.0, 910);
+    for (r, &(c0, c1, _, _)) in heads.iter().enumerate() {
+        h[r * dim] = c0;
+        h[r * dim + 1] = c1;
+    }
+    let hidden = matrix_of(rows, dim, dtype, h);
+    let params: Vec<SamplingParams> =
+        heads.iter().enumerate().map(|(r, &(_, _, t, _))| SamplingParams::new(t, 4, r as u32, 0)).collect();
+    let samples = 5;
+    let (reported, tokens) = match backend.sample(&lm_head, &hidden, &params, samples) {
+        Err(Error::RowsWithoutToken { rows, tokens }) => (rows, tokens),
+        other => panic!("{}: expected rows without a token, got {other:?}", backend.name()),
+    };
+    let expected: Vec<(usize, RowStatus)> = heads.iter().enumerate().filter_map(|(r, h)| h.3.map(|s| (r, s))).collect();
+    assert_eq!(reported, expected, "{}", backend.name());
+    let s = samples as usize;
+    for (r, &(_, _, _, status)) in heads.iter().enumerate() {
+        let slots = &tokens[r * s..(r + 1) * s];
+        match status {
+            Some(status) => assert!(slots.iter().all(|&t| t == status.token()), "{}: row {r}: {slots:?}", backend.name()),
+            None => {
+                let alone = backend
+                    .sample(&lm_head, &hidden.row_range(r, r + 1), &params[r..r + 1], samples)
+                    .expect("a finite row alone samples");
+                assert_eq!(slots, &alone[..], "{}: row {r} beside non-finite rows vs alone", backend.name());
+            }
+        }
+    }
+}
+
+/// (variant, dtype, D) the GPU tests run for `module`: the tensor-core variants need 16-bit types
+/// and D % 8 == 0; D = 200 leaves a partial 64-column chunk (mma) and a partial 64-element TMA
+/// box. Every width of the mma tile runs in BF16 and F16 (which changes only the multiply
+/// instruction); with the Hopper module every width of the three TMA schedules runs in BF16
+/// and three TMA tiles in F16. The SIMT variant runs every dtype at an odd D.
+pub fn gpu_cases(module: Module) -> Vec<(Variant, DType, usize)> {
+    let mut cases = Vec::new();
+    for columns in MMA_COLUMNS {
+        cases.push((Variant::Mma { columns }, DType::BF16, 200));
+        cases.push((Variant::Mma { columns }, DType::F16, 200));
+    }
+    if module == Module::Hopper {
+        for rows in TMA_ITEM_ROWS {
+            for columns in TMA_COLUMNS {
+                cases.push((Variant::Tma { rows, columns }, DType::BF16, 200));
+            }
+        }
+        for columns in HANDOFF_COLUMNS {
+            cases.push((Variant::TmaHandoff { columns }, DType::BF16, 200));
+        }
+        for (rows, columns) in [(64, 8), (128, 128)] {
+            cases.push((Variant::Tma { rows, columns }, DType::F16, 200));
+        }
+        cases.push((Variant::TmaHandoff { columns: 128 }, DType::F16, 200));
+    }
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        cases.push((Variant::Simt, dtype, 199));
+    }
+    cases
 }

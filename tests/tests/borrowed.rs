@@ -1,16 +1,18 @@
 //! Borrowed mode on the GPU: sampling queued on a caller's stream from the caller's device
 //! memory, ordered with the caller's own kernels, concurrent on two streams, restoring the
-//! caller's context, and captured once in a CUDA graph that replays fresh noise each step.
+//! caller's context, captured once in a CUDA graph that replays fresh noise each step, and
+//! reporting non-finite hidden states as row statuses on the device.
 //! Ignored without a GPU (run by the GPU bundle with `--include-ignored`).
 
 use std::sync::Arc;
 
 use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use flashsample::{
-    CudaSampler, DType, DeviceMatrix, DeviceRows, Draws, ModuleChoice, SampleRequest, SamplingParams, StreamSampler,
-    StreamWorkspace, Variant,
+    CudaSampler, DType, DeviceMatrix, DeviceRows, Draws, ModuleChoice, RowStatus, SampleRequest, SamplingParams,
+    StreamSampler, StreamWorkspace, Variant,
 };
-use half::bf16;
+use flashsample_tests::{gpu_cases, uniform_values};
+use half::{bf16, f16};
 
 const VOCAB: usize = 151_936;
 const DIM: usize = 1024;
@@ -371,5 +373,87 @@ fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
     }
     let repeats = uncaptured.windows(2).filter(|pair| pair[0] == pair[1]).count();
     assert_eq!(repeats, 0, "a step drew the same {batch} x {samples} tokens as the step before");
+    stream.synchronize().unwrap();
+}
+
+/// `values` in `dtype` on `stream`, as the model would have left them there.
+fn upload(stream: &Arc<CudaStream>, values: &[f32], dtype: DType) -> CudaSlice<u8> {
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::BF16 => values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
+        DType::F16 => values.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
+    };
+    stream.clone_htod(&bytes).unwrap()
+}
+
+/// Hidden states a model left non-finite reach the row statuses in every variant: a row with
+/// a NaN (NaN logits), a row with +∞ or −∞ in the column where every row of `W` is positive
+/// (+∞ logits; −∞ logits, so no allowed token). Their slots on the device hold the statuses,
+/// whatever the temperature, and the other rows draw what they draw when those rows are finite.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
+    let caller = Caller::new();
+    let stream = &caller.stream;
+    let (vocab, batch, samples) = (2003, 6, 3u32);
+    let bad = [
+        (1, f32::NAN, RowStatus::NonFiniteLogits),
+        (2, f32::INFINITY, RowStatus::NonFiniteLogits),
+        (4, f32::NEG_INFINITY, RowStatus::NoAllowedToken),
+    ];
+    let temperatures = [0.8, 0.8, 0.0, 1.0, 0.8, 0.0];
+    let params: Vec<SamplingParams> =
+        temperatures.iter().enumerate().map(|(b, &t)| SamplingParams::new(t, 21, b as u32, 0)).collect();
+    let rows = DeviceRows::upload(stream, &params).unwrap();
+    let mut workspace = StreamWorkspace::new();
+    for (variant, dtype, dim) in gpu_cases(caller.sampler.module()) {
+        let mut w = uniform_values(vocab * dim, 0.3, 5);
+        for i in 0..vocab {
+            w[i * dim] = 0.5;
+        }
+        let mut h = uniform_values(batch * dim, 1.0, 6);
+        for b in 0..batch {
+            h[b * dim] = 0.0;
+        }
+        let finite = h.clone();
+        for &(b, value, _) in &bad {
+            h[b * dim] = value;
+        }
+        let w = upload(stream, &w, dtype);
+        let mut draw = |values: &[f32]| -> Vec<u32> {
+            let h = upload(stream, values, dtype);
+            let mut tokens = caller.tokens(stream, batch * samples as usize);
+            let (w_address, _w) = w.device_ptr(stream);
+            let (h_address, _h) = h.device_ptr(stream);
+            let (t_address, _t) = tokens.device_ptr_mut(stream);
+            let request = SampleRequest {
+                lm_head: DeviceMatrix::contiguous(w_address, vocab, dim, dtype),
+                hidden: DeviceMatrix::contiguous(h_address, batch, dim, dtype),
+                row_params: rows.address(),
+                tokens: t_address,
+                draws: Draws::first(samples),
+                variant,
+            };
+            let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, samples, variant).unwrap();
+            let space = workspace.ensure(stream, bytes).unwrap();
+            // SAFETY: every buffer lives on `stream` with the request's extents until the copy
+            // below has waited for the call.
+            unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
+            drop((_w, _h, _t));
+            stream.clone_dtoh(&tokens).unwrap()
+        };
+        let (got, want) = (draw(&h), draw(&finite));
+        let s = samples as usize;
+        for b in 0..batch {
+            let slots = &got[b * s..(b + 1) * s];
+            match bad.iter().find(|row| row.0 == b) {
+                Some(&(_, value, status)) => {
+                    assert!(slots.iter().all(|&t| t == status.token()), "{variant:?} {dtype:?}: H has {value}: {slots:?}")
+                }
+                None => assert_eq!(slots, &want[b * s..(b + 1) * s], "{variant:?} {dtype:?}: row {b}"),
+            }
+        }
+        assert!(want.iter().all(|&t| (t as usize) < vocab), "{variant:?} {dtype:?}: {want:?}");
+    }
     stream.synchronize().unwrap();
 }

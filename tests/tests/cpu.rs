@@ -79,3 +79,17 @@ fn draws_split_across_calls_equal_one_call() {
     let h = random_matrix(3, 16, DType::BF16, 1.0, 22);
     check_draws_split_across_calls(&Cpu, &w, &h, 50, 17);
 }
+
+#[test]
+fn extreme_temperatures_sample_the_limit_distributions() {
+    for dtype in [DType::F32, DType::BF16] {
+        check_extreme_temperatures(&Cpu, dtype, 24, ALPHA);
+    }
+}
+
+#[test]
+fn non_finite_logits_give_row_statuses() {
+    for dtype in [DType::F32, DType::BF16] {
+        check_non_finite_logits(&Cpu, dtype, 24);
+    }
+}

@@ -3,9 +3,7 @@
 //! `run.sh` runs them with `--include-ignored`, once with the Hopper module and once with
 //! `FLASHSAMPLE_MODULE=portable`. χ² tests use α = 1e-3 and fixed seeds.
 
-use flashsample::{
-    CudaSampler, DType, HANDOFF_COLUMNS, MMA_COLUMNS, Module, SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
-};
+use flashsample::{CudaSampler, DType, Module, SamplingParams, Variant};
 use flashsample_tests::*;
 
 const ALPHA: f64 = 1e-3;
@@ -15,35 +13,8 @@ fn module() -> Module {
     CudaSampler::new().expect("these tests need a CUDA GPU").module()
 }
 
-/// (variant, dtype, D) for the module under test: the tensor-core variants need 16-bit types
-/// and D % 8 == 0; D = 200 leaves a partial 64-column chunk (mma) and a partial 64-element TMA
-/// box. Every width of the mma tile runs in BF16 and F16 (which changes only the multiply
-/// instruction); with the Hopper module every width of the three TMA schedules runs in BF16
-/// and three TMA tiles in F16. The SIMT variant runs every dtype at an odd D.
 fn cases() -> Vec<(Variant, DType, usize)> {
-    let mut cases = Vec::new();
-    for columns in MMA_COLUMNS {
-        cases.push((Variant::Mma { columns }, DType::BF16, 200));
-        cases.push((Variant::Mma { columns }, DType::F16, 200));
-    }
-    if module() == Module::Hopper {
-        for rows in TMA_ITEM_ROWS {
-            for columns in TMA_COLUMNS {
-                cases.push((Variant::Tma { rows, columns }, DType::BF16, 200));
-            }
-        }
-        for columns in HANDOFF_COLUMNS {
-            cases.push((Variant::TmaHandoff { columns }, DType::BF16, 200));
-        }
-        for (rows, columns) in [(64, 8), (128, 128)] {
-            cases.push((Variant::Tma { rows, columns }, DType::F16, 200));
-        }
-        cases.push((Variant::TmaHandoff { columns: 128 }, DType::F16, 200));
-    }
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        cases.push((Variant::Simt, dtype, 199));
-    }
-    cases
+    gpu_cases(module())
 }
 
 #[test]
@@ -231,5 +202,39 @@ fn draws_split_across_calls_equal_one_call() {
         let w = random_matrix(1000, dim, dtype, 0.5, 23);
         let h = random_matrix(5, dim, dtype, 1.0, 24);
         check_draws_split_across_calls(&Cuda::new(variant), &w, &h, 5000, 3000);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn extreme_temperatures_sample_the_limit_distributions_in_every_variant() {
+    for (variant, dtype, dim) in cases() {
+        check_extreme_temperatures(&Cuda::new(variant), dtype, dim, ALPHA);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn extreme_temperatures_match_cpu_in_every_variant() {
+    let temperatures = [1e-45, 1e-38, 1e-30, 1e-6, 1e6, 1e30, 1.0, 0.0];
+    let mut total = 0;
+    let cases = cases();
+    for &(variant, dtype, dim) in &cases {
+        let w = random_matrix(3001, dim, dtype, 0.3, 71);
+        let h = random_matrix(16, dim, dtype, 1.0, 72);
+        let params: Vec<SamplingParams> =
+            (0..16).map(|r| SamplingParams::new(temperatures[r % temperatures.len()], 73, r as u32, 0)).collect();
+        total += check_matches_cpu(&Cuda::new(variant), &w, &h, &params, 8);
+    }
+    assert!(total <= cases.len() * 16 * 8 / 1000, "{total} near-tie disagreements");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn non_finite_logits_give_row_statuses_in_every_variant() {
+    // F16 cannot hold the overflowing inputs; the borrowed-mode test feeds NaN and ±inf to
+    // those variants directly.
+    for (variant, dtype, dim) in cases().into_iter().filter(|case| case.1 != DType::F16) {
+        check_non_finite_logits(&Cuda::new(variant), dtype, dim);
     }
 }

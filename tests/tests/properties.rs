@@ -51,7 +51,7 @@ proptest! {
                 prop_assert_eq!(tokens.len(), batch * samples as usize);
                 prop_assert!(tokens.iter().all(|&t| (t as usize) < vocab));
             }
-            Err(Error::InvalidArgument { .. } | Error::NoToken { .. }) => {}
+            Err(Error::InvalidArgument { .. } | Error::RowsWithoutToken { .. }) => {}
             Err(other) => prop_assert!(false, "unexpected error kind: {other}"),
         }
     }

@@ -1,10 +1,12 @@
 //! Splitting a request into passes of bounded candidate memory.
 //!
-//! The tile kernel writes one candidate (8 bytes) per (row, draw, vocabulary tile), so a request for
+//! The tile kernel writes one candidate (`CANDIDATE_BYTES`) per (row, draw, vocabulary tile), so a request for
 //! millions of draws would need gigabytes at once. It runs instead as passes over blocks of
 //! rows and draws whose candidates fit [`CANDIDATE_BUDGET_BYTES`]; each pass reduces its
 //! candidates into its slots of the token buffer. Draw `j` of a row is keyed by its global
 //! index, so how a request is split never changes a token.
+
+use flashsample_core::abi::CANDIDATE_BYTES;
 
 /// Candidate memory one pass may use.
 pub const CANDIDATE_BUDGET_BYTES: usize = 256 << 20;
@@ -31,7 +33,7 @@ impl Plan {
     /// Passes over `batch` rows × `samples` draws with `tiles` candidates each, at most
     /// `budget_bytes` of candidates per pass (one (row, draw) pair per pass at least).
     pub fn new(batch: usize, samples: usize, tiles: usize, budget_bytes: usize) -> Plan {
-        let pairs_per_pass = (budget_bytes / (tiles.max(1) * 8)).max(1);
+        let pairs_per_pass = (budget_bytes / (tiles.max(1) * CANDIDATE_BYTES as usize)).max(1);
         let rows_per_pass = batch.min(pairs_per_pass).max(1);
         let samples_per_pass = samples.min((pairs_per_pass / rows_per_pass).max(1)).max(1);
         Plan { batch, samples, rows_per_pass, samples_per_pass }

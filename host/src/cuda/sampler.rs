@@ -17,7 +17,7 @@ use super::driver;
 use super::modules::ModuleChoice;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Plan};
 use super::stream::{DeviceMatrix, DeviceWorkspace, SampleRequest, StreamSampler, TensorMaps};
-use crate::error::{Error, Result, invalid};
+use crate::error::{Error, Result, invalid, tokens_or_row_status};
 use crate::params::{
     Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape,
 };
@@ -437,12 +437,12 @@ impl CudaSampler {
     }
 
     /// Fills the candidate and logits workspaces with a candidate that wins every merge
-    /// (score +inf, index [`CudaSampler::POISON_INDEX`], not a token). A tile kernel that
+    /// (score +inf, word `u32::MAX`, index [`CudaSampler::POISON_INDEX`], not a token). A tile kernel that
     /// leaves a slot unwritten then shows up as that index in the tokens: tests call this
     /// before sampling.
     pub fn poison_workspace(&self) -> Result<()> {
         self.make_current()?;
-        let poison = Candidate { score: f32::INFINITY, index: Self::POISON_INDEX };
+        let poison = Candidate { score: f32::INFINITY, word: u32::MAX, index: Self::POISON_INDEX };
         let workspace = self.workspace.borrow();
         if let Some(scratch) = workspace.scratch.as_ref() {
             let host = vec![poison; scratch.len() / size_of::<Candidate>()];
@@ -470,16 +470,13 @@ impl CudaSampler {
     /// The poison index of [`CudaSampler::poison_workspace`].
     pub const POISON_INDEX: u32 = 0x7fff_fff0;
 
-    /// Waits for the tokens and copies them to the host; a draw without a token is
-    /// [`Error::NoToken`].
+    /// Waits for the tokens and copies them to the host; rows without a token are
+    /// [`Error::RowsWithoutToken`].
     pub fn tokens_to_host(&self, tokens: &DeviceTokens) -> Result<Vec<u32>> {
         self.make_current()?;
         self.synchronize("sampling")?;
         let host = tokens.buffer.to_host(&self.stream, "tokens")?;
-        if let Some(at) = host.iter().position(|&t| t == Candidate::NONE.index) {
-            return Err(Error::NoToken { row: at / tokens.samples, draw: at % tokens.samples });
-        }
-        Ok(host)
+        tokens_or_row_status(host, tokens.samples)
     }
 
     /// An LM head of uniform values in `[-scale, scale)` made on the device (benchmarks, demo).

@@ -10,13 +10,13 @@ use super::unrolled;
 use crate::{arch, sample};
 
 /// Stands in for the row parameters of columns past the batch: greedy, so it draws no noise.
-pub(super) const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, inv_temperature: 0.0, greedy: 1 };
+pub(super) const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, temperature: 0.0, greedy: 1 };
 
 /// A [`RowParams`] as 8-byte words: copied word by word, it stays in registers (a struct copy
 /// across the mainloop went through local memory).
 pub(super) const ROW_WORDS: usize = core::mem::size_of::<RowParams>() / 8;
 
-/// [`PAD_ROW`] as words: seed; stream and step; `inv_temperature` = 0.0 and `greedy` = 1.
+/// [`PAD_ROW`] as words: seed; stream and step; `temperature` = 0.0 and `greedy` = 1.
 pub(super) const PAD_ROW_WORDS: [u64; ROW_WORDS] = [0, 0, 1 << 32];
 
 /// The words of row `b` of the `[batch]` array of [`RowParams`] at `row_params`.

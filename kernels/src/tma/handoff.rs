@@ -26,7 +26,7 @@ use flashsample_core::abi::{
     HANDOFF_COLUMN_STRIDE, HANDOFF_COLUMNS, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK,
     TmaArgs, WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
 };
-use flashsample_core::estimate::exact_score;
+use flashsample_core::estimate::exact_entry;
 
 use super::WARPGROUP_THREADS;
 use super::epilogue::{PAD_ROW, write_candidate};
@@ -300,9 +300,10 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 if deferred.index != RESOLVED {
                     // SAFETY: b < batch rows exist.
                     let row = unsafe { *row_params.add(b as usize) };
-                    let score = exact_score(&row, deferred.word, deferred.logit);
+                    let (score, word) = exact_entry(&row, deferred.word, deferred.logit);
+                    let candidate = Candidate::scored(score, word, deferred.index);
                     // SAFETY: `b < batch`, `j < samples`, `tile < tiles`.
-                    unsafe { write_candidate(args, tile, b, j, Candidate { score, index: deferred.index }) };
+                    unsafe { write_candidate(args, tile, b, j, candidate) };
                 }
             }
             // SAFETY: all 32 lanes of the warp reach it.

@@ -13,8 +13,9 @@
 //! (four quads of one column per lane; eight lanes share a column).
 
 use flashsample_core::estimate::{
-    BlockEstimate, block_estimate, contenders, offer_contenders, pick_of_four, race_threshold,
+    BlockEstimate, block_estimate, contenders, may_contend, offer_contenders, pick_of_four, race_threshold,
 };
+use flashsample_core::candidate::maximum;
 use flashsample_core::{Candidate, RowParams};
 
 use super::handoff::{COLUMN_LANES, Deferred, LANE_QUADS};
@@ -142,7 +143,7 @@ pub(super) unsafe fn estimate_column(
     let estimates = estimate_quads::<LANE_QUADS>(|_| row, row.greedy == 0, draw, philox_block, logits, valid);
     let mut lane_best = estimates[0].best();
     unrolled!(i < LANE_QUADS, {
-        lane_best = lane_best.max(estimates[i].best());
+        lane_best = maximum(lane_best, estimates[i].best());
     });
     // SAFETY: per this function's contract all 32 lanes are here together, and the lanes
     // `l ^ m` (`m < COLUMN_LANES`) hold the column.
@@ -150,7 +151,7 @@ pub(super) unsafe fn estimate_column(
     let threshold = race_threshold(row, best);
     let mut bits = 0;
     // Usually only the lane holding the best estimate has contenders.
-    if lane_best >= threshold {
+    if may_contend(lane_best, threshold) {
         unrolled!(i < LANE_QUADS, {
             bits |= contenders(&estimates[i], threshold) << (4 * i);
         });
@@ -184,7 +185,7 @@ fn estimate_quads<'a, const Q: usize>(
 }
 
 /// The largest `value` over this lane and the lanes `l ^ m` for `m = first_mask, 2·first_mask,
-/// …, last_mask` (a NaN is ignored, as [`BlockEstimate::best`] ignores one).
+/// …, last_mask`; NaN if any is NaN, as in [`BlockEstimate::best`].
 ///
 /// # Safety
 /// All 32 lanes call it together.
@@ -194,7 +195,7 @@ unsafe fn column_best(value: f32, first_mask: u32, last_mask: u32) -> f32 {
     let mut mask = first_mask;
     while mask <= last_mask {
         // SAFETY: per this function's contract all 32 lanes are here together.
-        best = best.max(f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
+        best = maximum(best, f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
         mask <<= 1;
     }
     best

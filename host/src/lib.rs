@@ -37,8 +37,8 @@ pub use cuda::{
 /// `CudaStream` and `CudaSlice`.
 pub use cudarc;
 pub use error::{Error, Result, RowStatus};
-pub use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 pub use flashsample_core::registry::Module;
+pub use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 pub use params::{Draws, HeadShape, SamplingParams, row_params};
 pub use tensor::{DType, Elements, Matrix, MatrixShape};

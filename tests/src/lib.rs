@@ -401,7 +401,10 @@ pub fn check_extreme_temperatures(backend: &dyn Backend, dtype: DType, dim: usiz
         } else {
             let mut counts = vec![0u64; vocab];
             slots.iter().for_each(|&token| counts[token as usize] += 1);
-            (counts, exact_probabilities(&logits_row(&lm_head, &hidden, row), &row_params(&lm_head, &hidden, &params, row)))
+            (
+                counts,
+                exact_probabilities(&logits_row(&lm_head, &hidden, row), &row_params(&lm_head, &hidden, &params, row)),
+            )
         };
         let (statistic, dof, p) = chi_square(&counts, &probabilities);
         println!("{}: T = {t:e}: chi2 = {statistic:.1}, dof = {dof}, p = {p:.3}", backend.name());
@@ -454,7 +457,9 @@ pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize) 
     for (r, &(_, _, _, status)) in heads.iter().enumerate() {
         let slots = &tokens[r * s..(r + 1) * s];
         match status {
-            Some(status) => assert!(slots.iter().all(|&t| t == status.token()), "{}: row {r}: {slots:?}", backend.name()),
+            Some(status) => {
+                assert!(slots.iter().all(|&t| t == status.token()), "{}: row {r}: {slots:?}", backend.name())
+            }
             None => {
                 let alone = backend
                     .sample(&lm_head, &hidden.row_range(r, r + 1), &params[r..r + 1], samples)

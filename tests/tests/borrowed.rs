@@ -448,7 +448,10 @@ fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
             let slots = &got[b * s..(b + 1) * s];
             match bad.iter().find(|row| row.0 == b) {
                 Some(&(_, value, status)) => {
-                    assert!(slots.iter().all(|&t| t == status.token()), "{variant:?} {dtype:?}: H has {value}: {slots:?}")
+                    assert!(
+                        slots.iter().all(|&t| t == status.token()),
+                        "{variant:?} {dtype:?}: H has {value}: {slots:?}"
+                    )
                 }
                 None => assert_eq!(slots, &want[b * s..(b + 1) * s], "{variant:?} {dtype:?}: row {b}"),
             }

@@ -12,10 +12,10 @@
 //! `l ^ 16`, `l ^ 24` share a column), [`estimate_column`] and [`LaneRace`] the handoff warps'
 //! (four quads of one column per lane; eight lanes share a column).
 
+use flashsample_core::candidate::maximum;
 use flashsample_core::estimate::{
     BlockEstimate, block_estimate, contenders, may_contend, offer_contenders, pick_of_four, race_threshold,
 };
-use flashsample_core::candidate::maximum;
 use flashsample_core::{Candidate, RowParams};
 
 use super::handoff::{COLUMN_LANES, Deferred, LANE_QUADS};

@@ -6,7 +6,7 @@
 //! base-2 logarithm and fused multiply-adds, and whose noise part ([`gumbel_estimate`]) is off
 //! by at most [`GUMBEL_ESTIMATE_ERROR`]. Among entries whose estimated scores top out at `m`,
 //! only those estimated at or above [`race_threshold`]`(m)` can hold the exact maximum, so only
-//! they get the exact noise ([`contenders`], [`exact_score`]); the rest lose to the exact
+//! they get the exact noise ([`contenders`], [`exact_entry`]); the rest lose to the exact
 //! winner whatever their exact scores are.
 //!
 //! Why the threshold is safe. Let `s = fl(l + fl(T·g))` be an exact score and

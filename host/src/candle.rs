@@ -166,7 +166,9 @@ impl CandleSampler {
     /// `samples` draws per row from `softmax(hidden · lm_headᵀ / T)`: `hidden` `[B, D]` and
     /// `lm_head` `[V, D]` of one dtype (bf16, f16 or f32; views with contiguous rows are read
     /// in place), on this sampler's device. Returns `[B, samples]` u32 tokens on that device;
-    /// on a CUDA device the call only queues work on candle's stream.
+    /// on a CUDA device the call only queues work on candle's stream. Every slot of a row
+    /// without a token (non-finite logits, or nothing allowed) holds its status's sentinel
+    /// ([`crate::RowStatus::of_token`] reads it), on either device.
     pub fn sample(&mut self, hidden: &Tensor, lm_head: &Tensor, samples: u32) -> Result<Tensor> {
         let (h_dtype, w_dtype) = (dtype("hidden", hidden.dtype())?, dtype("lm_head", lm_head.dtype())?);
         if h_dtype != w_dtype {
@@ -267,7 +269,11 @@ fn sample_on_cpu<T: candle_core::WithDType>(
 ) -> Result<Tensor> {
     let h = to_matrix::<T>("hidden", hidden, dtype)?;
     let w = to_matrix::<T>("lm_head", lm_head, dtype)?;
-    let tokens = CpuSampler::new().sample(&CpuLmHead::new(w)?, &h, params, samples)?;
+    // Like the device path, a row without a token keeps its status sentinel in the tensor.
+    let tokens = match CpuSampler::new().sample(&CpuLmHead::new(w)?, &h, params, samples) {
+        Ok(tokens) | Err(Error::RowsWithoutToken { tokens, .. }) => tokens,
+        Err(e) => return Err(e),
+    };
     Tensor::from_vec(tokens, (h.rows(), samples as usize), &Device::Cpu)
         .map_err(|e| candle_error("Tensor::from_vec", e))
 }

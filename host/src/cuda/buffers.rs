@@ -204,8 +204,8 @@ impl CudaHidden {
     }
 }
 
-/// Sampled tokens in device memory, `[rows, samples]` of u32; `u32::MAX` marks a draw with
-/// no finite score.
+/// Sampled tokens in device memory, `[rows, samples]` of u32; every slot of a row without a
+/// token holds its status's sentinel ([`crate::RowStatus::of_token`]).
 pub struct DeviceTokens {
     pub(crate) buffer: DeviceBuffer<u32>,
     pub rows: usize,

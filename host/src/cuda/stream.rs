@@ -68,7 +68,9 @@ pub struct SampleRequest {
     pub hidden: DeviceMatrix,
     /// `[B]` row parameters ([`RowParams`], 8-byte aligned; see [`crate::params::row_params`]).
     pub row_params: u64,
-    /// `[B, draws.count]` u32 tokens, row-major; a draw with no finite score gets `u32::MAX`.
+    /// `[B, draws.count]` u32 tokens, row-major; every slot of a row without a token holds
+    /// its status's sentinel ([`crate::RowStatus::of_token`]): `NON_FINITE_TOKEN` for a row
+    /// with a NaN or +∞ logit, `NO_TOKEN` for a row whose logits are all −∞.
     pub tokens: u64,
     pub draws: Draws,
     pub variant: Variant,

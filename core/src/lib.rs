@@ -31,6 +31,7 @@ pub mod estimate;
 pub mod gumbel;
 pub mod noise;
 pub mod philox;
+pub mod process;
 pub mod registry;
 
 pub use candidate::{Candidate, NO_TOKEN, NON_FINITE_TOKEN, perturbed_score};

@@ -7,8 +7,9 @@
 use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
-use crate::error::{Result, tokens_or_row_status};
+use crate::error::{Result, RowStatus, invalid, tokens_or_row_status};
 use crate::params::{Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
+use crate::process::{Processing, log_probabilities, process_row};
 use crate::tensor::{Elements, Matrix};
 
 /// An LM head held for the CPU backend.
@@ -73,6 +74,31 @@ pub fn draw(logits: &[f32], row: &RowParams, draw_index: u32) -> Candidate {
     best
 }
 
+/// Processed draws: `[B, N]` tokens with their log-probabilities, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub draws: usize,
+    /// Drawn tokens; every slot of a row without a token holds its status's sentinel.
+    pub tokens: Vec<u32>,
+    /// Each token's log-probability under the raw logits (`log_softmax(H·Wᵀ)`, before any
+    /// processing and temperature); NaN or −∞ in a row without a token.
+    pub logprobs: Vec<f32>,
+    /// Each token's log-probability under the distribution it was drawn from (processed,
+    /// over temperature, truncated); 0 for a greedy row.
+    pub processed_logprobs: Vec<f32>,
+}
+
+impl Sampled {
+    /// The rows without a token and why.
+    pub fn rows_without_token(&self) -> Vec<(usize, RowStatus)> {
+        self.tokens
+            .chunks(self.draws.max(1))
+            .enumerate()
+            .filter_map(|(row, slots)| RowStatus::of_token(slots[0]).map(|status| (row, status)))
+            .collect()
+    }
+}
+
 impl CpuSampler {
     pub fn new() -> Self {
         CpuSampler
@@ -112,5 +138,49 @@ impl CpuSampler {
             .map(|k| draw(&logits[k / n], &rows[k / n], draws.first + (k % n) as u32).index)
             .collect();
         tokens_or_row_status(tokens, n)
+    }
+
+    /// The draws `draws` of each row of `hidden` with the row's [`Processing`]
+    /// (`processing[b]` for row `b`) and log-probabilities. Rows without a token hold their
+    /// status sentinels (see [`Sampled::rows_without_token`]); this returns them rather than an
+    /// error so that the other rows' log-probabilities are kept.
+    pub fn sample_processed(
+        &self,
+        lm_head: &CpuLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        draws: Draws,
+    ) -> Result<Sampled> {
+        let draws = draws.check()?;
+        let rows = check_request(lm_head.shape, hidden.shape(), params, draws.count)?;
+        if processing.len() != rows.len() {
+            return Err(invalid(
+                "processing",
+                format!("{} entries for B = {} hidden rows: one per row", processing.len(), rows.len()),
+            ));
+        }
+        for (b, p) in processing.iter().enumerate() {
+            p.check(b, lm_head.shape.vocab)?;
+        }
+        check_hidden_values(hidden)?;
+        let raw: Vec<Vec<f32>> = (0..hidden.rows()).map(|b| logits_row(&lm_head.matrix, hidden, b)).collect();
+        let processed: Vec<_> = (0..rows.len()).map(|b| process_row(&raw[b], &rows[b], &processing[b])).collect();
+        let n = draws.count as usize;
+        let slots: Vec<(u32, f32, f32)> = (0..rows.len() * n)
+            .into_par_iter()
+            .map(|k| {
+                let b = k / n;
+                let token = draw(&processed[b].logits, &rows[b], draws.first + (k % n) as u32).index;
+                let (raw_lp, processed_lp) = log_probabilities(&processed[b], &rows[b], token, &raw[b]);
+                (token, raw_lp, processed_lp)
+            })
+            .collect();
+        Ok(Sampled {
+            draws: n,
+            tokens: slots.iter().map(|s| s.0).collect(),
+            logprobs: slots.iter().map(|s| s.1).collect(),
+            processed_logprobs: slots.iter().map(|s| s.2).collect(),
+        })
     }
 }

@@ -24,11 +24,12 @@ pub mod cuda;
 pub mod error;
 pub mod io;
 pub mod params;
+pub mod process;
 pub mod tensor;
 
 #[cfg(feature = "candle")]
 pub use candle::CandleSampler;
-pub use cpu::{CpuLmHead, CpuSampler};
+pub use cpu::{CpuLmHead, CpuSampler, Sampled};
 pub use cuda::{
     CudaHidden, CudaLmHead, CudaSampler, DeviceElement, DeviceMatrix, DeviceRows, DeviceTokens, DeviceWorkspace,
     MMA_COLUMNS, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, TMA_COLUMNS, Variant, cuda_device_count,
@@ -38,7 +39,9 @@ pub use cuda::{
 pub use cudarc;
 pub use error::{Error, Result, RowStatus};
 pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
+pub use flashsample_core::process::{LogSumExp, Penalties};
 pub use flashsample_core::registry::Module;
 pub use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 pub use params::{Draws, HeadShape, SamplingParams, row_params};
+pub use process::Processing;
 pub use tensor::{DType, Elements, Matrix, MatrixShape};

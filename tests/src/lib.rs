@@ -14,6 +14,8 @@ use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
+pub mod processing;
+
 /// A sampler under test.
 pub trait Backend {
     fn name(&self) -> String;

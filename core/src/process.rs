@@ -1,0 +1,321 @@
+//! Logit processing before the race, and the log-sum-exp terms behind log-probabilities.
+//!
+//! A row's logits go through one order on every backend:
+//!
+//! ```text
+//! soft-cap → logit bias → token mask → penalties → temperature → min-p → top-k → top-p → draw
+//! ```
+//!
+//! (vLLM's sampler order: bias and masks, then penalties, then temperature, then the
+//! truncations; soft-capping is part of the model's head, Gemma 2's, so it comes first.) The
+//! per-entry steps are pure functions of one logit and live here: [`softcap`], the bias (an
+//! addition), [`mask_allows`] and [`penalized`]. Temperature enters only the score
+//! ([`perturbed_score`](crate::candidate::perturbed_score)). The truncations need the row's
+//! largest processed logit: min-p keeps the entries at or above [`min_p_threshold`], and
+//! top-k/top-p are order statistics of the whole row, selected by the host.
+//!
+//! Like the rest of the crate this module uses only IEEE `+ − × ÷` on `f32` (its [`exp`]
+//! and `tanh` are written out), so every backend processes a logit to the same bits.
+
+use crate::gumbel::ln;
+
+/// `ln 2` split so that `k · LN2_HI` is exact for `|k| < 2⁸` (Cody and Waite's reduction;
+/// the high part has 16 significant bits).
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+const LOG2_E: f32 = core::f32::consts::LOG2_E;
+
+/// `x · 2ᵏ` for `−300 < k < 300`, in two exact steps where `2ᵏ` alone is not a normal float
+/// (the last step rounds once, also into the subnormals).
+#[inline(always)]
+fn scale_by_power_of_two(x: f32, k: i32) -> f32 {
+    let power = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
+    if k > 127 {
+        x * power(127) * power(k - 127)
+    } else if k < -126 {
+        x * power(-126) * power(k + 126)
+    } else {
+        x * power(k)
+    }
+}
+
+/// `eʳ − 1` for `|r| ≤ 0.35`: its Taylor series through `r⁹/9!`, whose first dropped term is
+/// below `2·10⁻¹⁰` of the result.
+#[inline(always)]
+fn expm1_small(r: f32) -> f32 {
+    let series = 1.0
+        + r * (1.0 / 2.0
+            + r * (1.0 / 6.0
+                + r * (1.0 / 24.0
+                    + r * (1.0 / 120.0
+                        + r * (1.0 / 720.0 + r * (1.0 / 5040.0 + r * (1.0 / 40320.0 + r * (1.0 / 362_880.0))))))));
+    r * series
+}
+
+/// `eˣ` within a few ulp over the whole range: `+∞` above `ln f32::MAX`, 0 below the
+/// subnormals, NaN for NaN.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    if x > 88.722_84 {
+        return f32::INFINITY;
+    }
+    if x < -103.972_08 {
+        return 0.0;
+    }
+    // x = k·ln 2 + r with |r| ≤ ½ln 2 (plus rounding); eˣ = 2ᵏ·(1 + expm1(r)).
+    let t = x * LOG2_E;
+    let k = (if t < 0.0 { t - 0.5 } else { t + 0.5 }) as i32;
+    let kf = k as f32;
+    let r = (x - kf * LN2_HI) - kf * LN2_LO;
+    scale_by_power_of_two(1.0 + expm1_small(r), k)
+}
+
+/// `eˣ − 1` with full relative precision near 0.
+#[inline(always)]
+fn expm1(x: f32) -> f32 {
+    if x.abs() <= 0.35 { expm1_small(x) } else { exp(x) - 1.0 }
+}
+
+/// `tanh x` within a few ulp: `expm1(2|x|) / (expm1(2|x|) + 2)` with the sign of `x`; ±1 for
+/// `|x| ≥ 9.1` (where `1 − tanh` is below half an ulp of 1), ±1 for ±∞, NaN for NaN.
+#[inline(always)]
+fn tanh(x: f32) -> f32 {
+    let a = x.abs();
+    let magnitude = if a >= 9.1 {
+        1.0
+    } else {
+        let m = expm1(a + a);
+        m / (m + 2.0)
+    };
+    if x.is_nan() {
+        x
+    } else if x < 0.0 {
+        -magnitude
+    } else {
+        magnitude
+    }
+}
+
+/// Gemma 2's soft-capping, `cap · tanh(logit / cap)`, for `cap > 0`: it maps ±∞ to ±cap and
+/// keeps NaN.
+#[inline(always)]
+pub fn softcap(logit: f32, cap: f32) -> f32 {
+    cap * tanh(logit / cap)
+}
+
+/// Whether bit `index % 32` of word `index / 32` of a row's token mask is set (xgrammar's
+/// layout: bit `j` of word `w` allows token `32w + j`).
+#[inline(always)]
+pub fn mask_allows(mask: &[u32], index: u32) -> bool {
+    (mask[(index / 32) as usize] >> (index % 32)) & 1 == 1
+}
+
+/// The three history penalties of a row. `Penalties::NONE` changes no logit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Penalties {
+    /// `r > 0`: a seen token's logit `l` becomes `l / r` if `l > 0`, else `l · r`.
+    pub repetition: f32,
+    /// `f`: a token seen `c` times loses `f · c`.
+    pub frequency: f32,
+    /// `p`: a seen token loses `p`.
+    pub presence: f32,
+}
+
+impl Penalties {
+    pub const NONE: Penalties = Penalties { repetition: 1.0, frequency: 0.0, presence: 0.0 };
+}
+
+/// A logit after the penalties of a token seen `count` times in the row's history (prompt and
+/// output so far): repetition first, then frequency and presence. `count = 0` leaves it as
+/// it is; −∞ (a masked token) stays −∞.
+#[inline(always)]
+pub fn penalized(logit: f32, count: u32, penalties: &Penalties) -> f32 {
+    if count == 0 {
+        return logit;
+    }
+    let repeated = if logit > 0.0 { logit / penalties.repetition } else { logit * penalties.repetition };
+    repeated - penalties.frequency * count as f32 - penalties.presence
+}
+
+/// min-p's cut for a row whose largest processed logit is `max_logit`: a token is kept when
+/// its processed logit is at least `max_logit + T · ln(min_p)`, i.e. when its probability
+/// after temperature is at least `min_p` times the largest (evaluated once per row in f32, so
+/// every backend cuts at the same value). `min_p = 0` keeps everything.
+#[inline(always)]
+pub fn min_p_threshold(max_logit: f32, temperature: f32, min_p: f32) -> f32 {
+    if min_p <= 0.0 { f32::NEG_INFINITY } else { max_logit + temperature * ln(min_p) }
+}
+
+/// The log-sum-exp of a set of logits over a temperature, as a running maximum `max` (in
+/// logit units) and `sum = Σ exp((logit − max) / T)`. Terms can be added in any order and
+/// partial sums merged (per tile, per shard), and no term overflows at any `T`. −∞ terms add
+/// nothing; a NaN term makes the sum NaN.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct LogSumExp {
+    pub max: f32,
+    pub sum: f32,
+}
+
+impl LogSumExp {
+    /// The empty sum.
+    pub const EMPTY: LogSumExp = LogSumExp { max: f32::NEG_INFINITY, sum: 0.0 };
+
+    /// Adds the term of `logit` at `temperature` (> 0).
+    #[inline(always)]
+    pub fn add(&mut self, logit: f32, temperature: f32) {
+        self.merge_with(LogSumExp { max: logit, sum: 1.0 }, temperature);
+    }
+
+    /// Merges another partial sum taken at the same temperature.
+    #[inline(always)]
+    pub fn merge_with(&mut self, other: LogSumExp, temperature: f32) {
+        if other.max == f32::NEG_INFINITY {
+            return;
+        }
+        if self.max == f32::NEG_INFINITY {
+            *self = other;
+            return;
+        }
+        if other.max > self.max {
+            self.sum = self.sum * exp((self.max - other.max) / temperature) + other.sum;
+            self.max = other.max;
+        } else {
+            // NaN in either part lands here and spreads through the sum.
+            self.sum += other.sum * exp((other.max - self.max) / temperature);
+            if other.max.is_nan() {
+                self.sum = f32::NAN;
+            }
+        }
+    }
+
+    /// `logit / T − ln Σ exp(logitⱼ / T)`: the log-probability of an entry of the set.
+    /// −∞ for an empty set.
+    #[inline(always)]
+    pub fn log_probability(&self, logit: f32, temperature: f32) -> f32 {
+        if self.max == f32::NEG_INFINITY {
+            return f32::NEG_INFINITY;
+        }
+        (logit - self.max) / temperature - ln(self.sum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::vec::Vec;
+
+    fn ulps(got: f32, exact: f64) -> f64 {
+        let e = exact as f32;
+        let ulp = (f32::from_bits(e.abs().to_bits() + 1) - e.abs()) as f64;
+        (got as f64 - exact).abs() / ulp.max(f32::from_bits(1) as f64)
+    }
+
+    fn samples() -> Vec<f32> {
+        let mut xs = Vec::new();
+        let mut x = 1e-30f32;
+        while x < 120.0 {
+            xs.extend([x, -x, x * 1.37, -x * 1.37]);
+            x *= 1.11;
+        }
+        xs
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_of_f64() {
+        for x in samples().into_iter().chain([0.0, 88.7, -87.3, -100.0, 0.3465, 0.3466]) {
+            let exact = (x as f64).exp();
+            let got = exp(x);
+            if exact > f32::MAX as f64 {
+                assert_eq!(got, f32::INFINITY, "exp({x})");
+            } else if exact >= f32::MIN_POSITIVE as f64 {
+                assert!(ulps(got, exact) <= 2.0, "exp({x}) = {got}, f64 {exact}");
+            } else {
+                // Subnormal results: within one subnormal step.
+                assert!((got as f64 - exact).abs() <= f32::from_bits(1) as f64, "exp({x}) = {got}, f64 {exact}");
+            }
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn softcap_is_within_four_ulp_of_f64_and_keeps_the_edges() {
+        for cap in [30.0f32, 50.0, 1.0, 0.01] {
+            for x in samples() {
+                let exact = cap as f64 * ((x as f64) / cap as f64).tanh();
+                let got = softcap(x, cap);
+                assert!(ulps(got, exact) <= 4.0, "softcap({x}, {cap}) = {got}, f64 {exact}");
+            }
+            assert_eq!(softcap(f32::INFINITY, cap), cap);
+            assert_eq!(softcap(f32::NEG_INFINITY, cap), -cap);
+            assert_eq!(softcap(0.0, cap), 0.0);
+            assert!(softcap(f32::NAN, cap).is_nan());
+        }
+    }
+
+    #[test]
+    fn penalties_follow_their_definitions() {
+        let p = Penalties { repetition: 2.0, frequency: 0.5, presence: 0.25 };
+        assert_eq!(penalized(3.0, 0, &p), 3.0);
+        assert_eq!(penalized(3.0, 2, &p), 1.5 - 1.0 - 0.25);
+        assert_eq!(penalized(-3.0, 1, &p), -6.0 - 0.5 - 0.25);
+        assert_eq!(penalized(f32::NEG_INFINITY, 4, &p), f32::NEG_INFINITY);
+        assert_eq!(penalized(7.0, 9, &Penalties::NONE), 7.0);
+    }
+
+    #[test]
+    fn mask_bits_follow_the_xgrammar_layout() {
+        let mask = [0b101u32, 1 << 31];
+        let allowed: Vec<u32> = (0..64).filter(|&i| mask_allows(&mask, i)).collect();
+        assert_eq!(allowed, [0, 2, 63]);
+    }
+
+    #[test]
+    fn min_p_threshold_keeps_tokens_at_least_min_p_times_the_largest() {
+        assert_eq!(min_p_threshold(5.0, 1.0, 0.0), f32::NEG_INFINITY);
+        assert_eq!(min_p_threshold(5.0, 0.7, 1.0), 5.0);
+        let cut = min_p_threshold(5.0, 2.0, 0.1);
+        assert!((cut as f64 - (5.0 + 2.0 * 0.1f64.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn log_sum_exp_merges_in_any_order_and_matches_f64() {
+        let logits: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 1000) as f32 * 0.013 - 4.0).collect();
+        for t in [1e-3f32, 0.7, 1.0, 30.0] {
+            let exact = {
+                let m = logits.iter().fold(f64::NEG_INFINITY, |a, &l| a.max(l as f64));
+                m / t as f64 + logits.iter().map(|&l| ((l as f64 - m) / t as f64).exp()).sum::<f64>().ln()
+            };
+            let mut sequential = LogSumExp::EMPTY;
+            logits.iter().for_each(|&l| sequential.add(l, t));
+            let mut tiles = LogSumExp::EMPTY;
+            for chunk in logits.chunks(97).rev() {
+                let mut tile = LogSumExp::EMPTY;
+                chunk.iter().for_each(|&l| tile.add(l, t));
+                tiles.merge_with(tile, t);
+            }
+            for lse in [sequential, tiles] {
+                let got = lse.max as f64 / t as f64 + (lse.sum as f64).ln();
+                assert!((got - exact).abs() <= 1e-4 * exact.abs().max(1.0), "T = {t}: {got} vs {exact}");
+                let lp = lse.log_probability(logits[3], t) as f64;
+                assert!((lp - (logits[3] as f64 / t as f64 - exact)).abs() < 1e-3 * exact.abs().max(1.0));
+            }
+        }
+        let mut empty = LogSumExp::EMPTY;
+        empty.add(f32::NEG_INFINITY, 1.0);
+        assert_eq!(empty, LogSumExp::EMPTY);
+        assert_eq!(empty.log_probability(0.0, 1.0), f32::NEG_INFINITY);
+        empty.add(1.0, 1.0);
+        empty.add(f32::NAN, 1.0);
+        assert!(empty.sum.is_nan());
+    }
+}

@@ -1,0 +1,305 @@
+//! Test bodies of logit processing and log-probabilities, for every backend that offers them:
+//! each mode against the exact target distribution computed here in f64 (independently of the
+//! library's pipeline), the boundary cases, the log-probabilities and the mixed batch.
+
+use std::collections::HashMap;
+
+use flashsample::cpu::logits_row;
+use flashsample::{CpuSampler, Draws, Matrix, Penalties, Processing, Result, RowStatus, Sampled, SamplingParams};
+
+use crate::chi_square;
+
+/// A sampler with logit processing under test.
+pub trait ProcessedBackend {
+    fn name(&self) -> String;
+    fn sample_processed(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled>;
+}
+
+impl ProcessedBackend for crate::Cpu {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn sample_processed(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        let sampler = CpuSampler::new();
+        sampler.sample_processed(&sampler.upload_lm_head(lm_head)?, hidden, params, processing, Draws::first(samples))
+    }
+}
+
+/// The processed logits in f64 (soft-cap, bias, mask, penalties), written from the
+/// definitions.
+pub fn reference_logits(raw: &[f32], p: &Processing) -> Vec<f64> {
+    let mut l: Vec<f64> = raw.iter().map(|&x| x as f64).collect();
+    if let Some(cap) = p.softcap {
+        let cap = cap as f64;
+        l.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+    }
+    for &(token, value) in &p.bias {
+        l[token as usize] += value as f64;
+    }
+    if let Some(mask) = &p.mask {
+        for (i, x) in l.iter_mut().enumerate() {
+            if mask[i / 32] >> (i % 32) & 1 == 0 {
+                *x = f64::NEG_INFINITY;
+            }
+        }
+    }
+    let mut counts: HashMap<u32, u32> = HashMap::new();
+    p.history.iter().for_each(|&t| *counts.entry(t).or_default() += 1);
+    let pen = p.penalties;
+    for (&token, &count) in &counts {
+        let x = &mut l[token as usize];
+        *x = if *x > 0.0 { *x / pen.repetition as f64 } else { *x * pen.repetition as f64 };
+        *x -= pen.frequency as f64 * count as f64 + pen.presence as f64;
+    }
+    l
+}
+
+/// The exact distribution a row draws from, in f64: `softmax(l / T)` over the tokens that
+/// min-p, top-k and top-p keep, in that order (ties at the k-th value kept; top-p's smallest
+/// prefix by decreasing probability, then increasing index, whose mass reaches p).
+pub fn reference_distribution(raw: &[f32], temperature: f32, p: &Processing) -> Vec<f64> {
+    let l = reference_logits(raw, p);
+    let t = temperature as f64;
+    let max = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let mut w: Vec<f64> = l.iter().map(|&x| ((x - max) / t).exp()).collect();
+    if p.min_p > 0.0 {
+        w.iter_mut().filter(|x| **x < p.min_p as f64).for_each(|x| *x = 0.0);
+    }
+    let mut order: Vec<usize> = (0..w.len()).filter(|&i| w[i] > 0.0).collect();
+    order.sort_by(|&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
+    if let Some(k) = p.top_k
+        && (k as usize) < order.len()
+    {
+        let kth = w[order[k as usize - 1]];
+        for &i in &order {
+            if w[i] < kth {
+                w[i] = 0.0;
+            }
+        }
+        order.retain(|&i| w[i] > 0.0);
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = order.iter().map(|&i| w[i]).sum();
+        let mut mass = 0.0;
+        let mut keep = order.len();
+        for (n, &i) in order.iter().enumerate() {
+            mass += w[i];
+            if mass >= p.top_p as f64 * total {
+                keep = n + 1;
+                break;
+            }
+        }
+        order[keep..].iter().for_each(|&i| w[i] = 0.0);
+    }
+    let total: f64 = w.iter().sum();
+    w.iter().map(|x| x / total).collect()
+}
+
+/// `draws` tokens of row 0 under `processing` against [`reference_distribution`] at level
+/// `alpha`; a draw of a token the reference gives probability 0 fails at once. Returns p.
+pub fn check_processed_distribution(
+    backend: &dyn ProcessedBackend,
+    lm_head: &Matrix,
+    hidden: &Matrix,
+    temperature: f32,
+    processing: &Processing,
+    draws: u32,
+    alpha: f64,
+) -> f64 {
+    let params = [SamplingParams::new(temperature, 1234, 0, 0)];
+    let got = backend
+        .sample_processed(lm_head, hidden, &params, std::slice::from_ref(processing), draws)
+        .expect("processed sampling succeeds");
+    let raw = logits_row(lm_head, hidden, 0);
+    let probabilities = reference_distribution(&raw, temperature, processing);
+    let mut counts = vec![0u64; lm_head.rows()];
+    for &token in &got.tokens {
+        assert!(
+            probabilities[token as usize] > 0.0,
+            "{}: drew token {token}, which the target excludes ({processing:?})",
+            backend.name()
+        );
+        counts[token as usize] += 1;
+    }
+    let kept = probabilities.iter().filter(|&&q| q > 0.0).count();
+    let (statistic, dof, p) = chi_square(&counts, &probabilities);
+    println!(
+        "{}: V={} T={temperature} kept={kept} draws={draws}: chi2={statistic:.1} dof={dof} p={p:.4}",
+        backend.name(),
+        lm_head.rows()
+    );
+    assert!(p > alpha, "{}: chi2 = {statistic:.1}, dof = {dof}, p = {p:.2e} ({processing:?})", backend.name());
+    p
+}
+
+/// One processing of each kind on a head of `vocab` tokens, as the χ² tests run them.
+pub fn each_mode(vocab: usize) -> Vec<(&'static str, Processing)> {
+    let v = vocab as u32;
+    let mut mask = vec![0u32; vocab.div_ceil(32)];
+    for i in (0..v).filter(|i| i % 3 != 1) {
+        mask[(i / 32) as usize] |= 1 << (i % 32);
+    }
+    let history: Vec<u32> = (0..200).map(|i| (i * 7919) % v).collect();
+    let base = Processing::default;
+    vec![
+        ("softcap", Processing { softcap: Some(1.5), ..base() }),
+        ("bias", Processing { bias: (0..v).step_by(5).map(|i| (i, 1.25)).collect(), ..base() }),
+        ("mask", Processing { mask: Some(mask), ..base() }),
+        (
+            "penalties",
+            Processing { history, penalties: Penalties { repetition: 1.3, frequency: 0.2, presence: 0.4 }, ..base() },
+        ),
+        ("min-p", Processing { min_p: 0.2, ..base() }),
+        ("top-k", Processing { top_k: Some(40), ..base() }),
+        ("top-p", Processing { top_p: 0.6, ..base() }),
+        ("top-k + top-p + min-p", Processing { top_k: Some(200), top_p: 0.8, min_p: 0.05, ..base() }),
+    ]
+}
+
+/// The boundary cases, each on one head: k = 1 is the argmax; k = V, top-p = 1 and min-p = 0
+/// give plain sampling's tokens; top-k keeps every token tied at the k-th value; a mask of one
+/// token always draws it; a bias of −∞ bans its token, and banning all leaves the row
+/// [`RowStatus::NoAllowedToken`]; greedy rows honour bias and mask; k > V, p outside (0, 1]
+/// and a mask of the wrong width are refused, naming the field.
+pub fn check_processing_edges(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix) {
+    let (vocab, n) = (lm_head.rows(), 64u32);
+    let v = vocab as u32;
+    let params = [SamplingParams::new(0.9, 77, 0, 0)];
+    let run = |p: Processing| backend.sample_processed(lm_head, &hidden.row_range(0, 1), &params, &[p], n);
+    let raw = logits_row(lm_head, hidden, 0);
+    let argmax = (0..vocab).fold(0, |best, i| if raw[i] > raw[best] { i } else { best }) as u32;
+    let plain = run(Processing::default()).expect("plain").tokens;
+    for p in [
+        Processing { top_k: Some(v), ..Default::default() },
+        Processing { top_p: 1.0, min_p: 0.0, ..Default::default() },
+    ] {
+        assert_eq!(run(p).expect("no-op truncation").tokens, plain, "{}", backend.name());
+    }
+    let k1 = run(Processing { top_k: Some(1), ..Default::default() }).expect("k = 1");
+    assert!(k1.tokens.iter().all(|&t| t == argmax), "{}: k = 1 drew {:?}", backend.name(), k1.tokens);
+    assert!(k1.processed_logprobs.iter().all(|&lp| lp == 0.0), "{}: k = 1 log-probabilities", backend.name());
+
+    let mut one = vec![0u32; vocab.div_ceil(32)];
+    one[(v / 2 / 32) as usize] |= 1 << ((v / 2) % 32);
+    let masked = run(Processing { mask: Some(one.clone()), ..Default::default() }).expect("one allowed");
+    assert!(masked.tokens.iter().all(|&t| t == v / 2), "{}: {:?}", backend.name(), masked.tokens);
+
+    let banned = run(Processing { bias: vec![(argmax, f32::NEG_INFINITY)], ..Default::default() }).expect("ban");
+    assert!(banned.tokens.iter().all(|&t| t != argmax), "{}: banned token drawn", backend.name());
+    let all: Vec<(u32, f32)> = (0..v).map(|i| (i, f32::NEG_INFINITY)).collect();
+    let none = run(Processing { bias: all, ..Default::default() }).expect("all banned");
+    assert_eq!(none.rows_without_token(), [(0, RowStatus::NoAllowedToken)], "{}", backend.name());
+
+    let greedy = [SamplingParams::new(0.0, 77, 0, 0)];
+    let g = backend
+        .sample_processed(
+            lm_head,
+            &hidden.row_range(0, 1),
+            &greedy,
+            &[Processing { mask: Some(one), ..Default::default() }],
+            2,
+        )
+        .expect("greedy with a mask");
+    assert_eq!(g.tokens, [v / 2, v / 2], "{}: greedy ignores the mask", backend.name());
+
+    for (p, field) in [
+        (Processing { top_k: Some(v + 1), ..Default::default() }, "top_k"),
+        (Processing { top_k: Some(0), ..Default::default() }, "top_k"),
+        (Processing { top_p: 0.0, ..Default::default() }, "top_p"),
+        (Processing { top_p: 1.5, ..Default::default() }, "top_p"),
+        (Processing { min_p: -0.1, ..Default::default() }, "min_p"),
+        (Processing { mask: Some(vec![0; vocab.div_ceil(32) + 1]), ..Default::default() }, "mask"),
+        (Processing { history: vec![v], ..Default::default() }, "history"),
+        (Processing { softcap: Some(0.0), ..Default::default() }, "softcap"),
+        (Processing { bias: vec![(0, f32::NAN)], ..Default::default() }, "bias"),
+    ] {
+        let message = run(p).expect_err("refused").to_string();
+        assert!(message.contains(&format!("processing[0].{field}")), "{}: {message}", backend.name());
+    }
+}
+
+/// Ties at the k-th value are kept: logits 2, 2, 2, 1, … with k = 2 keep all three 2s, evenly.
+pub fn check_top_k_keeps_ties(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix, alpha: f64) {
+    let p = Processing { top_k: Some(2), ..Default::default() };
+    check_processed_distribution(backend, lm_head, hidden, 1.0, &p, 6000, alpha);
+    let params = [SamplingParams::new(1.0, 5, 0, 0)];
+    let got = backend.sample_processed(lm_head, hidden, &params, &[p], 3000).expect("ties");
+    let mut seen = got.tokens.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen, [0, 1, 2], "{}: top-k = 2 over three tied logits", backend.name());
+}
+
+/// Log-probabilities against f64: the raw one is `log_softmax(raw logits)` of the token, the
+/// processed one `log` of the reference distribution's probability; both within `tolerance`.
+pub fn check_log_probabilities(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix, tolerance: f64) {
+    let modes = each_mode(lm_head.rows());
+    let rows = hidden.rows().min(modes.len());
+    let params: Vec<SamplingParams> =
+        (0..rows).map(|r| SamplingParams::new([0.7, 1.0, 1.6][r % 3], 31, r as u32, 0)).collect();
+    let processing: Vec<Processing> = modes[..rows].iter().map(|m| m.1.clone()).collect();
+    let hidden = hidden.row_range(0, rows);
+    let n = 16u32;
+    let got = backend.sample_processed(lm_head, &hidden, &params, &processing, n).expect("log-probabilities");
+    let mut worst: f64 = 0.0;
+    for r in 0..rows {
+        let raw = logits_row(lm_head, &hidden, r);
+        let max = raw.iter().map(|&x| x as f64).fold(f64::NEG_INFINITY, f64::max);
+        let log_z = max + raw.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+        let q = reference_distribution(&raw, params[r].temperature, &processing[r]);
+        for j in 0..n as usize {
+            let k = r * n as usize + j;
+            let token = got.tokens[k] as usize;
+            let raw_lp = raw[token] as f64 - log_z;
+            let processed_lp = q[token].ln();
+            for (name, got, want) in
+                [("raw", got.logprobs[k] as f64, raw_lp), ("processed", got.processed_logprobs[k] as f64, processed_lp)]
+            {
+                let error = (got - want).abs();
+                worst = worst.max(error);
+                assert!(
+                    error <= tolerance,
+                    "{}: row {r} ({}) token {token}: {name} log-probability {got} vs f64 {want}",
+                    backend.name(),
+                    modes[r].0
+                );
+            }
+        }
+    }
+    println!("{}: log-probabilities within {worst:.2e} of f64", backend.name());
+}
+
+/// Every mode in one batch: each row gets the tokens and log-probabilities it gets alone.
+pub fn check_mixed_batch(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix) {
+    let modes = each_mode(lm_head.rows());
+    let rows = hidden.rows().min(modes.len());
+    let params: Vec<SamplingParams> =
+        (0..rows).map(|r| SamplingParams::new(if r == 3 { 0.0 } else { 0.8 }, 9, r as u32, 2)).collect();
+    let processing: Vec<Processing> = modes[..rows].iter().map(|m| m.1.clone()).collect();
+    let n = 32u32;
+    let batch = backend.sample_processed(lm_head, &hidden.row_range(0, rows), &params, &processing, n).expect("batch");
+    for r in 0..rows {
+        let alone = backend
+            .sample_processed(lm_head, &hidden.row_range(r, r + 1), &params[r..r + 1], &processing[r..r + 1], n)
+            .expect("alone");
+        let slots = r * n as usize..(r + 1) * n as usize;
+        assert_eq!(batch.tokens[slots.clone()], alone.tokens[..], "{}: row {r} ({})", backend.name(), modes[r].0);
+        assert_eq!(batch.logprobs[slots.clone()], alone.logprobs[..], "{}: row {r}", backend.name());
+        assert_eq!(batch.processed_logprobs[slots], alone.processed_logprobs[..], "{}: row {r}", backend.name());
+    }
+}

@@ -1,0 +1,74 @@
+//! Logit processing and log-probabilities on the CPU backend: every mode against its exact
+//! target distribution (χ², α = 1e-3), the boundary cases, log-probabilities against f64 and
+//! the mixed batch.
+
+use flashsample::DType;
+use flashsample_tests::processing::{
+    check_log_probabilities, check_mixed_batch, check_processed_distribution, check_processing_edges,
+    check_top_k_keeps_ties, each_mode,
+};
+use flashsample_tests::{Cpu, matrix_of, random_matrix};
+
+const ALPHA: f64 = 1e-3;
+
+/// Small V: 30,000 draws per mode; a 5 % error in the kept mass (mass moved between the kept
+/// set's halves, or onto a dropped token, which fails at once) moves χ² by about
+/// 30,000 · 0.05² / 0.25 = 300 against a standard deviation of √(2·dof) ≈ 45 at 1000 bins.
+#[test]
+fn every_mode_samples_its_target_distribution_small_vocab() {
+    let w = random_matrix(1000, 32, DType::BF16, 0.5, 41);
+    let h = random_matrix(1, 32, DType::BF16, 1.0, 42);
+    for (name, p) in each_mode(1000) {
+        println!("{name}:");
+        check_processed_distribution(&Cpu, &w, &h, 0.8, &p, 30_000, ALPHA);
+    }
+}
+
+/// V = 100,003 (a prime): 2,000 draws per mode, each costing a full pass over V; the
+/// truncating modes keep few enough tokens for χ² to have power there.
+#[test]
+fn every_mode_samples_its_target_distribution_large_vocab() {
+    let w = random_matrix(100_003, 16, DType::BF16, 2.0, 43);
+    let h = random_matrix(1, 16, DType::BF16, 1.0, 44);
+    for (name, p) in each_mode(100_003) {
+        println!("{name}:");
+        check_processed_distribution(&Cpu, &w, &h, 0.5, &p, 2_000, ALPHA);
+    }
+}
+
+#[test]
+fn processing_edges() {
+    let w = random_matrix(777, 24, DType::F32, 0.5, 45);
+    let h = random_matrix(2, 24, DType::F32, 1.0, 46);
+    check_processing_edges(&Cpu, &w, &h);
+}
+
+#[test]
+fn top_k_keeps_every_token_tied_at_the_kth_value() {
+    let (vocab, dim) = (500, 4);
+    let w: Vec<f32> = (0..vocab * dim)
+        .map(|k| {
+            if k % dim == 0 {
+                [2.0, 2.0, 2.0, 1.0][(k / dim).min(3)] - (k / dim) as f32 * 1e-3 * ((k / dim) > 3) as u8 as f32
+            } else {
+                0.3
+            }
+        })
+        .collect();
+    let h = matrix_of(1, dim, DType::F32, vec![1.0, 0.0, 0.0, 0.0]);
+    check_top_k_keeps_ties(&Cpu, &matrix_of(vocab, dim, DType::F32, w), &h, ALPHA);
+}
+
+#[test]
+fn log_probabilities_match_f64() {
+    let w = random_matrix(5003, 32, DType::BF16, 0.5, 47);
+    let h = random_matrix(8, 32, DType::BF16, 1.0, 48);
+    check_log_probabilities(&Cpu, &w, &h, 1e-4);
+}
+
+#[test]
+fn every_row_of_a_mixed_batch_gets_what_it_gets_alone() {
+    let w = random_matrix(3001, 16, DType::F16, 0.5, 49);
+    let h = random_matrix(8, 16, DType::F16, 1.0, 50);
+    check_mixed_batch(&Cpu, &w, &h);
+}

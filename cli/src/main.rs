@@ -4,6 +4,7 @@ mod bench;
 mod cublas;
 mod host_cost;
 mod output;
+mod processing;
 mod timing;
 
 use std::path::{Path, PathBuf};
@@ -12,7 +13,7 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use flashsample::cpu::{draw, logits_row};
-use flashsample::io::{NpyWriter, load_matrix};
+use flashsample::io::{NpyType, NpyWriter, load_matrix};
 use flashsample::params::{Draws, check_head_shape, check_request, check_request_shape, row_params};
 use flashsample::{
     CpuLmHead, CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module, Result,
@@ -55,7 +56,7 @@ impl From<ModuleArg> for Module {
 #[derive(Subcommand)]
 enum Command {
     /// Draw N tokens per row from softmax(H·Wᵀ / T) and write them as int64 .npy [B, N].
-    Sample(SampleArgs),
+    Sample(Box<SampleArgs>),
     /// Show what flashsample does: on a GPU, sample a synthetic LM head of a real model's shape,
     /// check it against the CPU and time it; without one, check a small head's draws against
     /// the exact softmax on the CPU.
@@ -141,7 +142,7 @@ impl From<DTypeArg> for DType {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Sample(args) => sample(args),
+        Command::Sample(args) => sample(*args),
         Command::Demo { device, gpu } => gpu_flag(gpu).and_then(|gpu| demo(device, gpu)),
         Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
         Command::Bench { out, gpu, modules, shapes, batches, dtype, warmup, runs, peers, all_variants, cublas } => {
@@ -243,6 +244,8 @@ struct SampleArgs {
     /// Output .npy path (not one of the inputs).
     #[arg(long)]
     out: PathBuf,
+    #[command(flatten)]
+    processing: processing::ProcessingArgs,
 }
 
 /// Tokens per sampler call while the `.npy` is written: bounds the host and device memory
@@ -275,7 +278,7 @@ fn name_the_flag(error: Error) -> Error {
                 "lm_head" => "--lm-head",
                 "hidden" => "--hidden",
                 "device" => "--gpu",
-                other => other,
+                other => processing::flag_of_field(other).unwrap_or(other),
             };
             Error::InvalidArgument { argument: flag.into(), rule }
         }
@@ -291,7 +294,20 @@ fn sample_command(args: SampleArgs) -> Result<()> {
     let samples = flag_in_range("--samples", args.samples, 1, u32::MAX as i64)? as u32;
     let seed = flag_in_range("--seed", args.seed, 0, u64::MAX as i128)? as u64;
     let gpu = gpu_flag(args.gpu)?;
-    let out = output::Partial::new(&args.out, &[&args.lm_head, &args.hidden])?;
+    let mut inputs = vec![args.lm_head.as_path(), args.hidden.as_path()];
+    inputs.extend(args.processing.inputs());
+    let out = output::Partial::new("--out", &args.out, &inputs)?;
+    let mut taken = inputs.clone();
+    taken.push(&args.out);
+    let mut log_outputs = Vec::new();
+    for (flag, path) in
+        [("--logprobs", &args.processing.logprobs), ("--processed-logprobs", &args.processing.processed_logprobs)]
+    {
+        if let Some(path) = path {
+            log_outputs.push(output::Partial::new(flag, path, &taken)?);
+            taken.push(path);
+        }
+    }
     let w = load_matrix(&args.lm_head, args.lm_head_tensor.as_deref(), "--lm-head")?;
     let h = load_matrix(&args.hidden, args.hidden_tensor.as_deref(), "--hidden")?;
     // Different input types meet in the narrowest type holding both exactly; the shapes are
@@ -305,8 +321,59 @@ fn sample_command(args: SampleArgs) -> Result<()> {
     let params: Vec<SamplingParams> =
         (0..h.rows()).map(|r| SamplingParams::new(args.temperature, seed, r as u32, 0)).collect();
     row_params(&params)?;
-    let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
     let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
+    if args.processing.any() {
+        let processing = args.processing.rows(h.rows(), w.rows())?;
+        let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
+        let mut log_writers = log_outputs
+            .iter()
+            .map(|o| NpyWriter::create_typed(o.partial_path(), NpyType::F32, h.rows(), samples as usize))
+            .collect::<Result<Vec<_>>>()?;
+        match args.device {
+            DeviceKind::Cuda => {
+                return Err(Error::InvalidArgument {
+                    argument: "--device".into(),
+                    rule: "cuda: logit processing and log-probabilities run on the CPU backend only so far; use --device cpu".into(),
+                });
+            }
+            DeviceKind::Auto => eprintln!("flashsample: logit processing and log-probabilities run on the CPU"),
+            DeviceKind::Cpu => {}
+        }
+        let sampler = CpuSampler::new();
+        let head = CpuLmHead::new(w)?;
+        let mut rows_without_token = Vec::new();
+        for first in (0..samples).step_by(per_call as usize) {
+            let draws = Draws { first, count: per_call.min(samples - first) };
+            let sampled = sampler.sample_processed(&head, &h, &params, &processing, draws)?;
+            let count = draws.count as usize;
+            writer.write_columns(first as usize, count, &sampled.tokens)?;
+            let mut columns = [
+                (&args.processing.logprobs, &sampled.logprobs),
+                (&args.processing.processed_logprobs, &sampled.processed_logprobs),
+            ]
+            .into_iter()
+            .filter(|(path, _)| path.is_some())
+            .map(|(_, values)| values);
+            for log_writer in &mut log_writers {
+                log_writer.write_f32_columns(first as usize, count, columns.next().expect("one column per writer"))?;
+            }
+            if first == 0 {
+                rows_without_token = sampled.rows_without_token();
+            }
+        }
+        if !rows_without_token.is_empty() {
+            return Err(Error::RowsWithoutToken { rows: rows_without_token, tokens: Vec::new() });
+        }
+        writer.finish()?;
+        for log_writer in log_writers {
+            log_writer.finish()?;
+        }
+        for log_output in log_outputs {
+            log_output.commit()?;
+        }
+        return out.commit();
+    }
+    let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
     match gpu_sampler(args.device, gpu)? {
         Some(sampler) => {
             let head = sampler.upload_lm_head(&w)?;

@@ -13,8 +13,8 @@ pub struct Partial {
     committed: bool,
 }
 
-fn invalid(rule: String) -> Error {
-    Error::InvalidArgument { argument: "--out".into(), rule }
+fn invalid(flag: &str, rule: String) -> Error {
+    Error::InvalidArgument { argument: flag.into(), rule }
 }
 
 /// The file `path` names once it exists: its own canonical path, or its folder's joined with
@@ -31,23 +31,27 @@ fn resolved(path: &Path) -> Option<PathBuf> {
 }
 
 impl Partial {
-    /// Checks `out`: not a folder, in a folder that exists, not one of `inputs`; creates the
-    /// partial file to prove the folder writable.
-    pub fn new(out: &Path, inputs: &[&Path]) -> Result<Partial> {
+    /// Checks `out`, the value of `flag`: not a folder, in a folder that exists, not one of
+    /// `inputs` (nor another output); creates the partial file to prove the folder writable.
+    pub fn new(flag: &str, out: &Path, inputs: &[&Path]) -> Result<Partial> {
         if out.is_dir() {
-            return Err(invalid(format!("{} is a folder: give a file name", out.display())));
+            return Err(invalid(flag, format!("{} is a folder: give a file name", out.display())));
         }
-        let target = resolved(out).ok_or_else(|| invalid(format!("{}: its folder does not exist", out.display())))?;
+        let target =
+            resolved(out).ok_or_else(|| invalid(flag, format!("{}: its folder does not exist", out.display())))?;
         for input in inputs {
             if resolved(input).is_some_and(|input| input == target) {
-                return Err(invalid(format!("{} is also an input: it would be overwritten", out.display())));
+                return Err(invalid(
+                    flag,
+                    format!("{} is also an input or output: it would be overwritten", out.display()),
+                ));
             }
         }
         let mut partial = out.as_os_str().to_owned();
         partial.push(".partial");
         let partial = PathBuf::from(partial);
         std::fs::File::create(&partial)
-            .map_err(|e| invalid(format!("{} cannot be written: {e}", partial.display())))?;
+            .map_err(|e| invalid(flag, format!("{} cannot be written: {e}", partial.display())))?;
         Ok(Partial { path: out.to_path_buf(), partial, committed: false })
     }
 

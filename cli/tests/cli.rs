@@ -331,6 +331,13 @@ fn random_arguments_never_panic() {
         "--lm-head-tensor",
         "--hidden-tensor",
         "--bench",
+        "--top-k",
+        "--top-p",
+        "--min-p",
+        "--softcap",
+        "--logprobs",
+        "--processed-logprobs",
+        "--bias",
         "-1",
         "0",
         "1",
@@ -363,4 +370,93 @@ fn random_arguments_never_panic() {
             Ok(())
         })
         .unwrap();
+}
+
+/// A float32 or int `.npy` (format 1.0) for the processing flags' inputs.
+fn write_npy(path: &str, descr: &str, shape: &[usize], data: Vec<u8>) {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({},), }}", dims.join(", "));
+    let unpadded = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((header.len() as u16).to_le_bytes());
+    bytes.extend(header.as_bytes());
+    bytes.extend(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn read_f32_npy(path: &str) -> (Vec<usize>, Vec<f32>) {
+    match flashsample::io::read_npy(Path::new(path), "test").unwrap() {
+        (dims, flashsample::io::NpyValues::F32(v)) => (dims, v),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The processing flags as a user gives them: a mask file allowing one token per row draws
+/// it every time, with its log-probabilities written beside the tokens (raw: finite and
+/// negative; processed: 0, the token's probability being 1); `--top-k 1` is the argmax; a
+/// `[V]` bias of −inf on all but one token leaves that token; bad values and shapes are
+/// refused naming the flag, before any output is written.
+#[test]
+fn processing_flags_sample_what_they_define_and_refuse_bad_values() {
+    let scratch = Scratch::new("processing");
+    let (v, d, b) = (70, 8, 2);
+    let (w, h) = inputs(&scratch, v, d, b);
+    let words = v.div_ceil(32);
+    let (mask, bias, history) = (scratch.path("mask.npy"), scratch.path("bias.npy"), scratch.path("history.npy"));
+    let mut mask_words = vec![0i32; b * words];
+    mask_words[0] = 1 << 5; // row 0: token 5
+    mask_words[words + 2] = 1 << 1; // row 1: token 65
+    write_npy(&mask, "<i4", &[b, words], mask_words.iter().flat_map(|x| x.to_le_bytes()).collect());
+    let bias_values: Vec<f32> = (0..v).map(|i| if i == 9 { 0.0 } else { f32::NEG_INFINITY }).collect();
+    write_npy(&bias, "<f4", &[v], f32_bytes(&bias_values));
+    write_npy(&history, "<i8", &[b, 3], [3i64, 3, -1, 70, 1, 2].iter().flat_map(|x| x.to_le_bytes()).collect());
+    let (out, lp, plp) = (scratch.path("t.npy"), scratch.path("lp.npy"), scratch.path("plp.npy"));
+    let run = |extra: &[&str]| {
+        flashsample(&sample_args(
+            &w,
+            &h,
+            &out,
+            &[&["--samples", "6", "--seed", "3", "--temperature", "0.9"], extra].concat(),
+        ))
+    };
+
+    let output = run(&["--mask", &mask, "--logprobs", &lp, "--processed-logprobs", &plp]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let (_, _, tokens) = read_npy_i64(Path::new(&out)).unwrap();
+    assert_eq!(tokens, [5, 5, 5, 5, 5, 5, 65, 65, 65, 65, 65, 65]);
+    let (dims, raw) = read_f32_npy(&lp);
+    assert_eq!(dims, [b, 6]);
+    assert!(raw.iter().all(|&x| x.is_finite() && x < 0.0), "{raw:?}");
+    assert_eq!(read_f32_npy(&plp).1, vec![0.0; b * 6]);
+
+    let output = run(&["--bias", &bias]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(read_npy_i64(Path::new(&out)).unwrap().2.iter().all(|&t| t == 9));
+
+    let output = run(&["--top-k", "1"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let greedy = flashsample(&sample_args(&w, &h, &lp, &["--samples", "6", "--seed", "3", "--temperature", "0"]));
+    assert!(greedy.status.success());
+    assert_eq!(read_npy_i64(Path::new(&out)).unwrap().2, read_npy_i64(Path::new(&lp)).unwrap().2);
+
+    for (extra, message) in [
+        (vec!["--top-k", "0"], "--top-k: 0: must be 1 to V = 70"),
+        (vec!["--top-k", "71"], "--top-k: 71"),
+        (vec!["--top-p", "1.5"], "--top-p: 1.5: must be in (0, 1]"),
+        (vec!["--top-p", "0"], "--top-p"),
+        (vec!["--min-p", "-0.5"], "--min-p: -0.5"),
+        (vec!["--softcap", "-3"], "--softcap"),
+        (vec!["--repetition-penalty", "1.2"], "--repetition-penalty: needs --history"),
+        (vec!["--history", &history, "--repetition-penalty", "1.2"], "--history: row 1: token 70"),
+        (vec!["--mask", &bias], "--mask"),
+        (vec!["--bias", &mask], "--bias"),
+        (vec!["--logprobs", &w], "--logprobs"),
+    ] {
+        assert_clean_failure(&run(&extra), message);
+    }
+    let wide = scratch.path("wide.npy");
+    write_npy(&wide, "<i4", &[b, words + 1], vec![0; b * (words + 1) * 4]);
+    assert_clean_failure(&run(&["--mask", &wide]), "must be [3] or [2, 3]");
 }

@@ -86,20 +86,56 @@ fn describe_safetensors_error(error: &safetensors::SafeTensorError) -> String {
     }
 }
 
-/// A little-endian int64 `.npy` file (format 1.0) of shape `[rows, cols]`, written in blocks of
-/// columns, so a caller can write millions of draws per row in bounded memory.
+/// The element types of the `.npy` files flashsample reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NpyType {
+    /// `<f4`
+    F32,
+    /// `<i4`
+    I32,
+    /// `<i8`
+    I64,
+}
+
+impl NpyType {
+    fn descr(self) -> &'static str {
+        match self {
+            NpyType::F32 => "<f4",
+            NpyType::I32 => "<i4",
+            NpyType::I64 => "<i8",
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            NpyType::F32 | NpyType::I32 => 4,
+            NpyType::I64 => 8,
+        }
+    }
+}
+
+/// A little-endian `.npy` file (format 1.0) of shape `[rows, cols]`, int64 or float32,
+/// written in blocks of columns, so a caller can write millions of draws per row in bounded
+/// memory.
 pub struct NpyWriter {
     file: std::fs::File,
     path: std::path::PathBuf,
+    element: NpyType,
     rows: usize,
     cols: usize,
     data_offset: u64,
 }
 
 impl NpyWriter {
-    /// Creates (or truncates) `path` with the header and room for every value.
+    /// Creates (or truncates) an int64 `path` with the header and room for every value.
     pub fn create(path: &Path, rows: usize, cols: usize) -> Result<NpyWriter> {
-        let mut header = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+        NpyWriter::create_typed(path, NpyType::I64, rows, cols)
+    }
+
+    /// Creates (or truncates) `path` for `element` values (int64 or float32).
+    pub fn create_typed(path: &Path, element: NpyType, rows: usize, cols: usize) -> Result<NpyWriter> {
+        let mut header =
+            format!("{{'descr': '{}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}", element.descr());
         // Magic (6) + version (2) + length (2) + header + '\n' is padded to a multiple of 64.
         let unpadded = 10 + header.len() + 1;
         header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
@@ -110,28 +146,47 @@ impl NpyWriter {
         start.extend(header.as_bytes());
         file.write_all(&start).map_err(|e| file_error(path, e))?;
         let data_offset = start.len() as u64;
-        let bytes = (rows as u64).checked_mul(cols as u64).and_then(|n| n.checked_mul(8));
+        let bytes = (rows as u64).checked_mul(cols as u64).and_then(|n| n.checked_mul(element.bytes() as u64));
         let length = bytes.and_then(|b| b.checked_add(data_offset)).ok_or_else(|| file_error(path, "too large"))?;
         file.set_len(length).map_err(|e| file_error(path, e))?;
-        Ok(NpyWriter { file, path: path.to_path_buf(), rows, cols, data_offset })
+        Ok(NpyWriter { file, path: path.to_path_buf(), element, rows, cols, data_offset })
     }
 
-    /// Writes columns `first_col .. first_col + count` of every row from `values`
-    /// (`rows × count`, row-major).
+    /// Writes columns `first_col .. first_col + count` of every row of an int64 file from
+    /// `values` (`rows × count`, row-major).
     pub fn write_columns(&mut self, first_col: usize, count: usize, values: &[u32]) -> Result<()> {
+        self.write_encoded(NpyType::I64, first_col, count, values, |v, out| out.extend((v as i64).to_le_bytes()))
+    }
+
+    /// As [`NpyWriter::write_columns`], for a float32 file.
+    pub fn write_f32_columns(&mut self, first_col: usize, count: usize, values: &[f32]) -> Result<()> {
+        self.write_encoded(NpyType::F32, first_col, count, values, |v, out| out.extend(v.to_le_bytes()))
+    }
+
+    fn write_encoded<T: Copy>(
+        &mut self,
+        element: NpyType,
+        first_col: usize,
+        count: usize,
+        values: &[T],
+        encode: impl Fn(T, &mut Vec<u8>),
+    ) -> Result<()> {
         use std::io::{Seek, SeekFrom};
+        if element != self.element {
+            return Err(invalid("values", format!("{element:?} values for a {:?} file", self.element)));
+        }
         if first_col.checked_add(count).is_none_or(|end| end > self.cols) {
             return Err(invalid("first_col", format!("columns {first_col} + {count} exceed the file's {}", self.cols)));
         }
         if Some(values.len()) != self.rows.checked_mul(count) {
             return Err(invalid("values", format!("{} values for {} rows × {count} columns", values.len(), self.rows)));
         }
-        let path = &self.path;
-        let mut bytes = Vec::with_capacity(count * 8);
+        let (path, size) = (&self.path, element.bytes());
+        let mut bytes = Vec::with_capacity(count * size);
         for (row, chunk) in values.chunks(count.max(1)).enumerate() {
             bytes.clear();
-            bytes.extend(chunk.iter().flat_map(|&v| (v as i64).to_le_bytes()));
-            let at = self.data_offset + ((row * self.cols + first_col) * 8) as u64;
+            chunk.iter().for_each(|&v| encode(v, &mut bytes));
+            let at = self.data_offset + ((row * self.cols + first_col) * size) as u64;
             self.file.seek(SeekFrom::Start(at)).map_err(|e| file_error(path, e))?;
             self.file.write_all(&bytes).map_err(|e| file_error(path, e))?;
         }
@@ -151,33 +206,70 @@ pub fn write_npy_i64(path: &Path, rows: usize, cols: usize, values: &[u32]) -> R
     writer.finish()
 }
 
-/// Reads back a `.npy` written by [`write_npy_i64`]: `(rows, cols, values)`.
-pub fn read_npy_i64(path: &Path) -> Result<(usize, usize, Vec<i64>)> {
-    let bytes = std::fs::read(path).map_err(|e| file_error(path, e))?;
-    let bad = || file_error(path, "not an int64 .npy of format 1.0");
-    if bytes.len() < 10 || &bytes[..8] != b"\x93NUMPY\x01\x00" {
-        return Err(bad());
+/// The values of a `.npy` file read by [`read_npy`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum NpyValues {
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+}
+
+/// A C-ordered little-endian `.npy` (format 1.0 or 2.0) of float32, int32 or int64: its shape
+/// and values. Errors are [`Error::InvalidArgument`] naming `argument` (a CLI flag) and saying
+/// what is wrong with the file.
+pub fn read_npy(path: &Path, argument: &str) -> Result<(Vec<usize>, NpyValues)> {
+    let bytes = std::fs::read(path).map_err(|e| invalid(argument, format!("{}: {e}", path.display())))?;
+    let bad = |why: &str| invalid(argument, format!("{}: {why}", path.display()));
+    let (header_start, header_len) = match bytes.get(..8) {
+        Some(b"\x93NUMPY\x01\x00") if bytes.len() >= 10 => (10, u16::from_le_bytes([bytes[8], bytes[9]]) as usize),
+        Some(b"\x93NUMPY\x02\x00") if bytes.len() >= 12 => {
+            (12, u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes")) as usize)
+        }
+        _ => return Err(bad("not a .npy file of format 1.0 or 2.0")),
+    };
+    let header = bytes
+        .get(header_start..header_start + header_len)
+        .and_then(|h| std::str::from_utf8(h).ok())
+        .ok_or_else(|| bad("its header is cut or not text"))?;
+    if header.contains("'fortran_order': True") {
+        return Err(bad("Fortran order: save it in C order"));
     }
-    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    let header = std::str::from_utf8(bytes.get(10..10 + header_len).ok_or_else(bad)?).map_err(|_| bad())?;
-    if !header.contains("'<i8'") {
-        return Err(bad());
-    }
-    let shape = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).ok_or_else(bad)?;
+    let element = [NpyType::F32, NpyType::I32, NpyType::I64]
+        .into_iter()
+        .find(|t| header.contains(&format!("'{}'", t.descr())))
+        .ok_or_else(|| bad("its dtype is not float32, int32 or int64 (little-endian)"))?;
+    let shape = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).ok_or_else(|| bad("no shape"))?;
     let dims: Vec<usize> = shape
         .split(',')
         .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().parse().map_err(|_| bad()))
+        .map(|s| s.trim().parse().map_err(|_| bad("its shape is not a tuple of sizes")))
         .collect::<Result<_>>()?;
-    let [rows, cols] = dims[..] else { return Err(bad()) };
-    let values: Vec<i64> = bytes[10 + header_len..]
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().expect("chunks of 8")))
-        .collect();
-    if values.len() != rows * cols {
-        return Err(bad());
+    let data = &bytes[header_start + header_len..];
+    let count = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(|| bad("its shape overflows"))?;
+    if Some(data.len()) != count.checked_mul(element.bytes()) {
+        return Err(bad(&format!("{} data bytes for shape {dims:?} of {}", data.len(), element.descr())));
     }
-    Ok((rows, cols, values))
+    let values = match element {
+        NpyType::F32 => {
+            NpyValues::F32(data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect())
+        }
+        NpyType::I32 => {
+            NpyValues::I32(data.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4"))).collect())
+        }
+        NpyType::I64 => {
+            NpyValues::I64(data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8"))).collect())
+        }
+    };
+    Ok((dims, values))
+}
+
+/// Reads back a `.npy` written by [`write_npy_i64`]: `(rows, cols, values)`.
+pub fn read_npy_i64(path: &Path) -> Result<(usize, usize, Vec<i64>)> {
+    let bad = || file_error(path, "not a 2-D int64 .npy");
+    match read_npy(path, "npy")? {
+        (dims, NpyValues::I64(values)) if dims.len() == 2 => Ok((dims[0], dims[1], values)),
+        _ => Err(bad()),
+    }
 }
 
 #[cfg(test)]

@@ -324,6 +324,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
     let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
     if args.processing.any() {
         let processing = args.processing.rows(h.rows(), w.rows())?;
+        let shard_count = args.processing.shard_count(w.rows())?;
         let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
         let mut log_writers = log_outputs
             .iter()
@@ -340,11 +341,17 @@ fn sample_command(args: SampleArgs) -> Result<()> {
             DeviceKind::Cpu => {}
         }
         let sampler = CpuSampler::new();
-        let head = CpuLmHead::new(w)?;
+        let vocab = w.rows();
+        let heads = if shard_count == 1 {
+            vec![CpuLmHead::new(w)?]
+        } else {
+            let bounds: Vec<usize> = (0..=shard_count).map(|s| s * vocab / shard_count).collect();
+            bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1]))).collect::<Result<Vec<_>>>()?
+        };
         let mut rows_without_token = Vec::new();
         for first in (0..samples).step_by(per_call as usize) {
             let draws = Draws { first, count: per_call.min(samples - first) };
-            let sampled = sampler.sample_processed(&head, &h, &params, &processing, draws)?;
+            let sampled = sampler.sample_sharded(&heads, &h, &params, &processing, draws)?;
             let count = draws.count as usize;
             writer.write_columns(first as usize, count, &sampled.tokens)?;
             let mut columns = [

@@ -46,6 +46,10 @@ pub struct ProcessingArgs {
     /// it was drawn from (processed, over T, truncated; 0 for greedy).
     #[arg(long)]
     pub processed_logprobs: Option<PathBuf>,
+    /// Split W by vocabulary into S shards sampled apart and merged exactly (the path of
+    /// tensor-parallel sampling), 1 ≤ S ≤ V.
+    #[arg(long, allow_negative_numbers = true)]
+    pub shards: Option<i64>,
 }
 
 fn invalid(flag: &str, rule: impl Into<String>) -> Error {
@@ -105,6 +109,16 @@ impl ProcessingArgs {
             || self.presence_penalty.is_some()
             || self.logprobs.is_some()
             || self.processed_logprobs.is_some()
+            || self.shards.is_some()
+    }
+
+    /// `--shards`, checked against V: the number of vocabulary shards (1 without the flag).
+    pub fn shard_count(&self, vocab: usize) -> Result<usize> {
+        match self.shards {
+            None => Ok(1),
+            Some(s) if s < 1 || s > vocab as i64 => Err(invalid("--shards", format!("{s}: must be 1 to V = {vocab}"))),
+            Some(s) => Ok(s as usize),
+        }
     }
 
     /// The input files these flags read.

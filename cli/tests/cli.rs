@@ -460,3 +460,22 @@ fn processing_flags_sample_what_they_define_and_refuse_bad_values() {
     write_npy(&wide, "<i4", &[b, words + 1], vec![0; b * (words + 1) * 4]);
     assert_clean_failure(&run(&["--mask", &wide]), "must be [3] or [2, 3]");
 }
+
+/// `--shards S` samples W split into S vocabulary shards and merges them: the same tokens as
+/// one shard (here with top-k and top-p, which need the shards' summaries); 0 and S > V are
+/// refused naming the flag.
+#[test]
+fn shards_give_the_unsharded_tokens() {
+    let scratch = Scratch::new("shards");
+    let (w, h) = inputs(&scratch, 301, 8, 3);
+    let (one, three) = (scratch.path("one.npy"), scratch.path("three.npy"));
+    let flags = ["--samples", "20", "--seed", "4", "--temperature", "0.7", "--top-k", "50", "--top-p", "0.9"];
+    let run =
+        |out: &str, shards: &str| flashsample(&sample_args(&w, &h, out, &[&flags[..], &["--shards", shards]].concat()));
+    assert!(run(&one, "1").status.success());
+    let output = run(&three, "3");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(read_npy_i64(Path::new(&one)).unwrap(), read_npy_i64(Path::new(&three)).unwrap());
+    assert_clean_failure(&run(&three, "0"), "--shards: 0: must be 1 to V = 301");
+    assert_clean_failure(&run(&three, "302"), "--shards: 302");
+}

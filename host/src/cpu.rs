@@ -4,12 +4,13 @@
 //! are summed in order `k = 0, 1, …` in f32; the GPU sums in another order, so the two agree
 //! on every token except rare near-ties (measured in `docs/EXACTNESS.md`).
 
+use flashsample_core::process::LogSumExp;
 use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
 use crate::error::{Result, RowStatus, invalid, tokens_or_row_status};
-use crate::params::{Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request};
-use crate::process::{Processing, log_probabilities, process_row};
+use crate::params::{Draws, HeadShape, MAX_VOCAB, SamplingParams, check_hidden_values, check_lm_head, check_request};
+use crate::process::{ProcessedRow, Processing, log_probabilities, process_sharded_row};
 use crate::tensor::{Elements, Matrix};
 
 /// An LM head held for the CPU backend.
@@ -65,11 +66,22 @@ pub fn logits_row(lm_head: &Matrix, hidden: &Matrix, row: usize) -> Vec<f32> {
 /// The winner of draw number `draw_index` over all of `logits` with the shared scoring and merge
 /// rule.
 pub fn draw(logits: &[f32], row: &RowParams, draw_index: u32) -> Candidate {
+    draw_range(logits, 0, row, draw_index)
+}
+
+/// The winner of draw number `draw_index` over the vocabulary entries `offset ..
+/// offset + logits.len()` (a shard): each entry keeps the noise of its global index, so the
+/// shards' winners merge into the unsharded one.
+pub fn draw_range(logits: &[f32], offset: u32, row: &RowParams, draw_index: u32) -> Candidate {
+    let Some(last) = (logits.len() as u32).checked_sub(1).map(|n| offset + n) else { return Candidate::NONE };
     let mut best = Candidate::NONE;
-    for (philox_block, chunk) in logits.chunks(4).enumerate() {
-        let mut four = [f32::NEG_INFINITY; 4];
-        four[..chunk.len()].copy_from_slice(chunk);
-        best = best.merge(block_candidate(row, draw_index, philox_block as u32, four, chunk.len() as u32));
+    for philox_block in offset / 4..=last / 4 {
+        // Entries of the block outside the shard race with −∞, which never wins.
+        let four = std::array::from_fn(|r| {
+            let i = 4 * philox_block + r as u32;
+            if (offset..=last).contains(&i) { logits[(i - offset) as usize] } else { f32::NEG_INFINITY }
+        });
+        best = best.merge(block_candidate(row, draw_index, philox_block, four, 4));
     }
     best
 }
@@ -152,8 +164,46 @@ impl CpuSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Sampled> {
+        self.sample_sharded(std::slice::from_ref(lm_head), hidden, params, processing, draws)
+    }
+
+    /// As [`CpuSampler::sample_processed`] over an LM head split by vocabulary into `shards`
+    /// (shard `s` holds the rows after those of shards `0 .. s`): each shard is processed and
+    /// raced on its own with its tokens' global indices and noise, the truncations are decided
+    /// from the shards' summaries, and the per-shard winners and log-sum-exp terms merge into
+    /// the unsharded tokens (identical) and log-probabilities (equal up to the order of the
+    /// log-sum-exp sums).
+    pub fn sample_sharded(
+        &self,
+        shards: &[CpuLmHead],
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        draws: Draws,
+    ) -> Result<Sampled> {
+        let first =
+            shards.first().ok_or_else(|| invalid("shards", "none: at least one LM-head shard is needed"))?.shape;
+        let mut offsets = Vec::with_capacity(shards.len());
+        let mut vocab = 0usize;
+        for (s, shard) in shards.iter().enumerate() {
+            if (shard.shape.dim, shard.shape.dtype) != (first.dim, first.dtype) {
+                return Err(invalid(
+                    format!("shards[{s}]"),
+                    format!(
+                        "D = {}, {}: every shard must match shard 0's D = {}, {}",
+                        shard.shape.dim, shard.shape.dtype, first.dim, first.dtype
+                    ),
+                ));
+            }
+            offsets.push(vocab as u32);
+            vocab += shard.shape.vocab;
+            if vocab > MAX_VOCAB {
+                return Err(invalid("shards", format!("V = {vocab} in all: must be < 2^31")));
+            }
+        }
         let draws = draws.check()?;
-        let rows = check_request(lm_head.shape, hidden.shape(), params, draws.count)?;
+        let head = HeadShape { vocab, ..first };
+        let rows = check_request(head, hidden.shape(), params, draws.count)?;
         if processing.len() != rows.len() {
             return Err(invalid(
                 "processing",
@@ -161,18 +211,45 @@ impl CpuSampler {
             ));
         }
         for (b, p) in processing.iter().enumerate() {
-            p.check(b, lm_head.shape.vocab)?;
+            p.check(b, vocab)?;
         }
         check_hidden_values(hidden)?;
-        let raw: Vec<Vec<f32>> = (0..hidden.rows()).map(|b| logits_row(&lm_head.matrix, hidden, b)).collect();
-        let processed: Vec<_> = (0..rows.len()).map(|b| process_row(&raw[b], &rows[b], &processing[b])).collect();
+        let raw: Vec<Vec<Vec<f32>>> = (0..rows.len())
+            .map(|b| shards.iter().map(|shard| logits_row(&shard.matrix, hidden, b)).collect())
+            .collect();
+        let processed: Vec<Vec<ProcessedRow>> = (0..rows.len())
+            .map(|b| {
+                let slices: Vec<&[f32]> = raw[b].iter().map(Vec::as_slice).collect();
+                process_sharded_row(&slices, &offsets, &rows[b], &processing[b])
+            })
+            .collect();
+        let merged: Vec<(LogSumExp, LogSumExp)> = processed
+            .iter()
+            .zip(&rows)
+            .map(|(parts, row)| {
+                let (mut raw_lse, mut kept) = (LogSumExp::EMPTY, LogSumExp::EMPTY);
+                for part in parts {
+                    raw_lse.merge_with(part.raw, 1.0);
+                    kept.merge_with(part.kept, row.temperature);
+                }
+                (raw_lse, kept)
+            })
+            .collect();
         let n = draws.count as usize;
         let slots: Vec<(u32, f32, f32)> = (0..rows.len() * n)
             .into_par_iter()
             .map(|k| {
-                let b = k / n;
-                let token = draw(&processed[b].logits, &rows[b], draws.first + (k % n) as u32).index;
-                let (raw_lp, processed_lp) = log_probabilities(&processed[b], &rows[b], token, &raw[b]);
+                let (b, j) = (k / n, draws.first + (k % n) as u32);
+                let winner = processed[b]
+                    .iter()
+                    .map(|part| draw_range(&part.logits, part.offset, &rows[b], j))
+                    .fold(Candidate::NONE, Candidate::merge);
+                let token = winner.index;
+                let logits = processed[b].iter().zip(&raw[b]).find_map(|(part, raw)| {
+                    let i = token.checked_sub(part.offset)? as usize;
+                    Some((*raw.get(i)?, part.logits[i]))
+                });
+                let (raw_lp, processed_lp) = log_probabilities(token, logits, &merged[b].0, &merged[b].1, &rows[b]);
                 (token, raw_lp, processed_lp)
             })
             .collect();

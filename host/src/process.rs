@@ -114,11 +114,13 @@ impl Processing {
     }
 }
 
-/// A row after processing: the logits it races with (−∞ for every dropped token) and the
-/// log-sum-exp terms of its log-probabilities. A row with a NaN or +∞ processed logit, or
-/// with none above −∞, is left untruncated: its race ends in the row's status sentinel.
+/// One row's part of a vocabulary shard after processing: the logits it races with (−∞ for
+/// every dropped token, indices `offset ..`) and the log-sum-exp terms of its
+/// log-probabilities. The unsharded row is the shard at offset 0.
 #[derive(Clone, Debug)]
 pub struct ProcessedRow {
+    /// Global index of `logits[0]`.
+    pub offset: u32,
     /// The processed logits of kept tokens, −∞ elsewhere.
     pub logits: Vec<f32>,
     /// Over the raw logits at T = 1 (vLLM's default log-probabilities).
@@ -127,18 +129,22 @@ pub struct ProcessedRow {
     pub kept: LogSumExp,
 }
 
-/// The logits after soft-cap, bias, mask and penalties (the steps before temperature).
-pub fn processed_logits(raw: &[f32], processing: &Processing) -> Vec<f32> {
+/// The logits after soft-cap, bias, mask and penalties (the steps before temperature) of the
+/// vocabulary entries `offset .. offset + raw.len()`.
+pub fn processed_logits(raw: &[f32], offset: u32, processing: &Processing) -> Vec<f32> {
     let mut logits: Vec<f32> = match processing.softcap {
         Some(cap) => raw.iter().map(|&l| softcap(l, cap)).collect(),
         None => raw.to_vec(),
     };
+    let local = |token: u32| token.checked_sub(offset).map(|i| i as usize).filter(|&i| i < raw.len());
     for &(token, value) in &processing.bias {
-        logits[token as usize] += value;
+        if let Some(i) = local(token) {
+            logits[i] += value;
+        }
     }
     if let Some(mask) = &processing.mask {
         for (i, l) in logits.iter_mut().enumerate() {
-            if !mask_allows(mask, i as u32) {
+            if !mask_allows(mask, offset + i as u32) {
                 *l = f32::NEG_INFINITY;
             }
         }
@@ -147,79 +153,168 @@ pub fn processed_logits(raw: &[f32], processing: &Processing) -> Vec<f32> {
         let mut counts: HashMap<u32, u32> = HashMap::new();
         processing.history.iter().for_each(|&t| *counts.entry(t).or_default() += 1);
         for (&token, &count) in &counts {
-            let l = &mut logits[token as usize];
-            *l = penalized(*l, count, &processing.penalties);
+            if let Some(i) = local(token) {
+                logits[i] = penalized(logits[i], count, &processing.penalties);
+            }
         }
     }
     logits
 }
 
-/// Runs the whole pipeline on one row's raw logits.
-pub fn process_row(raw: &[f32], row: &RowParams, processing: &Processing) -> ProcessedRow {
-    let mut raw_lse = LogSumExp::EMPTY;
-    raw.iter().for_each(|&l| raw_lse.add(l, 1.0));
-    let mut logits = processed_logits(raw, processing);
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if logits.iter().any(|&l| l.is_nan() || l == f32::INFINITY) || max == f32::NEG_INFINITY {
-        return ProcessedRow { logits, raw: raw_lse, kept: LogSumExp::EMPTY };
-    }
-    let t = row.temperature;
-    if row.greedy == 0 {
-        truncate(&mut logits, max, t, processing);
-    }
-    let mut kept = LogSumExp::EMPTY;
-    if row.greedy == 0 {
-        logits.iter().for_each(|&l| kept.add(l, t));
-    }
-    ProcessedRow { logits, raw: raw_lse, kept }
+/// What one shard tells the others before the truncations can be decided: its largest
+/// processed logit, whether it holds a NaN or +∞, and (for top-k or top-p) its kept entries
+/// by decreasing logit, then increasing index (at most k of them under top-k alone).
+#[derive(Clone, Debug)]
+pub struct ShardSummary {
+    pub max: f32,
+    pub non_finite: bool,
+    pub ordered: Vec<(f32, u32)>,
 }
 
-/// min-p, then top-k, then top-p, each on what the previous kept.
-fn truncate(logits: &mut [f32], max: f32, temperature: f32, processing: &Processing) {
-    let cut = min_p_threshold(max, temperature, processing.min_p);
-    logits.iter_mut().filter(|l| **l < cut).for_each(|l| *l = f32::NEG_INFINITY);
-    let needs_order = processing.top_k.is_some() || processing.top_p < 1.0;
-    if !needs_order {
-        return;
+/// The rule every shard applies once the summaries are merged: keep an entry `(l, i)` when
+/// `l ≥ min_cut` and `(l, −i) ≥ (order_cut.0, −order_cut.1)` (top-k cuts at a value, keeping
+/// ties; top-p may cut inside a tie, by index).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KeepRule {
+    pub min_cut: f32,
+    pub order_cut: (f32, u32),
+}
+
+impl KeepRule {
+    /// Keeps every entry.
+    pub const ALL: KeepRule = KeepRule { min_cut: f32::NEG_INFINITY, order_cut: (f32::NEG_INFINITY, u32::MAX) };
+
+    fn keeps(&self, logit: f32, index: u32) -> bool {
+        logit >= self.min_cut && (logit > self.order_cut.0 || (logit == self.order_cut.0 && index <= self.order_cut.1))
     }
-    // Kept tokens by decreasing logit, then increasing index.
-    let mut order: Vec<u32> = (0..logits.len() as u32).filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect();
-    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+}
+
+fn orders(processing: &Processing) -> bool {
+    processing.top_k.is_some() || processing.top_p < 1.0
+}
+
+/// A shard's summary of its processed logits (indices `offset ..`).
+pub fn summarize(logits: &[f32], offset: u32, processing: &Processing) -> ShardSummary {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let non_finite = logits.iter().any(|&l| l.is_nan() || l == f32::INFINITY);
+    let mut ordered = Vec::new();
+    if orders(processing) && !non_finite {
+        ordered = (0..logits.len())
+            .filter(|&i| logits[i] > f32::NEG_INFINITY)
+            .map(|i| (logits[i], offset + i as u32))
+            .collect();
+        ordered.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        if let (Some(k), true) = (processing.top_k, processing.top_p >= 1.0) {
+            // Entries tied with the k-th stay: they are kept too.
+            if let Some(&(kth, _)) = ordered.get(k as usize - 1) {
+                let keep = ordered.partition_point(|e| e.0 >= kth);
+                ordered.truncate(keep);
+            }
+        }
+    }
+    ShardSummary { max, non_finite, ordered }
+}
+
+/// min-p, then top-k, then top-p over the merged summaries of every shard of a row, as one
+/// [`KeepRule`]. A greedy row, a row with a NaN or +∞ logit and a row with nothing allowed
+/// keep everything: their race ends in the argmax or the row's status.
+pub fn keep_rule(summaries: &[ShardSummary], row: &RowParams, processing: &Processing) -> KeepRule {
+    let max = summaries.iter().map(|s| s.max).fold(f32::NEG_INFINITY, f32::max);
+    if row.greedy != 0 || summaries.iter().any(|s| s.non_finite) || max == f32::NEG_INFINITY {
+        return KeepRule::ALL;
+    }
+    let t = row.temperature;
+    let min_cut = min_p_threshold(max, t, processing.min_p);
+    if !orders(processing) {
+        return KeepRule { min_cut, ..KeepRule::ALL };
+    }
+    let mut order: Vec<(f32, u32)> =
+        summaries.iter().flat_map(|s| s.ordered.iter().copied()).filter(|e| e.0 >= min_cut).collect();
+    order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
     if let Some(k) = processing.top_k
         && (k as usize) < order.len()
     {
-        let kth = logits[order[k as usize - 1] as usize];
-        let keep = order.partition_point(|&i| logits[i as usize] >= kth);
-        order[keep..].iter().for_each(|&i| logits[i as usize] = f32::NEG_INFINITY);
+        let kth = order[k as usize - 1].0;
+        let keep = order.partition_point(|e| e.0 >= kth);
         order.truncate(keep);
     }
+    let mut order_cut = match order.last() {
+        Some(&(last, _)) if processing.top_k.is_some() => (last, u32::MAX),
+        _ => KeepRule::ALL.order_cut,
+    };
     if processing.top_p < 1.0 {
-        let weights: Vec<f64> = order.iter().map(|&i| exp((logits[i as usize] - max) / temperature) as f64).collect();
+        let weights: Vec<f64> = order.iter().map(|e| exp((e.0 - max) / t) as f64).collect();
         let target = processing.top_p as f64 * weights.iter().sum::<f64>();
         let mut mass = 0.0;
-        let keep = weights
-            .iter()
-            .position(|&w| {
-                mass += w;
-                mass >= target
-            })
-            .map_or(order.len(), |last| last + 1);
-        order[keep..].iter().for_each(|&i| logits[i as usize] = f32::NEG_INFINITY);
+        if let Some(last) = weights.iter().position(|&w| {
+            mass += w;
+            mass >= target
+        }) {
+            order_cut = order[last];
+        }
+    }
+    KeepRule { min_cut, order_cut }
+}
+
+/// Drops (sets to −∞) every entry of a shard the rule does not keep.
+pub fn apply_keep_rule(logits: &mut [f32], offset: u32, rule: &KeepRule) {
+    for (i, l) in logits.iter_mut().enumerate() {
+        if !rule.keeps(*l, offset + i as u32) {
+            *l = f32::NEG_INFINITY;
+        }
     }
 }
 
-/// A drawn token with its raw log-probability and its log-probability under the
-/// distribution it was drawn from (0 for a greedy row's argmax). A slot holding a row's
-/// status sentinel gets NaN for non-finite logits and −∞ where nothing is allowed.
-pub fn log_probabilities(row: &ProcessedRow, params: &RowParams, token: u32, raw: &[f32]) -> (f32, f32) {
-    match RowStatus::of_token(token) {
-        Some(RowStatus::NonFiniteLogits) => (f32::NAN, f32::NAN),
-        Some(RowStatus::NoAllowedToken) => (f32::NEG_INFINITY, f32::NEG_INFINITY),
-        None => {
-            let i = token as usize;
-            let raw_lp = row.raw.log_probability(raw[i], 1.0);
+/// The whole pipeline on a row split into vocabulary shards (`shards[s]` the raw logits of
+/// entries `offsets[s] ..`): processed per shard, the truncations decided from the merged
+/// summaries, each shard's kept logits and log-sum-exp terms. One shard at offset 0 is the
+/// unsharded row.
+pub fn process_sharded_row(
+    shards: &[&[f32]],
+    offsets: &[u32],
+    row: &RowParams,
+    processing: &Processing,
+) -> Vec<ProcessedRow> {
+    let mut logits: Vec<Vec<f32>> =
+        shards.iter().zip(offsets).map(|(raw, &offset)| processed_logits(raw, offset, processing)).collect();
+    let summaries: Vec<ShardSummary> =
+        logits.iter().zip(offsets).map(|(l, &offset)| summarize(l, offset, processing)).collect();
+    let rule = keep_rule(&summaries, row, processing);
+    shards
+        .iter()
+        .zip(offsets)
+        .zip(logits.iter_mut())
+        .map(|((raw, &offset), logits)| {
+            apply_keep_rule(logits, offset, &rule);
+            let mut raw_lse = LogSumExp::EMPTY;
+            raw.iter().for_each(|&l| raw_lse.add(l, 1.0));
+            let mut kept = LogSumExp::EMPTY;
+            if row.greedy == 0 {
+                logits.iter().for_each(|&l| kept.add(l, row.temperature));
+            }
+            ProcessedRow { offset, logits: std::mem::take(logits), raw: raw_lse, kept }
+        })
+        .collect()
+}
+
+/// A drawn token's raw log-probability and its log-probability under the distribution it was
+/// drawn from (0 for a greedy row's argmax), from the row's merged log-sum-exp terms and the
+/// token's raw and processed logits. A slot holding a row's status sentinel gets NaN for
+/// non-finite logits and −∞ where nothing is allowed.
+pub fn log_probabilities(
+    token: u32,
+    logits: Option<(f32, f32)>,
+    raw: &LogSumExp,
+    kept: &LogSumExp,
+    params: &RowParams,
+) -> (f32, f32) {
+    match (RowStatus::of_token(token), logits) {
+        (Some(RowStatus::NonFiniteLogits), _) => (f32::NAN, f32::NAN),
+        (Some(RowStatus::NoAllowedToken), _) | (None, None) => (f32::NEG_INFINITY, f32::NEG_INFINITY),
+        (None, Some((raw_logit, processed_logit))) => {
+            let raw_lp = raw.log_probability(raw_logit, 1.0);
             let processed_lp =
-                if params.greedy != 0 { 0.0 } else { row.kept.log_probability(row.logits[i], params.temperature) };
+                if params.greedy != 0 { 0.0 } else { kept.log_probability(processed_logit, params.temperature) };
             (raw_lp, processed_lp)
         }
     }

@@ -72,3 +72,37 @@ fn every_row_of_a_mixed_batch_gets_what_it_gets_alone() {
     let h = random_matrix(8, 16, DType::F16, 1.0, 50);
     check_mixed_batch(&Cpu, &w, &h);
 }
+
+/// W split by vocabulary into 2, 3 and 8 uneven shards (boundaries inside Philox blocks): every
+/// mode in one batch gives exactly the unsharded tokens, and log-probabilities within 10⁻⁵
+/// (their log-sum-exp terms are summed in another order).
+#[test]
+fn shards_give_the_unsharded_tokens_and_log_probabilities() {
+    use flashsample::{CpuLmHead, CpuSampler, Draws, Processing, SamplingParams};
+    let (vocab, dim) = (5003, 16);
+    let w = random_matrix(vocab, dim, DType::BF16, 1.0, 51);
+    let modes = each_mode(vocab);
+    let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 52);
+    let params: Vec<SamplingParams> =
+        (0..modes.len()).map(|r| SamplingParams::new(if r == 2 { 0.0 } else { 0.9 }, 8, r as u32, 1)).collect();
+    let processing: Vec<Processing> = modes.iter().map(|m| m.1.clone()).collect();
+    let sampler = CpuSampler::new();
+    let draws = Draws::first(64);
+    let whole = sampler.sample_processed(&CpuLmHead::new(w.clone()).unwrap(), &h, &params, &processing, draws).unwrap();
+    for shards in [2usize, 3, 8] {
+        let bounds: Vec<usize> = (0..=shards).map(|s| s * vocab / shards + (s % 2) * (s < shards) as usize).collect();
+        let heads: Vec<CpuLmHead> =
+            bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1])).unwrap()).collect();
+        let got = sampler.sample_sharded(&heads, &h, &params, &processing, draws).unwrap();
+        assert_eq!(got.tokens, whole.tokens, "{shards} shards at {bounds:?}");
+        let worst = got
+            .logprobs
+            .iter()
+            .chain(&got.processed_logprobs)
+            .zip(whole.logprobs.iter().chain(&whole.processed_logprobs))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        println!("{shards} shards: tokens equal, log-probabilities within {worst:.2e}");
+        assert!(worst <= 1e-5, "{shards} shards: log-probabilities differ by {worst}");
+    }
+}

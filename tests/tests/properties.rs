@@ -2,7 +2,9 @@
 //! damaged files give a correct result or a typed error, never a panic.
 
 use flashsample::io::load_matrix;
-use flashsample::{CpuSampler, DType, Elements, Error, Matrix, SamplingParams};
+use flashsample::{
+    CpuLmHead, CpuSampler, DType, Draws, Elements, Error, Matrix, Penalties, Processing, RowStatus, SamplingParams,
+};
 use proptest::prelude::*;
 
 /// A value that is usually ordinary and sometimes one of the values that break arithmetic.
@@ -52,6 +54,73 @@ proptest! {
                 prop_assert!(tokens.iter().all(|&t| (t as usize) < vocab));
             }
             Err(Error::InvalidArgument { .. } | Error::RowsWithoutToken { .. }) => {}
+            Err(other) => prop_assert!(false, "unexpected error kind: {other}"),
+        }
+    }
+
+    /// Random processing (mostly valid; sometimes a value out of its range, a mask of the
+    /// wrong width, a token past V, a NaN bias) over 1 to 3 shards: a typed error, or tokens
+    /// below V (or a row status) whose log-probabilities are ≤ 0 (NaN or −∞ exactly in rows
+    /// without a token); and the shards draw the unsharded tokens.
+    #[test]
+    fn processing_returns_kept_tokens_or_a_typed_error(
+        (vocab, dim) in (1usize..70, 1usize..6),
+        w in prop::collection::vec(-4.0f32..4.0, 420),
+        h in prop::collection::vec(-4.0f32..4.0, 12),
+        temperature in prop_oneof![4 => 0.05f32..5.0, 1 => Just(0.0), 1 => Just(1e-30)],
+        softcap in prop::option::of(prop_oneof![9 => 0.1f32..30.0, 1 => Just(0.0)]),
+        bias in prop::collection::vec((0.0f64..1.0, prop_oneof![8 => -3.0f32..3.0, 2 => Just(f32::NEG_INFINITY), 1 => Just(f32::NAN)]), 0..6),
+        mask in prop::option::of((prop::collection::vec(any::<u32>(), 3), prop_oneof![9 => Just(0usize), 1 => Just(1)])),
+        history in prop::collection::vec(0.0f64..1.0, 0..8),
+        penalties in (prop_oneof![9 => 0.5f32..2.0, 1 => Just(0.0)], -1.0f32..1.0, -1.0f32..1.0),
+        min_p in prop_oneof![3 => Just(0.0f32), 3 => 0.0f32..1.0, 1 => Just(1.5)],
+        top_k in prop::option::of(prop_oneof![9 => 0.0f64..1.0, 1 => Just(2.0)]),
+        top_p in prop_oneof![3 => Just(1.0f32), 3 => 0.01f32..1.0, 1 => Just(0.0)],
+        shards in 1usize..4,
+        seed in any::<u64>(),
+    ) {
+        let w = matrix(vocab, dim, DType::F32, w[..vocab * dim].to_vec());
+        let h = matrix(2, dim, DType::F32, h[..2 * dim].to_vec());
+        let token = |f: f64| (f * vocab as f64) as u32;
+        let words = vocab.div_ceil(32);
+        let processing = Processing {
+            softcap,
+            bias: bias.iter().map(|&(f, b)| (token(f), b)).collect(),
+            mask: mask.map(|(bits, extra)| bits.into_iter().cycle().take(words + extra).collect()),
+            history: history.iter().map(|&f| token(f)).collect(),
+            penalties: Penalties { repetition: penalties.0, frequency: penalties.1, presence: penalties.2 },
+            min_p,
+            top_k: top_k.map(|f| 1 + token(f)),
+            top_p,
+        };
+        let params = [SamplingParams::new(temperature, seed, 0, 0), SamplingParams::new(0.0, seed, 1, 0)];
+        let both = [processing.clone(), processing];
+        let sampler = CpuSampler::new();
+        let draws = Draws::first(3);
+        let result = CpuLmHead::new(w.clone()).and_then(|head| sampler.sample_processed(&head, &h, &params, &both, draws));
+        match result {
+            Ok(sampled) => {
+                let without: Vec<usize> = sampled.rows_without_token().iter().map(|r| r.0).collect();
+                for (k, &t) in sampled.tokens.iter().enumerate() {
+                    let (lp, plp) = (sampled.logprobs[k], sampled.processed_logprobs[k]);
+                    if without.contains(&(k / 3)) {
+                        prop_assert!(RowStatus::of_token(t).is_some());
+                        prop_assert!(plp.is_nan() || plp == f32::NEG_INFINITY);
+                    } else {
+                        prop_assert!((t as usize) < vocab);
+                        prop_assert!(plp <= 1e-6, "processed log-probability {}", plp);
+                        prop_assert!(lp <= 1e-6, "raw log-probability {}", lp);
+                    }
+                }
+                if shards <= vocab {
+                    let bounds: Vec<usize> = (0..=shards).map(|s| s * vocab / shards).collect();
+                    let heads: Vec<CpuLmHead> =
+                        bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1])).unwrap()).collect();
+                    let sharded = sampler.sample_sharded(&heads, &h, &params, &both, draws).unwrap();
+                    prop_assert_eq!(sharded.tokens, sampled.tokens);
+                }
+            }
+            Err(Error::InvalidArgument { .. }) => {}
             Err(other) => prop_assert!(false, "unexpected error kind: {other}"),
         }
     }

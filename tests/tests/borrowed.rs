@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use flashsample::{
-    CudaSampler, DType, DeviceMatrix, DeviceRows, Draws, ModuleChoice, RowStatus, SampleRequest, SamplingParams,
-    StreamSampler, StreamWorkspace, Variant,
+    CudaSampler, DType, DeviceMatrix, DeviceRows, DeviceWorkspace, Draws, ModuleChoice, RowStatus, SampleRequest,
+    SamplingParams, StreamSampler, StreamWorkspace, Variant,
 };
 use flashsample_tests::{gpu_cases, uniform_values};
 use half::{bf16, f16};
@@ -50,6 +50,20 @@ impl Caller {
         };
         drop(_use);
         slice
+    }
+
+    /// `workspace` grown to what `request` needs on `stream`.
+    fn workspace_for(
+        &self,
+        stream: &Arc<CudaStream>,
+        workspace: &mut StreamWorkspace,
+        request: &SampleRequest,
+    ) -> DeviceWorkspace {
+        let bytes = self
+            .sampler
+            .workspace_bytes(&request.lm_head, &request.hidden, request.draws.count, request.variant)
+            .unwrap();
+        workspace.ensure(stream, bytes).unwrap()
     }
 
     fn tokens(&self, stream: &Arc<CudaStream>, len: usize) -> CudaSlice<u32> {
@@ -152,8 +166,7 @@ fn a_strided_hidden_view_gives_the_contiguous_tokens() {
             draws: Draws::first(samples),
             variant,
         };
-        let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, samples, variant).unwrap();
-        let space = workspace.ensure(stream, bytes).unwrap();
+        let space = caller.workspace_for(stream, &mut workspace, &request);
         // SAFETY: every buffer above lives on `stream` with the extents the request states.
         unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
         drop((_w, _h, _t));
@@ -252,8 +265,7 @@ fn the_callers_current_context_is_restored() {
         draws: Draws::first(1),
         variant: Variant::Auto,
     };
-    let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, 1, Variant::Auto).unwrap();
-    let space = workspace.ensure(stream, bytes).unwrap();
+    let space = caller.workspace_for(stream, &mut workspace, &request);
     let current = || {
         let mut context = std::ptr::null_mut();
         // SAFETY: writes one handle.
@@ -336,8 +348,7 @@ fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
     };
     let rows = DeviceRows::upload(stream, &initial).unwrap();
     let request = request_for(&rows);
-    let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, samples, Variant::Auto).unwrap();
-    let space = workspace.ensure(stream, bytes).unwrap();
+    let space = caller.workspace_for(stream, &mut workspace, &request);
     // SAFETY (both closures): the buffers live on `stream` with the request's extents.
     let uncaptured =
         run_steps(&rows, &mut || unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() });
@@ -434,8 +445,7 @@ fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
                 draws: Draws::first(samples),
                 variant,
             };
-            let bytes = caller.sampler.workspace_bytes(&request.lm_head, &request.hidden, samples, variant).unwrap();
-            let space = workspace.ensure(stream, bytes).unwrap();
+            let space = caller.workspace_for(stream, &mut workspace, &request);
             // SAFETY: every buffer lives on `stream` with the request's extents until the copy
             // below has waited for the call.
             unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };

@@ -96,22 +96,22 @@ pub fn measure(
     Ok(costs)
 }
 
+impl HostCost {
+    /// Median and p90 of the enqueue, the stored-maps enqueue and the graph launch, in µs.
+    fn figures(&self) -> [f64; 6] {
+        let (e, s, g) = (self.enqueue, self.enqueue_stored_maps, self.graph_launch);
+        [e.0, e.1, s.0, s.1, g.0, g.1]
+    }
+}
+
 /// The CSV `host-cost.csv`: batch, enqueue and graph-launch medians and 90th percentiles (µs).
 pub fn write_csv(path: &Path, costs: &[HostCost]) -> Result<()> {
     let mut text = String::from(
         "batch,enqueue_median_us,enqueue_p90_us,stored_maps_median_us,stored_maps_p90_us,graph_launch_median_us,graph_launch_p90_us\n",
     );
     for c in costs {
-        text += &format!(
-            "{},{:.2},{:.2},{:.2},{:.2},{:.2},{:.2}\n",
-            c.batch,
-            c.enqueue.0,
-            c.enqueue.1,
-            c.enqueue_stored_maps.0,
-            c.enqueue_stored_maps.1,
-            c.graph_launch.0,
-            c.graph_launch.1
-        );
+        let figures: Vec<String> = c.figures().iter().map(|f| format!("{f:.2}")).collect();
+        text += &format!("{},{}\n", c.batch, figures.join(","));
     }
     std::fs::write(path, text).map_err(|e| Error::File { path: path.display().to_string(), message: e.to_string() })
 }
@@ -122,16 +122,31 @@ pub fn table(costs: &[HostCost]) -> String {
         "host cost of one step (CPU µs per call, median / p90; borrowed mode, warm)\n  B      enqueue          maps stored      graph launch\n",
     );
     for c in costs {
-        text += &format!(
-            "  {:<6} {:>6.2} / {:<6.2}  {:>6.2} / {:<6.2}  {:>6.2} / {:<6.2}\n",
-            c.batch,
-            c.enqueue.0,
-            c.enqueue.1,
-            c.enqueue_stored_maps.0,
-            c.enqueue_stored_maps.1,
-            c.graph_launch.0,
-            c.graph_launch.1
-        );
+        text += &format!("  {:<6}", c.batch);
+        for pair in c.figures().chunks(2) {
+            text += &format!(" {:>6.2} / {:<6.2} ", pair[0], pair[1]);
+        }
+        text = text.trim_end().to_string() + "\n";
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_and_csv_list_the_three_costs_in_order() {
+        let cost =
+            HostCost { batch: 64, enqueue: (12.5, 16.0), enqueue_stored_maps: (7.84, 9.85), graph_launch: (1.8, 2.5) };
+        assert_eq!(
+            table(std::slice::from_ref(&cost)).lines().last().unwrap(),
+            "  64      12.50 / 16.00     7.84 / 9.85      1.80 / 2.50"
+        );
+        let path = std::env::temp_dir().join(format!("flashsample-host-cost-{}.csv", std::process::id()));
+        write_csv(&path, &[cost]).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(text.lines().nth(1).unwrap(), "64,12.50,16.00,7.84,9.85,1.80,2.50");
+    }
 }

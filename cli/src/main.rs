@@ -17,7 +17,7 @@ use flashsample::io::{NpyType, NpyWriter, load_matrix};
 use flashsample::params::{Draws, check_head_shape, check_request, check_request_shape, row_params};
 use flashsample::{
     CpuLmHead, CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module, Result,
-    SamplingParams, Variant, cuda_device_count,
+    Sampled, SamplingParams, Variant, cuda_device_count,
 };
 use flashsample_tests::{chi_square, exact_probabilities};
 use rand::{Rng, SeedableRng};
@@ -248,6 +248,9 @@ struct SampleArgs {
     processing: processing::ProcessingArgs,
 }
 
+/// Which log-probabilities of a [`Sampled`] an output file receives.
+type LogColumn = fn(&Sampled) -> &[f32];
+
 /// Tokens per sampler call while the `.npy` is written: bounds the host and device memory
 /// that any `--samples` needs (64 MiB of u32 tokens).
 const TOKENS_PER_CALL: usize = 1 << 24;
@@ -299,12 +302,15 @@ fn sample_command(args: SampleArgs) -> Result<()> {
     let out = output::Partial::new("--out", &args.out, &inputs)?;
     let mut taken = inputs.clone();
     taken.push(&args.out);
+    // Each log-probability output with the column of `Sampled` it receives.
+    let columns: [(&str, &Option<PathBuf>, LogColumn); 2] = [
+        ("--logprobs", &args.processing.logprobs, |s| &s.logprobs),
+        ("--processed-logprobs", &args.processing.processed_logprobs, |s| &s.processed_logprobs),
+    ];
     let mut log_outputs = Vec::new();
-    for (flag, path) in
-        [("--logprobs", &args.processing.logprobs), ("--processed-logprobs", &args.processing.processed_logprobs)]
-    {
+    for (flag, path, column) in columns {
         if let Some(path) = path {
-            log_outputs.push(output::Partial::new(flag, path, &taken)?);
+            log_outputs.push((output::Partial::new(flag, path, &taken)?, column));
             taken.push(path);
         }
     }
@@ -323,13 +329,6 @@ fn sample_command(args: SampleArgs) -> Result<()> {
     row_params(&params)?;
     let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
     if args.processing.any() {
-        let processing = args.processing.rows(h.rows(), w.rows())?;
-        let shard_count = args.processing.shard_count(w.rows())?;
-        let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
-        let mut log_writers = log_outputs
-            .iter()
-            .map(|o| NpyWriter::create_typed(o.partial_path(), NpyType::F32, h.rows(), samples as usize))
-            .collect::<Result<Vec<_>>>()?;
         match args.device {
             DeviceKind::Cuda => {
                 return Err(Error::InvalidArgument {
@@ -340,42 +339,41 @@ fn sample_command(args: SampleArgs) -> Result<()> {
             DeviceKind::Auto => eprintln!("flashsample: logit processing and log-probabilities run on the CPU"),
             DeviceKind::Cpu => {}
         }
-        let sampler = CpuSampler::new();
         let vocab = w.rows();
+        let processing = args.processing.rows(h.rows(), vocab)?;
+        let shard_count = args.processing.shard_count(vocab)?;
+        let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
+        let mut log_writers = log_outputs
+            .iter()
+            .map(|(o, column)| {
+                Ok((NpyWriter::create_typed(o.partial_path(), NpyType::F32, h.rows(), samples as usize)?, *column))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let heads = if shard_count == 1 {
             vec![CpuLmHead::new(w)?]
         } else {
             let bounds: Vec<usize> = (0..=shard_count).map(|s| s * vocab / shard_count).collect();
             bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1]))).collect::<Result<Vec<_>>>()?
         };
-        let mut rows_without_token = Vec::new();
+        let sampler = CpuSampler::new();
         for first in (0..samples).step_by(per_call as usize) {
             let draws = Draws { first, count: per_call.min(samples - first) };
             let sampled = sampler.sample_sharded(&heads, &h, &params, &processing, draws)?;
-            let count = draws.count as usize;
-            writer.write_columns(first as usize, count, &sampled.tokens)?;
-            let mut columns = [
-                (&args.processing.logprobs, &sampled.logprobs),
-                (&args.processing.processed_logprobs, &sampled.processed_logprobs),
-            ]
-            .into_iter()
-            .filter(|(path, _)| path.is_some())
-            .map(|(_, values)| values);
-            for log_writer in &mut log_writers {
-                log_writer.write_f32_columns(first as usize, count, columns.next().expect("one column per writer"))?;
+            // Every pass draws from the same rows, so the first tells which have no token.
+            let rows = sampled.rows_without_token();
+            if !rows.is_empty() {
+                return Err(Error::RowsWithoutToken { rows, tokens: sampled.tokens });
             }
-            if first == 0 {
-                rows_without_token = sampled.rows_without_token();
+            writer.write_columns(first as usize, draws.count as usize, &sampled.tokens)?;
+            for (log_writer, column) in &mut log_writers {
+                log_writer.write_f32_columns(first as usize, draws.count as usize, column(&sampled))?;
             }
-        }
-        if !rows_without_token.is_empty() {
-            return Err(Error::RowsWithoutToken { rows: rows_without_token, tokens: Vec::new() });
         }
         writer.finish()?;
-        for log_writer in log_writers {
+        for (log_writer, _) in log_writers {
             log_writer.finish()?;
         }
-        for log_output in log_outputs {
+        for (log_output, _) in log_outputs {
             log_output.commit()?;
         }
         return out.commit();

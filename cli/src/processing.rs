@@ -74,7 +74,8 @@ pub fn flag_of_field(argument: &str) -> Option<&'static str> {
     })
 }
 
-/// Per-row `[width]` or `[batch, width]` values of `flag`'s file, as row `r`'s slice.
+/// The rows of `flag`'s `[width]` or `[batch, width]` file: one shared by every row, or one per
+/// row (read with [`row_of`]).
 fn per_row<T: Clone>(
     flag: &str,
     path: &Path,
@@ -85,13 +86,18 @@ fn per_row<T: Clone>(
     what: &str,
 ) -> Result<Vec<Vec<T>>> {
     match dims {
-        [w] if *w == width => Ok(vec![values; batch]),
+        [w] if *w == width => Ok(vec![values]),
         [b, w] if *b == batch && *w == width => Ok(values.chunks(width.max(1)).map(<[T]>::to_vec).collect()),
         _ => Err(invalid(
             flag,
             format!("{}: shape {dims:?}: must be [{width}] or [{batch}, {width}] ({what})", path.display()),
         )),
     }
+}
+
+/// Row `r`'s entry of per-row values that hold one entry per row or one shared by all.
+fn row_of<T: Clone>(rows: &[T], r: usize) -> T {
+    rows[r.min(rows.len() - 1)].clone()
 }
 
 impl ProcessingArgs {
@@ -145,7 +151,7 @@ impl ProcessingArgs {
             k => k.map(|k| k as u32),
         };
         let bias: Vec<Vec<(u32, f32)>> = match &self.bias {
-            None => vec![Vec::new(); batch],
+            None => vec![Vec::new()],
             Some(path) => match read_npy(path, "--bias")? {
                 (dims, NpyValues::F32(values)) => {
                     per_row("--bias", path, &dims, values, batch, vocab, "float32, V = vocabulary")?
@@ -160,7 +166,7 @@ impl ProcessingArgs {
         };
         let words = vocab.div_ceil(32);
         let mask: Vec<Option<Vec<u32>>> = match &self.mask {
-            None => vec![None; batch],
+            None => vec![None],
             Some(path) => match read_npy(path, "--mask")? {
                 (dims, NpyValues::I32(values)) => {
                     let bits = values.into_iter().map(|w| w as u32).collect();
@@ -173,7 +179,7 @@ impl ProcessingArgs {
             },
         };
         let history: Vec<Vec<u32>> = match &self.history {
-            None => vec![Vec::new(); batch],
+            None => vec![Vec::new()],
             Some(path) => match read_npy(path, "--history")? {
                 (dims, NpyValues::I64(values)) if dims.len() == 2 && dims[0] == batch => {
                     let mut rows = Vec::with_capacity(batch);
@@ -211,9 +217,9 @@ impl ProcessingArgs {
         let rows: Vec<Processing> = (0..batch)
             .map(|r| Processing {
                 softcap: self.softcap,
-                bias: bias[r].clone(),
-                mask: mask[r].clone(),
-                history: history[r].clone(),
+                bias: row_of(&bias, r),
+                mask: row_of(&mask, r),
+                history: row_of(&history, r),
                 penalties: Penalties {
                     repetition: self.repetition_penalty.unwrap_or(1.0),
                     frequency: self.frequency_penalty.unwrap_or(0.0),

@@ -57,11 +57,6 @@ impl Default for Processing {
 }
 
 impl Processing {
-    /// Whether this changes anything: otherwise the plain path samples the row.
-    pub fn is_plain(&self) -> bool {
-        *self == Processing::default()
-    }
-
     /// Checks the parameters of row `row` against a vocabulary of `vocab` tokens; errors name
     /// `processing[row].<field>`.
     pub fn check(&self, row: usize, vocab: usize) -> Result<()> {
@@ -163,7 +158,7 @@ pub fn processed_logits(raw: &[f32], offset: u32, processing: &Processing) -> Ve
 
 /// What one shard tells the others before the truncations can be decided: its largest
 /// processed logit, whether it holds a NaN or +∞, and (for top-k or top-p) its kept entries
-/// by decreasing logit, then increasing index (at most k of them under top-k alone).
+/// by decreasing logit, then increasing index (under top-k only its own top k, with ties).
 #[derive(Clone, Debug)]
 pub struct ShardSummary {
     pub max: f32,
@@ -193,6 +188,19 @@ fn orders(processing: &Processing) -> bool {
     processing.top_k.is_some() || processing.top_p < 1.0
 }
 
+/// Sorts entries by decreasing logit, then increasing index: the order top-k and top-p read.
+fn rank(entries: &mut [(f32, u32)]) {
+    entries.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+}
+
+/// Keeps the first `k` of ranked entries and every entry tied with the k-th.
+fn truncate_to_top_k(ranked: &mut Vec<(f32, u32)>, k: u32) {
+    if let Some(&(kth, _)) = ranked.get(k as usize - 1) {
+        let keep = ranked.partition_point(|e| e.0 >= kth);
+        ranked.truncate(keep);
+    }
+}
+
 /// A shard's summary of its processed logits (indices `offset ..`).
 pub fn summarize(logits: &[f32], offset: u32, processing: &Processing) -> ShardSummary {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -203,13 +211,10 @@ pub fn summarize(logits: &[f32], offset: u32, processing: &Processing) -> ShardS
             .filter(|&i| logits[i] > f32::NEG_INFINITY)
             .map(|i| (logits[i], offset + i as u32))
             .collect();
-        ordered.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        if let (Some(k), true) = (processing.top_k, processing.top_p >= 1.0) {
-            // Entries tied with the k-th stay: they are kept too.
-            if let Some(&(kth, _)) = ordered.get(k as usize - 1) {
-                let keep = ordered.partition_point(|e| e.0 >= kth);
-                ordered.truncate(keep);
-            }
+        rank(&mut ordered);
+        // The row's top k after min-p are among the shards' own top k (top-p acts after top-k).
+        if let Some(k) = processing.top_k {
+            truncate_to_top_k(&mut ordered, k);
         }
     }
     ShardSummary { max, non_finite, ordered }
@@ -230,13 +235,9 @@ pub fn keep_rule(summaries: &[ShardSummary], row: &RowParams, processing: &Proce
     }
     let mut order: Vec<(f32, u32)> =
         summaries.iter().flat_map(|s| s.ordered.iter().copied()).filter(|e| e.0 >= min_cut).collect();
-    order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    if let Some(k) = processing.top_k
-        && (k as usize) < order.len()
-    {
-        let kth = order[k as usize - 1].0;
-        let keep = order.partition_point(|e| e.0 >= kth);
-        order.truncate(keep);
+    rank(&mut order);
+    if let Some(k) = processing.top_k {
+        truncate_to_top_k(&mut order, k);
     }
     let mut order_cut = match order.last() {
         Some(&(last, _)) if processing.top_k.is_some() => (last, u32::MAX),

@@ -147,6 +147,21 @@ pub fn check_processed_distribution(
     p
 }
 
+/// [`check_processed_distribution`] for each of [`each_mode`] on row 0 of `hidden`.
+pub fn check_every_mode(
+    backend: &dyn ProcessedBackend,
+    lm_head: &Matrix,
+    hidden: &Matrix,
+    temperature: f32,
+    draws: u32,
+    alpha: f64,
+) {
+    for (name, processing) in each_mode(lm_head.rows()) {
+        println!("{name}:");
+        check_processed_distribution(backend, lm_head, hidden, temperature, &processing, draws, alpha);
+    }
+}
+
 /// One processing of each kind on a head of `vocab` tokens, as the χ² tests run them.
 pub fn each_mode(vocab: usize) -> Vec<(&'static str, Processing)> {
     let v = vocab as u32;

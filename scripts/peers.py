@@ -1,11 +1,13 @@
 """Peer timings on the GPU machine, in the same run as `flashsample bench`.
 
-cuBLAS `x @ W.T` alone (the GEMM floor a fused sampler should match) and the usual torch
-pipeline (mm, softmax, multinomial) on the same shapes, bf16, CUDA events, L2 flushed before
+cuBLAS `x @ W.T` alone (the GEMM floor a fused sampler should match), the usual torch
+pipeline (mm, softmax, multinomial) and, with `--processing`, vLLM-style unfused truncations
+on materialised logits (top-k 50, top-p 0.9 by sort and cumulative sum, min-p 0.05) on the
+same shapes, bf16, CUDA events, L2 flushed before
 every run (256 MB write), median of RUNS runs after warm-up, random inputs drawn like the
 bench's (see `uniform`).
 
-    python3 peers.py OUT.csv [--shapes 4096x151936,...] [--batches 1,2,...] [--runs 50]
+    python3 peers.py OUT.csv [--shapes 4096x151936,...] [--batches 1,2,...] [--runs 50] [--processing]
 """
 import argparse
 
@@ -36,6 +38,25 @@ def timed(fn, runs, warmup, flush):
     return times[len(times) // 2], times[0], times[-1]
 
 
+def top_k(x, w, k=50):
+    values, indices = (x @ w.T).float().topk(k, dim=-1)
+    return indices.gather(-1, torch.multinomial(torch.softmax(values, dim=-1), 1))
+
+
+def top_p(x, w, p=0.9):
+    ordered, indices = (x @ w.T).float().sort(dim=-1, descending=True)
+    probabilities = torch.softmax(ordered, dim=-1)
+    before = probabilities.cumsum(dim=-1) - probabilities
+    ordered = ordered.masked_fill(before >= p, float("-inf"))
+    return indices.gather(-1, torch.multinomial(torch.softmax(ordered, dim=-1), 1))
+
+
+def min_p(x, w, p=0.05):
+    probabilities = torch.softmax((x @ w.T).float(), dim=-1)
+    cut = probabilities.amax(dim=-1, keepdim=True) * p
+    return torch.multinomial(probabilities.masked_fill(probabilities < cut, 0.0), 1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -43,6 +64,7 @@ def main():
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--processing", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -59,6 +81,11 @@ def main():
             rows.append(f"{d},{v},{b},cublas_gemm,{gemm[0]:.2f},{gemm[1]:.2f},{gemm[2]:.2f}")
             rows.append(f"{d},{v},{b},torch_sample,{sample[0]:.2f},{sample[1]:.2f},{sample[2]:.2f}")
             print(rows[-2], rows[-1], sep="\n", flush=True)
+            if args.processing:
+                for name, fn in (("torch_top_k", top_k), ("torch_top_p", top_p), ("torch_min_p", min_p)):
+                    t = timed(lambda: fn(x, w), args.runs, args.warmup, flush)
+                    rows.append(f"{d},{v},{b},{name},{t[0]:.2f},{t[1]:.2f},{t[2]:.2f}")
+                    print(rows[-1], flush=True)
         del w
     with open(args.out, "w") as f:
         f.write("\n".join(rows) + "\n")

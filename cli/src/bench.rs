@@ -6,7 +6,9 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use flashsample::{CudaSampler, DType, Error, Module, ModuleChoice, Result, SamplingParams, Variant};
+use flashsample::{
+    CudaSampler, DType, Draws, Error, Module, ModuleChoice, Penalties, Processing, Result, SamplingParams, Variant,
+};
 use flashsample_core::abi::{DevicePtr, HANDOFF_ROWS};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -45,7 +47,35 @@ pub struct Options {
     /// Time cuBLAS's GEMM in this process, right before our kernels at each point (rows
     /// `cublas_gemm`).
     pub cublas: bool,
+    /// Time processed sampling with each of [`PROCESSING_MODES`] on the first module (rows
+    /// `processed_<mode>`).
+    pub processing: bool,
 }
+
+/// A row's processing for a vocabulary of `V` tokens.
+type ModeFor = fn(usize) -> Processing;
+
+/// The processing modes the bench times, each on every row of the batch: its label and the
+/// row's processing. `plain` processes nothing (the materialised path's own cost,
+/// log-probabilities included).
+pub const PROCESSING_MODES: [(&str, ModeFor); 9] = [
+    ("plain", |_| Processing::default()),
+    ("softcap", |_| Processing { softcap: Some(30.0), ..Processing::default() }),
+    ("bias", |v| Processing {
+        bias: (0..v as u32).step_by(v / 100).map(|t| (t, 2.0)).collect(),
+        ..Processing::default()
+    }),
+    ("mask", |v| Processing { mask: Some(vec![0x5555_5555; v.div_ceil(32)]), ..Processing::default() }),
+    ("penalties", |v| Processing {
+        history: (0..512u32).map(|i| i * 7919 % v as u32).collect(),
+        penalties: Penalties { repetition: 1.1, frequency: 0.1, presence: 0.1 },
+        ..Processing::default()
+    }),
+    ("min_p", |_| Processing { min_p: 0.05, ..Processing::default() }),
+    ("top_k", |_| Processing { top_k: Some(50), ..Processing::default() }),
+    ("top_p", |_| Processing { top_p: 0.9, ..Processing::default() }),
+    ("top_k_top_p", |_| Processing { top_k: Some(50), top_p: 0.9, ..Processing::default() }),
+];
 
 /// Every tensor-core tile variant of `module`, with its label in the CSV.
 fn tensor_core_variants(module: Module) -> Vec<(String, Variant)> {
@@ -86,7 +116,8 @@ pub fn run(samplers: &[CudaSampler], options: &Options) -> Result<Vec<Row>> {
 }
 
 fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cublas>) -> Result<Vec<Row>> {
-    let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 };
+    let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 }
+        + if options.processing { PROCESSING_MODES.len() } else { 0 };
     let reference = usize::from(cublas.is_some());
     let points = options.shapes.len()
         * (samplers.len() * (1 + 3 * options.batches.len()) + (reference + extra) * options.batches.len());
@@ -138,6 +169,22 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
                     })?;
                 } else {
                     progress.inc(1);
+                }
+                if first && options.processing {
+                    let mut out = sampler.processed_outputs(batch, 1)?;
+                    for (label, mode) in PROCESSING_MODES {
+                        let processing = sampler.upload_processing(&vec![mode(vocab); batch], vocab)?;
+                        time(&format!("processed_{label}"), &mut || {
+                            sampler.sample_processed_into(
+                                &head,
+                                &hidden,
+                                &sampling,
+                                &processing,
+                                Draws::first(1),
+                                &mut out,
+                            )
+                        })?;
+                    }
                 }
                 if first && options.all_variants {
                     for (label, variant) in tensor_core_variants(module) {
@@ -261,11 +308,42 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     let primary_rows = of(primary);
     let mut out = format!("{} module:\n\n", primary.name());
     out.push_str(&primary_table(&primary_rows, peers, dtype));
+    out.push_str(&processing_table(&primary_rows, peers));
     for module in Module::ALL.into_iter().filter(|&m| m != primary) {
         let module_rows = of(module);
         if !module_rows.is_empty() {
             out.push_str(&module_table(module, &module_rows, &primary_rows));
         }
+    }
+    out
+}
+
+/// Processed sampling per mode (µs) beside plain fused sampling and torch's unfused
+/// pipelines of the same run, when the bench timed it.
+fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
+    if !rows.iter().any(|r| r.variant.starts_with("processed_")) {
+        return String::new();
+    }
+    let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
+    let torch = ["torch_sample", "torch_top_k", "torch_top_p", "torch_min_p"];
+    let mut out = String::from("\nProcessed sampling (materialised logits), µs:\n\n| D | V | B | fused sample |");
+    for (label, _) in PROCESSING_MODES {
+        write!(out, " {label} |").unwrap();
+    }
+    for name in torch {
+        write!(out, " {name} |").unwrap();
+    }
+    writeln!(out, "\n|{}", "---|".repeat(4 + PROCESSING_MODES.len() + torch.len())).unwrap();
+    for r in rows.iter().filter(|r| r.variant == "processed_plain") {
+        let (d, v, b) = (r.dim, r.vocab, r.batch);
+        write!(out, "| {d} | {v} | {b} | {} |", show(our_median(rows, d, v, b, "fused_sample"))).unwrap();
+        for (label, _) in PROCESSING_MODES {
+            write!(out, " {} |", show(our_median(rows, d, v, b, &format!("processed_{label}")))).unwrap();
+        }
+        for name in torch {
+            write!(out, " {} |", show(peer_median(peers, d, v, b, name))).unwrap();
+        }
+        out.push('\n');
     }
     out
 }

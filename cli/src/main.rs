@@ -105,6 +105,10 @@ enum Command {
         /// copy torch ships.
         #[arg(long)]
         cublas: bool,
+        /// Also time processed sampling (the materialised GPU path) with each processing mode
+        /// on the first module (CSV rows `processed_<mode>`; see `bench::PROCESSING_MODES`).
+        #[arg(long)]
+        processing: bool,
     },
     /// Re-render report.md and bench.png from a bench run's CSVs (no GPU needed).
     Report {
@@ -145,7 +149,20 @@ fn main() -> ExitCode {
         Command::Sample(args) => sample(*args),
         Command::Demo { device, gpu } => gpu_flag(gpu).and_then(|gpu| demo(device, gpu)),
         Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
-        Command::Bench { out, gpu, modules, shapes, batches, dtype, warmup, runs, peers, all_variants, cublas } => {
+        Command::Bench {
+            out,
+            gpu,
+            modules,
+            shapes,
+            batches,
+            dtype,
+            warmup,
+            runs,
+            peers,
+            all_variants,
+            cublas,
+            processing,
+        } => {
             let gpu = match gpu_flag(gpu) {
                 Ok(gpu) => gpu,
                 Err(e) => {
@@ -163,6 +180,7 @@ fn main() -> ExitCode {
                 runs,
                 all_variants,
                 cublas,
+                processing,
             };
             run_bench(out, shapes, options, peers)
         }
@@ -329,19 +347,27 @@ fn sample_command(args: SampleArgs) -> Result<()> {
     row_params(&params)?;
     let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
     if args.processing.any() {
-        match args.device {
-            DeviceKind::Cuda => {
-                return Err(Error::InvalidArgument {
-                    argument: "--device".into(),
-                    rule: "cuda: logit processing and log-probabilities run on the CPU backend only so far; use --device cpu".into(),
-                });
-            }
-            DeviceKind::Auto => eprintln!("flashsample: logit processing and log-probabilities run on the CPU"),
-            DeviceKind::Cpu => {}
-        }
         let vocab = w.rows();
         let processing = args.processing.rows(h.rows(), vocab)?;
         let shard_count = args.processing.shard_count(vocab)?;
+        // The GPU runs the unsharded pipeline on BF16/F16 heads with D % 8 == 0; `auto` takes
+        // the CPU for the rest, `cuda` reports why not.
+        let gpu_fits = shard_count == 1 && common != DType::F32 && w.cols() % 8 == 0;
+        let device = match (args.device, gpu_fits) {
+            (DeviceKind::Cuda, false) if shard_count > 1 => {
+                return Err(Error::InvalidArgument {
+                    argument: "--shards".into(),
+                    rule: format!("{shard_count}: the sharded merge runs on the CPU backend; use --device cpu"),
+                });
+            }
+            (DeviceKind::Auto, false) => {
+                eprintln!(
+                    "flashsample: logit processing runs on the CPU for this request (sharded, F32 or D % 8 != 0)"
+                );
+                DeviceKind::Cpu
+            }
+            (device, _) => device,
+        };
         let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
         let mut log_writers = log_outputs
             .iter()
@@ -349,24 +375,41 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                 Ok((NpyWriter::create_typed(o.partial_path(), NpyType::F32, h.rows(), samples as usize)?, *column))
             })
             .collect::<Result<Vec<_>>>()?;
-        let heads = if shard_count == 1 {
-            vec![CpuLmHead::new(w)?]
-        } else {
-            let bounds: Vec<usize> = (0..=shard_count).map(|s| s * vocab / shard_count).collect();
-            bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1]))).collect::<Result<Vec<_>>>()?
-        };
-        let sampler = CpuSampler::new();
-        for first in (0..samples).step_by(per_call as usize) {
-            let draws = Draws { first, count: per_call.min(samples - first) };
-            let sampled = sampler.sample_sharded(&heads, &h, &params, &processing, draws)?;
+        let mut write = |first: u32, sampled: Sampled| -> Result<()> {
             // Every pass draws from the same rows, so the first tells which have no token.
             let rows = sampled.rows_without_token();
             if !rows.is_empty() {
                 return Err(Error::RowsWithoutToken { rows, tokens: sampled.tokens });
             }
-            writer.write_columns(first as usize, draws.count as usize, &sampled.tokens)?;
+            writer.write_columns(first as usize, sampled.draws, &sampled.tokens)?;
             for (log_writer, column) in &mut log_writers {
-                log_writer.write_f32_columns(first as usize, draws.count as usize, column(&sampled))?;
+                log_writer.write_f32_columns(first as usize, sampled.draws, column(&sampled))?;
+            }
+            Ok(())
+        };
+        let passes =
+            (0..samples).step_by(per_call as usize).map(|first| Draws { first, count: per_call.min(samples - first) });
+        match gpu_sampler(device, gpu)? {
+            Some(sampler) => {
+                let head = sampler.upload_lm_head(&w)?;
+                drop(w);
+                for draws in passes {
+                    write(draws.first, sampler.sample_processed(&head, &h, &params, &processing, draws)?)?;
+                }
+                drop(head);
+                sampler.close()?;
+            }
+            None => {
+                let heads = if shard_count == 1 {
+                    vec![CpuLmHead::new(w)?]
+                } else {
+                    let bounds: Vec<usize> = (0..=shard_count).map(|s| s * vocab / shard_count).collect();
+                    bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1]))).collect::<Result<Vec<_>>>()?
+                };
+                let sampler = CpuSampler::new();
+                for draws in passes {
+                    write(draws.first, sampler.sample_sharded(&heads, &h, &params, &processing, draws)?)?;
+                }
             }
         }
         writer.finish()?;

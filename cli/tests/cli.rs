@@ -479,3 +479,51 @@ fn shards_give_the_unsharded_tokens() {
     assert_clean_failure(&run(&three, "0"), "--shards: 0: must be 1 to V = 301");
     assert_clean_failure(&run(&three, "302"), "--shards: 302");
 }
+
+/// The processing flags on the GPU: a mask leaves one token per row, the log-probabilities are
+/// written, integer inputs (exact logits on both backends) give the CPU's tokens under every
+/// truncation, and `--shards` with `--device cuda` is refused naming the flag.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn processing_flags_on_the_gpu_give_the_cpu_tokens() {
+    let scratch = Scratch::new("processing-gpu");
+    let (v, d, b) = (70, 8, 2);
+    let integers = |n: usize, seed: u64| -> Vec<f32> {
+        (0..n).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect()
+    };
+    let (w, h) = (scratch.path("w.safetensors"), scratch.path("h.safetensors"));
+    write_tensors(&w, &[("weight", Dtype::BF16, vec![v, d], bf16_bytes(&integers(v * d, 1)))]);
+    write_tensors(&h, &[("hidden", Dtype::BF16, vec![b, d], bf16_bytes(&integers(b * d, 2)))]);
+    let words = v.div_ceil(32);
+    let mask = scratch.path("mask.npy");
+    let mut mask_words = vec![0i32; b * words];
+    mask_words[0] = 1 << 5;
+    mask_words[words + 2] = 1 << 1;
+    write_npy(&mask, "<i4", &[b, words], mask_words.iter().flat_map(|x| x.to_le_bytes()).collect());
+    let (out, lp, plp, cpu) =
+        (scratch.path("t.npy"), scratch.path("lp.npy"), scratch.path("plp.npy"), scratch.path("c.npy"));
+    let run = |device: &str, out: &str, extra: &[&str]| {
+        let flags = ["--device", device, "--samples", "50", "--seed", "3", "--temperature", "2"];
+        flashsample(&sample_on_default_device(&w, &h, out, &[&flags[..], extra].concat()))
+    };
+
+    let output = run("cuda", &out, &["--mask", &mask, "--logprobs", &lp, "--processed-logprobs", &plp]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let (_, _, tokens) = read_npy_i64(Path::new(&out)).unwrap();
+    assert_eq!(tokens, [[5; 50], [65; 50]].concat());
+    let (dims, raw) = read_f32_npy(&lp);
+    assert_eq!(dims, [b, 50]);
+    assert!(raw.iter().all(|&x| x.is_finite() && x <= 0.0), "{raw:?}");
+    assert_eq!(read_f32_npy(&plp).1, vec![0.0; b * 50]);
+
+    let truncations = ["--top-k", "20", "--top-p", "0.8", "--min-p", "0.01", "--softcap", "30"];
+    let output = run("cuda", &out, &truncations);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(run("cpu", &cpu, &truncations).status.success());
+    assert_eq!(read_npy_i64(Path::new(&out)).unwrap(), read_npy_i64(Path::new(&cpu)).unwrap());
+
+    assert_clean_failure(
+        &run("cuda", &out, &["--top-k", "5", "--shards", "2"]),
+        "--shards: 2: the sharded merge runs on the CPU",
+    );
+}

@@ -9,6 +9,7 @@
 
 use core::marker::PhantomData;
 
+use crate::process::{LogSumExp, Penalties, SparseEntry};
 use crate::{Candidate, RowParams};
 
 /// A device address of a `T` (or of the first of an array of them), as a kernel argument block
@@ -363,6 +364,84 @@ pub struct ReduceArgs {
     /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
     pub padding: u32,
 }
+
+/// One row's processing as the processing kernel reads it (see [`crate::process`]); the
+/// all-zero-pointer, `top_k = 0`, `top_p = 1`, `min_p = 0`, `softcap = 0` block changes nothing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RowProcessing {
+    /// `⌈vocab / 32⌉` mask words (xgrammar's layout), or null for no mask.
+    pub mask: DevicePtr<u32>,
+    /// `sparse_len` entries, one per listed token (each token at most once).
+    pub sparse: DevicePtr<SparseEntry>,
+    pub sparse_len: u32,
+    /// The soft-cap, 0 for none.
+    pub softcap: f32,
+    pub min_p: f32,
+    pub top_p: f32,
+    /// 0 for none.
+    pub top_k: u32,
+    pub penalties: Penalties,
+}
+
+/// The log-sum-exp terms of one processed row: over the raw logits at T = 1 and over the kept
+/// processed logits at the row's temperature (empty for a greedy row).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RowSums {
+    pub raw: LogSumExp,
+    pub kept: LogSumExp,
+}
+
+/// The processing kernel: one block per row turns `raw[b]` into `processed[b]` (the logits
+/// the row races with, −∞ for every dropped token) and writes `sums[b]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ProcessArgs {
+    /// `[batch, logits_stride]` raw logits.
+    pub raw: DevicePtr<f32>,
+    /// `[batch, logits_stride]`, written.
+    pub processed: DevicePtr<f32>,
+    pub row_params: DevicePtr<RowParams>,
+    pub processing: DevicePtr<RowProcessing>,
+    /// `[batch]`, written.
+    pub sums: DevicePtr<RowSums>,
+    pub vocab: u32,
+    pub logits_stride: u32,
+    pub batch: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
+}
+
+/// The log-probability kernel: for each `tokens[b · samples + j]`, its raw and processed
+/// log-probabilities into `logprobs` and `processed_logprobs` (same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct LogprobArgs {
+    pub raw: DevicePtr<f32>,
+    pub processed: DevicePtr<f32>,
+    pub row_params: DevicePtr<RowParams>,
+    pub sums: DevicePtr<RowSums>,
+    pub tokens: DevicePtr<u32>,
+    pub logprobs: DevicePtr<f32>,
+    pub processed_logprobs: DevicePtr<f32>,
+    pub vocab: u32,
+    pub logits_stride: u32,
+    pub batch: u32,
+    pub samples: u32,
+}
+
+/// Threads per block of the processing kernel.
+pub const PROCESS_THREADS: u32 = 512;
+/// Buckets of one radix digit in the processing kernel's selections (8 bits).
+pub const SELECT_BUCKETS: u32 = 256;
+/// Dynamic shared memory of the processing kernel: a `u64` per bucket, then a log-sum-exp
+/// pair and a flag word per warp for the block's reductions, then the selection's result.
+pub const PROCESS_SHARED_BYTES: u32 = SELECT_BUCKETS * 8 + (PROCESS_THREADS / 32) * 24 + 32;
 
 /// Fills `count` elements at `out` with values uniform in `[-scale, scale)` drawn from Philox
 /// under `seed` (benchmark and demo inputs; never zeros).

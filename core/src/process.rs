@@ -206,6 +206,131 @@ impl LogSumExp {
     }
 }
 
+/// One token of a row's sparse list: the steps between the soft-cap and the temperature that
+/// touch only listed tokens. `bias` is the sum of the token's bias values (in the order given),
+/// `count` its number of occurrences in the row's history.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SparseEntry {
+    pub token: u32,
+    pub bias: f32,
+    pub count: u32,
+}
+
+/// The steps every entry of a row takes: the soft-cap (`cap = 0` is off) and the mask (a
+/// disallowed entry becomes −∞).
+#[inline(always)]
+pub fn dense_step(raw: f32, cap: f32, allowed: bool) -> f32 {
+    if !allowed {
+        f32::NEG_INFINITY
+    } else if cap > 0.0 {
+        softcap(raw, cap)
+    } else {
+        raw
+    }
+}
+
+/// The steps of a listed token after [`dense_step`]: its bias, then its penalties. Bias and
+/// penalties keep −∞ (a masked token) at −∞, so applying them after the mask gives the
+/// order soft-cap → bias → mask → penalties.
+#[inline(always)]
+pub fn sparse_step(logit: f32, entry: &SparseEntry, penalties: &Penalties) -> f32 {
+    penalized(logit + entry.bias, entry.count, penalties)
+}
+
+/// Which entries of a row min-p, top-k and top-p keep: `(l, i)` is kept when `l ≥ min_cut`
+/// and `(l, −i) ≥ (order_cut.0, −order_cut.1)` (top-k cuts at a value, keeping ties; top-p
+/// may cut inside a tie, by index).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KeepRule {
+    pub min_cut: f32,
+    pub order_cut: (f32, u32),
+}
+
+impl KeepRule {
+    /// Keeps every entry.
+    pub const ALL: KeepRule = KeepRule { min_cut: f32::NEG_INFINITY, order_cut: (f32::NEG_INFINITY, u32::MAX) };
+
+    #[inline(always)]
+    pub fn keeps(&self, logit: f32, index: u32) -> bool {
+        logit >= self.min_cut && (logit > self.order_cut.0 || (logit == self.order_cut.0 && index <= self.order_cut.1))
+    }
+}
+
+/// A finite logit as a key whose unsigned order is the logits' order (−0 and +0 one key):
+/// what top-k and top-p rank by, before the index.
+#[inline(always)]
+pub fn order_key(logit: f32) -> u32 {
+    let bits = (logit + 0.0).to_bits();
+    if bits >> 31 == 1 { !bits } else { bits | 1 << 31 }
+}
+
+/// The logit of an [`order_key`].
+#[inline(always)]
+pub fn key_logit(key: u32) -> f32 {
+    f32::from_bits(if key >> 31 == 1 { key & !(1 << 31) } else { !key })
+}
+
+/// Units of probability mass per unit of the largest entry's weight, in top-p's sums.
+pub const TOP_P_UNIT_SCALE: f32 = 4_294_967_296.0;
+
+/// top-p's mass of an entry: `exp((l − max) / T)`, the entry's probability relative to the
+/// largest, in whole units of 2⁻³² (truncated). Integer sums are exact in any order, so every
+/// backend, tile order and shard split finds the same cut; the cut is vLLM's on these masses
+/// (it differs from the real-number one only where the cumulative mass is within V · 2⁻³² of
+/// the largest entry's weight of `p` times the total).
+#[inline(always)]
+pub fn top_p_units(logit: f32, max_logit: f32, temperature: f32) -> u64 {
+    (exp((logit - max_logit) / temperature) * TOP_P_UNIT_SCALE) as u64
+}
+
+/// The mass top-p's prefix must reach: `⌈p · total⌉` units, computed exactly for
+/// `0 < p ≤ 1` (`p = m · 2ᵉ` with an integer `m`), and at least 1.
+#[inline(always)]
+pub fn top_p_target(total: u64, p: f32) -> u64 {
+    let bits = p.to_bits();
+    let exponent = ((bits >> 23) & 0xff) as i32;
+    let (mantissa, shift) = if exponent == 0 {
+        ((bits & 0x7f_ffff) as u128, 149)
+    } else {
+        (((bits & 0x7f_ffff) | 1 << 23) as u128, 150 - exponent)
+    };
+    let product = mantissa * total as u128;
+    let target = if shift <= 0 {
+        product << -shift
+    } else if shift >= 128 {
+        (product > 0) as u128
+    } else {
+        (product + (1u128 << shift) - 1) >> shift
+    };
+    target.max(1) as u64
+}
+
+/// A drawn token's raw log-probability (at T = 1) and its log-probability under the
+/// distribution it was drawn from (0 for a greedy row), from the row's merged log-sum-exp
+/// terms and the token's raw and processed logits (`None` when the slot holds no token). A
+/// slot holding [`NON_FINITE_TOKEN`](crate::NON_FINITE_TOKEN) gets NaN; any other slot without
+/// a token −∞.
+#[inline(always)]
+pub fn token_log_probabilities(
+    token: u32,
+    logits: Option<(f32, f32)>,
+    raw: &LogSumExp,
+    kept: &LogSumExp,
+    greedy: bool,
+    temperature: f32,
+) -> (f32, f32) {
+    match logits {
+        _ if token == crate::NON_FINITE_TOKEN => (f32::NAN, f32::NAN),
+        None => (f32::NEG_INFINITY, f32::NEG_INFINITY),
+        Some((raw_logit, processed_logit)) => {
+            let processed = if greedy { 0.0 } else { kept.log_probability(processed_logit, temperature) };
+            (raw.log_probability(raw_logit, 1.0), processed)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,6 +410,46 @@ mod tests {
         assert_eq!(min_p_threshold(5.0, 0.7, 1.0), 5.0);
         let cut = min_p_threshold(5.0, 2.0, 0.1);
         assert!((cut as f64 - (5.0 + 2.0 * 0.1f64.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn order_keys_order_finite_logits_and_round_trip() {
+        let logits = [-1e30f32, -3.5, -1e-40, -0.0, 0.0, 1e-40, 2.0, 7e20, f32::NEG_INFINITY];
+        for w in logits[..8].windows(2) {
+            assert!(order_key(w[0]) <= order_key(w[1]), "{} {}", w[0], w[1]);
+        }
+        assert_eq!(order_key(-0.0), order_key(0.0));
+        assert!(order_key(f32::NEG_INFINITY) < order_key(-1e30));
+        for l in logits {
+            assert_eq!(key_logit(order_key(l)), l + 0.0);
+        }
+    }
+
+    #[test]
+    fn top_p_target_is_the_ceiling_of_p_times_the_total() {
+        for (total, p) in [(10u64, 0.5f32), (7, 0.3), (1 << 40, 0.9), (u64::MAX >> 1, 1.0), (3, 1e-40), (12345, 0.999)]
+        {
+            let exact = (p as f64 * total as f64).ceil().max(1.0);
+            let got = top_p_target(total, p) as f64;
+            assert!((got - exact).abs() <= exact * 1e-15, "{total} · {p}: {got} vs {exact}");
+        }
+        assert_eq!(top_p_target(10, 0.5), 5);
+        assert_eq!(top_p_target(10, 0.51), 6);
+        assert_eq!(top_p_target(1 << 32, 1.0), 1 << 32);
+        assert_eq!(top_p_units(2.0, 2.0, 0.7), 1 << 32);
+    }
+
+    #[test]
+    fn sparse_steps_after_the_mask_keep_it() {
+        let p = Penalties { repetition: 1.5, frequency: 0.5, presence: 0.25 };
+        let entry = SparseEntry { token: 3, bias: 2.0, count: 2 };
+        assert_eq!(sparse_step(dense_step(1.0, 0.0, false), &entry, &p), f32::NEG_INFINITY);
+        assert_eq!(sparse_step(dense_step(1.0, 0.0, true), &entry, &p), 3.0 / 1.5 - 1.0 - 0.25);
+        assert_eq!(dense_step(100.0, 30.0, true), softcap(100.0, 30.0));
+        let raw = LogSumExp { max: 0.0, sum: 1.0 };
+        assert!(token_log_probabilities(crate::NON_FINITE_TOKEN, None, &raw, &raw, false, 1.0).0.is_nan());
+        assert_eq!(token_log_probabilities(crate::NO_TOKEN, None, &raw, &raw, false, 1.0).1, f32::NEG_INFINITY);
+        assert_eq!(token_log_probabilities(5, Some((0.0, 0.0)), &raw, &raw, true, 1.0), (0.0, 0.0));
     }
 
     #[test]

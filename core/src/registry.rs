@@ -10,8 +10,9 @@
 //! with the launch shape `Kernel` gives, in every module that [`Module::holds`] it.
 
 use crate::abi::{
-    LOGITS_SAMPLER_SHARED_BYTES, REDUCE_SHARED_BYTES, REDUCE_THREADS, TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS,
-    TMA_THREADS, fused_mma_shared_bytes, fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
+    LOGITS_SAMPLER_SHARED_BYTES, PROCESS_SHARED_BYTES, PROCESS_THREADS, REDUCE_SHARED_BYTES, REDUCE_THREADS,
+    TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS, fused_mma_shared_bytes, fused_simt_shared_bytes,
+    tma_handoff_shared_bytes, tma_shared_bytes,
 };
 
 /// The element type of `W` and `H` a kernel reads.
@@ -42,6 +43,10 @@ pub enum Kernel {
     SampleLogits,
     /// The merge kernel: candidates → tokens (`ReduceArgs`).
     ReduceCandidates,
+    /// Logit processing of materialised rows, one block per row (`ProcessArgs`).
+    ProcessRows,
+    /// Drawn tokens' log-probabilities (`LogprobArgs`).
+    TokenLogprobs,
     /// Uniform benchmark inputs (`FillArgs`).
     FillUniform { element: ElementType },
     /// The read-bandwidth floor (`ReadProbeArgs`).
@@ -71,9 +76,12 @@ impl Kernel {
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
             Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,
             Kernel::ReduceCandidates => REDUCE_THREADS,
-            Kernel::FillUniform { .. } | Kernel::ReadProbe | Kernel::GumbelEstimateError | Kernel::AdvanceSteps => {
-                UTILITY_THREADS
-            }
+            Kernel::ProcessRows => PROCESS_THREADS,
+            Kernel::FillUniform { .. }
+            | Kernel::ReadProbe
+            | Kernel::GumbelEstimateError
+            | Kernel::AdvanceSteps
+            | Kernel::TokenLogprobs => UTILITY_THREADS,
             Kernel::StoreTensorMaps => STORE_TENSOR_MAPS_THREADS,
         }
     }
@@ -89,7 +97,9 @@ impl Kernel {
             Kernel::FusedHandoff { columns, .. } => tma_handoff_shared_bytes(columns),
             Kernel::SampleLogits => LOGITS_SAMPLER_SHARED_BYTES,
             Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
+            Kernel::ProcessRows => PROCESS_SHARED_BYTES,
             Kernel::LogitsMma { .. }
+            | Kernel::TokenLogprobs
             | Kernel::FillUniform { .. }
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
@@ -286,6 +296,8 @@ macro_rules! for_each_kernel {
             logits_tma_f16_m128_n128 => LogitsTma { element: F16, rows: 128, columns: 128 };
             sample_logits => SampleLogits {};
             reduce_candidates => ReduceCandidates {};
+            process_rows => ProcessRows {};
+            token_logprobs => TokenLogprobs {};
             fill_uniform_bf16 => FillUniform { element: Bf16 };
             fill_uniform_f16 => FillUniform { element: F16 };
             fill_uniform_f32 => FillUniform { element: F32 };

@@ -31,8 +31,9 @@ pub mod tensor;
 pub use candle::CandleSampler;
 pub use cpu::{CpuLmHead, CpuSampler, Sampled};
 pub use cuda::{
-    CudaHidden, CudaLmHead, CudaSampler, DeviceElement, DeviceMatrix, DeviceRows, DeviceTokens, DeviceWorkspace,
-    MMA_COLUMNS, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, TMA_COLUMNS, Variant, cuda_device_count,
+    CudaHidden, CudaLmHead, CudaSampler, DeviceElement, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceTokens,
+    DeviceWorkspace, MMA_COLUMNS, ModuleChoice, ProcessedOutputs, SampleRequest, StreamSampler, StreamWorkspace,
+    TMA_COLUMNS, Variant, cuda_device_count,
 };
 /// The cudarc this crate is built with: the safe wrappers of borrowed mode take its
 /// `CudaStream` and `CudaSlice`.

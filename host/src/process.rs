@@ -8,12 +8,16 @@
 //! same Gumbel-max race and noise keys as plain sampling (dropped tokens race with −∞).
 //! Greedy rows (`T = 0`) take the argmax of the processed logits; no truncation can remove it.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use flashsample_core::RowParams;
-use flashsample_core::process::{LogSumExp, Penalties, exp, mask_allows, min_p_threshold, penalized, softcap};
+pub use flashsample_core::process::KeepRule;
+use flashsample_core::process::{
+    LogSumExp, Penalties, SparseEntry, dense_step, mask_allows, min_p_threshold, sparse_step, token_log_probabilities,
+    top_p_target, top_p_units,
+};
 
-use crate::error::{Result, RowStatus, invalid};
+use crate::error::{Result, invalid};
 
 /// How one row's logits are processed before its draw. `Processing::default()` changes
 /// nothing: plain sampling.
@@ -22,7 +26,8 @@ pub struct Processing {
     /// Gemma 2's `cap · tanh(logit / cap)`, `cap > 0` and finite; first of all steps.
     pub softcap: Option<f32>,
     /// Sparse logit bias: `(token, value)`, added after the soft-cap; a value of −∞ bans the
-    /// token. A token listed twice gets both values.
+    /// token. A token listed more than once gets the sum of its values (summed in list order
+    /// first).
     pub bias: Vec<(u32, f32)>,
     /// Allowed tokens, `⌈V/32⌉` words: bit `j` of word `w` allows token `32w + j` (xgrammar's
     /// layout); bits past `V` are ignored. A disallowed token's logit is −∞.
@@ -107,6 +112,27 @@ impl Processing {
         }
         Ok(())
     }
+
+    /// The row's sparse list, one entry per token the bias or the penalties touch, by
+    /// increasing token: what every backend applies after the soft-cap and the mask.
+    pub fn sparse_entries(&self) -> Vec<SparseEntry> {
+        let mut entries: BTreeMap<u32, SparseEntry> = BTreeMap::new();
+        let blank = |token: u32| SparseEntry { token, bias: 0.0, count: 0 };
+        for &(token, value) in &self.bias {
+            entries.entry(token).or_insert_with(|| blank(token)).bias += value;
+        }
+        if self.penalties != Penalties::NONE {
+            for &token in &self.history {
+                entries.entry(token).or_insert_with(|| blank(token)).count += 1;
+            }
+        }
+        entries.into_values().collect()
+    }
+
+    /// Whether min-p, top-k or top-p may drop a token.
+    pub fn truncates(&self) -> bool {
+        self.min_p > 0.0 || orders(self)
+    }
 }
 
 /// One row's part of a vocabulary shard after processing: the logits it races with (−∞ for
@@ -127,30 +153,12 @@ pub struct ProcessedRow {
 /// The logits after soft-cap, bias, mask and penalties (the steps before temperature) of the
 /// vocabulary entries `offset .. offset + raw.len()`.
 pub fn processed_logits(raw: &[f32], offset: u32, processing: &Processing) -> Vec<f32> {
-    let mut logits: Vec<f32> = match processing.softcap {
-        Some(cap) => raw.iter().map(|&l| softcap(l, cap)).collect(),
-        None => raw.to_vec(),
-    };
-    let local = |token: u32| token.checked_sub(offset).map(|i| i as usize).filter(|&i| i < raw.len());
-    for &(token, value) in &processing.bias {
-        if let Some(i) = local(token) {
-            logits[i] += value;
-        }
-    }
-    if let Some(mask) = &processing.mask {
-        for (i, l) in logits.iter_mut().enumerate() {
-            if !mask_allows(mask, offset + i as u32) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-    }
-    if processing.penalties != Penalties::NONE {
-        let mut counts: HashMap<u32, u32> = HashMap::new();
-        processing.history.iter().for_each(|&t| *counts.entry(t).or_default() += 1);
-        for (&token, &count) in &counts {
-            if let Some(i) = local(token) {
-                logits[i] = penalized(logits[i], count, &processing.penalties);
-            }
+    let cap = processing.softcap.unwrap_or(0.0);
+    let allowed = |index: u32| processing.mask.as_ref().is_none_or(|mask| mask_allows(mask, index));
+    let mut logits: Vec<f32> = raw.iter().zip(offset..).map(|(&l, index)| dense_step(l, cap, allowed(index))).collect();
+    for entry in processing.sparse_entries() {
+        if let Some(i) = entry.token.checked_sub(offset).map(|i| i as usize).filter(|&i| i < raw.len()) {
+            logits[i] = sparse_step(logits[i], &entry, &processing.penalties);
         }
     }
     logits
@@ -166,31 +174,14 @@ pub struct ShardSummary {
     pub ordered: Vec<(f32, u32)>,
 }
 
-/// The rule every shard applies once the summaries are merged: keep an entry `(l, i)` when
-/// `l ≥ min_cut` and `(l, −i) ≥ (order_cut.0, −order_cut.1)` (top-k cuts at a value, keeping
-/// ties; top-p may cut inside a tie, by index).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct KeepRule {
-    pub min_cut: f32,
-    pub order_cut: (f32, u32),
-}
-
-impl KeepRule {
-    /// Keeps every entry.
-    pub const ALL: KeepRule = KeepRule { min_cut: f32::NEG_INFINITY, order_cut: (f32::NEG_INFINITY, u32::MAX) };
-
-    fn keeps(&self, logit: f32, index: u32) -> bool {
-        logit >= self.min_cut && (logit > self.order_cut.0 || (logit == self.order_cut.0 && index <= self.order_cut.1))
-    }
-}
-
 fn orders(processing: &Processing) -> bool {
     processing.top_k.is_some() || processing.top_p < 1.0
 }
 
-/// Sorts entries by decreasing logit, then increasing index: the order top-k and top-p read.
+/// Sorts finite entries by decreasing logit (−0 and +0 equal), then increasing index: the
+/// order top-k and top-p read.
 fn rank(entries: &mut [(f32, u32)]) {
-    entries.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    entries.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
 }
 
 /// Keeps the first `k` of ranked entries and every entry tied with the k-th.
@@ -244,11 +235,11 @@ pub fn keep_rule(summaries: &[ShardSummary], row: &RowParams, processing: &Proce
         _ => KeepRule::ALL.order_cut,
     };
     if processing.top_p < 1.0 {
-        let weights: Vec<f64> = order.iter().map(|e| exp((e.0 - max) / t) as f64).collect();
-        let target = processing.top_p as f64 * weights.iter().sum::<f64>();
-        let mut mass = 0.0;
-        if let Some(last) = weights.iter().position(|&w| {
-            mass += w;
+        let units: Vec<u64> = order.iter().map(|e| top_p_units(e.0, max, t)).collect();
+        let target = top_p_target(units.iter().sum(), processing.top_p);
+        let mut mass = 0;
+        if let Some(last) = units.iter().position(|&u| {
+            mass += u;
             mass >= target
         }) {
             order_cut = order[last];
@@ -309,14 +300,5 @@ pub fn log_probabilities(
     kept: &LogSumExp,
     params: &RowParams,
 ) -> (f32, f32) {
-    match (RowStatus::of_token(token), logits) {
-        (Some(RowStatus::NonFiniteLogits), _) => (f32::NAN, f32::NAN),
-        (Some(RowStatus::NoAllowedToken), _) | (None, None) => (f32::NEG_INFINITY, f32::NEG_INFINITY),
-        (None, Some((raw_logit, processed_logit))) => {
-            let raw_lp = raw.log_probability(raw_logit, 1.0);
-            let processed_lp =
-                if params.greedy != 0 { 0.0 } else { kept.log_probability(processed_logit, params.temperature) };
-            (raw_lp, processed_lp)
-        }
-    }
+    token_log_probabilities(token, logits, raw, kept, params.greedy != 0, params.temperature)
 }

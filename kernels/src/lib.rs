@@ -31,6 +31,7 @@ mod element;
 mod fill;
 #[cfg(flashsample_module = "hopper")]
 mod hopper;
+mod process;
 mod sample;
 mod state;
 mod tile;
@@ -39,8 +40,8 @@ mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ReadProbeArgs,
-    ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
+    AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, LogprobArgs, N_TILE,
+    ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -281,6 +282,30 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
+        }
+    };
+    ($name:ident, ProcessRows {}) => {
+        /// Logit processing of materialised rows: the logits each row races with.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: ProcessArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers whose sparse lists it checked.
+            unsafe { process::process_rows(&args, shared::<process::ProcessShared>()) }
+        }
+    };
+    ($name:ident, TokenLogprobs {}) => {
+        /// Drawn tokens' raw and processed log-probabilities.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: LogprobArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: an argument block of valid
+            // device buffers.
+            unsafe { process::token_logprobs(&args) }
         }
     };
     ($name:ident, FillUniform { element: $element:ident }) => {

@@ -40,6 +40,34 @@ impl ProcessedBackend for crate::Cpu {
     }
 }
 
+impl ProcessedBackend for crate::Cuda {
+    fn name(&self) -> String {
+        format!("cuda {} processed", self.sampler.module().name())
+    }
+
+    /// Grows the workspace to the problem, poisons it (candidates win every merge, logits are
+    /// +∞), then samples: a slot the kernels leave unwritten shows as a poisoned token.
+    fn sample_processed(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        let head = self.sampler.upload_lm_head(lm_head)?;
+        let draws = Draws::first(samples);
+        self.sampler.sample_processed(&head, hidden, params, processing, draws)?;
+        self.sampler.poison_workspace()?;
+        let got = self.sampler.sample_processed(&head, hidden, params, processing, draws)?;
+        let vocab = lm_head.rows() as u32;
+        if let Some(bad) = got.tokens.iter().position(|&t| t >= vocab && RowStatus::of_token(t).is_none()) {
+            panic!("{}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", self.name(), got.tokens[bad]);
+        }
+        Ok(got)
+    }
+}
+
 /// The processed logits in f64 (soft-cap, bias, mask, penalties), written from the
 /// definitions.
 pub fn reference_logits(raw: &[f32], p: &Processing) -> Vec<f64> {

@@ -147,7 +147,8 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
 
 /// The workload of the bundle's `sanitizer` stage: every kernel variant the module has (the
 /// unfused pipeline too) on a prime vocabulary, D not a multiple of 8 for the SIMT tile, and
-/// B = 1, 37 and 1023, each checked against the CPU.
+/// B = 1, 37 and 1023, each checked against the CPU; then processed sampling with every
+/// processing mode in one batch (the processing and log-probability kernels).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sanitizer_workload_every_variant_on_odd_shapes() {
@@ -172,4 +173,11 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let mut tokens = sampler.tokens(1023, 2).unwrap();
     sampler.sample_unfused_into(&head, &hidden, &rows, 2, Variant::Auto, &mut tokens).unwrap();
     assert!(sampler.tokens_to_host(&tokens).unwrap().iter().all(|&t| t < 1009));
+    let modes = flashsample_tests::processing::each_mode(1009);
+    let processing: Vec<flashsample::Processing> = modes.iter().map(|m| m.1.clone()).collect();
+    let params = params_for(modes.len(), 0.7, 57);
+    let sampled = sampler
+        .sample_processed(&head, &h.row_range(0, modes.len()), &params, &processing, flashsample::Draws::first(3))
+        .unwrap();
+    assert!(sampled.tokens.iter().all(|&t| t < 1009), "{:?}", sampled.tokens);
 }

@@ -3,11 +3,12 @@
 //! the mixed batch.
 
 use flashsample::DType;
+use flashsample::Variant;
 use flashsample_tests::processing::{
     check_every_mode, check_log_probabilities, check_mixed_batch, check_processing_edges, check_top_k_keeps_ties,
     each_mode,
 };
-use flashsample_tests::{Cpu, matrix_of, random_matrix};
+use flashsample_tests::{Cpu, Cuda, matrix_of, random_matrix};
 
 const ALPHA: f64 = 1e-3;
 
@@ -97,5 +98,108 @@ fn shards_give_the_unsharded_tokens_and_log_probabilities() {
             .fold(0.0f32, f32::max);
         println!("{shards} shards: tokens equal, log-probabilities within {worst:.2e}");
         assert!(worst <= 1e-5, "{shards} shards: log-probabilities differ by {worst}");
+    }
+}
+
+/// The GPU's materialised path (each test once per module, `FLASHSAMPLE_MODULE`): the same
+/// bodies on BF16/F16 heads (its GEMM's types), more draws where they are cheap.
+mod gpu {
+    use super::*;
+
+    fn cuda() -> Cuda {
+        Cuda::new(Variant::Auto)
+    }
+
+    /// 60,000 draws per mode: a 5 % error in the kept mass moves χ² by about 600 against a
+    /// standard deviation of 45.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn every_mode_samples_its_target_distribution_small_vocab() {
+        let w = random_matrix(1000, 32, DType::BF16, 0.5, 41);
+        let h = random_matrix(1, 32, DType::BF16, 1.0, 42);
+        check_every_mode(&cuda(), &w, &h, 0.8, 60_000, ALPHA);
+    }
+
+    /// V = 100,003 (a prime) with 20,000 draws per mode.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn every_mode_samples_its_target_distribution_large_vocab() {
+        let w = random_matrix(100_003, 16, DType::BF16, 2.0, 43);
+        let h = random_matrix(1, 16, DType::BF16, 1.0, 44);
+        check_every_mode(&cuda(), &w, &h, 0.5, 20_000, ALPHA);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn processing_edges() {
+        let w = random_matrix(777, 24, DType::BF16, 0.5, 45);
+        let h = random_matrix(2, 24, DType::BF16, 1.0, 46);
+        check_processing_edges(&cuda(), &w, &h);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn top_k_keeps_every_token_tied_at_the_kth_value() {
+        let (vocab, dim) = (500, 8);
+        let logit = |i: usize| match i {
+            0..=2 => 2.0,
+            3 => 1.0,
+            _ => 1.0 - i as f32 * 1e-3,
+        };
+        let w: Vec<f32> = (0..vocab * dim).map(|k| if k % dim == 0 { logit(k / dim) } else { 0.3 }).collect();
+        let mut h = vec![0.0; dim];
+        h[0] = 1.0;
+        let w = matrix_of(vocab, dim, DType::F32, w).to_dtype(DType::BF16);
+        let h = matrix_of(1, dim, DType::F32, h).to_dtype(DType::BF16);
+        check_top_k_keeps_ties(&cuda(), &w, &h, ALPHA);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn log_probabilities_match_f64() {
+        let w = random_matrix(5003, 32, DType::BF16, 0.5, 47);
+        let h = random_matrix(8, 32, DType::BF16, 1.0, 48);
+        check_log_probabilities(&cuda(), &w, &h, 1e-4);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn every_row_of_a_mixed_batch_gets_what_it_gets_alone() {
+        let w = random_matrix(3001, 16, DType::F16, 0.5, 49);
+        let h = random_matrix(8, 16, DType::F16, 1.0, 50);
+        check_mixed_batch(&cuda(), &w, &h);
+    }
+
+    /// The GPU draws the CPU's tokens: with integer inputs in [−4, 4] every logit is an
+    /// integer both backends compute exactly, so every mode in one batch (many ties, top-p
+    /// cutting inside them by index) must give the same tokens; the log-probabilities agree
+    /// to 10⁻⁵ (relative above 1; their sums run in another order).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_and_cpu_draw_the_same_tokens_from_exact_logits() {
+        let (vocab, dim) = (4099, 16);
+        let modes = each_mode(vocab);
+        let integers = |rows: usize, seed: u64| {
+            let values = (0..rows * dim).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect();
+            matrix_of(rows, dim, DType::F32, values).to_dtype(DType::BF16)
+        };
+        let (w, h) = (integers(vocab, 53), integers(modes.len(), 54));
+        let params: Vec<flashsample::SamplingParams> = (0..modes.len())
+            .map(|r| flashsample::SamplingParams::new(if r == 2 { 0.0 } else { 3.0 }, 8, r as u32, 1))
+            .collect();
+        let processing: Vec<flashsample::Processing> = modes.iter().map(|m| m.1.clone()).collect();
+        use flashsample_tests::processing::ProcessedBackend;
+        let gpu = cuda().sample_processed(&w, &h, &params, &processing, 256).unwrap();
+        let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 256).unwrap();
+        assert_eq!(gpu.tokens, cpu.tokens);
+        let worst = gpu
+            .logprobs
+            .iter()
+            .chain(&gpu.processed_logprobs)
+            .zip(cpu.logprobs.iter().chain(&cpu.processed_logprobs))
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+            .fold(0.0f32, f32::max);
+        println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
+        assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
     }
 }

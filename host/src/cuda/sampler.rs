@@ -23,6 +23,10 @@ use crate::params::{
 };
 use crate::tensor::{DType, Elements, Matrix, MatrixShape};
 
+mod processed;
+
+pub use processed::{DeviceProcessing, ProcessedOutputs};
+
 /// The number of CUDA devices; [`Error::NoCudaDevice`] without a driver or a device.
 pub fn cuda_device_count() -> Result<usize> {
     if !driver::driver_library_present() {
@@ -335,13 +339,37 @@ impl CudaSampler {
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
         self.check_device_rows(lm_head, hidden, rows, samples)?;
+        self.check_tokens(hidden, samples, tokens)?;
+        let stride = lm_head.shape.vocab.next_multiple_of(4);
+        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, hidden.rows() * stride, "logits")?;
+        self.queue_logits(lm_head, hidden, variant, logits, stride)?;
+        let (batch, vocab) = (hidden.rows(), lm_head.shape.vocab);
+        self.queue_logits_sampling(
+            logits,
+            stride,
+            vocab,
+            rows.buffer.ptr(),
+            batch,
+            Draws::first(samples),
+            tokens.buffer.ptr(),
+        )
+    }
+
+    /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`,
+    /// `stride ≥ V` a multiple of 4).
+    fn queue_logits(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        variant: Variant,
+        logits: DevicePtr<f32>,
+        stride: usize,
+    ) -> Result<()> {
         let shape = lm_head.shape;
         let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
         let gemm = variant.logits_kernel(shape.dtype).ok_or_else(|| {
             invalid("variant", "the unfused pipeline has mma and TMA GEMMs only (BF16/F16, D % 8 == 0)")
         })?;
-        let stride = shape.vocab.next_multiple_of(4);
-        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, hidden.rows() * stride, "logits")?;
         let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows().div_ceil(variant.columns() as usize) as u64;
         if let Some((rows, columns)) = variant.tma_boxes() {
@@ -360,7 +388,7 @@ impl CudaSampler {
                 logits_stride: stride as u32,
             };
             // SAFETY: the logits buffer holds B × stride floats; the maps describe live buffers.
-            unsafe { self.launch(gemm, items, &args)? };
+            unsafe { self.launch(gemm, items, &args) }
         } else {
             let args = LogitsArgs {
                 lm_head: lm_head.ptr(),
@@ -374,11 +402,26 @@ impl CudaSampler {
                 hidden_stride: shape.dim as u32,
             };
             // SAFETY: the logits buffer holds B × stride floats.
-            unsafe { self.launch(gemm, items, &args)? };
+            unsafe { self.launch(gemm, items, &args) }
         }
-        self.check_tokens(hidden, samples, tokens)?;
-        let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
-        let plan = Plan::new(hidden.rows(), samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+    }
+
+    /// Queues the draws `draws` over materialised logits `[batch, stride]` (written on the
+    /// stream before): candidates per pass of bounded memory, merged into `tokens`
+    /// (`[batch, draws.count]`).
+    #[allow(clippy::too_many_arguments)]
+    fn queue_logits_sampling(
+        &self,
+        logits: DevicePtr<f32>,
+        stride: usize,
+        vocab: usize,
+        row_params: DevicePtr<RowParams>,
+        batch: usize,
+        draws: Draws,
+        tokens: DevicePtr<u32>,
+    ) -> Result<()> {
+        let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
+        let plan = Plan::new(batch, draws.count as usize, tiles, CANDIDATE_BUDGET_BYTES);
         let scratch = ensure(
             &self.stream,
             &mut self.workspace.borrow_mut().scratch,
@@ -387,29 +430,31 @@ impl CudaSampler {
         )?;
         let candidates = scratch.cast::<Candidate>();
         // SAFETY: the workspace holds the largest pass's candidates, the rows and tokens the
-        // request's extents; all on this sampler's stream.
+        // request's extents (this function's callers size them); all on this sampler's stream.
         unsafe {
             self.kernels().queue_passes(
                 self.stream.cu_stream(),
                 &plan,
                 tiles,
-                rows.buffer.ptr(),
+                row_params,
                 candidates,
-                tokens.buffer.ptr(),
-                samples,
+                tokens,
+                draws.count,
                 |pass, launch| {
                     let args = LogitsSamplerArgs {
                         logits: logits.add((pass.first_row * stride) as u64),
                         row_params: launch.row_params,
                         candidates,
-                        vocab: shape.vocab as u32,
+                        vocab: vocab as u32,
                         logits_stride: stride as u32,
                         batch: launch.batch,
-                        draw_offset: pass.first_sample as u32,
+                        // The noise is keyed by the draw's index: the pass's first draw, after
+                        // `draws.first`.
+                        draw_offset: draws.first + pass.first_sample as u32,
                         samples: pass.samples as u32,
                         tiles: tiles as u32,
                     };
-                    // SAFETY: the logits hold `B × stride` floats written by the GEMM above.
+                    // SAFETY: the logits hold `batch × stride` floats written before on the stream.
                     self.launch(Kernel::SampleLogits, tiles as u64 * launch.batch as u64, &args)
                 },
             )

@@ -1,0 +1,237 @@
+//! Processed sampling on the GPU: the logits are materialised (`[B, V]` f32, twice: raw and
+//! processed), one block per row processes them (`process_rows`), the logits sampler and the
+//! merge kernel draw from them with the plain path's noise, and a last kernel gives the drawn
+//! tokens' log-probabilities.
+
+use flashsample_core::abi::{DevicePtr, LogprobArgs, ProcessArgs, RowProcessing, RowSums};
+use flashsample_core::process::SparseEntry;
+use flashsample_core::registry::Kernel;
+
+use super::{CudaSampler, ensure};
+use crate::cpu::Sampled;
+use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens};
+use crate::cuda::dispatch::Variant;
+use crate::cuda::driver;
+use crate::error::{Result, invalid};
+use crate::params::{Draws, SamplingParams, check_request};
+use crate::process::Processing;
+use crate::tensor::Matrix;
+
+/// Blocks of the log-probability kernel for `slots` tokens, one thread each.
+fn logprob_blocks(slots: usize) -> u64 {
+    slots.div_ceil(Kernel::TokenLogprobs.threads() as usize) as u64
+}
+
+/// A batch's [`Processing`] in device memory: per row a [`RowProcessing`] block, then the
+/// rows' sparse entries and mask words, uploaded once. A decode loop keeps it while the
+/// processing stays (histories change every step: upload again then).
+pub struct DeviceProcessing {
+    buffer: DeviceBuffer<u8>,
+    rows: usize,
+    vocab: usize,
+}
+
+/// What a processed call writes on the device: `[B, N]` tokens, their raw and processed
+/// log-probabilities, and each row's log-sum-exp terms.
+pub struct ProcessedOutputs {
+    pub tokens: DeviceTokens,
+    /// `[B, N]` raw log-probabilities, then `[B, N]` processed ones, then `[B]` [`RowSums`].
+    values: DeviceBuffer<f32>,
+}
+
+impl ProcessedOutputs {
+    fn slots(&self) -> usize {
+        self.tokens.rows * self.tokens.samples
+    }
+
+    fn sums(&self) -> DevicePtr<RowSums> {
+        self.values.ptr().add(2 * self.slots() as u64).cast()
+    }
+}
+
+/// The device image of a batch's processing (see [`DeviceProcessing`]) for a buffer at `base`.
+fn processing_image(processing: &[Processing], vocab: usize, base: u64) -> Vec<u8> {
+    let batch = processing.len();
+    let sparse_offset = batch * size_of::<RowProcessing>();
+    let sparse: Vec<Vec<SparseEntry>> = processing.iter().map(Processing::sparse_entries).collect();
+    let mask_offset = sparse_offset + sparse.iter().map(Vec::len).sum::<usize>() * size_of::<SparseEntry>();
+    let mut blocks = Vec::with_capacity(batch);
+    let (mut entries, mut words) = (Vec::new(), Vec::new());
+    for (p, listed) in processing.iter().zip(&sparse) {
+        let sparse_at = base + (sparse_offset + entries.len() * size_of::<SparseEntry>()) as u64;
+        let mask = match &p.mask {
+            Some(mask) => {
+                let at = base + (mask_offset + words.len() * 4) as u64;
+                words.extend_from_slice(&mask[..vocab.div_ceil(32)]);
+                DevicePtr::new(at)
+            }
+            None => DevicePtr::NULL,
+        };
+        entries.extend_from_slice(listed);
+        blocks.push(RowProcessing {
+            mask,
+            sparse: DevicePtr::new(sparse_at),
+            sparse_len: listed.len() as u32,
+            softcap: p.softcap.unwrap_or(0.0),
+            min_p: p.min_p,
+            top_p: p.top_p,
+            top_k: p.top_k.unwrap_or(0),
+            penalties: p.penalties,
+        });
+    }
+    let mut bytes = Vec::with_capacity(mask_offset + words.len() * 4);
+    bytes.extend_from_slice(bytemuck::cast_slice(&blocks));
+    bytes.extend_from_slice(bytemuck::cast_slice(&entries));
+    bytes.extend_from_slice(bytemuck::cast_slice(&words));
+    bytes
+}
+
+impl CudaSampler {
+    /// Checks a batch's processing for a vocabulary of `vocab` tokens (errors name
+    /// `processing[row].<field>`) and copies it to the device.
+    pub fn upload_processing(&self, processing: &[Processing], vocab: usize) -> Result<DeviceProcessing> {
+        for (b, p) in processing.iter().enumerate() {
+            p.check(b, vocab)?;
+        }
+        self.make_current()?;
+        let len = processing_image(processing, vocab, 0).len();
+        // SAFETY: every byte is copied from the host below, before any kernel reads it.
+        let buffer = unsafe { DeviceBuffer::<u8>::uninitialized(&self.stream, len.max(1), "processing")? };
+        let image = processing_image(processing, vocab, buffer.ptr().address());
+        // SAFETY: the buffer holds the image's bytes; the copy is ordered on our stream.
+        unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, self.stream.cu_stream())? };
+        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab })
+    }
+
+    /// Room for a processed call's outputs of `rows × samples` draws.
+    pub fn processed_outputs(&self, rows: usize, samples: usize) -> Result<ProcessedOutputs> {
+        let tokens = self.tokens(rows, samples)?;
+        let len = 2 * rows * samples + rows * size_of::<RowSums>() / 4;
+        // SAFETY: the kernels write every value before it is read.
+        let values = unsafe { DeviceBuffer::<f32>::uninitialized(&self.stream, len, "log-probabilities")? };
+        Ok(ProcessedOutputs { tokens, values })
+    }
+
+    /// The draws `draws` of each row of `hidden` with the row's [`Processing`] and
+    /// log-probabilities, returned to the host: what
+    /// [`CpuSampler::sample_processed`](crate::CpuSampler::sample_processed) draws, with the
+    /// same processing order, keep rule, noise and statuses (see
+    /// [`CudaSampler::sample_processed_into`]).
+    pub fn sample_processed(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        draws: Draws,
+    ) -> Result<Sampled> {
+        let draws = draws.check()?;
+        check_request(lm_head.shape, hidden.shape(), params, draws.count)?;
+        if processing.len() != params.len() {
+            return Err(invalid(
+                "processing",
+                format!("{} entries for B = {} hidden rows: one per row", processing.len(), params.len()),
+            ));
+        }
+        let device_processing = self.upload_processing(processing, lm_head.shape.vocab)?;
+        let hidden = self.upload_hidden(hidden)?;
+        let rows = self.upload_rows(params)?;
+        let mut out = self.processed_outputs(params.len(), draws.count as usize)?;
+        self.sample_processed_into(lm_head, &hidden, &rows, &device_processing, draws, &mut out)?;
+        self.processed_to_host(&out)
+    }
+
+    /// Queues processed sampling into `out` (`[B, draws.count]`): the unfused GEMM writes the
+    /// raw logits (`2 · B · V` floats of workspace hold them and the processed ones), one
+    /// block per row processes them, the logits sampler and the merge kernel draw with the
+    /// plain path's noise keys, and the last kernel writes the log-probabilities. The GEMM
+    /// needs a BF16 or F16 head with `D % 8 == 0`. Never waits for the device.
+    pub fn sample_processed_into(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        draws: Draws,
+        out: &mut ProcessedOutputs,
+    ) -> Result<()> {
+        let draws = draws.check()?;
+        self.check_device_rows(lm_head, hidden, rows, draws.count)?;
+        let shape = lm_head.shape;
+        let batch = hidden.rows();
+        if processing.rows != batch || processing.vocab != shape.vocab {
+            return Err(invalid(
+                "processing",
+                format!(
+                    "uploaded for B = {}, V = {}; the request has B = {batch}, V = {}",
+                    processing.rows, processing.vocab, shape.vocab
+                ),
+            ));
+        }
+        if out.tokens.rows != batch || out.tokens.samples != draws.count as usize {
+            return Err(invalid(
+                "out",
+                format!(
+                    "room for [{}, {}] draws, the request makes [{batch}, {}]",
+                    out.tokens.rows, out.tokens.samples, draws.count
+                ),
+            ));
+        }
+        let variant = Variant::Auto.resolve(self.module(), shape.dtype, shape.dim, batch)?;
+        if variant.logits_kernel(shape.dtype).is_none() {
+            return Err(invalid(
+                "lm_head",
+                format!("{}, D = {}: processing on the GPU needs BF16 or F16 with D % 8 == 0", shape.dtype, shape.dim),
+            ));
+        }
+        let stride = shape.vocab.next_multiple_of(4);
+        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, 2 * batch * stride, "logits")?;
+        let (raw, processed) = (logits, logits.add((batch * stride) as u64));
+        let row_params = rows.buffer.ptr();
+        self.queue_logits(lm_head, hidden, variant, raw, stride)?;
+        let args = ProcessArgs {
+            raw,
+            processed,
+            row_params,
+            processing: processing.buffer.ptr().cast(),
+            sums: out.sums(),
+            vocab: shape.vocab as u32,
+            logits_stride: stride as u32,
+            batch: batch as u32,
+            padding: 0,
+        };
+        // SAFETY: both logits hold `B × stride` floats; the processing image holds `B` row
+        // blocks whose sparse entries are distinct tokens below V (`sparse_entries` of checked
+        // rows) and whose masks hold ⌈V/32⌉ words (checked); `out` holds `B` sums.
+        unsafe { self.launch(Kernel::ProcessRows, batch as u64, &args)? };
+        self.queue_logits_sampling(processed, stride, shape.vocab, row_params, batch, draws, out.tokens.buffer.ptr())?;
+        let slots = out.slots();
+        let args = LogprobArgs {
+            raw,
+            processed,
+            row_params,
+            sums: out.sums(),
+            tokens: out.tokens.buffer.ptr(),
+            logprobs: out.values.ptr(),
+            processed_logprobs: out.values.ptr().add(slots as u64),
+            vocab: shape.vocab as u32,
+            logits_stride: stride as u32,
+            batch: batch as u32,
+            samples: draws.count,
+        };
+        // SAFETY: `B × samples` tokens and twice as many log-probability slots; the rest as above.
+        unsafe { self.launch(Kernel::TokenLogprobs, logprob_blocks(slots), &args) }
+    }
+
+    /// Waits for a processed call and copies its tokens and log-probabilities to the host;
+    /// rows without a token keep their sentinels ([`Sampled::rows_without_token`]).
+    pub fn processed_to_host(&self, out: &ProcessedOutputs) -> Result<Sampled> {
+        self.make_current()?;
+        self.synchronize("processed sampling")?;
+        let tokens = out.tokens.buffer.to_host(&self.stream, "tokens")?;
+        let mut logprobs = out.values.to_host(&self.stream, "log-probabilities")?;
+        logprobs.truncate(2 * out.slots());
+        let processed_logprobs = logprobs.split_off(out.slots());
+        Ok(Sampled { draws: out.tokens.samples, tokens, logprobs, processed_logprobs })
+    }
+}

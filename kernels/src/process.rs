@@ -1,0 +1,443 @@
+//! Logit processing over materialised rows: one block per row applies the per-entry steps of
+//! `flashsample_core::process`, decides min-p, top-k and top-p exactly, writes the logits
+//! the row races with and its log-sum-exp terms; a second kernel gives the drawn tokens'
+//! log-probabilities.
+//!
+//! top-k and top-p are order statistics of the whole row. Each is found by a radix selection
+//! over [`order_key`] (four 8-bit digits, most significant first): per digit a histogram of
+//! the entries still in play, whose weights are counts (top-k) or top-p's integer masses
+//! ([`top_p_units`]). Integer sums do not depend on the order the threads add them in, so the
+//! cut is the same on every launch and the same as the CPU's, which sorts.
+
+use core::ptr::addr_of_mut;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use flashsample_core::abi::{LogprobArgs, PROCESS_THREADS, ProcessArgs, RowSums, SELECT_BUCKETS};
+use flashsample_core::process::{
+    KeepRule, LogSumExp, dense_step, key_logit, min_p_threshold, order_key, sparse_step, token_log_probabilities,
+    top_p_target, top_p_units,
+};
+
+use crate::arch;
+
+const WARPS: usize = (PROCESS_THREADS / 32) as usize;
+
+/// The processing kernel's shared memory (`PROCESS_SHARED_BYTES`).
+#[repr(C)]
+pub struct ProcessShared {
+    buckets: [u64; SELECT_BUCKETS as usize],
+    warp_raw: [LogSumExp; WARPS],
+    warp_kept: [LogSumExp; WARPS],
+    warp_max: [f32; WARPS],
+    warp_non_finite: [u32; WARPS],
+    /// A selection digit's outcome, from thread 0 to the block: the key prefix, the weight
+    /// above it, the target, and whether the set reached the target.
+    selection: [u64; 4],
+}
+
+/// A selection's result: the largest key `K` whose entries at or above it reach the target,
+/// the weight of the entries above `K`, and the target.
+#[derive(Clone, Copy)]
+struct Selected {
+    key: u32,
+    above: u64,
+    target: u64,
+}
+
+/// Four consecutive logits, loaded and stored as one 16-byte access.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct Quad([f32; 4]);
+
+/// Calls `f(i, logit)` for this thread's entries `i < vocab` of the row at `row`: quads
+/// `thread, thread + PROCESS_THREADS, …`, two of them loaded before either is used, so that
+/// one block per row keeps enough loads in flight.
+///
+/// # Safety
+/// `row` is 16-byte aligned and readable up to `vocab` rounded up to a multiple of 4.
+#[inline(always)]
+unsafe fn for_each_entry(row: *const f32, vocab: u32, thread: u32, mut f: impl FnMut(u32, f32)) {
+    let quads = vocab.div_ceil(4);
+    let load = |q: u32| {
+        if q < quads {
+            // SAFETY: `q < ⌈vocab / 4⌉`: a whole aligned quad of the row (this function's
+            // contract).
+            unsafe { *(row.add(4 * q as usize) as *const Quad) }
+        } else {
+            Quad([f32::NEG_INFINITY; 4])
+        }
+    };
+    // Scalars, not an indexed array: an array indexed in a loop the compiler leaves rolled
+    // goes to the stack.
+    let mut visit = |q: u32, Quad([l0, l1, l2, l3]): Quad| {
+        let i = 4 * q;
+        if i < vocab {
+            f(i, l0);
+        }
+        if i + 1 < vocab {
+            f(i + 1, l1);
+        }
+        if i + 2 < vocab {
+            f(i + 2, l2);
+        }
+        if i + 3 < vocab {
+            f(i + 3, l3);
+        }
+    };
+    let mut first = thread;
+    while first < quads {
+        let second = first + PROCESS_THREADS;
+        let (a, b) = (load(first), load(second));
+        visit(first, a);
+        visit(second, b);
+        first += 2 * PROCESS_THREADS;
+    }
+}
+
+/// The block's view of one row.
+struct Row {
+    shared: *mut ProcessShared,
+    processed: *mut f32,
+    vocab: u32,
+    thread: u32,
+}
+
+impl Row {
+    /// The largest key `K` such that the entries with `member(i) = Some((key, logit))` and
+    /// `key ≥ K` weigh at least `target(total)` (`total` the weight of all members), with
+    /// `weight(logit)` per entry; `None` when all members weigh less.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together; the row is not written meanwhile.
+    #[inline(always)]
+    unsafe fn select(
+        &self,
+        member: impl Fn(u32, f32) -> Option<u32>,
+        weight: impl Fn(f32) -> u64,
+        target: impl Fn(u64) -> u64,
+    ) -> Option<Selected> {
+        // SAFETY: the fields lie inside the block's shared memory (`PROCESS_SHARED_BYTES`).
+        let buckets = unsafe { addr_of_mut!((*self.shared).buckets) } as *mut u64;
+        // SAFETY: as above.
+        let selection = unsafe { addr_of_mut!((*self.shared).selection) } as *mut u64;
+        let mut prefix = 0u32;
+        for digit in 0..4u32 {
+            let shift = 24 - 8 * digit;
+            if self.thread < SELECT_BUCKETS {
+                // SAFETY: `thread < SELECT_BUCKETS`: one bucket.
+                unsafe { *buckets.add(self.thread as usize) = 0 };
+            }
+            // SAFETY: every thread of the block reaches it (this function's contract, uniform
+            // loop).
+            unsafe { arch::sync_threads() };
+            // A thread's consecutive members mostly share a bucket (the leading digits most
+            // of all): it adds runs, not entries, to keep the shared atomics uncontended.
+            let add = |bucket: u32, weight: u64| {
+                if weight > 0 {
+                    // SAFETY: a bucket of the shared histogram, only accessed atomically until
+                    // the barrier below.
+                    unsafe { AtomicU64::from_ptr(buckets.add(bucket as usize)) }.fetch_add(weight, Ordering::Relaxed);
+                }
+            };
+            let (mut run_bucket, mut run_weight) = (0u32, 0u64);
+            // SAFETY: the row's processed logits, padded to the stride.
+            unsafe {
+                for_each_entry(self.processed, self.vocab, self.thread, |i, l| {
+                    if let Some(key) = member(i, l)
+                        && (digit == 0 || (key ^ prefix) >> (shift + 8) == 0)
+                    {
+                        let bucket = (key >> shift) & (SELECT_BUCKETS - 1);
+                        if bucket != run_bucket {
+                            add(run_bucket, run_weight);
+                            (run_bucket, run_weight) = (bucket, 0);
+                        }
+                        run_weight += weight(l);
+                    }
+                })
+            };
+            add(run_bucket, run_weight);
+            // SAFETY: as above.
+            unsafe { arch::sync_threads() };
+            if self.thread == 0 {
+                // SAFETY: the selection words and buckets, read and written by thread 0 alone
+                // between two barriers.
+                unsafe {
+                    if digit == 0 {
+                        let mut total = 0u64;
+                        for d in 0..SELECT_BUCKETS as usize {
+                            total += *buckets.add(d);
+                        }
+                        *selection.add(1) = 0;
+                        *selection.add(2) = target(total);
+                        *selection.add(3) = (total >= target(total)) as u64;
+                    }
+                    let (mut above, goal) = (*selection.add(1), *selection.add(2));
+                    let mut chosen = 0u32;
+                    let mut d = SELECT_BUCKETS;
+                    while d > 0 {
+                        d -= 1;
+                        let here = *buckets.add(d as usize);
+                        if above + here >= goal {
+                            chosen = d;
+                            break;
+                        }
+                        above += here;
+                    }
+                    *selection = (prefix | chosen << shift) as u64;
+                    *selection.add(1) = above;
+                }
+            }
+            // SAFETY: as above.
+            unsafe { arch::sync_threads() };
+            // SAFETY: written by thread 0 before the barrier; rewritten only after the next
+            // digit's two barriers.
+            let (found, key) = unsafe { (*selection.add(3), *selection as u32) };
+            if found == 0 {
+                return None;
+            }
+            prefix = key;
+        }
+        // SAFETY: as above.
+        let (above, target) = unsafe { (*selection.add(1), *selection.add(2)) };
+        Some(Selected { key: prefix, above, target })
+    }
+
+    /// The block's largest entry and whether any entry is NaN or +∞.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together.
+    #[inline(always)]
+    unsafe fn max_and_non_finite(&self) -> (f32, bool) {
+        let mut max = f32::NEG_INFINITY;
+        let mut non_finite = false;
+        // SAFETY: the row's processed logits, padded to the stride.
+        unsafe {
+            for_each_entry(self.processed, self.vocab, self.thread, |_, l| {
+                max = if l > max { l } else { max };
+                non_finite |= l.is_nan() || l == f32::INFINITY;
+            })
+        };
+        let mut mask = 1;
+        while mask < 32 {
+            // SAFETY: every lane reaches it (uniform loop), per this function's contract.
+            let other = f32::from_bits(unsafe { arch::shuffle_xor(max.to_bits(), mask) });
+            max = if other > max { other } else { max };
+            // SAFETY: as above.
+            non_finite |= unsafe { arch::shuffle_xor(non_finite as u32, mask) } != 0;
+            mask <<= 1;
+        }
+        let warp = (self.thread / 32) as usize;
+        // SAFETY: per-warp slots of the block's shared memory.
+        let (maxima, flags) = unsafe {
+            (
+                addr_of_mut!((*self.shared).warp_max) as *mut f32,
+                addr_of_mut!((*self.shared).warp_non_finite) as *mut u32,
+            )
+        };
+        if self.thread.is_multiple_of(32) {
+            // SAFETY: `warp < WARPS`.
+            unsafe { (*maxima.add(warp), *flags.add(warp)) = (max, non_finite as u32) };
+        }
+        // SAFETY: every thread of the block reaches it.
+        unsafe { arch::sync_threads() };
+        for w in 0..WARPS {
+            // SAFETY: written before the barrier above.
+            let (m, f) = unsafe { (*maxima.add(w), *flags.add(w)) };
+            max = if m > max { m } else { max };
+            non_finite |= f != 0;
+        }
+        // SAFETY: every thread has read the slots before they are written again.
+        unsafe { arch::sync_threads() };
+        (max, non_finite)
+    }
+}
+
+/// Merges a log-sum-exp pair over the warp's lanes.
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn merge_lse_over_warp(mut lse: LogSumExp, temperature: f32) -> LogSumExp {
+    let mut mask = 1;
+    while mask < 32 {
+        // SAFETY: all 32 lanes together (this function's contract).
+        let max = f32::from_bits(unsafe { arch::shuffle_xor(lse.max.to_bits(), mask) });
+        // SAFETY: as above.
+        let sum = f32::from_bits(unsafe { arch::shuffle_xor(lse.sum.to_bits(), mask) });
+        // Merged in lane order so that both lanes of a pair hold the same bits.
+        let lane_bit = arch::thread_index() & mask;
+        let (mut low, high) = if lane_bit == 0 { (lse, LogSumExp { max, sum }) } else { (LogSumExp { max, sum }, lse) };
+        low.merge_with(high, temperature);
+        lse = low;
+        mask <<= 1;
+    }
+    lse
+}
+
+/// The row's keep rule (min-p, then top-k, then top-p), for a sampling row whose processed
+/// logits are finite or −∞ with largest `max`.
+///
+/// # Safety
+/// Every thread of the block calls it together.
+#[inline(always)]
+unsafe fn keep_rule(row: &Row, max: f32, temperature: f32, p: &flashsample_core::abi::RowProcessing) -> KeepRule {
+    let min_cut = min_p_threshold(max, temperature, p.min_p);
+    let mut rule = KeepRule { min_cut, ..KeepRule::ALL };
+    let kept = |rule: KeepRule| move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, i)).then(|| order_key(l));
+    if p.top_k > 0 {
+        let k = p.top_k as u64;
+        // SAFETY: every thread together (this function's contract).
+        if let Some(kth) = unsafe { row.select(kept(rule), |_| 1, |_| k) } {
+            rule.order_cut = (key_logit(kth.key), u32::MAX);
+        }
+    }
+    if p.top_p < 1.0 {
+        let units = |l: f32| top_p_units(l, max, temperature);
+        let members = kept(rule);
+        // SAFETY: as above.
+        if let Some(last) = unsafe { row.select(members, units, |total| top_p_target(total, p.top_p)) } {
+            // Entries tied at the last key weigh the same: the prefix ends at the n-th of them
+            // by index.
+            let n = (last.target - last.above).div_ceil(units(key_logit(last.key)).max(1));
+            let ties = |i: u32, l: f32| members(i, l).filter(|&key| key == last.key).map(|_| !i);
+            // SAFETY: as above.
+            let index = unsafe { row.select(ties, |_| 1, |_| n) }.map_or(u32::MAX, |tie| !tie.key);
+            rule.order_cut = (key_logit(last.key), index);
+        }
+    }
+    rule
+}
+
+/// The processing kernel (see `ProcessArgs`): per row, the dense and sparse steps, the keep
+/// rule, the kept logits and the row's log-sum-exp terms.
+///
+/// # Safety
+/// Launched with `PROCESS_THREADS` threads and `PROCESS_SHARED_BYTES` of shared memory;
+/// `args` describes valid buffers; each row's sparse tokens are distinct and below `vocab`,
+/// its mask (if any) holds `⌈vocab / 32⌉` words.
+#[inline(always)]
+pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
+    let thread = arch::thread_index();
+    let lane = thread % 32;
+    let warp = (thread / 32) as usize;
+    let mut b = arch::block_index();
+    while b < args.batch {
+        // SAFETY: `b < batch`: a row of the `[batch]` parameters.
+        let (params, p) =
+            unsafe { (*args.row_params.as_ptr().add(b as usize), *args.processing.as_ptr().add(b as usize)) };
+        let offset = b as usize * args.logits_stride as usize;
+        let raw = args.raw.as_ptr().wrapping_add(offset);
+        let processed = args.processed.as_mut_ptr().wrapping_add(offset);
+        let row = Row { shared, processed, vocab: args.vocab, thread };
+        let mask = p.mask.as_ptr();
+        let mut raw_lse = LogSumExp::EMPTY;
+        let dense = |i: u32, l: f32| {
+            // SAFETY: `i < vocab`: inside the mask's words and row `b` of the processed logits.
+            let allowed = mask.is_null() || unsafe { *mask.add(i as usize / 32) >> (i % 32) } & 1 == 1;
+            raw_lse.add(l, 1.0);
+            // SAFETY: as above.
+            unsafe { *processed.add(i as usize) = dense_step(l, p.softcap, allowed) };
+        };
+        // SAFETY: row `b` of the raw logits, padded to the stride (a multiple of 4).
+        unsafe { for_each_entry(raw, args.vocab, thread, dense) };
+        // The row's padding up to the stride: the logits sampler loads whole quads.
+        if thread < args.logits_stride - args.vocab {
+            // SAFETY: `vocab + thread < logits_stride`: inside row `b`.
+            unsafe { *processed.add((args.vocab + thread) as usize) = f32::NEG_INFINITY };
+        }
+        // SAFETY: every thread of the block reaches it (uniform loops).
+        unsafe { arch::sync_threads() };
+        let mut e = thread;
+        while e < p.sparse_len {
+            // SAFETY: `e < sparse_len`; the entry's token is below `vocab` and listed once
+            // (this function's contract), so no two threads touch one logit.
+            unsafe {
+                let entry = *p.sparse.as_ptr().add(e as usize);
+                let at = processed.add(entry.token as usize);
+                *at = sparse_step(*at, &entry, &p.penalties);
+            }
+            e += PROCESS_THREADS;
+        }
+        // SAFETY: as above.
+        unsafe { arch::sync_threads() };
+        let sampling = params.greedy == 0;
+        let mut rule = KeepRule::ALL;
+        if sampling && (p.min_p > 0.0 || p.top_k > 0 || p.top_p < 1.0) {
+            // SAFETY: every thread together (uniform condition: one row per block).
+            let (max, non_finite) = unsafe { row.max_and_non_finite() };
+            if !non_finite && max > f32::NEG_INFINITY {
+                // SAFETY: as above.
+                rule = unsafe { keep_rule(&row, max, params.temperature, &p) };
+            }
+        }
+        let mut kept = LogSumExp::EMPTY;
+        let apply = |i: u32, l: f32| {
+            if !rule.keeps(l, i) {
+                // SAFETY: `i < vocab`: inside the row; only this thread touches entry `i`.
+                unsafe { *processed.add(i as usize) = f32::NEG_INFINITY };
+            } else if sampling {
+                kept.add(l, params.temperature);
+            }
+        };
+        // SAFETY: the row's processed logits, padded to the stride.
+        unsafe { for_each_entry(processed, args.vocab, thread, apply) };
+        // SAFETY: all lanes together (uniform loops).
+        let (raw_lse, kept) =
+            unsafe { (merge_lse_over_warp(raw_lse, 1.0), merge_lse_over_warp(kept, params.temperature)) };
+        // SAFETY: per-warp slots of the shared memory.
+        let (raws, kepts) = unsafe {
+            (addr_of_mut!((*shared).warp_raw) as *mut LogSumExp, addr_of_mut!((*shared).warp_kept) as *mut LogSumExp)
+        };
+        if lane == 0 {
+            // SAFETY: `warp < WARPS`.
+            unsafe { (*raws.add(warp), *kepts.add(warp)) = (raw_lse, kept) };
+        }
+        // SAFETY: every thread of the block reaches it.
+        unsafe { arch::sync_threads() };
+        if thread == 0 {
+            let mut sums = RowSums { raw: LogSumExp::EMPTY, kept: LogSumExp::EMPTY };
+            for w in 0..WARPS {
+                // SAFETY: written before the barrier above.
+                let (r, k) = unsafe { (*raws.add(w), *kepts.add(w)) };
+                sums.raw.merge_with(r, 1.0);
+                sums.kept.merge_with(k, params.temperature);
+            }
+            // SAFETY: `b < batch`: a row of the sums.
+            unsafe { *args.sums.as_mut_ptr().add(b as usize) = sums };
+        }
+        // SAFETY: every thread of the block reaches it; the next row reuses the shared memory.
+        unsafe { arch::sync_threads() };
+        b += arch::grid_size();
+    }
+}
+
+/// The log-probability kernel (see `LogprobArgs`): one thread per drawn token.
+///
+/// # Safety
+/// `args` describes valid buffers: `[batch, samples]` tokens and log-probabilities, `[batch,
+/// logits_stride]` logits, `[batch]` row parameters and sums.
+#[inline(always)]
+pub unsafe fn token_logprobs(args: &LogprobArgs) {
+    let (mut k, step) = arch::global_thread();
+    let slots = args.batch as u64 * args.samples as u64;
+    while k < slots {
+        let b = (k / args.samples as u64) as usize;
+        // SAFETY: `k < batch · samples`, `b < batch`: inside the tokens, parameters and sums.
+        let (token, params, sums) = unsafe {
+            (*args.tokens.as_ptr().add(k as usize), *args.row_params.as_ptr().add(b), *args.sums.as_ptr().add(b))
+        };
+        let logits = (token < args.vocab).then(|| {
+            let at = b * args.logits_stride as usize + token as usize;
+            // SAFETY: `token < vocab`: inside row `b` of both logits.
+            unsafe { (*args.raw.as_ptr().add(at), *args.processed.as_ptr().add(at)) }
+        });
+        let (raw_lp, processed_lp) =
+            token_log_probabilities(token, logits, &sums.raw, &sums.kept, params.greedy != 0, params.temperature);
+        // SAFETY: `k < batch · samples`: inside both outputs.
+        unsafe {
+            *args.logprobs.as_mut_ptr().add(k as usize) = raw_lp;
+            *args.processed_logprobs.as_mut_ptr().add(k as usize) = processed_lp;
+        }
+        k += step;
+    }
+}

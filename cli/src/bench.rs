@@ -56,10 +56,11 @@ pub struct Options {
 type ModeFor = fn(usize) -> Processing;
 
 /// The processing modes the bench times, each on every row of the batch: its label and the
-/// row's processing. `plain` processes nothing (the materialised path's own cost,
-/// log-probabilities included).
-pub const PROCESSING_MODES: [(&str, ModeFor); 9] = [
+/// row's processing. `plain` processes nothing (the materialised path's own cost);
+/// `logprobs` is `plain` with log-probabilities, which the other modes go without.
+pub const PROCESSING_MODES: [(&str, ModeFor); 10] = [
     ("plain", |_| Processing::default()),
+    ("logprobs", |_| Processing::default()),
     ("softcap", |_| Processing { softcap: Some(30.0), ..Processing::default() }),
     ("bias", |v| Processing {
         bias: (0..v as u32).step_by(v / 100).map(|t| (t, 2.0)).collect(),
@@ -171,18 +172,13 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
                     progress.inc(1);
                 }
                 if first && options.processing {
-                    let mut out = sampler.processed_outputs(batch, 1)?;
+                    let mut plain = sampler.processed_outputs(batch, 1, false)?;
+                    let mut logprobs = sampler.processed_outputs(batch, 1, true)?;
                     for (label, mode) in PROCESSING_MODES {
                         let processing = sampler.upload_processing(&vec![mode(vocab); batch], vocab)?;
+                        let out = if label == "logprobs" { &mut logprobs } else { &mut plain };
                         time(&format!("processed_{label}"), &mut || {
-                            sampler.sample_processed_into(
-                                &head,
-                                &hidden,
-                                &sampling,
-                                &processing,
-                                Draws::first(1),
-                                &mut out,
-                            )
+                            sampler.sample_processed_into(&head, &hidden, &sampling, &processing, Draws::first(1), out)
                         })?;
                     }
                 }

@@ -368,6 +368,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
             }
             (device, _) => device,
         };
+        let wants_logprobs = !log_outputs.is_empty();
         let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
         let mut log_writers = log_outputs
             .iter()
@@ -393,8 +394,13 @@ fn sample_command(args: SampleArgs) -> Result<()> {
             Some(sampler) => {
                 let head = sampler.upload_lm_head(&w)?;
                 drop(w);
+                let hidden = sampler.upload_hidden(&h)?;
+                let rows = sampler.upload_rows(&params)?;
+                let device_processing = sampler.upload_processing(&processing, vocab)?;
                 for draws in passes {
-                    write(draws.first, sampler.sample_processed(&head, &h, &params, &processing, draws)?)?;
+                    let mut out = sampler.processed_outputs(h.rows(), draws.count as usize, wants_logprobs)?;
+                    sampler.sample_processed_into(&head, &hidden, &rows, &device_processing, draws, &mut out)?;
+                    write(draws.first, sampler.processed_to_host(&out)?)?;
                 }
                 drop(head);
                 sampler.close()?;

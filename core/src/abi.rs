@@ -396,7 +396,8 @@ pub struct RowSums {
 }
 
 /// The processing kernel: one block per row turns `raw[b]` into `processed[b]` (the logits
-/// the row races with, −∞ for every dropped token) and writes `sums[b]`.
+/// the row races with, −∞ for every dropped token) and writes `sums[b]`. Without
+/// log-probabilities `sums` is null and `processed` may be `raw` (processed in place).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -407,7 +408,7 @@ pub struct ProcessArgs {
     pub processed: DevicePtr<f32>,
     pub row_params: DevicePtr<RowParams>,
     pub processing: DevicePtr<RowProcessing>,
-    /// `[batch]`, written.
+    /// `[batch]`, written; null: no log-sum-exp terms.
     pub sums: DevicePtr<RowSums>,
     pub vocab: u32,
     pub logits_stride: u32,

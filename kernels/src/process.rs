@@ -318,8 +318,10 @@ unsafe fn keep_rule(row: &Row, max: f32, temperature: f32, p: &flashsample_core:
 #[inline(always)]
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
     let thread = arch::thread_index();
-    let lane = thread % 32;
-    let warp = (thread / 32) as usize;
+    // Without log-probabilities no log-sum-exp is summed; in place (`raw == processed`) the
+    // raw logits are overwritten.
+    let log_sums = !args.sums.as_ptr().is_null();
+    let in_place = args.raw == args.processed;
     let mut b = arch::block_index();
     while b < args.batch {
         // SAFETY: `b < batch`: a row of the `[batch]` parameters.
@@ -334,12 +336,17 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
         let dense = |i: u32, l: f32| {
             // SAFETY: `i < vocab`: inside the mask's words and row `b` of the processed logits.
             let allowed = mask.is_null() || unsafe { *mask.add(i as usize / 32) >> (i % 32) } & 1 == 1;
-            raw_lse.add(l, 1.0);
+            if log_sums {
+                raw_lse.add(l, 1.0);
+            }
             // SAFETY: as above.
             unsafe { *processed.add(i as usize) = dense_step(l, p.softcap, allowed) };
         };
-        // SAFETY: row `b` of the raw logits, padded to the stride (a multiple of 4).
-        unsafe { for_each_entry(raw, args.vocab, thread, dense) };
+        // In place, a row without soft-cap or mask is already what the dense steps make.
+        if log_sums || !in_place || p.softcap > 0.0 || !mask.is_null() {
+            // SAFETY: row `b` of the raw logits, padded to the stride (a multiple of 4).
+            unsafe { for_each_entry(raw, args.vocab, thread, dense) };
+        }
         // The row's padding up to the stride: the logits sampler loads whole quads.
         if thread < args.logits_stride - args.vocab {
             // SAFETY: `vocab + thread < logits_stride`: inside row `b`.
@@ -375,39 +382,61 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
             if !rule.keeps(l, i) {
                 // SAFETY: `i < vocab`: inside the row; only this thread touches entry `i`.
                 unsafe { *processed.add(i as usize) = f32::NEG_INFINITY };
-            } else if sampling {
+            } else if sampling && log_sums {
                 kept.add(l, params.temperature);
             }
         };
-        // SAFETY: the row's processed logits, padded to the stride.
-        unsafe { for_each_entry(processed, args.vocab, thread, apply) };
-        // SAFETY: all lanes together (uniform loops).
-        let (raw_lse, kept) =
-            unsafe { (merge_lse_over_warp(raw_lse, 1.0), merge_lse_over_warp(kept, params.temperature)) };
-        // SAFETY: per-warp slots of the shared memory.
-        let (raws, kepts) = unsafe {
-            (addr_of_mut!((*shared).warp_raw) as *mut LogSumExp, addr_of_mut!((*shared).warp_kept) as *mut LogSumExp)
-        };
-        if lane == 0 {
-            // SAFETY: `warp < WARPS`.
-            unsafe { (*raws.add(warp), *kepts.add(warp)) = (raw_lse, kept) };
+        if log_sums || rule != KeepRule::ALL {
+            // SAFETY: the row's processed logits, padded to the stride.
+            unsafe { for_each_entry(processed, args.vocab, thread, apply) };
         }
-        // SAFETY: every thread of the block reaches it.
-        unsafe { arch::sync_threads() };
-        if thread == 0 {
-            let mut sums = RowSums { raw: LogSumExp::EMPTY, kept: LogSumExp::EMPTY };
-            for w in 0..WARPS {
-                // SAFETY: written before the barrier above.
-                let (r, k) = unsafe { (*raws.add(w), *kepts.add(w)) };
-                sums.raw.merge_with(r, 1.0);
-                sums.kept.merge_with(k, params.temperature);
-            }
-            // SAFETY: `b < batch`: a row of the sums.
-            unsafe { *args.sums.as_mut_ptr().add(b as usize) = sums };
+        if log_sums {
+            // SAFETY: every thread of the block together (a uniform condition).
+            unsafe { write_sums(args, shared, b, raw_lse, kept, params.temperature) };
         }
         // SAFETY: every thread of the block reaches it; the next row reuses the shared memory.
         unsafe { arch::sync_threads() };
         b += arch::grid_size();
+    }
+}
+
+/// Merges the block's log-sum-exp terms of row `b` and writes them to `args.sums[b]`.
+///
+/// # Safety
+/// Every thread of the block calls it together; `args.sums` holds row `b`.
+#[inline(always)]
+unsafe fn write_sums(
+    args: &ProcessArgs,
+    shared: *mut ProcessShared,
+    b: u32,
+    raw_lse: LogSumExp,
+    kept: LogSumExp,
+    temperature: f32,
+) {
+    let thread = arch::thread_index();
+    let (lane, warp) = (thread % 32, (thread / 32) as usize);
+    // SAFETY: all lanes together (uniform loops).
+    let (raw_lse, kept) = unsafe { (merge_lse_over_warp(raw_lse, 1.0), merge_lse_over_warp(kept, temperature)) };
+    // SAFETY: per-warp slots of the shared memory.
+    let (raws, kepts) = unsafe {
+        (addr_of_mut!((*shared).warp_raw) as *mut LogSumExp, addr_of_mut!((*shared).warp_kept) as *mut LogSumExp)
+    };
+    if lane == 0 {
+        // SAFETY: `warp < WARPS`.
+        unsafe { (*raws.add(warp), *kepts.add(warp)) = (raw_lse, kept) };
+    }
+    // SAFETY: every thread of the block reaches it (this function's contract).
+    unsafe { arch::sync_threads() };
+    if thread == 0 {
+        let mut sums = RowSums { raw: LogSumExp::EMPTY, kept: LogSumExp::EMPTY };
+        for w in 0..WARPS {
+            // SAFETY: written before the barrier above.
+            let (r, k) = unsafe { (*raws.add(w), *kepts.add(w)) };
+            sums.raw.merge_with(r, 1.0);
+            sums.kept.merge_with(k, temperature);
+        }
+        // SAFETY: `args.sums` holds row `b` (this function's contract).
+        unsafe { *args.sums.as_mut_ptr().add(b as usize) = sums };
     }
 }
 

@@ -148,7 +148,7 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
 /// The workload of the bundle's `sanitizer` stage: every kernel variant the module has (the
 /// unfused pipeline too) on a prime vocabulary, D not a multiple of 8 for the SIMT tile, and
 /// B = 1, 37 and 1023, each checked against the CPU; then processed sampling with every
-/// processing mode in one batch (the processing and log-probability kernels).
+/// processing mode in one batch, with log-probabilities and in place without them.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sanitizer_workload_every_variant_on_odd_shapes() {
@@ -180,4 +180,12 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
         .sample_processed(&head, &h.row_range(0, modes.len()), &params, &processing, flashsample::Draws::first(3))
         .unwrap();
     assert!(sampled.tokens.iter().all(|&t| t < 1009), "{:?}", sampled.tokens);
+    let rows = sampler.upload_rows(&params).unwrap();
+    let device_processing = sampler.upload_processing(&processing, 1009).unwrap();
+    let hidden = sampler.upload_hidden(&h.row_range(0, modes.len())).unwrap();
+    let mut out = sampler.processed_outputs(modes.len(), 3, false).unwrap();
+    sampler
+        .sample_processed_into(&head, &hidden, &rows, &device_processing, flashsample::Draws::first(3), &mut out)
+        .unwrap();
+    assert_eq!(sampler.processed_to_host(&out).unwrap().tokens, sampled.tokens);
 }

@@ -202,4 +202,32 @@ mod gpu {
         println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
         assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
     }
+
+    /// Without log-probabilities the logits are processed in place and no log-sum-exp is
+    /// summed: the same tokens, every mode in one batch, and no log-probabilities returned.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn without_log_probabilities_the_tokens_are_the_same() {
+        let vocab = 2053;
+        let modes = each_mode(vocab);
+        let w = random_matrix(vocab, 24, DType::BF16, 0.5, 55);
+        let h = random_matrix(modes.len(), 24, DType::BF16, 1.0, 56);
+        let params: Vec<flashsample::SamplingParams> =
+            (0..modes.len()).map(|r| flashsample::SamplingParams::new(0.9, 3, r as u32, 0)).collect();
+        let processing: Vec<flashsample::Processing> = modes.iter().map(|m| m.1.clone()).collect();
+        let sampler = &cuda().sampler;
+        let (head, hidden) = (sampler.upload_lm_head(&w).unwrap(), sampler.upload_hidden(&h).unwrap());
+        let rows = sampler.upload_rows(&params).unwrap();
+        let device_processing = sampler.upload_processing(&processing, vocab).unwrap();
+        let draws = flashsample::Draws::first(40);
+        let run = |logprobs: bool| {
+            let mut out = sampler.processed_outputs(modes.len(), 40, logprobs).unwrap();
+            sampler.sample_processed_into(&head, &hidden, &rows, &device_processing, draws, &mut out).unwrap();
+            sampler.processed_to_host(&out).unwrap()
+        };
+        let (with, without) = (run(true), run(false));
+        assert_eq!(with.tokens, without.tokens);
+        assert_eq!(with.logprobs.len(), modes.len() * 40);
+        assert!(without.logprobs.is_empty() && without.processed_logprobs.is_empty());
+    }
 }

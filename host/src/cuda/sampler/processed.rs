@@ -31,12 +31,12 @@ pub struct DeviceProcessing {
     vocab: usize,
 }
 
-/// What a processed call writes on the device: `[B, N]` tokens, their raw and processed
-/// log-probabilities, and each row's log-sum-exp terms.
+/// What a processed call writes on the device: `[B, N]` tokens and, when asked for, their raw
+/// and processed log-probabilities with each row's log-sum-exp terms.
 pub struct ProcessedOutputs {
     pub tokens: DeviceTokens,
     /// `[B, N]` raw log-probabilities, then `[B, N]` processed ones, then `[B]` [`RowSums`].
-    values: DeviceBuffer<f32>,
+    logprobs: Option<DeviceBuffer<f32>>,
 }
 
 impl ProcessedOutputs {
@@ -45,7 +45,7 @@ impl ProcessedOutputs {
     }
 
     fn sums(&self) -> DevicePtr<RowSums> {
-        self.values.ptr().add(2 * self.slots() as u64).cast()
+        self.logprobs.as_ref().map_or(DevicePtr::NULL, |values| values.ptr().add(2 * self.slots() as u64).cast())
     }
 }
 
@@ -103,13 +103,18 @@ impl CudaSampler {
         Ok(DeviceProcessing { buffer, rows: processing.len(), vocab })
     }
 
-    /// Room for a processed call's outputs of `rows × samples` draws.
-    pub fn processed_outputs(&self, rows: usize, samples: usize) -> Result<ProcessedOutputs> {
+    /// Room for a processed call's outputs of `rows × samples` draws, with their
+    /// log-probabilities if `logprobs`. Without them no log-sum-exp is summed and the logits
+    /// are processed in place: half the workspace and less work.
+    pub fn processed_outputs(&self, rows: usize, samples: usize, logprobs: bool) -> Result<ProcessedOutputs> {
         let tokens = self.tokens(rows, samples)?;
         let len = 2 * rows * samples + rows * size_of::<RowSums>() / 4;
-        // SAFETY: the kernels write every value before it is read.
-        let values = unsafe { DeviceBuffer::<f32>::uninitialized(&self.stream, len, "log-probabilities")? };
-        Ok(ProcessedOutputs { tokens, values })
+        let logprobs = match logprobs {
+            // SAFETY: the kernels write every value before it is read.
+            true => Some(unsafe { DeviceBuffer::<f32>::uninitialized(&self.stream, len, "log-probabilities")? }),
+            false => None,
+        };
+        Ok(ProcessedOutputs { tokens, logprobs })
     }
 
     /// The draws `draws` of each row of `hidden` with the row's [`Processing`] and
@@ -136,16 +141,17 @@ impl CudaSampler {
         let device_processing = self.upload_processing(processing, lm_head.shape.vocab)?;
         let hidden = self.upload_hidden(hidden)?;
         let rows = self.upload_rows(params)?;
-        let mut out = self.processed_outputs(params.len(), draws.count as usize)?;
+        let mut out = self.processed_outputs(params.len(), draws.count as usize, true)?;
         self.sample_processed_into(lm_head, &hidden, &rows, &device_processing, draws, &mut out)?;
         self.processed_to_host(&out)
     }
 
     /// Queues processed sampling into `out` (`[B, draws.count]`): the unfused GEMM writes the
-    /// raw logits (`2 · B · V` floats of workspace hold them and the processed ones), one
-    /// block per row processes them, the logits sampler and the merge kernel draw with the
-    /// plain path's noise keys, and the last kernel writes the log-probabilities. The GEMM
-    /// needs a BF16 or F16 head with `D % 8 == 0`. Never waits for the device.
+    /// raw logits (`B · V` floats of workspace, twice that with log-probabilities, which keep
+    /// the raw logits beside the processed ones), one block per row processes them, the
+    /// logits sampler and the merge kernel draw with the plain path's noise keys, and with
+    /// log-probabilities a last kernel writes them. The GEMM needs a BF16 or F16 head with
+    /// `D % 8 == 0`. Never waits for the device.
     pub fn sample_processed_into(
         &self,
         lm_head: &CudaLmHead,
@@ -185,8 +191,9 @@ impl CudaSampler {
             ));
         }
         let stride = shape.vocab.next_multiple_of(4);
-        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, 2 * batch * stride, "logits")?;
-        let (raw, processed) = (logits, logits.add((batch * stride) as u64));
+        let copies = if out.logprobs.is_some() { 2 } else { 1 };
+        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
+        let (raw, processed) = (logits, logits.add(((copies - 1) * batch * stride) as u64));
         let row_params = rows.buffer.ptr();
         self.queue_logits(lm_head, hidden, variant, raw, stride)?;
         let args = ProcessArgs {
@@ -205,6 +212,9 @@ impl CudaSampler {
         // rows) and whose masks hold ⌈V/32⌉ words (checked); `out` holds `B` sums.
         unsafe { self.launch(Kernel::ProcessRows, batch as u64, &args)? };
         self.queue_logits_sampling(processed, stride, shape.vocab, row_params, batch, draws, out.tokens.buffer.ptr())?;
+        let Some(values) = &out.logprobs else {
+            return Ok(());
+        };
         let slots = out.slots();
         let args = LogprobArgs {
             raw,
@@ -212,8 +222,8 @@ impl CudaSampler {
             row_params,
             sums: out.sums(),
             tokens: out.tokens.buffer.ptr(),
-            logprobs: out.values.ptr(),
-            processed_logprobs: out.values.ptr().add(slots as u64),
+            logprobs: values.ptr(),
+            processed_logprobs: values.ptr().add(slots as u64),
             vocab: shape.vocab as u32,
             logits_stride: stride as u32,
             batch: batch as u32,
@@ -223,15 +233,19 @@ impl CudaSampler {
         unsafe { self.launch(Kernel::TokenLogprobs, logprob_blocks(slots), &args) }
     }
 
-    /// Waits for a processed call and copies its tokens and log-probabilities to the host;
-    /// rows without a token keep their sentinels ([`Sampled::rows_without_token`]).
+    /// Waits for a processed call and copies its tokens and log-probabilities (empty if `out`
+    /// has none) to the host; rows without a token keep their sentinels
+    /// ([`Sampled::rows_without_token`]).
     pub fn processed_to_host(&self, out: &ProcessedOutputs) -> Result<Sampled> {
         self.make_current()?;
         self.synchronize("processed sampling")?;
         let tokens = out.tokens.buffer.to_host(&self.stream, "tokens")?;
-        let mut logprobs = out.values.to_host(&self.stream, "log-probabilities")?;
-        logprobs.truncate(2 * out.slots());
-        let processed_logprobs = logprobs.split_off(out.slots());
+        let (mut logprobs, mut processed_logprobs) = (Vec::new(), Vec::new());
+        if let Some(values) = &out.logprobs {
+            logprobs = values.to_host(&self.stream, "log-probabilities")?;
+            logprobs.truncate(2 * out.slots());
+            processed_logprobs = logprobs.split_off(out.slots());
+        }
         Ok(Sampled { draws: out.tokens.samples, tokens, logprobs, processed_logprobs })
     }
 }

@@ -178,7 +178,15 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
                         let processing = sampler.upload_processing(&vec![mode(vocab); batch], vocab)?;
                         let out = if label == "logprobs" { &mut logprobs } else { &mut plain };
                         time(&format!("processed_{label}"), &mut || {
-                            sampler.sample_processed_into(&head, &hidden, &sampling, &processing, Draws::first(1), out)
+                            sampler.sample_processed_into(
+                                &head,
+                                &hidden,
+                                &sampling,
+                                &processing,
+                                Draws::first(1),
+                                Variant::Auto,
+                                out,
+                            )
                         })?;
                     }
                 }

@@ -72,6 +72,7 @@ pub fn measure(
             tokens: tokens.address(),
             draws: Draws::first(1),
             variant: Variant::Auto,
+            processing: None,
         };
         let bytes = kernels.workspace_bytes(&request.lm_head, &request.hidden, 1, Variant::Auto)?;
         let space = workspace.ensure(stream, bytes)?;

@@ -399,7 +399,15 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                 let device_processing = sampler.upload_processing(&processing, vocab)?;
                 for draws in passes {
                     let mut out = sampler.processed_outputs(h.rows(), draws.count as usize, wants_logprobs)?;
-                    sampler.sample_processed_into(&head, &hidden, &rows, &device_processing, draws, &mut out)?;
+                    sampler.sample_processed_into(
+                        &head,
+                        &hidden,
+                        &rows,
+                        &device_processing,
+                        draws,
+                        Variant::Auto,
+                        &mut out,
+                    )?;
                     write(draws.first, sampler.processed_to_host(&out)?)?;
                 }
                 drop(head);

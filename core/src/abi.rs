@@ -261,6 +261,8 @@ pub struct TmaArgs {
     pub row_params: DevicePtr<RowParams>,
     /// Candidates (fused kernels) or f32 logits (GEMM).
     pub out: DevicePtr<TmaOutput>,
+    /// `[batch]` rows' per-entry processing (fused kernels), or null for none.
+    pub processing: DevicePtr<RowProcessing>,
     pub vocab: u32,
     pub dim: u32,
     /// Rows of `H` this launch covers, starting at `hidden_row0`.
@@ -302,6 +304,8 @@ pub struct FusedArgs {
     pub row_params: DevicePtr<RowParams>,
     /// `[batch · samples · tiles]` candidates.
     pub candidates: DevicePtr<Candidate>,
+    /// `[batch]` rows' per-entry processing, or null for none.
+    pub processing: DevicePtr<RowProcessing>,
     pub vocab: u32,
     pub dim: u32,
     pub batch: u32,
@@ -365,16 +369,22 @@ pub struct ReduceArgs {
     pub padding: u32,
 }
 
-/// One row's processing as the processing kernel reads it (see [`crate::process`]); the
-/// all-zero-pointer, `top_k = 0`, `top_p = 1`, `min_p = 0`, `softcap = 0` block changes nothing.
+/// One row's processing as the processing kernel and the fused tiles read it (see
+/// [`crate::process`]); null pointers, `top_k = 0`, `top_p = 1`, `min_p = 0` and
+/// `softcap = 0` change nothing. The fused tiles apply only the per-entry steps: the host
+/// hands them rows whose truncations are off.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct RowProcessing {
     /// `⌈vocab / 32⌉` mask words (xgrammar's layout), or null for no mask.
     pub mask: DevicePtr<u32>,
-    /// `sparse_len` entries, one per listed token (each token at most once).
+    /// `sparse_len` entries, one per listed token (each token at most once), by increasing
+    /// token.
     pub sparse: DevicePtr<SparseEntry>,
+    /// `⌈vocab / SPARSE_BLOCK⌉ + 1` offsets into `sparse`: block `k`'s entries are
+    /// `sparse[blocks[k] .. blocks[k + 1]]` (see [`crate::process::SPARSE_BLOCK`]).
+    pub sparse_blocks: DevicePtr<u32>,
     pub sparse_len: u32,
     /// The soft-cap, 0 for none.
     pub softcap: f32,

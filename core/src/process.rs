@@ -239,6 +239,45 @@ pub fn sparse_step(logit: f32, entry: &SparseEntry, penalties: &Penalties) -> f3
     penalized(logit + entry.bias, entry.count, penalties)
 }
 
+/// Entries per block of a row's sparse index: a fused tile finds the listed tokens of a quad
+/// among those of the quad's block.
+pub const SPARSE_BLOCK: u32 = 64;
+
+/// The per-entry steps ([`dense_step`], then [`sparse_step`] for listed tokens) on four
+/// consecutive entries `index0 .. index0 + 4` of one row, `index0 % 4 == 0`: `mask_word` is
+/// the row's mask word that holds their bits (all ones without a mask) and `entry(k)` for
+/// `k` in `listed` the row's sparse entries that may fall in the quad (in the fused tiles:
+/// those of its [`SPARSE_BLOCK`]). The same operations, in the same order, as a row processed
+/// whole.
+#[inline(always)]
+pub fn process_quad(
+    quad: [f32; 4],
+    index0: u32,
+    cap: f32,
+    mask_word: u32,
+    penalties: &Penalties,
+    listed: core::ops::Range<u32>,
+    entry: impl Fn(u32) -> SparseEntry,
+) -> [f32; 4] {
+    let allowed = |r: u32| (mask_word >> ((index0 + r) % 32)) & 1 == 1;
+    // Four scalars, not an indexed array: a kernel keeps them in registers.
+    let mut l0 = dense_step(quad[0], cap, allowed(0));
+    let mut l1 = dense_step(quad[1], cap, allowed(1));
+    let mut l2 = dense_step(quad[2], cap, allowed(2));
+    let mut l3 = dense_step(quad[3], cap, allowed(3));
+    for k in listed {
+        let e = entry(k);
+        match e.token.wrapping_sub(index0) {
+            0 => l0 = sparse_step(l0, &e, penalties),
+            1 => l1 = sparse_step(l1, &e, penalties),
+            2 => l2 = sparse_step(l2, &e, penalties),
+            3 => l3 = sparse_step(l3, &e, penalties),
+            _ => {}
+        }
+    }
+    [l0, l1, l2, l3]
+}
+
 /// Which entries of a row min-p, top-k and top-p keep: `(l, i)` is kept when `l ≥ min_cut`
 /// and `(l, −i) ≥ (order_cut.0, −order_cut.1)` (top-k cuts at a value, keeping ties; top-p
 /// may cut inside a tie, by index).
@@ -410,6 +449,22 @@ mod tests {
         assert_eq!(min_p_threshold(5.0, 0.7, 1.0), 5.0);
         let cut = min_p_threshold(5.0, 2.0, 0.1);
         assert!((cut as f64 - (5.0 + 2.0 * 0.1f64.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_quad_is_processed_as_its_entries_are() {
+        let p = Penalties { repetition: 1.5, frequency: 0.5, presence: 0.25 };
+        let entries = [SparseEntry { token: 9, bias: 1.0, count: 0 }, SparseEntry { token: 10, bias: 0.5, count: 3 }];
+        let raw = [3.0f32, -2.0, 40.0, 0.5];
+        let got = process_quad(raw, 8, 30.0, 0b1011 << 8, &p, 0..2, |k| entries[k as usize]);
+        let allowed = [true, true, false, true];
+        for r in 0..4 {
+            let mut want = dense_step(raw[r], 30.0, allowed[r]);
+            if let Some(e) = entries.iter().find(|e| e.token == 8 + r as u32) {
+                want = sparse_step(want, e, &p);
+            }
+            assert_eq!(got[r].to_bits(), want.to_bits(), "entry {r}");
+        }
     }
 
     #[test]

@@ -61,6 +61,13 @@ pub enum Kernel {
     StoreTensorMaps,
 }
 
+/// Whether the fused TMA tile of `rows` × `columns` applies per-row processing: every one but
+/// the ping-pong 64 × 128 tile, whose epilogue has no registers to spare for it (ptxas
+/// spilled).
+pub const fn tma_tile_applies_processing(rows: u32, columns: u32) -> bool {
+    !(rows == 64 && columns == 128)
+}
+
 /// Threads of the kernels that do not depend on a block shape (any multiple of 32 works).
 const UTILITY_THREADS: u32 = 256;
 /// Threads of the tensor-map writer: one warp, of which one thread writes.
@@ -116,6 +123,16 @@ impl Kernel {
         match self {
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } | Kernel::FusedHandoff { .. } => Some(self.threads()),
             _ => None,
+        }
+    }
+
+    /// Whether the kernel is a tile kernel that applies the rows' per-entry processing
+    /// (`processing` in `FusedArgs` and `TmaArgs`); see [`tma_tile_applies_processing`].
+    pub const fn applies_processing(self) -> bool {
+        match self {
+            Kernel::FusedMma { .. } | Kernel::FusedSimt { .. } | Kernel::FusedHandoff { .. } => true,
+            Kernel::FusedTma { rows, columns, .. } => tma_tile_applies_processing(rows, columns),
+            _ => false,
         }
     }
 

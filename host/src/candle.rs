@@ -226,6 +226,7 @@ impl CandleSampler {
             tokens: t_base,
             draws: Draws::first(samples),
             variant: self.variant,
+            processing: None,
         };
         let plan = cuda.kernels.plan_call(&request)?;
         let workspace = cuda.workspace.ensure(stream, plan.workspace_bytes)?;

@@ -232,7 +232,14 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe {
-                tma::cooperative::tma_kernel::<element::$element, $rows, $columns, { $columns / 2 }, $fused>(
+                tma::cooperative::tma_kernel::<
+                    element::$element,
+                    $rows,
+                    $columns,
+                    { $columns / 2 },
+                    $fused,
+                    { flashsample_core::registry::tma_tile_applies_processing($rows, $columns) },
+                >(
                     &args,
                     shared::<u8>(),
                 )

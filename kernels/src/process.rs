@@ -12,10 +12,12 @@
 use core::ptr::addr_of_mut;
 use core::sync::atomic::{AtomicU64, Ordering};
 
-use flashsample_core::abi::{LogprobArgs, PROCESS_THREADS, ProcessArgs, RowSums, SELECT_BUCKETS};
+use flashsample_core::abi::{
+    DevicePtr, LogprobArgs, PROCESS_THREADS, ProcessArgs, RowProcessing, RowSums, SELECT_BUCKETS,
+};
 use flashsample_core::process::{
-    KeepRule, LogSumExp, dense_step, key_logit, min_p_threshold, order_key, sparse_step, token_log_probabilities,
-    top_p_target, top_p_units,
+    KeepRule, LogSumExp, Penalties, SPARSE_BLOCK, SparseEntry, dense_step, key_logit, min_p_threshold, order_key,
+    process_quad, sparse_step, token_log_probabilities, top_p_target, top_p_units,
 };
 
 use crate::arch;
@@ -42,6 +44,50 @@ struct Selected {
     key: u32,
     above: u64,
     target: u64,
+}
+
+/// The per-entry processing of the quad at `index0` of row `b` in a fused tile
+/// (`flashsample_core::process::process_quad` with the row's mask word and the sparse entries
+/// of the quad's block); a quad past the vocabulary is returned as it is.
+///
+/// # Safety
+/// `processing` holds row `b`'s block, whose mask, sparse entries and block offsets are valid
+/// for `vocab` entries.
+#[inline(always)]
+pub unsafe fn fused_quad(
+    processing: DevicePtr<RowProcessing>,
+    b: u32,
+    index0: u32,
+    vocab: u32,
+    quad: [f32; 4],
+) -> [f32; 4] {
+    if index0 >= vocab {
+        return quad;
+    }
+    // Field by field, each when it is needed: the tiles' epilogues have few registers to spare.
+    let p = processing.as_ptr().wrapping_add(b as usize);
+    // SAFETY: row `b`'s block (this function's contract).
+    let (mask, cap, sparse_len) = unsafe { ((*p).mask, (*p).softcap, (*p).sparse_len) };
+    let mask_word = if mask.address() == 0 {
+        u32::MAX
+    } else {
+        // SAFETY: `index0 < vocab`: a word of the row's `⌈vocab / 32⌉`.
+        unsafe { *mask.as_ptr().add((index0 / 32) as usize) }
+    };
+    if sparse_len == 0 {
+        return process_quad(quad, index0, cap, mask_word, &Penalties::NONE, 0..0, |_| SparseEntry {
+            token: 0,
+            bias: 0.0,
+            count: 0,
+        });
+    }
+    // SAFETY: as above; `index0 < vocab`: block `index0 / SPARSE_BLOCK` and the next offset exist.
+    let (sparse, listed, penalties) = unsafe {
+        let blocks = (*p).sparse_blocks.as_ptr().add((index0 / SPARSE_BLOCK) as usize);
+        ((*p).sparse, *blocks..*blocks.add(1), (*p).penalties)
+    };
+    // SAFETY: the offsets index the row's `sparse_len` entries.
+    process_quad(quad, index0, cap, mask_word, &penalties, listed, |k| unsafe { *sparse.as_ptr().add(k as usize) })
 }
 
 /// Four consecutive logits, loaded and stored as one 16-byte access.

@@ -6,8 +6,8 @@ use flashsample_core::abi::{
 };
 use flashsample_core::{Candidate, block_candidate};
 
-use crate::arch;
 use crate::tile::ThreadLogits;
+use crate::{arch, process};
 
 /// `logits[slot / 2][slot % 2]` through a chain of selects, so the array stays in registers.
 // Indexing by the loop variables gives constant indices once unrolled, which keeps the
@@ -102,13 +102,12 @@ pub unsafe fn sample_tile<const NT: usize>(
                 if col0 + column < args.batch {
                     // SAFETY: `col0 + column < batch`: a row of the `[batch]` row parameters.
                     let row = unsafe { *args.row_params.as_ptr().add((col0 + column) as usize) };
-                    best = block_candidate(
-                        &row,
-                        args.draw_offset + j,
-                        philox_block,
-                        pick(logits, column_slot),
-                        rows_valid,
-                    );
+                    let mut quad = pick(logits, column_slot);
+                    if args.processing.address() != 0 {
+                        // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
+                        quad = unsafe { process::fused_quad(args.processing, col0 + column, row0, args.vocab, quad) };
+                    }
+                    best = block_candidate(&row, args.draw_offset + j, philox_block, quad, rows_valid);
                 }
                 // SAFETY: every lane of the warp reaches it: the column loop's bounds are the same
                 // for all lanes.

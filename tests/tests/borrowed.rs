@@ -165,6 +165,7 @@ fn a_strided_hidden_view_gives_the_contiguous_tokens() {
             tokens: t_address,
             draws: Draws::first(samples),
             variant,
+            processing: None,
         };
         let space = caller.workspace_for(stream, &mut workspace, &request);
         // SAFETY: every buffer above lives on `stream` with the extents the request states.
@@ -264,6 +265,7 @@ fn the_callers_current_context_is_restored() {
         tokens: t_address,
         draws: Draws::first(1),
         variant: Variant::Auto,
+        processing: None,
     };
     let space = caller.workspace_for(stream, &mut workspace, &request);
     let current = || {
@@ -345,6 +347,7 @@ fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
         tokens: t_address,
         draws: Draws::first(samples),
         variant: Variant::Auto,
+        processing: None,
     };
     let rows = DeviceRows::upload(stream, &initial).unwrap();
     let request = request_for(&rows);
@@ -444,6 +447,7 @@ fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
                 tokens: t_address,
                 draws: Draws::first(samples),
                 variant,
+                processing: None,
             };
             let space = caller.workspace_for(stream, &mut workspace, &request);
             // SAFETY: every buffer lives on `stream` with the request's extents until the copy

@@ -148,7 +148,8 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
 /// The workload of the bundle's `sanitizer` stage: every kernel variant the module has (the
 /// unfused pipeline too) on a prime vocabulary, D not a multiple of 8 for the SIMT tile, and
 /// B = 1, 37 and 1023, each checked against the CPU; then processed sampling with every
-/// processing mode in one batch, with log-probabilities and in place without them.
+/// processing mode in one batch, with log-probabilities and in place without them, and the
+/// per-entry modes in the fused tile of every variant.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sanitizer_workload_every_variant_on_odd_shapes() {
@@ -185,7 +186,27 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let hidden = sampler.upload_hidden(&h.row_range(0, modes.len())).unwrap();
     let mut out = sampler.processed_outputs(modes.len(), 3, false).unwrap();
     sampler
-        .sample_processed_into(&head, &hidden, &rows, &device_processing, flashsample::Draws::first(3), &mut out)
+        .sample_processed_into(
+            &head,
+            &hidden,
+            &rows,
+            &device_processing,
+            flashsample::Draws::first(3),
+            Variant::Auto,
+            &mut out,
+        )
         .unwrap();
     assert_eq!(sampler.processed_to_host(&out).unwrap().tokens, sampled.tokens);
+    // The per-entry modes alone run in the fused tile of every variant.
+    let per_entry: Vec<flashsample::Processing> = (0..modes.len()).map(|r| processing[r % 4].clone()).collect();
+    let fused = sampler.upload_processing(&per_entry, 1009).unwrap();
+    let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
+    variants.push(Variant::Simt);
+    for variant in variants {
+        let draws = flashsample::Draws::first(3);
+        match sampler.sample_processed_into(&head, &hidden, &rows, &fused, draws, variant, &mut out) {
+            Ok(()) => assert!(sampler.processed_to_host(&out).unwrap().tokens.iter().all(|&t| t < 1009)),
+            Err(e) => assert!(e.to_string().contains("does not apply per-row processing"), "{variant:?}: {e}"),
+        }
+    }
 }

@@ -222,12 +222,156 @@ mod gpu {
         let draws = flashsample::Draws::first(40);
         let run = |logprobs: bool| {
             let mut out = sampler.processed_outputs(modes.len(), 40, logprobs).unwrap();
-            sampler.sample_processed_into(&head, &hidden, &rows, &device_processing, draws, &mut out).unwrap();
+            sampler
+                .sample_processed_into(&head, &hidden, &rows, &device_processing, draws, Variant::Auto, &mut out)
+                .unwrap();
             sampler.processed_to_host(&out).unwrap()
         };
         let (with, without) = (run(true), run(false));
         assert_eq!(with.tokens, without.tokens);
         assert_eq!(with.logprobs.len(), modes.len() * 40);
         assert!(without.logprobs.is_empty() && without.processed_logprobs.is_empty());
+    }
+
+    /// The per-entry modes (soft-cap, bias, mask, penalties, and all four), cycled over the
+    /// rows of a batch.
+    fn per_entry_modes(vocab: usize, rows: usize) -> Vec<flashsample::Processing> {
+        let modes = each_mode(vocab);
+        let mut all = modes[0].1.clone();
+        all.bias = modes[1].1.bias.clone();
+        all.mask = modes[2].1.mask.clone();
+        (all.history, all.penalties) = (modes[3].1.history.clone(), modes[3].1.penalties);
+        let per_entry: Vec<flashsample::Processing> = modes[..4].iter().map(|m| m.1.clone()).chain([all]).collect();
+        (0..rows).map(|r| per_entry[r % per_entry.len()].clone()).collect()
+    }
+
+    /// Soft-cap, bias, mask and penalties applied in the fused tile (no logits in memory) give
+    /// the materialised path's tokens with the same tile, whose logits are the same bits:
+    /// every tensor-core variant of the module, 37 rows, V = 2053 (tiles that end past V).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn fused_per_entry_steps_give_the_materialised_tokens() {
+        let (vocab, dim, batch, n) = (2053, 64, 37, 8u32);
+        let w = random_matrix(vocab, dim, DType::BF16, 0.5, 57);
+        let h = random_matrix(batch, dim, DType::BF16, 1.0, 58);
+        let params: Vec<flashsample::SamplingParams> = (0..batch)
+            .map(|r| flashsample::SamplingParams::new(if r % 7 == 3 { 0.0 } else { 0.8 }, 5, r as u32, 0))
+            .collect();
+        let processing = per_entry_modes(vocab, batch);
+        let sampler = &cuda().sampler;
+        let (head, hidden) = (sampler.upload_lm_head(&w).unwrap(), sampler.upload_hidden(&h).unwrap());
+        let rows = sampler.upload_rows(&params).unwrap();
+        let device_processing = sampler.upload_processing(&processing, vocab).unwrap();
+        for variant in Variant::tensor_core(sampler.module()) {
+            let run = |logprobs: bool| {
+                let mut out = sampler.processed_outputs(batch, n as usize, logprobs)?;
+                let draws = flashsample::Draws::first(n);
+                sampler.sample_processed_into(&head, &hidden, &rows, &device_processing, draws, variant, &mut out)?;
+                sampler.processed_to_host(&out).map(|sampled| sampled.tokens)
+            };
+            if let Variant::Tma { rows, columns } = variant
+                && !flashsample_core::registry::tma_tile_applies_processing(rows, columns)
+            {
+                let refused = run(false).unwrap_err().to_string();
+                assert!(refused.contains("does not apply per-row processing"), "{refused}");
+                continue;
+            }
+            let (materialised, fused) = (run(true).unwrap(), run(false).unwrap());
+            assert!(fused.iter().all(|&t| (t as usize) < vocab), "{variant:?}: {fused:?}");
+            assert_eq!(fused, materialised, "{variant:?}");
+        }
+    }
+
+    /// The SIMT tile (F32, D not a multiple of 8) applies the per-entry steps as the CPU does:
+    /// integer inputs make every logit exact on both, so the tokens are equal.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn fused_per_entry_steps_on_the_simt_tile_give_the_cpu_tokens() {
+        let (vocab, dim, batch, n) = (1031, 13, 10, 16u32);
+        let integers = |rows: usize, seed: u64| {
+            let values = (0..rows * dim).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect();
+            matrix_of(rows, dim, DType::F32, values)
+        };
+        let (w, h) = (integers(vocab, 59), integers(batch, 60));
+        let params: Vec<flashsample::SamplingParams> =
+            (0..batch).map(|r| flashsample::SamplingParams::new(2.5, 6, r as u32, 0)).collect();
+        let processing = per_entry_modes(vocab, batch);
+        let sampler = &cuda().sampler;
+        let (head, hidden) = (sampler.upload_lm_head(&w).unwrap(), sampler.upload_hidden(&h).unwrap());
+        let rows = sampler.upload_rows(&params).unwrap();
+        let device_processing = sampler.upload_processing(&processing, vocab).unwrap();
+        let mut out = sampler.processed_outputs(batch, n as usize, false).unwrap();
+        sampler
+            .sample_processed_into(
+                &head,
+                &hidden,
+                &rows,
+                &device_processing,
+                flashsample::Draws::first(n),
+                Variant::Simt,
+                &mut out,
+            )
+            .unwrap();
+        let gpu = sampler.processed_to_host(&out).unwrap().tokens;
+        use flashsample_tests::processing::ProcessedBackend;
+        assert_eq!(gpu, Cpu.sample_processed(&w, &h, &params, &processing, n).unwrap().tokens);
+    }
+
+    /// Borrowed mode takes the fused processing as device-side parameters: the owned path's
+    /// tokens; a row with top-k is refused by `fused`, naming the row.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn borrowed_mode_takes_device_side_processing() {
+        use flashsample::{DeviceMatrix, DeviceProcessing, SampleRequest, StreamSampler, StreamWorkspace};
+        let (vocab, dim, batch, n) = (2053usize, 64usize, 9usize, 4u32);
+        let w = random_matrix(vocab, dim, DType::BF16, 0.5, 61);
+        let h = random_matrix(batch, dim, DType::BF16, 1.0, 62);
+        let params: Vec<flashsample::SamplingParams> =
+            (0..batch).map(|r| flashsample::SamplingParams::new(0.9, 7, r as u32, 0)).collect();
+        let processing = per_entry_modes(vocab, batch);
+        let owned = &cuda().sampler;
+        let (head, hidden) = (owned.upload_lm_head(&w).unwrap(), owned.upload_hidden(&h).unwrap());
+        let rows = owned.upload_rows(&params).unwrap();
+        let device_processing = owned.upload_processing(&processing, vocab).unwrap();
+        let mut out = owned.processed_outputs(batch, n as usize, false).unwrap();
+        owned
+            .sample_processed_into(
+                &head,
+                &hidden,
+                &rows,
+                &device_processing,
+                flashsample::Draws::first(n),
+                Variant::Auto,
+                &mut out,
+            )
+            .unwrap();
+        let want = owned.processed_to_host(&out).unwrap().tokens;
+
+        let stream = owned.stream();
+        let borrowed = StreamSampler::on_context(&stream.context().clone(), flashsample::ModuleChoice::Auto).unwrap();
+        let on_stream = DeviceProcessing::upload(stream, &processing, vocab).unwrap();
+        let tokens = owned.tokens(batch, n as usize).unwrap();
+        let request = SampleRequest {
+            lm_head: DeviceMatrix::contiguous(head.address(), vocab, dim, DType::BF16),
+            hidden: DeviceMatrix::contiguous(hidden.address(), batch, dim, DType::BF16),
+            row_params: rows.address(),
+            tokens: tokens.address(),
+            draws: flashsample::Draws::first(n),
+            variant: Variant::Auto,
+            processing: Some(on_stream.fused().unwrap()),
+        };
+        let mut workspace = StreamWorkspace::new();
+        let bytes = borrowed.workspace_bytes(&request.lm_head, &request.hidden, n, Variant::Auto).unwrap();
+        let space = workspace.ensure(stream, bytes).unwrap();
+        // SAFETY: every buffer lives on `stream` with the extents the request states.
+        unsafe { borrowed.sample(stream.cu_stream().cast(), &request, space).unwrap() };
+        assert_eq!(owned.tokens_to_host(&tokens).unwrap(), want);
+
+        let mut top_k = processing.clone();
+        top_k[4].top_k = Some(5);
+        let refused = DeviceProcessing::upload(stream, &top_k, vocab).unwrap().fused().unwrap_err().to_string();
+        assert!(refused.contains("processing[4]"), "{refused}");
+        stream.synchronize().unwrap();
+        borrowed.close().unwrap();
     }
 }

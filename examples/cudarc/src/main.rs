@@ -48,6 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokens: t + (step * BATCH * 4) as u64,
         draws: Draws::first(1),
         variant: Variant::Auto,
+        processing: None,
     };
     let first = step_request(0);
     let space = workspace.ensure(&stream, sampler.workspace_bytes(&first.lm_head, &first.hidden, 1, Variant::Auto)?)?;

@@ -16,7 +16,7 @@ use super::dispatch::Variant;
 use super::driver;
 use super::modules::ModuleChoice;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Plan};
-use super::stream::{DeviceMatrix, DeviceWorkspace, SampleRequest, StreamSampler, TensorMaps};
+use super::stream::{DeviceMatrix, DeviceWorkspace, FusedProcessing, SampleRequest, StreamSampler, TensorMaps};
 use crate::error::{Error, Result, invalid, tokens_or_row_status};
 use crate::params::{
     Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape,
@@ -252,7 +252,7 @@ impl CudaSampler {
         let row_params = check_request(lm_head.shape, hidden.shape, params, draws.check()?.count)?;
         self.make_current()?;
         let row_params = self.stage_row_params(&row_params)?;
-        self.sample_at(lm_head, hidden, row_params, draws, variant, tokens)
+        self.sample_at(lm_head, hidden, row_params, draws, variant, None, tokens)
     }
 
     /// Checks per-row parameters and copies them to the device once.
@@ -273,9 +273,10 @@ impl CudaSampler {
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
         self.check_device_rows(lm_head, hidden, rows, samples)?;
-        self.sample_at(lm_head, hidden, rows.buffer.ptr(), Draws::first(samples), variant, tokens)
+        self.sample_at(lm_head, hidden, rows.buffer.ptr(), Draws::first(samples), variant, None, tokens)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn sample_at(
         &self,
         lm_head: &CudaLmHead,
@@ -283,6 +284,7 @@ impl CudaSampler {
         row_params: DevicePtr<RowParams>,
         draws: Draws,
         variant: Variant,
+        processing: Option<FusedProcessing>,
         tokens: &mut DeviceTokens,
     ) -> Result<()> {
         self.check_tokens(hidden, draws.count, tokens)?;
@@ -295,6 +297,7 @@ impl CudaSampler {
             tokens: tokens.address(),
             draws,
             variant,
+            processing,
         };
         let plan = self.kernels().plan_call(&request)?;
         let maps = match plan.variant.tma_boxes() {
@@ -378,6 +381,7 @@ impl CudaSampler {
                 hidden_map: hidden.tensor_map(columns)?,
                 row_params: DevicePtr::NULL,
                 out: logits.cast(),
+                processing: DevicePtr::NULL,
                 vocab: shape.vocab as u32,
                 dim: shape.dim as u32,
                 batch: hidden.rows() as u32,

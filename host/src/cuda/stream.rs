@@ -20,8 +20,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _, sys};
 use flashsample_core::abi::{
-    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, StoreTensorMapsArgs, TENSOR_MAP_BYTES, TensorMap,
-    TmaArgs,
+    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, RowProcessing, StoreTensorMapsArgs, TENSOR_MAP_BYTES,
+    TensorMap, TmaArgs,
 };
 use flashsample_core::registry::{Kernel, Module};
 use flashsample_core::{Candidate, RowParams};
@@ -74,6 +74,21 @@ pub struct SampleRequest {
     pub tokens: u64,
     pub draws: Draws,
     pub variant: Variant,
+    /// Per-row soft-cap, bias, mask and penalties applied in the tile (device-side parameters:
+    /// [`crate::DeviceProcessing::fused`]), or `None`.
+    pub processing: Option<FusedProcessing>,
+}
+
+/// A batch's per-entry processing in device memory that the fused tiles apply: made by
+/// [`crate::DeviceProcessing::fused`], which refuses rows with min-p, top-k or top-p (those
+/// need the whole row: `CudaSampler::sample_processed_into`). It names memory the
+/// `DeviceProcessing` owns; keep that alive until the stream has run the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedProcessing {
+    /// `[rows]` [`flashsample_core::abi::RowProcessing`] blocks.
+    pub(crate) address: u64,
+    pub(crate) rows: usize,
+    pub(crate) vocab: usize,
 }
 
 /// Device memory a call may use for its scratch: candidates and the call's tensor maps.
@@ -213,7 +228,14 @@ impl StreamSampler {
     /// needs, computed once per call.
     pub(crate) fn plan_call(&self, request: &SampleRequest) -> Result<CallPlan> {
         let samples = check_request(request)?;
-        self.plan_shape(&request.lm_head, &request.hidden, samples, request.variant)
+        let plan = self.plan_shape(&request.lm_head, &request.hidden, samples, request.variant)?;
+        if request.processing.is_some() && !plan.variant.fused_kernel(request.lm_head.dtype).applies_processing() {
+            return Err(invalid(
+                "variant",
+                format!("{:?} does not apply per-row processing (no registers to spare); use another", plan.variant),
+            ));
+        }
+        Ok(plan)
     }
 
     fn plan_shape(
@@ -402,6 +424,7 @@ impl StreamSampler {
             tokens: t,
             draws,
             variant,
+            processing: None,
         };
         let plan = self.plan_call(&request)?;
         let workspace = workspace.ensure(stream, plan.workspace_bytes)?;
@@ -456,6 +479,10 @@ impl StreamSampler {
         let element_bytes = lm_head.dtype.bytes() as u64;
         let row_params = DevicePtr::<RowParams>::new(request.row_params);
         let tokens = DevicePtr::<u32>::new(request.tokens);
+        let processing = DevicePtr::<RowProcessing>::new(request.processing.map_or(0, |p| p.address));
+        // A pass's rows start at its first row, in the processing blocks as in the row parameters.
+        let pass_processing =
+            |first_row: usize| if processing.address() == 0 { processing } else { processing.add(first_row as u64) };
         // SAFETY: the candidates of the largest pass fit the workspace (checked above); the row
         // parameters and tokens hold the request's extents (`sample`'s contract).
         unsafe {
@@ -469,6 +496,7 @@ impl StreamSampler {
                         hidden_map,
                         row_params: launch.row_params,
                         out: candidates.cast(),
+                        processing: pass_processing(pass.first_row),
                         vocab: lm_head.rows as u32,
                         dim: lm_head.cols as u32,
                         batch: launch.batch,
@@ -487,6 +515,7 @@ impl StreamSampler {
                     hidden: DevicePtr::new(hidden.address + first_row_bytes),
                     row_params: launch.row_params,
                     candidates,
+                    processing: pass_processing(pass.first_row),
                     vocab: lm_head.rows as u32,
                     dim: lm_head.cols as u32,
                     batch: launch.batch,
@@ -606,6 +635,17 @@ fn check_request(request: &SampleRequest) -> Result<u32> {
     check_address("tokens", request.tokens, align_of::<u32>())?;
     if hidden.rows.checked_mul(samples as usize).is_none_or(|n| n > u32::MAX as usize) {
         return Err(invalid("samples", format!("B x samples = {} x {samples} tokens: must be < 2^32", hidden.rows)));
+    }
+    if let Some(p) = request.processing
+        && (p.rows != hidden.rows || p.vocab != lm_head.rows)
+    {
+        return Err(invalid(
+            "processing",
+            format!(
+                "made for B = {}, V = {}; the request has B = {}, V = {}",
+                p.rows, p.vocab, hidden.rows, lm_head.rows
+            ),
+        ));
     }
     Ok(samples)
 }

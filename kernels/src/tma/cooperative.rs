@@ -68,14 +68,21 @@ impl Teams {
 
 /// Both kinds of TMA kernel: `FUSED` samples (candidates out), otherwise f32 logits out.
 /// Items of `ROWS` (64 or 128) × `N` batch columns, `R = N / 2` accumulators per consumer
-/// thread.
+/// thread. `PROCESSING`: the sampling epilogue applies the rows' per-entry processing.
 ///
 /// # Safety
 /// Launched with `TMA_THREADS` threads and `tma_shared_bytes(ROWS, N)` bytes of dynamic
 /// shared memory at `shared`; `args` holds tensor maps of `W` and `H` with boxes of
 /// 64 × `ROWS` and 64 × `N` elements and 128-byte swizzle, and valid output buffers.
 #[inline(always)]
-pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const R: usize, const FUSED: bool>(
+pub unsafe fn tma_kernel<
+    T: WgmmaElement,
+    const ROWS: u32,
+    const N: usize,
+    const R: usize,
+    const FUSED: bool,
+    const PROCESSING: bool,
+>(
     args: &TmaArgs,
     shared: *mut u8,
 ) {
@@ -104,7 +111,7 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
         }
     } else {
         // SAFETY: every consumer thread calls it, after the barriers are published.
-        unsafe { consume::<T, N, R, FUSED>(args, &layout, ROWS, teams) };
+        unsafe { consume::<T, N, R, FUSED, PROCESSING>(args, &layout, ROWS, teams) };
     }
 }
 
@@ -114,7 +121,7 @@ pub unsafe fn tma_kernel<T: WgmmaElement, const ROWS: u32, const N: usize, const
 /// # Safety
 /// As [`tma_kernel`]; called by all consumer threads.
 #[inline(always)]
-unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool>(
+unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: bool, const PROCESSING: bool>(
     args: &TmaArgs,
     layout: &Layout,
     item_rows: u32,
@@ -179,9 +186,9 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize, const FUSED: 
             }
             let team_barrier = (FIRST_TEAM_BARRIER + team, 32 * teams.warps);
             let epilogue = match N / 8 {
-                1 => sample_epilogue::<N, R, 1>,
-                2 => sample_epilogue::<N, R, 2>,
-                _ => sample_epilogue::<N, R, 4>,
+                1 => sample_epilogue::<N, R, 1, PROCESSING>,
+                2 => sample_epilogue::<N, R, 2, PROCESSING>,
+                _ => sample_epilogue::<N, R, 4, PROCESSING>,
             };
             // SAFETY: every thread of the team calls the epilogue; its row parameters were stored
             // above, `staging` is the team's.

@@ -7,7 +7,7 @@ use flashsample_core::{Candidate, RowParams};
 use super::fragments::{Placement, for_each_quad, pick_quad, transpose_quad};
 use super::race::{FIRST_COLUMN_LANE_MASK, race_round};
 use super::unrolled;
-use crate::{arch, sample};
+use crate::{arch, process, sample};
 
 /// Stands in for the row parameters of columns past the batch: greedy, so it draws no noise.
 pub(super) const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, temperature: 0.0, greedy: 1 };
@@ -32,14 +32,16 @@ pub(super) unsafe fn load_row_words(row_params: *const u64, b: u32) -> [u64; ROW
 
 /// Per draw: each thread scores its quads `K` at a time ([`race_round`]), lanes of one column
 /// merge, the team's warps merge through `staging`, and one candidate per (column, draw) is
-/// written for this tile.
+/// written for this tile. With `PROCESSING` (the registry's
+/// `tma_tile_applies_processing`) each quad first takes its row's per-entry processing, if
+/// the launch has any.
 ///
 /// # Safety
 /// All threads of one team call it together; `row_params` holds the `N` row parameters of the item
 /// (written by the team before the call), `staging` `warps · N` candidates of this team;
 /// `barrier` is the team's named barrier and its thread count.
 #[inline(always)]
-pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize>(
+pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: usize, const PROCESSING: bool>(
     acc: &[f32; R],
     args: &TmaArgs,
     place: &Placement,
@@ -68,6 +70,12 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
                 // barrier above.
                 row[k] = unsafe { *row_params.add(column[k] as usize) };
                 in_batch[k] = place.col0 + column[k] < args.batch;
+                if PROCESSING && args.processing.address() != 0 && in_batch[k] {
+                    // SAFETY: a column of the batch: the launch's processing holds its row.
+                    logits[k] = unsafe {
+                        process::fused_quad(args.processing, place.col0 + column[k], place.row0, args.vocab, logits[k])
+                    };
+                }
             });
             let winners =
                 // SAFETY: all 32 lanes together, and lanes `l ^ 8`, `l ^ 16`, `l ^ 24` hold the

@@ -36,7 +36,7 @@ use super::race::estimate_column;
 use super::scheduler::Items;
 use super::unrolled;
 use crate::hopper::WgmmaElement;
-use crate::{arch, hopper, sample};
+use crate::{arch, hopper, process, sample};
 
 /// Four consecutive logits of one column, read from the buffer with one 16-byte load.
 #[repr(C, align(16))]
@@ -170,6 +170,46 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     }
 }
 
+/// The per-entry processing, in place in the buffer, of the quads epilogue warp `warp`'s lane
+/// `lane` races: column `8 · group + lane / 8` of each of the warp's groups, quads
+/// `lane % 8 + 8i` (a loop apart from the race's, which keeps its registers free).
+///
+/// # Safety
+/// As [`score`], after `logits_full`; the processing holds the batch's rows.
+#[inline(always)]
+unsafe fn process_columns<const N: usize>(
+    args: &TmaArgs,
+    layout: &HandoffLayout,
+    warp: u32,
+    lane: u32,
+    tile: u32,
+    col0: u32,
+) {
+    let (slot, part) = (lane % COLUMN_LANES, lane / COLUMN_LANES);
+    let mut group = warp;
+    while group * GROUP_COLUMNS < N as u32 {
+        let column = group * GROUP_COLUMNS + part;
+        let b = col0 + column;
+        if b < args.batch {
+            for i in 0..LANE_QUADS as u32 {
+                let quad = slot + COLUMN_LANES * i;
+                let at =
+                    layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize).cast::<Quad>();
+                // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte aligned;
+                // only this lane touches the quad until the race reads it; `b < batch`.
+                unsafe {
+                    let processed =
+                        process::fused_quad(args.processing, b, tile * HANDOFF_ROWS + 4 * quad, args.vocab, (*at).0);
+                    *at = Quad(processed);
+                }
+            }
+        }
+        group += HANDOFF_EPILOGUE_WARPS;
+    }
+    // SAFETY: all 32 lanes of the warp reach it (uniform loop bounds).
+    unsafe { arch::sync_warp() };
+}
+
 /// Lanes that score one batch column together: lane `l` of an epilogue warp scores column
 /// `l / 8` of the warp's current group of [`GROUP_COLUMNS`], quads `l % 8 + 8i` of it. Four
 /// quads per lane give four independent Philox chains that share one key schedule (sixteen
@@ -231,6 +271,11 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
         let first_philox_block = tile * HANDOFF_ROWS / 4 + slot;
         // SAFETY: `logits_full` is initialised; the whole warp waits on the same phase.
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
+        if args.processing.address() != 0 {
+            // SAFETY: as the draw loop below: the lanes process in place the quads of the columns
+            // they race, once per item.
+            unsafe { process_columns::<N>(args, layout, warp, lane, tile, col0) };
+        }
         for j in 0..args.samples {
             let draw = args.draw_offset + j;
             let mut group = warp;

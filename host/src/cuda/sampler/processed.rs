@@ -3,8 +3,11 @@
 //! merge kernel draw from them with the plain path's noise, and a last kernel gives the drawn
 //! tokens' log-probabilities.
 
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
 use flashsample_core::abi::{DevicePtr, LogprobArgs, ProcessArgs, RowProcessing, RowSums};
-use flashsample_core::process::SparseEntry;
+use flashsample_core::process::{SPARSE_BLOCK, SparseEntry};
 use flashsample_core::registry::Kernel;
 
 use super::{CudaSampler, ensure};
@@ -12,6 +15,7 @@ use crate::cpu::Sampled;
 use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens};
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
+use crate::cuda::stream::FusedProcessing;
 use crate::error::{Result, invalid};
 use crate::params::{Draws, SamplingParams, check_request};
 use crate::process::Processing;
@@ -29,6 +33,8 @@ pub struct DeviceProcessing {
     buffer: DeviceBuffer<u8>,
     rows: usize,
     vocab: usize,
+    /// The first row with min-p, top-k or top-p, if any.
+    truncating_row: Option<usize>,
 }
 
 /// What a processed call writes on the device: `[B, N]` tokens and, when asked for, their raw
@@ -49,28 +55,57 @@ impl ProcessedOutputs {
     }
 }
 
+/// Where the parts of a batch's device image lie, in bytes from its start: `[B]` row blocks,
+/// the rows' sparse entries, their block offsets, the mask words.
+struct ImageLayout {
+    sparse: usize,
+    offsets: usize,
+    masks: usize,
+    len: usize,
+}
+
+impl ImageLayout {
+    fn of(sparse: &[Vec<SparseEntry>], processing: &[Processing], vocab: usize) -> ImageLayout {
+        let listed: usize = sparse.iter().map(Vec::len).sum();
+        let indexed = sparse.iter().filter(|entries| !entries.is_empty()).count();
+        let masked = processing.iter().filter(|p| p.mask.is_some()).count();
+        let sparse_at = processing.len() * size_of::<RowProcessing>();
+        let offsets = sparse_at + listed * size_of::<SparseEntry>();
+        let masks = offsets + indexed * (vocab.div_ceil(SPARSE_BLOCK as usize) + 1) * 4;
+        ImageLayout { sparse: sparse_at, offsets, masks, len: masks + masked * vocab.div_ceil(32) * 4 }
+    }
+}
+
 /// The device image of a batch's processing (see [`DeviceProcessing`]) for a buffer at `base`.
-fn processing_image(processing: &[Processing], vocab: usize, base: u64) -> Vec<u8> {
-    let batch = processing.len();
-    let sparse_offset = batch * size_of::<RowProcessing>();
-    let sparse: Vec<Vec<SparseEntry>> = processing.iter().map(Processing::sparse_entries).collect();
-    let mask_offset = sparse_offset + sparse.iter().map(Vec::len).sum::<usize>() * size_of::<SparseEntry>();
-    let mut blocks = Vec::with_capacity(batch);
-    let (mut entries, mut words) = (Vec::new(), Vec::new());
-    for (p, listed) in processing.iter().zip(&sparse) {
-        let sparse_at = base + (sparse_offset + entries.len() * size_of::<SparseEntry>()) as u64;
+fn processing_image(processing: &[Processing], sparse: &[Vec<SparseEntry>], vocab: usize, base: u64) -> Vec<u8> {
+    let layout = ImageLayout::of(sparse, processing, vocab);
+    let blocks_per_row = vocab.div_ceil(SPARSE_BLOCK as usize);
+    let mut rows = Vec::with_capacity(processing.len());
+    let (mut entries, mut offsets, mut words) = (Vec::new(), Vec::<u32>::new(), Vec::new());
+    for (p, listed) in processing.iter().zip(sparse) {
+        let sparse_at = base + (layout.sparse + entries.len() * size_of::<SparseEntry>()) as u64;
+        let mut sparse_blocks = DevicePtr::NULL;
+        if !listed.is_empty() {
+            sparse_blocks = DevicePtr::new(base + (layout.offsets + offsets.len() * 4) as u64);
+            // Block k's entries start at the first entry of a token at or past its start.
+            offsets.extend(
+                (0..=blocks_per_row)
+                    .map(|k| listed.partition_point(|e| (e.token as usize) < k * SPARSE_BLOCK as usize) as u32),
+            );
+        }
         let mask = match &p.mask {
             Some(mask) => {
-                let at = base + (mask_offset + words.len() * 4) as u64;
+                let at = base + (layout.masks + words.len() * 4) as u64;
                 words.extend_from_slice(&mask[..vocab.div_ceil(32)]);
                 DevicePtr::new(at)
             }
             None => DevicePtr::NULL,
         };
         entries.extend_from_slice(listed);
-        blocks.push(RowProcessing {
+        rows.push(RowProcessing {
             mask,
             sparse: DevicePtr::new(sparse_at),
+            sparse_blocks,
             sparse_len: listed.len() as u32,
             softcap: p.softcap.unwrap_or(0.0),
             min_p: p.min_p,
@@ -79,28 +114,55 @@ fn processing_image(processing: &[Processing], vocab: usize, base: u64) -> Vec<u
             penalties: p.penalties,
         });
     }
-    let mut bytes = Vec::with_capacity(mask_offset + words.len() * 4);
-    bytes.extend_from_slice(bytemuck::cast_slice(&blocks));
+    let mut bytes = Vec::with_capacity(layout.len);
+    bytes.extend_from_slice(bytemuck::cast_slice(&rows));
     bytes.extend_from_slice(bytemuck::cast_slice(&entries));
+    bytes.extend_from_slice(bytemuck::cast_slice(&offsets));
     bytes.extend_from_slice(bytemuck::cast_slice(&words));
+    debug_assert_eq!(bytes.len(), layout.len);
     bytes
+}
+
+impl DeviceProcessing {
+    /// Checks a batch's processing for a vocabulary of `vocab` tokens (errors name
+    /// `processing[row].<field>`) and copies it to the device on `stream` (any cudarc stream;
+    /// the buffer is allocated and freed on it).
+    pub fn upload(stream: &Arc<CudaStream>, processing: &[Processing], vocab: usize) -> Result<DeviceProcessing> {
+        for (b, p) in processing.iter().enumerate() {
+            p.check(b, vocab)?;
+        }
+        let sparse: Vec<Vec<SparseEntry>> = processing.iter().map(Processing::sparse_entries).collect();
+        let len = ImageLayout::of(&sparse, processing, vocab).len;
+        // SAFETY: every byte is copied from the host below, before any kernel reads it.
+        let buffer = unsafe { DeviceBuffer::<u8>::uninitialized(stream, len.max(1), "processing")? };
+        let image = processing_image(processing, &sparse, vocab, buffer.ptr().address());
+        // SAFETY: the buffer holds the image's bytes; the copy is ordered on `stream`.
+        unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, stream.cu_stream())? };
+        let truncating_row = processing.iter().position(Processing::truncates);
+        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, truncating_row })
+    }
+
+    /// The per-entry processing the fused tiles apply
+    /// ([`SampleRequest::processing`](crate::SampleRequest::processing) in borrowed mode, CUDA
+    /// graphs included); refused when a row has min-p, top-k or top-p, which need the whole
+    /// row first.
+    pub fn fused(&self) -> Result<FusedProcessing> {
+        if let Some(row) = self.truncating_row {
+            return Err(invalid(
+                format!("processing[{row}]"),
+                "min-p, top-k or top-p need the whole row: the fused tiles apply soft-cap, bias, mask and penalties only",
+            ));
+        }
+        Ok(FusedProcessing { address: self.buffer.ptr().address(), rows: self.rows, vocab: self.vocab })
+    }
 }
 
 impl CudaSampler {
     /// Checks a batch's processing for a vocabulary of `vocab` tokens (errors name
-    /// `processing[row].<field>`) and copies it to the device.
+    /// `processing[row].<field>`) and copies it to the device on the sampler's stream.
     pub fn upload_processing(&self, processing: &[Processing], vocab: usize) -> Result<DeviceProcessing> {
-        for (b, p) in processing.iter().enumerate() {
-            p.check(b, vocab)?;
-        }
         self.make_current()?;
-        let len = processing_image(processing, vocab, 0).len();
-        // SAFETY: every byte is copied from the host below, before any kernel reads it.
-        let buffer = unsafe { DeviceBuffer::<u8>::uninitialized(&self.stream, len.max(1), "processing")? };
-        let image = processing_image(processing, vocab, buffer.ptr().address());
-        // SAFETY: the buffer holds the image's bytes; the copy is ordered on our stream.
-        unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, self.stream.cu_stream())? };
-        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab })
+        DeviceProcessing::upload(&self.stream, processing, vocab)
     }
 
     /// Room for a processed call's outputs of `rows × samples` draws, with their
@@ -142,16 +204,20 @@ impl CudaSampler {
         let hidden = self.upload_hidden(hidden)?;
         let rows = self.upload_rows(params)?;
         let mut out = self.processed_outputs(params.len(), draws.count as usize, true)?;
-        self.sample_processed_into(lm_head, &hidden, &rows, &device_processing, draws, &mut out)?;
+        self.sample_processed_into(lm_head, &hidden, &rows, &device_processing, draws, Variant::Auto, &mut out)?;
         self.processed_to_host(&out)
     }
 
-    /// Queues processed sampling into `out` (`[B, draws.count]`): the unfused GEMM writes the
-    /// raw logits (`B · V` floats of workspace, twice that with log-probabilities, which keep
-    /// the raw logits beside the processed ones), one block per row processes them, the
-    /// logits sampler and the merge kernel draw with the plain path's noise keys, and with
-    /// log-probabilities a last kernel writes them. The GEMM needs a BF16 or F16 head with
-    /// `D % 8 == 0`. Never waits for the device.
+    /// Queues processed sampling into `out` (`[B, draws.count]`) with the tile of `variant`.
+    /// Without log-probabilities and truncations (soft-cap, bias, mask and penalties only) the
+    /// fused tile applies the steps to each logits tile on chip: no logits in memory. Otherwise
+    /// the logits are materialised: the unfused GEMM writes them (`B · V` floats of workspace,
+    /// twice that with log-probabilities, which keep the raw logits beside the processed
+    /// ones), one block per row processes them, the logits sampler and the merge kernel draw
+    /// with the plain path's noise keys, and with log-probabilities a last kernel writes them;
+    /// that GEMM needs a BF16 or F16 head with `D % 8 == 0`. Both give the same tokens for
+    /// the same logits. Never waits for the device.
+    #[allow(clippy::too_many_arguments)]
     pub fn sample_processed_into(
         &self,
         lm_head: &CudaLmHead,
@@ -159,6 +225,7 @@ impl CudaSampler {
         rows: &DeviceRows,
         processing: &DeviceProcessing,
         draws: Draws,
+        variant: Variant,
         out: &mut ProcessedOutputs,
     ) -> Result<()> {
         let draws = draws.check()?;
@@ -183,7 +250,11 @@ impl CudaSampler {
                 ),
             ));
         }
-        let variant = Variant::Auto.resolve(self.module(), shape.dtype, shape.dim, batch)?;
+        if out.logprobs.is_none() && processing.truncating_row.is_none() {
+            let fused = Some(processing.fused()?);
+            return self.sample_at(lm_head, hidden, rows.buffer.ptr(), draws, variant, fused, &mut out.tokens);
+        }
+        let variant = variant.resolve(self.module(), shape.dtype, shape.dim, batch)?;
         if variant.logits_kernel(shape.dtype).is_none() {
             return Err(invalid(
                 "lm_head",

@@ -3,8 +3,10 @@
 //! The tile kernel (`fused_*`) computes a tile of `H·Wᵀ` on chip and keeps, per batch row and draw,
 //! the best Gumbel-perturbed (score, index) of the tile; the merge kernel (`reduce_candidates`) merges
 //! the tiles into tokens. The logits never reach device memory. `logits_gemm_*` and
-//! `sample_logits` form the unfused pipeline the benchmarks compare against; `fill_uniform_*`
-//! and `read_probe` make benchmark inputs and measure the read floor.
+//! `sample_logits` form the unfused pipeline the benchmarks compare against, and with
+//! `process_rows` (logit processing of materialised rows) and `token_logprobs` the path of
+//! processed sampling that needs whole rows; `fill_uniform_*` and `read_probe` make benchmark
+//! inputs and measure the read floor.
 //!
 //! Every entry point takes one argument block from [`flashsample_core::abi`] by value.
 //!

@@ -19,16 +19,22 @@ use candle_core::op::BackpropOp;
 use candle_core::{Device, Storage, Tensor};
 use cudarc::driver::{CudaStream, DevicePtr as _, DevicePtrMut as _};
 
-use crate::cuda::{DeviceMatrix, DeviceRows, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, Variant};
+use crate::cuda::{
+    DeviceMatrix, DeviceProcessing, DeviceRows, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, Variant,
+};
 use crate::error::{Error, Result, invalid};
 use crate::params::{Draws, SamplingParams, batch_row_params};
+use crate::process::Processing;
 use crate::tensor::{DType, Elements, Matrix};
 use crate::{CpuLmHead, CpuSampler};
 
-/// A sampler a generation loop keeps: one device, one set of per-row parameters.
+/// A sampler a generation loop keeps: one device, one set of per-row parameters and, if set,
+/// the rows' logit processing.
 pub struct CandleSampler {
     device: Device,
     params: Vec<SamplingParams>,
+    /// Per-row processing, empty for none.
+    processing: Vec<Processing>,
     variant: Variant,
     cuda: Option<CudaState>,
 }
@@ -38,6 +44,8 @@ struct CudaState {
     kernels: StreamSampler,
     stream: Arc<CudaStream>,
     rows: DeviceRows,
+    /// The processing on the device for the vocabulary it was checked against.
+    processing: Option<(usize, DeviceProcessing)>,
     workspace: StreamWorkspace,
 }
 
@@ -107,14 +115,20 @@ impl CandleSampler {
                 let stream = cuda.cuda_stream();
                 let kernels = StreamSampler::on_context(stream.context(), ModuleChoice::from_environment()?)?;
                 let rows = DeviceRows::upload(&stream, params)?;
-                Some(CudaState { kernels, stream, rows, workspace: StreamWorkspace::new() })
+                Some(CudaState { kernels, stream, rows, processing: None, workspace: StreamWorkspace::new() })
             }
             Device::Cpu => None,
             other => {
                 return Err(invalid("device", format!("{other:?}: the adapter samples on CUDA devices and the CPU")));
             }
         };
-        Ok(CandleSampler { device: device.clone(), params: params.to_vec(), variant: Variant::Auto, cuda })
+        Ok(CandleSampler {
+            device: device.clone(),
+            params: params.to_vec(),
+            processing: Vec::new(),
+            variant: Variant::Auto,
+            cuda,
+        })
     }
 
     /// The same sampler with a forced tile variant (CUDA only; tests and benchmarks).
@@ -140,6 +154,34 @@ impl CandleSampler {
             cuda.rows = DeviceRows::upload(&cuda.stream, params)?;
         }
         self.params = params.to_vec();
+        Ok(())
+    }
+
+    /// Sets each row's logit processing (`processing[b]` for row `b`; an empty slice for none),
+    /// checked against the vocabulary at the next `sample`. On a CUDA device the adapter
+    /// applies soft-cap, bias, mask and penalties in the fused tiles on candle's stream (the
+    /// parameters go to the device once per vocabulary) and refuses rows with min-p, top-k or
+    /// top-p, which need whole rows ([`crate::CudaSampler::sample_processed`] has them); on
+    /// the CPU every mode runs ([`CpuSampler::sample_processed`]).
+    pub fn set_processing(&mut self, processing: &[Processing]) -> Result<()> {
+        if !processing.is_empty() && processing.len() != self.params.len() {
+            return Err(invalid(
+                "processing",
+                format!("{} entries for {} rows of parameters: one per row", processing.len(), self.params.len()),
+            ));
+        }
+        if self.cuda.is_some()
+            && let Some(row) = processing.iter().position(Processing::truncates)
+        {
+            return Err(invalid(
+                format!("processing[{row}]"),
+                "min-p, top-k or top-p need whole rows: on CUDA the adapter applies soft-cap, bias, mask and penalties",
+            ));
+        }
+        if let Some(cuda) = self.cuda.as_mut() {
+            cuda.processing = None;
+        }
+        self.processing = processing.to_vec();
         Ok(())
     }
 
@@ -198,7 +240,7 @@ impl CandleSampler {
         T: CudaDType + cudarc::driver::DeviceRepr + candle_core::WithDType,
     {
         let Some(cuda) = self.cuda.as_mut() else {
-            return sample_on_cpu::<T>(hidden, lm_head, &self.params, samples, dtype);
+            return sample_on_cpu::<T>(hidden, lm_head, &self.params, &self.processing, samples, dtype);
         };
         let hidden_rows = rows_of("hidden", hidden)?;
         let lm_head_rows = rows_of("lm_head", lm_head)?;
@@ -209,6 +251,11 @@ impl CandleSampler {
         let (h_slice, w_slice) = (cuda_slice::<T>("hidden", &h_storage)?, cuda_slice::<T>("lm_head", &w_storage)?);
         let (h_base, _h_use) = h_slice.device_ptr(stream);
         let (w_base, _w_use) = w_slice.device_ptr(stream);
+        let vocab = lm_head_rows.rows;
+        if !self.processing.is_empty() && cuda.processing.as_ref().is_none_or(|(v, _)| *v != vocab) {
+            cuda.processing = Some((vocab, DeviceProcessing::upload(stream, &self.processing, vocab)?));
+        }
+        let processing = cuda.processing.as_ref().map(|(_, p)| p.fused()).transpose()?;
         let lm_head = lm_head_rows.at(w_base, dtype);
         let hidden = hidden_rows.at(h_base, dtype);
         let count = Draws::first(samples).check()?.count as usize;
@@ -226,7 +273,7 @@ impl CandleSampler {
             tokens: t_base,
             draws: Draws::first(samples),
             variant: self.variant,
-            processing: None,
+            processing,
         };
         let plan = cuda.kernels.plan_call(&request)?;
         let workspace = cuda.workspace.ensure(stream, plan.workspace_bytes)?;
@@ -265,15 +312,21 @@ fn sample_on_cpu<T: candle_core::WithDType>(
     hidden: &Tensor,
     lm_head: &Tensor,
     params: &[SamplingParams],
+    processing: &[Processing],
     samples: u32,
     dtype: DType,
 ) -> Result<Tensor> {
     let h = to_matrix::<T>("hidden", hidden, dtype)?;
     let w = to_matrix::<T>("lm_head", lm_head, dtype)?;
+    let (sampler, head) = (CpuSampler::new(), CpuLmHead::new(w)?);
     // Like the device path, a row without a token keeps its status sentinel in the tensor.
-    let tokens = match CpuSampler::new().sample(&CpuLmHead::new(w)?, &h, params, samples) {
-        Ok(tokens) | Err(Error::RowsWithoutToken { tokens, .. }) => tokens,
-        Err(e) => return Err(e),
+    let tokens = if processing.is_empty() {
+        match sampler.sample(&head, &h, params, samples) {
+            Ok(tokens) | Err(Error::RowsWithoutToken { tokens, .. }) => tokens,
+            Err(e) => return Err(e),
+        }
+    } else {
+        sampler.sample_processed(&head, &h, params, processing, Draws::first(samples))?.tokens
     };
     Tensor::from_vec(tokens, (h.rows(), samples as usize), &Device::Cpu)
         .map_err(|e| candle_error("Tensor::from_vec", e))

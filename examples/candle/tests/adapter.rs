@@ -129,3 +129,52 @@ fn cpu_tensors_are_sampled_on_the_cpu() {
     let expected = cpu.sample(&head, &to_matrix("hidden", &hidden), &params, 8).unwrap();
     assert_eq!(got.flatten_all().unwrap().to_vec1::<u32>().unwrap(), expected);
 }
+
+/// Per-row processing in the adapter (soft-cap, bias, mask and penalties, fused on candle's
+/// stream) gives the owned API's processed tokens; a row with top-k is refused on CUDA.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn adapter_processing_equals_the_owned_apis() {
+    use flashsample::{Draws, Penalties, Processing, Variant};
+    let (device, mut tiny, input) = model();
+    let hidden = tiny.last_hidden(&input, 0).unwrap();
+    let vocab = tiny.config.vocab_size;
+    let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.9, 78, b as u32, 2)).collect();
+    let mut mask = vec![0u32; vocab.div_ceil(32)];
+    (0..vocab).filter(|i| i % 3 != 0).for_each(|i| mask[i / 32] |= 1 << (i % 32));
+    let processing = vec![
+        Processing { softcap: Some(1.0), ..Processing::default() },
+        Processing { bias: (0..vocab as u32).step_by(97).map(|t| (t, 3.0)).collect(), ..Processing::default() },
+        Processing { mask: Some(mask), ..Processing::default() },
+        Processing {
+            history: (0..300u32).map(|i| i * 7919 % vocab as u32).collect(),
+            penalties: Penalties { repetition: 1.3, frequency: 0.5, presence: 0.5 },
+            ..Processing::default()
+        },
+    ];
+    let mut sampler = CandleSampler::new(&device, &params).unwrap();
+    sampler.set_processing(&processing).unwrap();
+    let adapter = sampler.sample(&hidden, &tiny.lm_head, 32).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let owned = CudaSampler::new().unwrap();
+    let head = owned.upload_lm_head(&to_matrix("lm_head", &tiny.lm_head)).unwrap();
+    let device_hidden = owned.upload_hidden(&to_matrix("hidden", &hidden)).unwrap();
+    let rows = owned.upload_rows(&params).unwrap();
+    let device_processing = owned.upload_processing(&processing, vocab).unwrap();
+    let mut out = owned.processed_outputs(BATCH, 32, false).unwrap();
+    owned
+        .sample_processed_into(
+            &head,
+            &device_hidden,
+            &rows,
+            &device_processing,
+            Draws::first(32),
+            Variant::Auto,
+            &mut out,
+        )
+        .unwrap();
+    assert_eq!(adapter, owned.processed_to_host(&out).unwrap().tokens);
+    let mut top_k = processing.clone();
+    top_k[2].top_k = Some(5);
+    let refused = sampler.set_processing(&top_k).unwrap_err().to_string();
+    assert!(refused.contains("processing[2]"), "{refused}");
+}

@@ -393,6 +393,21 @@ pub struct RowProcessing {
     /// 0 for none.
     pub top_k: u32,
     pub penalties: Penalties,
+    /// How many of the row's top raw log-probabilities to write (at most
+    /// [`crate::process::MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
+}
+
+/// One of a row's top raw log-probabilities: a token and its log-probability under the raw
+/// logits at T = 1; `token = NO_TOKEN` in the slots past the row's count.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct TopLogprob {
+    pub token: u32,
+    pub logprob: f32,
 }
 
 /// The log-sum-exp terms of one processed row: over the raw logits at T = 1 and over the kept
@@ -420,6 +435,8 @@ pub struct ProcessArgs {
     pub processing: DevicePtr<RowProcessing>,
     /// `[batch]`, written; null: no log-sum-exp terms.
     pub sums: DevicePtr<RowSums>,
+    /// `[batch, MAX_TOP_LOGPROBS]`, written for rows that ask (needs `sums`); null: none.
+    pub top: DevicePtr<TopLogprob>,
     pub vocab: u32,
     pub logits_stride: u32,
     pub batch: u32,
@@ -451,8 +468,10 @@ pub const PROCESS_THREADS: u32 = 512;
 /// Buckets of one radix digit in the processing kernel's selections (8 bits).
 pub const SELECT_BUCKETS: u32 = 256;
 /// Dynamic shared memory of the processing kernel: a `u64` per bucket, then a log-sum-exp
-/// pair and a flag word per warp for the block's reductions, then the selection's result.
-pub const PROCESS_SHARED_BYTES: u32 = SELECT_BUCKETS * 8 + (PROCESS_THREADS / 32) * 24 + 32;
+/// pair and a flag word per warp for the block's reductions, then the selection's result,
+/// then the top raw entries as they are gathered (a count and its padding, indices, logits).
+pub const PROCESS_SHARED_BYTES: u32 =
+    SELECT_BUCKETS * 8 + (PROCESS_THREADS / 32) * 24 + 32 + 8 + crate::process::MAX_TOP_LOGPROBS * 8;
 
 /// Fills `count` elements at `out` with values uniform in `[-scale, scale)` drawn from Philox
 /// under `seed` (benchmark and demo inputs; never zeros).

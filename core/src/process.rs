@@ -239,6 +239,9 @@ pub fn sparse_step(logit: f32, entry: &SparseEntry, penalties: &Penalties) -> f3
     penalized(logit + entry.bias, entry.count, penalties)
 }
 
+/// The most top raw log-probabilities a row may ask for.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
 /// Entries per block of a row's sparse index: a fused tile finds the listed tokens of a quad
 /// among those of the quad's block.
 pub const SPARSE_BLOCK: u32 = 64;

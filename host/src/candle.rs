@@ -171,11 +171,11 @@ impl CandleSampler {
             ));
         }
         if self.cuda.is_some()
-            && let Some(row) = processing.iter().position(Processing::truncates)
+            && let Some(row) = processing.iter().position(Processing::needs_whole_row)
         {
             return Err(invalid(
                 format!("processing[{row}]"),
-                "min-p, top-k or top-p need whole rows: on CUDA the adapter applies soft-cap, bias, mask and penalties",
+                "min-p, top-k, top-p and top log-probabilities need whole rows: on CUDA the adapter applies soft-cap, bias, mask and penalties",
             ));
         }
         if let Some(cuda) = self.cuda.as_mut() {

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::error::{Result, RowStatus, invalid, tokens_or_row_status};
 use crate::params::{Draws, HeadShape, MAX_VOCAB, SamplingParams, check_hidden_values, check_lm_head, check_request};
-use crate::process::{ProcessedRow, Processing, log_probabilities, process_sharded_row};
+use crate::process::{ProcessedRow, Processing, log_probabilities, process_sharded_row, top_raw_log_probabilities};
 use crate::tensor::{Elements, Matrix};
 
 /// An LM head held for the CPU backend.
@@ -98,6 +98,9 @@ pub struct Sampled {
     /// Each token's log-probability under the distribution it was drawn from (processed,
     /// over temperature, truncated); 0 for a greedy row.
     pub processed_logprobs: Vec<f32>,
+    /// Per row, its `top_logprobs` most likely tokens under the raw logits with their raw
+    /// log-probabilities, by decreasing logit, then increasing index (empty where not asked).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
 }
 
 impl Sampled {
@@ -253,11 +256,18 @@ impl CpuSampler {
                 (token, raw_lp, processed_lp)
             })
             .collect();
+        let top_logprobs = (0..rows.len())
+            .map(|b| {
+                let slices: Vec<&[f32]> = raw[b].iter().map(Vec::as_slice).collect();
+                top_raw_log_probabilities(&slices, &offsets, &merged[b].0, processing[b].top_logprobs)
+            })
+            .collect();
         Ok(Sampled {
             draws: n,
             tokens: slots.iter().map(|s| s.0).collect(),
             logprobs: slots.iter().map(|s| s.1).collect(),
             processed_logprobs: slots.iter().map(|s| s.2).collect(),
+            top_logprobs,
         })
     }
 }

@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 use flashsample_core::RowParams;
 pub use flashsample_core::process::KeepRule;
 use flashsample_core::process::{
-    LogSumExp, Penalties, SparseEntry, dense_step, mask_allows, min_p_threshold, sparse_step, token_log_probabilities,
-    top_p_target, top_p_units,
+    LogSumExp, MAX_TOP_LOGPROBS, Penalties, SparseEntry, dense_step, mask_allows, min_p_threshold, order_key,
+    sparse_step, token_log_probabilities, top_p_target, top_p_units,
 };
 
 use crate::error::{Result, invalid};
@@ -44,6 +44,9 @@ pub struct Processing {
     /// Keep the smallest set of most likely tokens whose mass reaches `top_p` (after top-k);
     /// `0 < top_p ≤ 1`, 1 is off.
     pub top_p: f32,
+    /// How many of the row's most likely tokens under the raw logits to return with their raw
+    /// log-probabilities ([`crate::Sampled::top_logprobs`]), at most 20; 0 is none.
+    pub top_logprobs: u32,
 }
 
 impl Default for Processing {
@@ -57,6 +60,7 @@ impl Default for Processing {
             min_p: 0.0,
             top_k: None,
             top_p: 1.0,
+            top_logprobs: 0,
         }
     }
 }
@@ -110,6 +114,12 @@ impl Processing {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(invalid(field("top_p"), format!("{}: must be in (0, 1]", self.top_p)));
         }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(invalid(
+                field("top_logprobs"),
+                format!("{}: must be at most {MAX_TOP_LOGPROBS}", self.top_logprobs),
+            ));
+        }
         Ok(())
     }
 
@@ -132,6 +142,12 @@ impl Processing {
     /// Whether min-p, top-k or top-p may drop a token.
     pub fn truncates(&self) -> bool {
         self.min_p > 0.0 || orders(self)
+    }
+
+    /// Whether the row needs all its logits at once: it truncates or asks for its top raw
+    /// log-probabilities (the fused tiles see a tile at a time).
+    pub fn needs_whole_row(&self) -> bool {
+        self.truncates() || self.top_logprobs > 0
     }
 }
 
@@ -301,4 +317,24 @@ pub fn log_probabilities(
     params: &RowParams,
 ) -> (f32, f32) {
     token_log_probabilities(token, logits, raw, kept, params.greedy != 0, params.temperature)
+}
+
+/// A row's `n` most likely tokens under its raw logits (`shards[s]` the entries from
+/// `offsets[s]`), by decreasing logit (`order_key`), then increasing index, with their raw
+/// log-probabilities from the row's merged terms `raw`.
+pub fn top_raw_log_probabilities(shards: &[&[f32]], offsets: &[u32], raw: &LogSumExp, n: u32) -> Vec<(u32, f32)> {
+    let mut entries: Vec<(u32, u32, f32)> = shards
+        .iter()
+        .zip(offsets)
+        .flat_map(|(logits, &offset)| logits.iter().zip(offset..).map(|(&l, i)| (order_key(l), i, l)))
+        .collect();
+    let order = |a: &(u32, u32, f32), b: &(u32, u32, f32)| b.0.cmp(&a.0).then(a.1.cmp(&b.1));
+    let n = (n as usize).min(entries.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    entries.select_nth_unstable_by(n - 1, order);
+    entries.truncate(n);
+    entries.sort_by(order);
+    entries.iter().map(|&(_, i, l)| (i, raw.log_probability(l, 1.0))).collect()
 }

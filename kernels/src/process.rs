@@ -10,14 +10,15 @@
 //! cut is the same on every launch and the same as the CPU's, which sorts.
 
 use core::ptr::addr_of_mut;
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use flashsample_core::NO_TOKEN;
 use flashsample_core::abi::{
-    DevicePtr, LogprobArgs, PROCESS_THREADS, ProcessArgs, RowProcessing, RowSums, SELECT_BUCKETS,
+    DevicePtr, LogprobArgs, PROCESS_THREADS, ProcessArgs, RowProcessing, RowSums, SELECT_BUCKETS, TopLogprob,
 };
 use flashsample_core::process::{
-    KeepRule, LogSumExp, Penalties, SPARSE_BLOCK, SparseEntry, dense_step, key_logit, min_p_threshold, order_key,
-    process_quad, sparse_step, token_log_probabilities, top_p_target, top_p_units,
+    KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, dense_step, key_logit,
+    min_p_threshold, order_key, process_quad, sparse_step, token_log_probabilities, top_p_target, top_p_units,
 };
 
 use crate::arch;
@@ -35,6 +36,11 @@ pub struct ProcessShared {
     /// A selection digit's outcome, from thread 0 to the block: the key prefix, the weight
     /// above it, the target, and whether the set reached the target.
     selection: [u64; 4],
+    /// The row's top raw entries as they are gathered: their count, indices and logits.
+    top_count: u32,
+    top_padding: u32,
+    top_index: [u32; MAX_TOP_LOGPROBS as usize],
+    top_logit: [f32; MAX_TOP_LOGPROBS as usize],
 }
 
 /// A selection's result: the largest key `K` whose entries at or above it reach the target,
@@ -143,7 +149,8 @@ unsafe fn for_each_entry(row: *const f32, vocab: u32, thread: u32, mut f: impl F
 /// The block's view of one row.
 struct Row {
     shared: *mut ProcessShared,
-    processed: *mut f32,
+    /// The row's logits the selections read (processed, or raw for the top log-probabilities).
+    logits: *const f32,
     vocab: u32,
     thread: u32,
 }
@@ -188,7 +195,7 @@ impl Row {
             let (mut run_bucket, mut run_weight) = (0u32, 0u64);
             // SAFETY: the row's processed logits, padded to the stride.
             unsafe {
-                for_each_entry(self.processed, self.vocab, self.thread, |i, l| {
+                for_each_entry(self.logits, self.vocab, self.thread, |i, l| {
                     if let Some(key) = member(i, l)
                         && (digit == 0 || (key ^ prefix) >> (shift + 8) == 0)
                     {
@@ -258,7 +265,7 @@ impl Row {
         let mut non_finite = false;
         // SAFETY: the row's processed logits, padded to the stride.
         unsafe {
-            for_each_entry(self.processed, self.vocab, self.thread, |_, l| {
+            for_each_entry(self.logits, self.vocab, self.thread, |_, l| {
                 max = if l > max { l } else { max };
                 non_finite |= l.is_nan() || l == f32::INFINITY;
             })
@@ -376,7 +383,7 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
         let offset = b as usize * args.logits_stride as usize;
         let raw = args.raw.as_ptr().wrapping_add(offset);
         let processed = args.processed.as_mut_ptr().wrapping_add(offset);
-        let row = Row { shared, processed, vocab: args.vocab, thread };
+        let row = Row { shared, logits: processed, vocab: args.vocab, thread };
         let mask = p.mask.as_ptr();
         let mut raw_lse = LogSumExp::EMPTY;
         let dense = |i: u32, l: f32| {
@@ -439,11 +446,101 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
         if log_sums {
             // SAFETY: every thread of the block together (a uniform condition).
             unsafe { write_sums(args, shared, b, raw_lse, kept, params.temperature) };
+            if args.top.address() != 0 {
+                let raw_row = Row { shared, logits: raw, vocab: args.vocab, thread };
+                // SAFETY: as above; thread 0 wrote the row's sums.
+                unsafe { write_top(args, &raw_row, b, p.top_logprobs) };
+            }
         }
         // SAFETY: every thread of the block reaches it; the next row reuses the shared memory.
         unsafe { arch::sync_threads() };
         b += arch::grid_size();
     }
+}
+
+/// Writes `args.top[b]`: the row's `n` largest raw logits by (`order_key`, then increasing
+/// index) with their raw log-probabilities, then `NO_TOKEN` slots up to `MAX_TOP_LOGPROBS`.
+///
+/// # Safety
+/// Every thread of the block calls it together; `raw` views row `b`'s raw logits; thread 0
+/// wrote `args.sums[b]`; `args.top` holds row `b`'s slots.
+#[inline(always)]
+unsafe fn write_top(args: &ProcessArgs, raw: &Row, b: u32, n: u32) {
+    let shared = raw.shared;
+    // SAFETY: the fields lie inside the block's shared memory.
+    let (count, indices, logits) = unsafe {
+        (
+            addr_of_mut!((*shared).top_count),
+            addr_of_mut!((*shared).top_index) as *mut u32,
+            addr_of_mut!((*shared).top_logit) as *mut f32,
+        )
+    };
+    let mut cut = (0u32, u32::MAX);
+    if n > 0 {
+        let all = |_: u32, l: f32| Some(order_key(l));
+        // SAFETY: every thread together (this function's contract).
+        if let Some(last) = unsafe { raw.select(all, |_| 1, |_| n as u64) } {
+            // Entries tied at the last key: the first by index fill the rest.
+            let ties = |i: u32, l: f32| (order_key(l) == last.key).then_some(!i);
+            let wanted = n as u64 - last.above;
+            // SAFETY: as above.
+            let index = unsafe { raw.select(ties, |_| 1, |_| wanted) }.map_or(u32::MAX, |tie| !tie.key);
+            cut = (last.key, index);
+        }
+    }
+    if raw.thread == 0 {
+        // SAFETY: read only after the barrier below.
+        unsafe { *count = 0 };
+    }
+    // SAFETY: every thread of the block reaches it.
+    unsafe { arch::sync_threads() };
+    if n > 0 {
+        let gather = |i: u32, l: f32| {
+            let key = order_key(l);
+            if key > cut.0 || (key == cut.0 && i <= cut.1) {
+                // SAFETY: the shared count, only accessed atomically until the barrier below.
+                let slot = unsafe { AtomicU32::from_ptr(count) }.fetch_add(1, Ordering::Relaxed);
+                if slot < MAX_TOP_LOGPROBS {
+                    // SAFETY: `slot < MAX_TOP_LOGPROBS`: a slot of the shared lists.
+                    unsafe { (*indices.add(slot as usize), *logits.add(slot as usize)) = (i, l) };
+                }
+            }
+        };
+        // SAFETY: the row's raw logits, padded to the stride.
+        unsafe { for_each_entry(raw.logits, raw.vocab, raw.thread, gather) };
+    }
+    // SAFETY: every thread of the block reaches it.
+    unsafe { arch::sync_threads() };
+    if raw.thread == 0 {
+        // SAFETY: written before the barrier above; the sums by this thread.
+        unsafe {
+            let found = (*count).min(n).min(MAX_TOP_LOGPROBS) as usize;
+            let sums = *args.sums.as_ptr().add(b as usize);
+            // Insertion sort of at most MAX_TOP_LOGPROBS entries, by key then index.
+            let before = |x: usize, y: usize| {
+                let (kx, ky) = (order_key(*logits.add(x)), order_key(*logits.add(y)));
+                kx > ky || (kx == ky && *indices.add(x) < *indices.add(y))
+            };
+            for k in 1..found {
+                let mut j = k;
+                while j > 0 && before(j, j - 1) {
+                    core::ptr::swap(indices.add(j), indices.add(j - 1));
+                    core::ptr::swap(logits.add(j), logits.add(j - 1));
+                    j -= 1;
+                }
+            }
+            let out = args.top.as_mut_ptr().add(b as usize * MAX_TOP_LOGPROBS as usize);
+            for k in 0..MAX_TOP_LOGPROBS as usize {
+                *out.add(k) = if k < found {
+                    TopLogprob { token: *indices.add(k), logprob: sums.raw.log_probability(*logits.add(k), 1.0) }
+                } else {
+                    TopLogprob { token: NO_TOKEN, logprob: f32::NEG_INFINITY }
+                };
+            }
+        }
+    }
+    // SAFETY: every thread of the block reaches it; the next row reuses the shared memory.
+    unsafe { arch::sync_threads() };
 }
 
 /// Merges the block's log-sum-exp terms of row `b` and writes them to `args.sums[b]`.

@@ -270,6 +270,7 @@ pub fn check_processing_edges(backend: &dyn ProcessedBackend, lm_head: &Matrix, 
         (Processing { history: vec![v], ..Default::default() }, "history"),
         (Processing { softcap: Some(0.0), ..Default::default() }, "softcap"),
         (Processing { bias: vec![(0, f32::NAN)], ..Default::default() }, "bias"),
+        (Processing { top_logprobs: 21, ..Default::default() }, "top_logprobs"),
     ] {
         let message = run(p).expect_err("refused").to_string();
         assert!(message.contains(&format!("processing[0].{field}")), "{}: {message}", backend.name());
@@ -289,13 +290,19 @@ pub fn check_top_k_keeps_ties(backend: &dyn ProcessedBackend, lm_head: &Matrix, 
 }
 
 /// Log-probabilities against f64: the raw one is `log_softmax(raw logits)` of the token, the
-/// processed one `log` of the reference distribution's probability; both within `tolerance`.
+/// processed one `log` of the reference distribution's probability, and each row's top raw
+/// log-probabilities (20, 5, 1 or none) the largest raw logits in order; within `tolerance`.
 pub fn check_log_probabilities(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix, tolerance: f64) {
     let modes = each_mode(lm_head.rows());
     let rows = hidden.rows().min(modes.len());
     let params: Vec<SamplingParams> =
         (0..rows).map(|r| SamplingParams::new([0.7, 1.0, 1.6][r % 3], 31, r as u32, 0)).collect();
-    let processing: Vec<Processing> = modes[..rows].iter().map(|m| m.1.clone()).collect();
+    // Rows also ask for their top 20, 5, 1 or no raw log-probabilities.
+    let processing: Vec<Processing> = modes[..rows]
+        .iter()
+        .enumerate()
+        .map(|(r, m)| Processing { top_logprobs: [20, 5, 1, 0][r % 4], ..m.1.clone() })
+        .collect();
     let hidden = hidden.row_range(0, rows);
     let n = 16u32;
     let got = backend.sample_processed(lm_head, &hidden, &params, &processing, n).expect("log-probabilities");
@@ -304,6 +311,16 @@ pub fn check_log_probabilities(backend: &dyn ProcessedBackend, lm_head: &Matrix,
         let raw = logits_row(lm_head, &hidden, r);
         let max = raw.iter().map(|&x| x as f64).fold(f64::NEG_INFINITY, f64::max);
         let log_z = max + raw.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+        let mut order: Vec<usize> = (0..raw.len()).collect();
+        order.sort_by(|&i, &j| raw[j].total_cmp(&raw[i]).then(i.cmp(&j)));
+        let top = &got.top_logprobs[r];
+        assert_eq!(top.len(), processing[r].top_logprobs as usize, "{}: row {r}", backend.name());
+        for (k, &(token, lp)) in top.iter().enumerate() {
+            assert_eq!(token as usize, order[k], "{}: row {r}, top {k}", backend.name());
+            let error = (lp as f64 - (raw[order[k]] as f64 - log_z)).abs();
+            worst = worst.max(error);
+            assert!(error <= tolerance, "{}: row {r} top {k}: {lp} vs f64", backend.name());
+        }
         let q = reference_distribution(&raw, params[r].temperature, &processing[r]);
         for j in 0..n as usize {
             let k = r * n as usize + j;

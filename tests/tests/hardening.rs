@@ -148,7 +148,7 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
 /// The workload of the bundle's `sanitizer` stage: every kernel variant the module has (the
 /// unfused pipeline too) on a prime vocabulary, D not a multiple of 8 for the SIMT tile, and
 /// B = 1, 37 and 1023, each checked against the CPU; then processed sampling with every
-/// processing mode in one batch, with log-probabilities and in place without them, and the
+/// processing mode in one batch, with log-probabilities (and top ones) and in place without them, and the
 /// per-entry modes in the fused tile of every variant.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -175,14 +175,21 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     sampler.sample_unfused_into(&head, &hidden, &rows, 2, Variant::Auto, &mut tokens).unwrap();
     assert!(sampler.tokens_to_host(&tokens).unwrap().iter().all(|&t| t < 1009));
     let modes = flashsample_tests::processing::each_mode(1009);
-    let processing: Vec<flashsample::Processing> = modes.iter().map(|m| m.1.clone()).collect();
+    let processing: Vec<flashsample::Processing> = modes
+        .iter()
+        .enumerate()
+        .map(|(r, m)| flashsample::Processing { top_logprobs: [20, 0, 3][r % 3], ..m.1.clone() })
+        .collect();
     let params = params_for(modes.len(), 0.7, 57);
     let sampled = sampler
         .sample_processed(&head, &h.row_range(0, modes.len()), &params, &processing, flashsample::Draws::first(3))
         .unwrap();
     assert!(sampled.tokens.iter().all(|&t| t < 1009), "{:?}", sampled.tokens);
     let rows = sampler.upload_rows(&params).unwrap();
-    let device_processing = sampler.upload_processing(&processing, 1009).unwrap();
+    // In place, without log-probabilities (so without top ones).
+    let without_top: Vec<flashsample::Processing> =
+        processing.iter().map(|p| flashsample::Processing { top_logprobs: 0, ..p.clone() }).collect();
+    let device_processing = sampler.upload_processing(&without_top, 1009).unwrap();
     let hidden = sampler.upload_hidden(&h.row_range(0, modes.len())).unwrap();
     let mut out = sampler.processed_outputs(modes.len(), 3, false).unwrap();
     sampler
@@ -198,7 +205,7 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
         .unwrap();
     assert_eq!(sampler.processed_to_host(&out).unwrap().tokens, sampled.tokens);
     // The per-entry modes alone run in the fused tile of every variant.
-    let per_entry: Vec<flashsample::Processing> = (0..modes.len()).map(|r| processing[r % 4].clone()).collect();
+    let per_entry: Vec<flashsample::Processing> = (0..modes.len()).map(|r| without_top[r % 4].clone()).collect();
     let fused = sampler.upload_processing(&per_entry, 1009).unwrap();
     let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
     variants.push(Variant::Simt);

@@ -68,8 +68,8 @@ fn every_row_of_a_mixed_batch_gets_what_it_gets_alone() {
 }
 
 /// W split by vocabulary into 2, 3 and 8 uneven shards (boundaries inside Philox blocks): every
-/// mode in one batch gives exactly the unsharded tokens, and log-probabilities within 10⁻⁵
-/// (their log-sum-exp terms are summed in another order).
+/// mode in one batch gives exactly the unsharded tokens and top raw tokens, and
+/// log-probabilities within 10⁻⁵ (their log-sum-exp terms are summed in another order).
 #[test]
 fn shards_give_the_unsharded_tokens_and_log_probabilities() {
     use flashsample::{CpuLmHead, CpuSampler, Draws, Processing, SamplingParams};
@@ -79,7 +79,8 @@ fn shards_give_the_unsharded_tokens_and_log_probabilities() {
     let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 52);
     let params: Vec<SamplingParams> =
         (0..modes.len()).map(|r| SamplingParams::new(if r == 2 { 0.0 } else { 0.9 }, 8, r as u32, 1)).collect();
-    let processing: Vec<Processing> = modes.iter().map(|m| m.1.clone()).collect();
+    let processing: Vec<Processing> =
+        modes.iter().enumerate().map(|(r, m)| Processing { top_logprobs: r as u32 % 3 * 7, ..m.1.clone() }).collect();
     let sampler = CpuSampler::new();
     let draws = Draws::first(64);
     let whole = sampler.sample_processed(&CpuLmHead::new(w.clone()).unwrap(), &h, &params, &processing, draws).unwrap();
@@ -96,6 +97,12 @@ fn shards_give_the_unsharded_tokens_and_log_probabilities() {
             .zip(whole.logprobs.iter().chain(&whole.processed_logprobs))
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
+        for (row, (a, b)) in got.top_logprobs.iter().zip(&whole.top_logprobs).enumerate() {
+            assert_eq!(a.len(), b.len(), "{shards} shards, row {row}");
+            for (x, y) in a.iter().zip(b) {
+                assert!(x.0 == y.0 && (x.1 - y.1).abs() <= 1e-5, "{shards} shards, row {row}: {x:?} vs {y:?}");
+            }
+        }
         println!("{shards} shards: tokens equal, log-probabilities within {worst:.2e}");
         assert!(worst <= 1e-5, "{shards} shards: log-probabilities differ by {worst}");
     }

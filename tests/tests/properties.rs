@@ -92,6 +92,7 @@ proptest! {
             min_p,
             top_k: top_k.map(|f| 1 + token(f)),
             top_p,
+            top_logprobs: 3,
         };
         let params = [SamplingParams::new(temperature, seed, 0, 0), SamplingParams::new(0.0, seed, 1, 0)];
         let both = [processing.clone(), processing];

@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use flashsample_core::abi::{DevicePtr, LogprobArgs, ProcessArgs, RowProcessing, RowSums};
-use flashsample_core::process::{SPARSE_BLOCK, SparseEntry};
+use flashsample_core::NO_TOKEN;
+use flashsample_core::abi::{DevicePtr, LogprobArgs, ProcessArgs, RowProcessing, RowSums, TopLogprob};
+use flashsample_core::process::{MAX_TOP_LOGPROBS, SPARSE_BLOCK, SparseEntry};
 use flashsample_core::registry::Kernel;
 
 use super::{CudaSampler, ensure};
@@ -33,15 +34,19 @@ pub struct DeviceProcessing {
     buffer: DeviceBuffer<u8>,
     rows: usize,
     vocab: usize,
-    /// The first row with min-p, top-k or top-p, if any.
-    truncating_row: Option<usize>,
+    /// Whether a row asks for its top raw log-probabilities.
+    top_logprobs: bool,
+    /// The first row that needs its whole row (min-p, top-k, top-p or top log-probabilities),
+    /// if any: the fused tiles cannot process it.
+    whole_row: Option<usize>,
 }
 
 /// What a processed call writes on the device: `[B, N]` tokens and, when asked for, their raw
 /// and processed log-probabilities with each row's log-sum-exp terms.
 pub struct ProcessedOutputs {
     pub tokens: DeviceTokens,
-    /// `[B, N]` raw log-probabilities, then `[B, N]` processed ones, then `[B]` [`RowSums`].
+    /// `[B, N]` raw log-probabilities, then `[B, N]` processed ones, then `[B]` [`RowSums`],
+    /// then `[B, MAX_TOP_LOGPROBS]` [`TopLogprob`].
     logprobs: Option<DeviceBuffer<f32>>,
 }
 
@@ -52,6 +57,11 @@ impl ProcessedOutputs {
 
     fn sums(&self) -> DevicePtr<RowSums> {
         self.logprobs.as_ref().map_or(DevicePtr::NULL, |values| values.ptr().add(2 * self.slots() as u64).cast())
+    }
+
+    fn top(&self) -> DevicePtr<TopLogprob> {
+        let sums = self.sums();
+        if sums.address() == 0 { DevicePtr::NULL } else { sums.add(self.tokens.rows as u64).cast() }
     }
 }
 
@@ -112,6 +122,8 @@ fn processing_image(processing: &[Processing], sparse: &[Vec<SparseEntry>], voca
             top_p: p.top_p,
             top_k: p.top_k.unwrap_or(0),
             penalties: p.penalties,
+            top_logprobs: p.top_logprobs,
+            padding: 0,
         });
     }
     let mut bytes = Vec::with_capacity(layout.len);
@@ -138,8 +150,9 @@ impl DeviceProcessing {
         let image = processing_image(processing, &sparse, vocab, buffer.ptr().address());
         // SAFETY: the buffer holds the image's bytes; the copy is ordered on `stream`.
         unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, stream.cu_stream())? };
-        let truncating_row = processing.iter().position(Processing::truncates);
-        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, truncating_row })
+        let whole_row = processing.iter().position(Processing::needs_whole_row);
+        let top_logprobs = processing.iter().any(|p| p.top_logprobs > 0);
+        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, whole_row, top_logprobs })
     }
 
     /// The per-entry processing the fused tiles apply
@@ -147,10 +160,10 @@ impl DeviceProcessing {
     /// graphs included); refused when a row has min-p, top-k or top-p, which need the whole
     /// row first.
     pub fn fused(&self) -> Result<FusedProcessing> {
-        if let Some(row) = self.truncating_row {
+        if let Some(row) = self.whole_row {
             return Err(invalid(
                 format!("processing[{row}]"),
-                "min-p, top-k or top-p need the whole row: the fused tiles apply soft-cap, bias, mask and penalties only",
+                "min-p, top-k, top-p and top log-probabilities need the whole row: the fused tiles apply soft-cap, bias, mask and penalties only",
             ));
         }
         Ok(FusedProcessing { address: self.buffer.ptr().address(), rows: self.rows, vocab: self.vocab })
@@ -170,7 +183,8 @@ impl CudaSampler {
     /// are processed in place: half the workspace and less work.
     pub fn processed_outputs(&self, rows: usize, samples: usize, logprobs: bool) -> Result<ProcessedOutputs> {
         let tokens = self.tokens(rows, samples)?;
-        let len = 2 * rows * samples + rows * size_of::<RowSums>() / 4;
+        let len = 2 * rows * samples
+            + rows * (size_of::<RowSums>() + MAX_TOP_LOGPROBS as usize * size_of::<TopLogprob>()) / 4;
         let logprobs = match logprobs {
             // SAFETY: the kernels write every value before it is read.
             true => Some(unsafe { DeviceBuffer::<f32>::uninitialized(&self.stream, len, "log-probabilities")? }),
@@ -250,7 +264,13 @@ impl CudaSampler {
                 ),
             ));
         }
-        if out.logprobs.is_none() && processing.truncating_row.is_none() {
+        if processing.top_logprobs && out.logprobs.is_none() {
+            return Err(invalid(
+                "out",
+                "top log-probabilities need outputs with log-probabilities (processed_outputs(.., true))",
+            ));
+        }
+        if out.logprobs.is_none() && processing.whole_row.is_none() {
             let fused = Some(processing.fused()?);
             return self.sample_at(lm_head, hidden, rows.buffer.ptr(), draws, variant, fused, &mut out.tokens);
         }
@@ -273,6 +293,7 @@ impl CudaSampler {
             row_params,
             processing: processing.buffer.ptr().cast(),
             sums: out.sums(),
+            top: out.top(),
             vocab: shape.vocab as u32,
             logits_stride: stride as u32,
             batch: batch as u32,
@@ -312,11 +333,17 @@ impl CudaSampler {
         self.synchronize("processed sampling")?;
         let tokens = out.tokens.buffer.to_host(&self.stream, "tokens")?;
         let (mut logprobs, mut processed_logprobs) = (Vec::new(), Vec::new());
+        let mut top_logprobs = vec![Vec::new(); out.tokens.rows];
         if let Some(values) = &out.logprobs {
             logprobs = values.to_host(&self.stream, "log-probabilities")?;
+            let top_at = 2 * out.slots() + out.tokens.rows * size_of::<RowSums>() / 4;
+            let top: &[TopLogprob] = bytemuck::cast_slice(&logprobs[top_at..]);
+            for (row, slots) in top_logprobs.iter_mut().zip(top.chunks(MAX_TOP_LOGPROBS as usize)) {
+                *row = slots.iter().take_while(|t| t.token != NO_TOKEN).map(|t| (t.token, t.logprob)).collect();
+            }
             logprobs.truncate(2 * out.slots());
             processed_logprobs = logprobs.split_off(out.slots());
         }
-        Ok(Sampled { draws: out.tokens.samples, tokens, logprobs, processed_logprobs })
+        Ok(Sampled { draws: out.tokens.samples, tokens, logprobs, processed_logprobs, top_logprobs })
     }
 }

@@ -5,7 +5,10 @@
 use std::collections::HashMap;
 
 use flashsample::cpu::logits_row;
-use flashsample::{CpuSampler, Draws, Matrix, Penalties, Processing, Result, RowStatus, Sampled, SamplingParams};
+use flashsample::{
+    CpuSampler, CudaHidden, CudaLmHead, CudaSampler, DeviceProcessing, DeviceRows, Draws, Matrix, Penalties,
+    Processing, Result, RowStatus, Sampled, SamplingParams, Variant,
+};
 
 use crate::chi_square;
 
@@ -65,6 +68,47 @@ impl ProcessedBackend for crate::Cuda {
             panic!("{}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", self.name(), got.tokens[bad]);
         }
         Ok(got)
+    }
+}
+
+/// A processed request's inputs on one GPU: LM head, hidden states, row parameters and
+/// processing, uploaded once for several calls.
+pub struct OnDevice {
+    pub head: CudaLmHead,
+    pub hidden: CudaHidden,
+    pub rows: DeviceRows,
+    pub processing: DeviceProcessing,
+}
+
+impl OnDevice {
+    pub fn new(
+        sampler: &CudaSampler,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+    ) -> OnDevice {
+        OnDevice {
+            head: sampler.upload_lm_head(lm_head).unwrap(),
+            hidden: sampler.upload_hidden(hidden).unwrap(),
+            rows: sampler.upload_rows(params).unwrap(),
+            processing: sampler.upload_processing(processing, lm_head.rows()).unwrap(),
+        }
+    }
+
+    /// `n` draws per row with the tile `variant`, with or without log-probabilities.
+    pub fn sample(&self, sampler: &CudaSampler, n: u32, variant: Variant, logprobs: bool) -> Result<Sampled> {
+        let mut out = sampler.processed_outputs(self.hidden.rows(), n as usize, logprobs)?;
+        sampler.sample_processed_into(
+            &self.head,
+            &self.hidden,
+            &self.rows,
+            &self.processing,
+            Draws::first(n),
+            variant,
+            &mut out,
+        )?;
+        sampler.processed_to_host(&out)
     }
 }
 

@@ -6,6 +6,7 @@
 use flashsample::cudarc::driver::result::mem_get_info;
 use flashsample::params::Draws;
 use flashsample::{CudaSampler, DType, Elements, Error, Matrix, Result, SamplingParams, Variant};
+use flashsample_tests::processing::OnDevice;
 use flashsample_tests::*;
 
 /// Tokens computed elsewhere, offered to [`check_matches_cpu`] as a backend.
@@ -185,34 +186,20 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
         .sample_processed(&head, &h.row_range(0, modes.len()), &params, &processing, flashsample::Draws::first(3))
         .unwrap();
     assert!(sampled.tokens.iter().all(|&t| t < 1009), "{:?}", sampled.tokens);
-    let rows = sampler.upload_rows(&params).unwrap();
     // In place, without log-probabilities (so without top ones).
     let without_top: Vec<flashsample::Processing> =
         processing.iter().map(|p| flashsample::Processing { top_logprobs: 0, ..p.clone() }).collect();
-    let device_processing = sampler.upload_processing(&without_top, 1009).unwrap();
-    let hidden = sampler.upload_hidden(&h.row_range(0, modes.len())).unwrap();
-    let mut out = sampler.processed_outputs(modes.len(), 3, false).unwrap();
-    sampler
-        .sample_processed_into(
-            &head,
-            &hidden,
-            &rows,
-            &device_processing,
-            flashsample::Draws::first(3),
-            Variant::Auto,
-            &mut out,
-        )
-        .unwrap();
-    assert_eq!(sampler.processed_to_host(&out).unwrap().tokens, sampled.tokens);
+    let batch = h.row_range(0, modes.len());
+    let in_place = OnDevice::new(&sampler, &w, &batch, &params, &without_top);
+    assert_eq!(in_place.sample(&sampler, 3, Variant::Auto, false).unwrap().tokens, sampled.tokens);
     // The per-entry modes alone run in the fused tile of every variant.
     let per_entry: Vec<flashsample::Processing> = (0..modes.len()).map(|r| without_top[r % 4].clone()).collect();
-    let fused = sampler.upload_processing(&per_entry, 1009).unwrap();
+    let fused = OnDevice::new(&sampler, &w, &batch, &params, &per_entry);
     let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
     variants.push(Variant::Simt);
     for variant in variants {
-        let draws = flashsample::Draws::first(3);
-        match sampler.sample_processed_into(&head, &hidden, &rows, &fused, draws, variant, &mut out) {
-            Ok(()) => assert!(sampler.processed_to_host(&out).unwrap().tokens.iter().all(|&t| t < 1009)),
+        match fused.sample(&sampler, 3, variant, false) {
+            Ok(sampled) => assert!(sampled.tokens.iter().all(|&t| t < 1009)),
             Err(e) => assert!(e.to_string().contains("does not apply per-row processing"), "{variant:?}: {e}"),
         }
     }

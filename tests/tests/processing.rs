@@ -1,12 +1,13 @@
-//! Logit processing and log-probabilities on the CPU backend: every mode against its exact
-//! target distribution (χ², α = 1e-3), the boundary cases, log-probabilities against f64 and
-//! the mixed batch.
+//! Logit processing and log-probabilities on the CPU backend and (module `gpu`, ignored
+//! without a GPU) the GPU: every mode against its exact target distribution (χ², α = 1e-3), the
+//! boundary cases, log-probabilities against f64, the mixed batch, and the GPU's fused and
+//! materialised paths against each other and the CPU.
 
 use flashsample::DType;
 use flashsample::Variant;
 use flashsample_tests::processing::{
-    check_every_mode, check_log_probabilities, check_mixed_batch, check_processing_edges, check_top_k_keeps_ties,
-    each_mode,
+    OnDevice, check_every_mode, check_log_probabilities, check_mixed_batch, check_processing_edges,
+    check_top_k_keeps_ties, each_mode,
 };
 use flashsample_tests::{Cpu, Cuda, matrix_of, random_matrix};
 
@@ -223,17 +224,8 @@ mod gpu {
             (0..modes.len()).map(|r| flashsample::SamplingParams::new(0.9, 3, r as u32, 0)).collect();
         let processing: Vec<flashsample::Processing> = modes.iter().map(|m| m.1.clone()).collect();
         let sampler = &cuda().sampler;
-        let (head, hidden) = (sampler.upload_lm_head(&w).unwrap(), sampler.upload_hidden(&h).unwrap());
-        let rows = sampler.upload_rows(&params).unwrap();
-        let device_processing = sampler.upload_processing(&processing, vocab).unwrap();
-        let draws = flashsample::Draws::first(40);
-        let run = |logprobs: bool| {
-            let mut out = sampler.processed_outputs(modes.len(), 40, logprobs).unwrap();
-            sampler
-                .sample_processed_into(&head, &hidden, &rows, &device_processing, draws, Variant::Auto, &mut out)
-                .unwrap();
-            sampler.processed_to_host(&out).unwrap()
-        };
+        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
+        let run = |logprobs: bool| on_device.sample(sampler, 40, Variant::Auto, logprobs).unwrap();
         let (with, without) = (run(true), run(false));
         assert_eq!(with.tokens, without.tokens);
         assert_eq!(with.logprobs.len(), modes.len() * 40);
@@ -266,16 +258,9 @@ mod gpu {
             .collect();
         let processing = per_entry_modes(vocab, batch);
         let sampler = &cuda().sampler;
-        let (head, hidden) = (sampler.upload_lm_head(&w).unwrap(), sampler.upload_hidden(&h).unwrap());
-        let rows = sampler.upload_rows(&params).unwrap();
-        let device_processing = sampler.upload_processing(&processing, vocab).unwrap();
+        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
         for variant in Variant::tensor_core(sampler.module()) {
-            let run = |logprobs: bool| {
-                let mut out = sampler.processed_outputs(batch, n as usize, logprobs)?;
-                let draws = flashsample::Draws::first(n);
-                sampler.sample_processed_into(&head, &hidden, &rows, &device_processing, draws, variant, &mut out)?;
-                sampler.processed_to_host(&out).map(|sampled| sampled.tokens)
-            };
+            let run = |logprobs: bool| on_device.sample(sampler, n, variant, logprobs).map(|sampled| sampled.tokens);
             if let Variant::Tma { rows, columns } = variant
                 && !flashsample_core::registry::tma_tile_applies_processing(rows, columns)
             {
@@ -304,22 +289,8 @@ mod gpu {
             (0..batch).map(|r| flashsample::SamplingParams::new(2.5, 6, r as u32, 0)).collect();
         let processing = per_entry_modes(vocab, batch);
         let sampler = &cuda().sampler;
-        let (head, hidden) = (sampler.upload_lm_head(&w).unwrap(), sampler.upload_hidden(&h).unwrap());
-        let rows = sampler.upload_rows(&params).unwrap();
-        let device_processing = sampler.upload_processing(&processing, vocab).unwrap();
-        let mut out = sampler.processed_outputs(batch, n as usize, false).unwrap();
-        sampler
-            .sample_processed_into(
-                &head,
-                &hidden,
-                &rows,
-                &device_processing,
-                flashsample::Draws::first(n),
-                Variant::Simt,
-                &mut out,
-            )
-            .unwrap();
-        let gpu = sampler.processed_to_host(&out).unwrap().tokens;
+        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
+        let gpu = on_device.sample(sampler, n, Variant::Simt, false).unwrap().tokens;
         use flashsample_tests::processing::ProcessedBackend;
         assert_eq!(gpu, Cpu.sample_processed(&w, &h, &params, &processing, n).unwrap().tokens);
     }
@@ -337,22 +308,9 @@ mod gpu {
             (0..batch).map(|r| flashsample::SamplingParams::new(0.9, 7, r as u32, 0)).collect();
         let processing = per_entry_modes(vocab, batch);
         let owned = &cuda().sampler;
-        let (head, hidden) = (owned.upload_lm_head(&w).unwrap(), owned.upload_hidden(&h).unwrap());
-        let rows = owned.upload_rows(&params).unwrap();
-        let device_processing = owned.upload_processing(&processing, vocab).unwrap();
-        let mut out = owned.processed_outputs(batch, n as usize, false).unwrap();
-        owned
-            .sample_processed_into(
-                &head,
-                &hidden,
-                &rows,
-                &device_processing,
-                flashsample::Draws::first(n),
-                Variant::Auto,
-                &mut out,
-            )
-            .unwrap();
-        let want = owned.processed_to_host(&out).unwrap().tokens;
+        let on_device = OnDevice::new(owned, &w, &h, &params, &processing);
+        let want = on_device.sample(owned, n, Variant::Auto, false).unwrap().tokens;
+        let (head, hidden, rows) = (&on_device.head, &on_device.hidden, &on_device.rows);
 
         let stream = owned.stream();
         let borrowed = StreamSampler::on_context(&stream.context().clone(), flashsample::ModuleChoice::Auto).unwrap();

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use flashsample::{
-    CudaSampler, DType, DeviceMatrix, DeviceRows, DeviceWorkspace, Draws, ModuleChoice, RowStatus, SampleRequest,
-    SamplingParams, StreamSampler, StreamWorkspace, Variant,
+    CudaSampler, DType, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceWorkspace, Draws, ModuleChoice, Processing,
+    RowStatus, SampleRequest, SamplingParams, StreamSampler, StreamWorkspace, Variant,
 };
 use flashsample_tests::{gpu_cases, uniform_values};
 use half::{bf16, f16};
@@ -311,6 +311,21 @@ fn the_callers_current_context_is_restored() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
+    graph_replays_fresh_noise(false);
+}
+
+/// As above with per-row processing (soft-cap, bias, mask, penalties) on the device, in the
+/// request the graph captures.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_captured_graph_with_processing_replays_fresh_noise() {
+    graph_replays_fresh_noise(true);
+}
+
+/// One call captured in a CUDA graph, replayed while `advance_steps` moves the step on the
+/// device: the tokens of as many uncaptured calls, step for step, and never the previous
+/// step's; with `processing`, every row has one of the per-entry modes.
+fn graph_replays_fresh_noise(processing: bool) {
     let caller = Caller::new();
     let stream = &caller.stream;
     let (batch, samples, steps) = (8usize, 2u32, 100);
@@ -322,6 +337,10 @@ fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
     let (w_address, _w) = w.device_ptr(stream);
     let (h_address, _h) = h.device_ptr(stream);
     let (t_address, _t) = tokens.device_ptr_mut(stream);
+    let modes = flashsample_tests::processing::each_mode(VOCAB);
+    let per_entry: Vec<Processing> = (0..batch).map(|r| modes[r % 4].1.clone()).collect();
+    let device_processing = processing.then(|| DeviceProcessing::upload(stream, &per_entry, VOCAB).unwrap());
+    let fused = device_processing.as_ref().map(|p| p.fused().unwrap());
     let run_steps = |rows: &DeviceRows, step: &mut dyn FnMut()| -> Vec<Vec<u32>> {
         (0..steps)
             .map(|_| {
@@ -347,7 +366,7 @@ fn a_captured_graph_replays_fresh_noise_as_the_step_advances_on_the_device() {
         tokens: t_address,
         draws: Draws::first(samples),
         variant: Variant::Auto,
-        processing: None,
+        processing: fused,
     };
     let rows = DeviceRows::upload(stream, &initial).unwrap();
     let request = request_for(&rows);

@@ -80,9 +80,9 @@ pub struct SampleRequest {
 }
 
 /// A batch's per-entry processing in device memory that the fused tiles apply: made by
-/// [`crate::DeviceProcessing::fused`], which refuses rows with min-p, top-k or top-p (those
-/// need the whole row: `CudaSampler::sample_processed_into`). It names memory the
-/// `DeviceProcessing` owns; keep that alive until the stream has run the call.
+/// [`crate::DeviceProcessing::fused`], which refuses rows with min-p, top-k, top-p or top
+/// log-probabilities (those need the whole row: `CudaSampler::sample_processed_into`). It names
+/// memory the `DeviceProcessing` owns; keep that alive until the stream has run the call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FusedProcessing {
     /// `[rows]` [`flashsample_core::abi::RowProcessing`] blocks.
@@ -271,8 +271,9 @@ impl StreamSampler {
     /// - Extents: `W` holds `V` rows and `H` `B` rows of `row_stride` elements each (the last
     ///   row `cols` elements), `row_params` `B` [`RowParams`], `tokens` `B · draws.count` u32,
     ///   `workspace` its `bytes`; all are device memory of this context (or mapped into it).
-    /// - Lifetimes: every buffer stays allocated, and `W`, `H` and the row parameters stay
-    ///   unchanged, until `stream` has run past this call's work (the caller's later work on
+    /// - Lifetimes: every buffer (the `DeviceProcessing` behind `processing` included) stays
+    ///   allocated, and `W`, `H`, the row parameters and the processing stay unchanged, until
+    ///   `stream` has run past this call's work (the caller's later work on
     ///   the same stream may free or rewrite them).
     /// - Streams: no other stream writes `W`, `H` or the row parameters, or touches `tokens`
     ///   or `workspace`, until `stream` has run past this call's work, unless the caller

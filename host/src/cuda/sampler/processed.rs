@@ -1,7 +1,11 @@
-//! Processed sampling on the GPU: the logits are materialised (`[B, V]` f32, twice: raw and
-//! processed), one block per row processes them (`process_rows`), the logits sampler and the
-//! merge kernel draw from them with the plain path's noise, and a last kernel gives the drawn
-//! tokens' log-probabilities.
+//! Processed sampling on the GPU, by one of two paths with the same tokens for the same logits:
+//! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) and no
+//!   log-probabilities go through the tile kernels of plain sampling, which apply the steps to
+//!   each logits quad (`SampleRequest::processing`);
+//! - materialised: the unfused GEMM writes the logits (`[B, V]` f32, twice with
+//!   log-probabilities: raw and processed), one block per row processes them
+//!   (`process_rows`), the logits sampler and the merge kernel draw from them with the plain
+//!   path's noise, and with log-probabilities a last kernel gives the drawn tokens' ones.
 
 use std::sync::Arc;
 
@@ -28,7 +32,8 @@ fn logprob_blocks(slots: usize) -> u64 {
 }
 
 /// A batch's [`Processing`] in device memory: per row a [`RowProcessing`] block, then the
-/// rows' sparse entries and mask words, uploaded once. A decode loop keeps it while the
+/// rows' sparse entries, their per-row index of [`SPARSE_BLOCK`]-entry blocks and the mask
+/// words, uploaded once. A decode loop keeps it while the
 /// processing stays (histories change every step: upload again then).
 pub struct DeviceProcessing {
     buffer: DeviceBuffer<u8>,
@@ -157,8 +162,8 @@ impl DeviceProcessing {
 
     /// The per-entry processing the fused tiles apply
     /// ([`SampleRequest::processing`](crate::SampleRequest::processing) in borrowed mode, CUDA
-    /// graphs included); refused when a row has min-p, top-k or top-p, which need the whole
-    /// row first.
+    /// graphs included); refused when a row has min-p, top-k, top-p or top log-probabilities,
+    /// which need the whole row first.
     pub fn fused(&self) -> Result<FusedProcessing> {
         if let Some(row) = self.whole_row {
             return Err(invalid(

@@ -4,13 +4,13 @@
 //! are summed in order `k = 0, 1, …` in f32; the GPU sums in another order, so the two agree
 //! on every token except rare near-ties (measured in `docs/EXACTNESS.md`).
 
-use flashsample_core::process::LogSumExp;
+use flashsample_core::process::{LogSumExp, token_log_probabilities};
 use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
 use crate::error::{Result, RowStatus, invalid, tokens_or_row_status};
 use crate::params::{Draws, HeadShape, MAX_VOCAB, SamplingParams, check_hidden_values, check_lm_head, check_request};
-use crate::process::{ProcessedRow, Processing, log_probabilities, process_sharded_row, top_raw_log_probabilities};
+use crate::process::{ProcessedRow, Processing, process_sharded_row, top_raw_log_probabilities};
 use crate::tensor::{Elements, Matrix};
 
 /// An LM head held for the CPU backend.
@@ -252,7 +252,9 @@ impl CpuSampler {
                     let i = token.checked_sub(part.offset)? as usize;
                     Some((*raw.get(i)?, part.logits[i]))
                 });
-                let (raw_lp, processed_lp) = log_probabilities(token, logits, &merged[b].0, &merged[b].1, &rows[b]);
+                let (raw, kept, row) = (&merged[b].0, &merged[b].1, &rows[b]);
+                let (raw_lp, processed_lp) =
+                    token_log_probabilities(token, logits, raw, kept, row.greedy != 0, row.temperature);
                 (token, raw_lp, processed_lp)
             })
             .collect();

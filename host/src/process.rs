@@ -14,7 +14,7 @@ use flashsample_core::RowParams;
 pub use flashsample_core::process::KeepRule;
 use flashsample_core::process::{
     LogSumExp, MAX_TOP_LOGPROBS, Penalties, SparseEntry, dense_step, mask_allows, min_p_threshold, order_key,
-    sparse_step, token_log_probabilities, top_p_target, top_p_units,
+    sparse_step, top_p_target, top_p_units,
 };
 
 use crate::error::{Result, invalid};
@@ -303,20 +303,6 @@ pub fn process_sharded_row(
             ProcessedRow { offset, logits: std::mem::take(logits), raw: raw_lse, kept }
         })
         .collect()
-}
-
-/// A drawn token's raw log-probability and its log-probability under the distribution it was
-/// drawn from (0 for a greedy row's argmax), from the row's merged log-sum-exp terms and the
-/// token's raw and processed logits. A slot holding a row's status sentinel gets NaN for
-/// non-finite logits and −∞ where nothing is allowed.
-pub fn log_probabilities(
-    token: u32,
-    logits: Option<(f32, f32)>,
-    raw: &LogSumExp,
-    kept: &LogSumExp,
-    params: &RowParams,
-) -> (f32, f32) {
-    token_log_probabilities(token, logits, raw, kept, params.greedy != 0, params.temperature)
 }
 
 /// A row's `n` most likely tokens under its raw logits (`shards[s]` the entries from

@@ -91,9 +91,15 @@ impl ImageLayout {
     }
 }
 
-/// The device image of a batch's processing (see [`DeviceProcessing`]) for a buffer at `base`.
-fn processing_image(processing: &[Processing], sparse: &[Vec<SparseEntry>], vocab: usize, base: u64) -> Vec<u8> {
-    let layout = ImageLayout::of(sparse, processing, vocab);
+/// The device image of a batch's processing (see [`DeviceProcessing`]) laid out as `layout`
+/// for a buffer at `base`.
+fn processing_image(
+    processing: &[Processing],
+    sparse: &[Vec<SparseEntry>],
+    layout: &ImageLayout,
+    vocab: usize,
+    base: u64,
+) -> Vec<u8> {
     let blocks_per_row = vocab.div_ceil(SPARSE_BLOCK as usize);
     let mut rows = Vec::with_capacity(processing.len());
     let (mut entries, mut offsets, mut words) = (Vec::new(), Vec::<u32>::new(), Vec::new());
@@ -149,10 +155,10 @@ impl DeviceProcessing {
             p.check(b, vocab)?;
         }
         let sparse: Vec<Vec<SparseEntry>> = processing.iter().map(Processing::sparse_entries).collect();
-        let len = ImageLayout::of(&sparse, processing, vocab).len;
+        let layout = ImageLayout::of(&sparse, processing, vocab);
         // SAFETY: every byte is copied from the host below, before any kernel reads it.
-        let buffer = unsafe { DeviceBuffer::<u8>::uninitialized(stream, len.max(1), "processing")? };
-        let image = processing_image(processing, &sparse, vocab, buffer.ptr().address());
+        let buffer = unsafe { DeviceBuffer::<u8>::uninitialized(stream, layout.len.max(1), "processing")? };
+        let image = processing_image(processing, &sparse, &layout, vocab, buffer.ptr().address());
         // SAFETY: the buffer holds the image's bytes; the copy is ordered on `stream`.
         unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, stream.cu_stream())? };
         let whole_row = processing.iter().position(Processing::needs_whole_row);

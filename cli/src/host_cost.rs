@@ -73,6 +73,7 @@ pub fn measure(
             draws: Draws::first(1),
             variant: Variant::Auto,
             processing: None,
+            shard: None,
         };
         let bytes = kernels.workspace_bytes(&request.lm_head, &request.hidden, 1, Variant::Auto)?;
         let space = workspace.ensure(stream, bytes)?;

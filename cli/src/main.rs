@@ -16,8 +16,8 @@ use flashsample::cpu::{draw, logits_row};
 use flashsample::io::{NpyType, NpyWriter, load_matrix};
 use flashsample::params::{Draws, check_head_shape, check_request, check_request_shape, row_params};
 use flashsample::{
-    CpuLmHead, CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module, Result,
-    Sampled, SamplingParams, Variant, cuda_device_count,
+    CpuLmHead, CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module, Processing,
+    Result, Sampled, SamplingParams, Variant, VocabShard, cuda_device_count,
 };
 use flashsample_tests::{chi_square, exact_probabilities};
 use rand::{Rng, SeedableRng};
@@ -350,20 +350,39 @@ fn sample_command(args: SampleArgs) -> Result<()> {
         let vocab = w.rows();
         let processing = args.processing.rows(h.rows(), vocab)?;
         let shard_count = args.processing.shard_count(vocab)?;
-        // The GPU runs the unsharded pipeline on BF16/F16 heads with D % 8 == 0; `auto` takes
-        // the CPU for the rest, `cuda` reports why not.
-        let gpu_fits = shard_count == 1 && common != DType::F32 && w.cols() % 8 == 0;
-        let device = match (args.device, gpu_fits) {
-            (DeviceKind::Cuda, false) if shard_count > 1 => {
-                return Err(Error::InvalidArgument {
-                    argument: "--shards".into(),
-                    rule: format!("{shard_count}: the sharded merge runs on the CPU backend; use --device cpu"),
-                });
+        // The GPU processes BF16/F16 heads with D % 8 == 0, in shards of whole Philox blocks
+        // (4 tokens) without truncations; `auto` takes the CPU for the rest, `cuda` reports
+        // why not.
+        let truncates = processing.iter().any(Processing::truncates);
+        let gpu_refusal = if common == DType::F32 || w.cols() % 8 != 0 {
+            Some((
+                "--lm-head",
+                format!("{common}, D = {}: processing on the GPU needs BF16 or F16 with D % 8 == 0", w.cols()),
+            ))
+        } else if shard_count > vocab.div_ceil(4) {
+            Some((
+                "--shards",
+                format!(
+                    "{shard_count}: GPU shards are whole blocks of 4 tokens, at most ⌈V/4⌉ = {}",
+                    vocab.div_ceil(4)
+                ),
+            ))
+        } else if shard_count > 1 && truncates {
+            Some((
+                "--shards",
+                format!(
+                    "{shard_count} with --min-p, --top-k or --top-p: the GPU decides truncations over one shard; use --device cpu"
+                ),
+            ))
+        } else {
+            None
+        };
+        let device = match (args.device, gpu_refusal) {
+            (DeviceKind::Cuda, Some((argument, rule))) => {
+                return Err(Error::InvalidArgument { argument: argument.into(), rule });
             }
-            (DeviceKind::Auto, false) => {
-                eprintln!(
-                    "flashsample: logit processing runs on the CPU for this request (sharded, F32 or D % 8 != 0)"
-                );
+            (DeviceKind::Auto, Some((_, rule))) => {
+                eprintln!("flashsample: logit processing runs on the CPU for this request ({rule})");
                 DeviceKind::Cpu
             }
             (device, _) => device,
@@ -392,25 +411,44 @@ fn sample_command(args: SampleArgs) -> Result<()> {
             (0..samples).step_by(per_call as usize).map(|first| Draws { first, count: per_call.min(samples - first) });
         match gpu_sampler(device, gpu)? {
             Some(sampler) => {
-                let head = sampler.upload_lm_head(&w)?;
+                let quads = vocab.div_ceil(4);
+                let bounds: Vec<usize> =
+                    (0..=shard_count).map(|s| (4 * (s * quads / shard_count)).min(vocab)).collect();
+                let heads = bounds
+                    .windows(2)
+                    .map(|b| sampler.upload_lm_head(&w.row_range(b[0], b[1])))
+                    .collect::<Result<Vec<_>>>()?;
                 drop(w);
                 let hidden = sampler.upload_hidden(&h)?;
                 let rows = sampler.upload_rows(&params)?;
                 let device_processing = sampler.upload_processing(&processing, vocab)?;
                 for draws in passes {
                     let mut out = sampler.processed_outputs(h.rows(), draws.count as usize, wants_logprobs)?;
-                    sampler.sample_processed_into(
-                        &head,
-                        &hidden,
-                        &rows,
-                        &device_processing,
-                        draws,
-                        Variant::Auto,
-                        &mut out,
-                    )?;
+                    if let [head] = heads.as_slice() {
+                        sampler.sample_processed_into(
+                            head,
+                            &hidden,
+                            &rows,
+                            &device_processing,
+                            draws,
+                            Variant::Auto,
+                            &mut out,
+                        )?;
+                    } else {
+                        let count = draws.count as usize;
+                        let mut parts = sampler.shard_parts(heads.len(), h.rows(), count, wants_logprobs)?;
+                        for (s, head) in heads.iter().enumerate() {
+                            let shard = VocabShard { vocab_offset: bounds[s], vocab };
+                            let processing = &device_processing;
+                            let (parts, variant) = (&mut parts, Variant::Auto);
+                            sampler
+                                .sample_shard_into(head, shard, &hidden, &rows, processing, draws, variant, parts, s)?;
+                        }
+                        sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
+                    }
                     write(draws.first, sampler.processed_to_host(&out)?)?;
                 }
-                drop(head);
+                drop(heads);
                 sampler.close()?;
             }
             None => {

@@ -273,6 +273,10 @@ pub struct TmaArgs {
     pub tiles: u32,
     /// Row stride of the logits in elements (GEMM), a multiple of 4 and at least `vocab`.
     pub logits_stride: u32,
+    /// The global vocabulary index of `W`'s row 0 (fused kernels; see [`FusedArgs`]).
+    pub vocab_offset: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
 }
 
 /// The tile kernel's candidates are `[batch, samples, tiles]`: the candidates of one (row, draw) pair
@@ -316,7 +320,17 @@ pub struct FusedArgs {
     pub lm_head_stride: u32,
     /// Elements from one row of `H` to the next (at least `dim`).
     pub hidden_stride: u32,
+    /// The global vocabulary index of `W`'s row 0: 0 for a whole LM head, a vocabulary
+    /// shard's offset (a multiple of [`SHARD_ALIGNMENT`]) otherwise. Noise, candidate indices
+    /// and processing use global indices, so a shard's winners merge into the unsharded ones.
+    pub vocab_offset: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
 }
+
+/// A vocabulary shard's offset is a multiple of this: a thread's four consecutive rows then
+/// stay one Philox block of the global vocabulary.
+pub const SHARD_ALIGNMENT: u32 = crate::noise::ENTRIES_PER_BLOCK;
 
 /// The unfused GEMM: `logits[b · logits_stride + i] = H[b]·W[i]` in f32.
 #[repr(C)]
@@ -350,21 +364,123 @@ pub struct LogitsSamplerArgs {
     pub draw_offset: u32,
     pub samples: u32,
     pub tiles: u32,
+    /// The global vocabulary index of the logits' column 0 (see [`FusedArgs`]).
+    pub vocab_offset: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
 }
 
-/// The merge kernel: `tokens[b · token_stride + draw_offset + j]` = the winning index over tiles,
-/// or `u32::MAX` when no tile had a finite score.
+/// The merge kernel: the winner over tiles of each (row `b`, draw `j`), written at slot
+/// `b · token_stride + draw_offset + j` of `tokens` (its index: a token,
+/// [`NO_TOKEN`](crate::NO_TOKEN) or [`NON_FINITE_TOKEN`](crate::NON_FINITE_TOKEN)) or, when
+/// `winners` is not null, of `winners` (a vocabulary shard's [`ShardWinner`]; `tokens` unread).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ReduceArgs {
     pub candidates: DevicePtr<Candidate>,
     pub tokens: DevicePtr<u32>,
+    pub winners: DevicePtr<ShardWinner>,
+    /// `[batch, logits_stride]` raw and processed logits of the shard (its column 0 at global
+    /// index `vocab_offset`), from which the winners take their logits; null: NaN logits.
+    pub raw: DevicePtr<f32>,
+    pub processed: DevicePtr<f32>,
     pub batch: u32,
     pub samples: u32,
     pub tiles: u32,
     pub draw_offset: u32,
     pub token_stride: u32,
+    pub logits_stride: u32,
+    pub vocab_offset: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
+}
+
+/// A vocabulary shard's winner of one (row, draw) with the token's raw and processed logits
+/// (NaN where the shard materialised none, or when the winner is not a token): all the shard
+/// merge needs of it besides the row's log-sum-exp terms.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ShardWinner {
+    pub candidate: Candidate,
+    pub raw: f32,
+    pub processed: f32,
+}
+
+impl ShardWinner {
+    /// "No token", with no logits.
+    pub const NONE: ShardWinner = ShardWinner { candidate: Candidate::NONE, raw: f32::NAN, processed: f32::NAN };
+
+    /// The winner of two shards by [`Candidate::merge`]'s rule, with its own logits.
+    #[inline(always)]
+    pub fn merge(self, other: ShardWinner) -> ShardWinner {
+        if self.candidate.merge(other.candidate) == self.candidate { self } else { other }
+    }
+}
+
+/// One of a shard's top raw entries: a global token index and its raw logit (`token =
+/// NO_TOKEN` in unused slots). The shard merge turns the best of all shards' into
+/// [`TopLogprob`]s with the row's merged log-sum-exp.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RawTop {
+    pub token: u32,
+    pub logit: f32,
+}
+
+/// What one vocabulary shard hands to the merge, in one block of bytes per shard (so that a
+/// collective can gather the shards' blocks side by side): `[batch · samples]`
+/// [`ShardWinner`]s, then, with log-probabilities, `[batch]` [`RowSums`] and `[batch,
+/// MAX_TOP_LOGPROBS]` [`RawTop`]s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardPartLayout {
+    /// Byte offset of the row sums (equal to `bytes` without log-probabilities).
+    pub sums: u64,
+    /// Byte offset of the top entries.
+    pub top: u64,
+    /// Bytes of one shard's part, a multiple of 16.
+    pub bytes: u64,
+}
+
+impl ShardPartLayout {
+    pub const fn of(batch: u32, samples: u32, logprobs: bool) -> ShardPartLayout {
+        let winners = batch as u64 * samples as u64 * core::mem::size_of::<ShardWinner>() as u64;
+        if !logprobs {
+            let bytes = winners.next_multiple_of(16);
+            return ShardPartLayout { sums: bytes, top: bytes, bytes };
+        }
+        let top = winners + batch as u64 * core::mem::size_of::<RowSums>() as u64;
+        let end = top + batch as u64 * crate::process::MAX_TOP_LOGPROBS as u64 * core::mem::size_of::<RawTop>() as u64;
+        ShardPartLayout { sums: winners, top, bytes: end.next_multiple_of(16) }
+    }
+}
+
+/// The shard merge: `shards` parts of `layout` bytes each, side by side from `parts`, become
+/// the `[batch, samples]` tokens and, when the parts have log-probabilities (and
+/// `logprobs` is not null), the tokens' raw and processed log-probabilities (same layout),
+/// and per row its top raw log-probabilities (`[batch, MAX_TOP_LOGPROBS]`, as many as the
+/// row's processing asks for).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ShardMergeArgs {
+    pub parts: DevicePtr<u8>,
+    pub row_params: DevicePtr<RowParams>,
+    /// `[batch]` processing blocks (for the top counts), or null for none.
+    pub processing: DevicePtr<RowProcessing>,
+    pub tokens: DevicePtr<u32>,
+    pub logprobs: DevicePtr<f32>,
+    pub processed_logprobs: DevicePtr<f32>,
+    pub top: DevicePtr<TopLogprob>,
+    /// [`ShardPartLayout`]'s fields.
+    pub part_sums: u64,
+    pub part_top: u64,
+    pub part_bytes: u64,
+    pub shards: u32,
+    pub batch: u32,
+    pub samples: u32,
     /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
     pub padding: u32,
 }
@@ -435,32 +551,15 @@ pub struct ProcessArgs {
     pub processing: DevicePtr<RowProcessing>,
     /// `[batch]`, written; null: no log-sum-exp terms.
     pub sums: DevicePtr<RowSums>,
-    /// `[batch, MAX_TOP_LOGPROBS]`, written for rows that ask (needs `sums`); null: none.
-    pub top: DevicePtr<TopLogprob>,
+    /// `[batch, MAX_TOP_LOGPROBS]`, each row's top raw entries by decreasing logit, then
+    /// increasing index, as many as the row asks for (needs `sums`); null: none.
+    pub top: DevicePtr<RawTop>,
     pub vocab: u32,
     pub logits_stride: u32,
     pub batch: u32,
-    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
-    pub padding: u32,
-}
-
-/// The log-probability kernel: for each `tokens[b · samples + j]`, its raw and processed
-/// log-probabilities into `logprobs` and `processed_logprobs` (same layout).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct LogprobArgs {
-    pub raw: DevicePtr<f32>,
-    pub processed: DevicePtr<f32>,
-    pub row_params: DevicePtr<RowParams>,
-    pub sums: DevicePtr<RowSums>,
-    pub tokens: DevicePtr<u32>,
-    pub logprobs: DevicePtr<f32>,
-    pub processed_logprobs: DevicePtr<f32>,
-    pub vocab: u32,
-    pub logits_stride: u32,
-    pub batch: u32,
-    pub samples: u32,
+    /// The global vocabulary index of the logits' column 0 (a shard's offset): mask bits,
+    /// sparse entries and the written indices are global.
+    pub vocab_offset: u32,
 }
 
 /// Threads per block of the processing kernel.

@@ -41,12 +41,13 @@ pub enum Kernel {
     FusedHandoff { element: ElementType, columns: u32 },
     /// The unfused pipeline's sampler over materialised logits (`LogitsSamplerArgs`).
     SampleLogits,
-    /// The merge kernel: candidates → tokens (`ReduceArgs`).
+    /// The merge kernel: candidates → tokens, or a shard's winners (`ReduceArgs`).
     ReduceCandidates,
     /// Logit processing of materialised rows, one block per row (`ProcessArgs`).
     ProcessRows,
-    /// Drawn tokens' log-probabilities (`LogprobArgs`).
-    TokenLogprobs,
+    /// The shard merge: shards' winners and log-sum-exp terms → tokens and their
+    /// log-probabilities (`ShardMergeArgs`).
+    MergeShards,
     /// Uniform benchmark inputs (`FillArgs`).
     FillUniform { element: ElementType },
     /// The read-bandwidth floor (`ReadProbeArgs`).
@@ -88,7 +89,7 @@ impl Kernel {
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
-            | Kernel::TokenLogprobs => UTILITY_THREADS,
+            | Kernel::MergeShards => UTILITY_THREADS,
             Kernel::StoreTensorMaps => STORE_TENSOR_MAPS_THREADS,
         }
     }
@@ -106,7 +107,7 @@ impl Kernel {
             Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
             Kernel::ProcessRows => PROCESS_SHARED_BYTES,
             Kernel::LogitsMma { .. }
-            | Kernel::TokenLogprobs
+            | Kernel::MergeShards
             | Kernel::FillUniform { .. }
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
@@ -314,7 +315,7 @@ macro_rules! for_each_kernel {
             sample_logits => SampleLogits {};
             reduce_candidates => ReduceCandidates {};
             process_rows => ProcessRows {};
-            token_logprobs => TokenLogprobs {};
+            merge_shards => MergeShards {};
             fill_uniform_bf16 => FillUniform { element: Bf16 };
             fill_uniform_f16 => FillUniform { element: F16 };
             fill_uniform_f32 => FillUniform { element: F32 };

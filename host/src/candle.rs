@@ -274,6 +274,7 @@ impl CandleSampler {
             draws: Draws::first(samples),
             variant: self.variant,
             processing,
+            shard: None,
         };
         let plan = cuda.kernels.plan_call(&request)?;
         let workspace = cuda.workspace.ensure(stream, plan.workspace_bytes)?;

@@ -32,8 +32,8 @@ pub use candle::CandleSampler;
 pub use cpu::{CpuLmHead, CpuSampler, Sampled};
 pub use cuda::{
     CudaHidden, CudaLmHead, CudaSampler, DeviceElement, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceTokens,
-    DeviceWorkspace, MMA_COLUMNS, ModuleChoice, ProcessedOutputs, SampleRequest, StreamSampler, StreamWorkspace,
-    TMA_COLUMNS, Variant, cuda_device_count,
+    DeviceWorkspace, MMA_COLUMNS, ModuleChoice, ProcessedOutputs, SampleRequest, ShardParts, ShardTarget,
+    StreamSampler, StreamWorkspace, TMA_COLUMNS, Variant, VocabShard, cuda_device_count,
 };
 /// The cudarc this crate is built with: the safe wrappers of borrowed mode take its
 /// `CudaStream` and `CudaSlice`.

@@ -4,8 +4,9 @@
 //! the best Gumbel-perturbed (score, index) of the tile; the merge kernel (`reduce_candidates`) merges
 //! the tiles into tokens. The logits never reach device memory. `logits_gemm_*` and
 //! `sample_logits` form the unfused pipeline the benchmarks compare against, and with
-//! `process_rows` (logit processing of materialised rows) and `token_logprobs` the path of
-//! processed sampling that needs whole rows; `fill_uniform_*` and `read_probe` make benchmark
+//! `process_rows` (logit processing of materialised rows) the path of processed sampling that
+//! needs whole rows; `merge_shards` merges vocabulary shards' winners and log-sum-exp terms
+//! into tokens and log-probabilities; `fill_uniform_*` and `read_probe` make benchmark
 //! inputs and measure the read floor.
 //!
 //! Every entry point takes one argument block from [`flashsample_core::abi`] by value.
@@ -42,8 +43,8 @@ mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, LogprobArgs, N_TILE,
-    ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
+    AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ProcessArgs,
+    ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -305,16 +306,17 @@ macro_rules! entry_point {
             unsafe { process::process_rows(&args, shared::<process::ProcessShared>()) }
         }
     };
-    ($name:ident, TokenLogprobs {}) => {
-        /// Drawn tokens' raw and processed log-probabilities.
+    ($name:ident, MergeShards {}) => {
+        /// The shard merge: shards' winners and log-sum-exp terms → tokens and their
+        /// log-probabilities.
         ///
         /// # Safety
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(args: LogprobArgs) {
+        pub unsafe extern "ptx-kernel" fn $name(args: ShardMergeArgs) {
             // SAFETY: the launcher keeps the crate-level contract: an argument block of valid
             // device buffers.
-            unsafe { process::token_logprobs(&args) }
+            unsafe { process::merge_shards(&args) }
         }
     };
     ($name:ident, FillUniform { element: $element:ident }) => {

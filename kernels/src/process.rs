@@ -1,7 +1,7 @@
 //! Logit processing over materialised rows: one block per row applies the per-entry steps of
 //! `flashsample_core::process`, decides min-p, top-k and top-p exactly, writes the logits
-//! the row races with and its log-sum-exp terms; a second kernel gives the drawn tokens'
-//! log-probabilities.
+//! the row races with and its log-sum-exp terms; the shard merge turns the winners and terms
+//! of one or more vocabulary shards into tokens and log-probabilities.
 //!
 //! top-k and top-p are order statistics of the whole row. Each is found by a radix selection
 //! over [`order_key`] (four 8-bit digits, most significant first): per digit a histogram of
@@ -12,14 +12,15 @@
 use core::ptr::addr_of_mut;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use flashsample_core::NO_TOKEN;
 use flashsample_core::abi::{
-    DevicePtr, LogprobArgs, PROCESS_THREADS, ProcessArgs, RowProcessing, RowSums, SELECT_BUCKETS, TopLogprob,
+    DevicePtr, PROCESS_THREADS, ProcessArgs, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, ShardMergeArgs,
+    ShardWinner, TopLogprob,
 };
 use flashsample_core::process::{
     KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, dense_step, key_logit,
     min_p_threshold, order_key, process_quad, sparse_step, token_log_probabilities, top_p_target, top_p_units,
 };
+use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN};
 
 use crate::arch;
 
@@ -366,8 +367,9 @@ unsafe fn keep_rule(row: &Row, max: f32, temperature: f32, p: &flashsample_core:
 ///
 /// # Safety
 /// Launched with `PROCESS_THREADS` threads and `PROCESS_SHARED_BYTES` of shared memory;
-/// `args` describes valid buffers; each row's sparse tokens are distinct and below `vocab`,
-/// its mask (if any) holds `⌈vocab / 32⌉` words.
+/// `args` describes valid buffers; each row's sparse tokens are distinct, its mask (if any)
+/// holds a word for each of the global indices `vocab_offset .. vocab_offset + vocab`; rows
+/// with truncations only when the logits are the whole vocabulary (`vocab_offset = 0`).
 #[inline(always)]
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
     let thread = arch::thread_index();
@@ -387,8 +389,9 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
         let mask = p.mask.as_ptr();
         let mut raw_lse = LogSumExp::EMPTY;
         let dense = |i: u32, l: f32| {
+            let index = args.vocab_offset + i;
             // SAFETY: `i < vocab`: inside the mask's words and row `b` of the processed logits.
-            let allowed = mask.is_null() || unsafe { *mask.add(i as usize / 32) >> (i % 32) } & 1 == 1;
+            let allowed = mask.is_null() || unsafe { *mask.add(index as usize / 32) >> (index % 32) } & 1 == 1;
             if log_sums {
                 raw_lse.add(l, 1.0);
             }
@@ -409,12 +412,17 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
         unsafe { arch::sync_threads() };
         let mut e = thread;
         while e < p.sparse_len {
-            // SAFETY: `e < sparse_len`; the entry's token is below `vocab` and listed once
-            // (this function's contract), so no two threads touch one logit.
-            unsafe {
-                let entry = *p.sparse.as_ptr().add(e as usize);
-                let at = processed.add(entry.token as usize);
-                *at = sparse_step(*at, &entry, &p.penalties);
+            // SAFETY: `e < sparse_len`.
+            let entry = unsafe { *p.sparse.as_ptr().add(e as usize) };
+            // Entries of other shards wrap past `vocab`.
+            let column = entry.token.wrapping_sub(args.vocab_offset);
+            if column < args.vocab {
+                // SAFETY: `column < vocab`: inside the row; the token is listed once (this
+                // function's contract), so no two threads touch one logit.
+                unsafe {
+                    let at = processed.add(column as usize);
+                    *at = sparse_step(*at, &entry, &p.penalties);
+                }
             }
             e += PROCESS_THREADS;
         }
@@ -448,7 +456,7 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
             unsafe { write_sums(args, shared, b, raw_lse, kept, params.temperature) };
             if args.top.address() != 0 {
                 let raw_row = Row { shared, logits: raw, vocab: args.vocab, thread };
-                // SAFETY: as above; thread 0 wrote the row's sums.
+                // SAFETY: as above.
                 unsafe { write_top(args, &raw_row, b, p.top_logprobs) };
             }
         }
@@ -459,11 +467,11 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
 }
 
 /// Writes `args.top[b]`: the row's `n` largest raw logits by (`order_key`, then increasing
-/// index) with their raw log-probabilities, then `NO_TOKEN` slots up to `MAX_TOP_LOGPROBS`.
+/// index) with their global indices, then `NO_TOKEN` slots up to `MAX_TOP_LOGPROBS`.
 ///
 /// # Safety
-/// Every thread of the block calls it together; `raw` views row `b`'s raw logits; thread 0
-/// wrote `args.sums[b]`; `args.top` holds row `b`'s slots.
+/// Every thread of the block calls it together; `raw` views row `b`'s raw logits; `args.top`
+/// holds row `b`'s slots.
 #[inline(always)]
 unsafe fn write_top(args: &ProcessArgs, raw: &Row, b: u32, n: u32) {
     let shared = raw.shared;
@@ -502,7 +510,7 @@ unsafe fn write_top(args: &ProcessArgs, raw: &Row, b: u32, n: u32) {
                 let slot = unsafe { AtomicU32::from_ptr(count) }.fetch_add(1, Ordering::Relaxed);
                 if slot < MAX_TOP_LOGPROBS {
                     // SAFETY: `slot < MAX_TOP_LOGPROBS`: a slot of the shared lists.
-                    unsafe { (*indices.add(slot as usize), *logits.add(slot as usize)) = (i, l) };
+                    unsafe { (*indices.add(slot as usize), *logits.add(slot as usize)) = (args.vocab_offset + i, l) };
                 }
             }
         };
@@ -515,7 +523,6 @@ unsafe fn write_top(args: &ProcessArgs, raw: &Row, b: u32, n: u32) {
         // SAFETY: written before the barrier above; the sums by this thread.
         unsafe {
             let found = (*count).min(n).min(MAX_TOP_LOGPROBS) as usize;
-            let sums = *args.sums.as_ptr().add(b as usize);
             // Insertion sort of at most MAX_TOP_LOGPROBS entries, by key then index.
             let before = |x: usize, y: usize| {
                 let (kx, ky) = (order_key(*logits.add(x)), order_key(*logits.add(y)));
@@ -532,9 +539,9 @@ unsafe fn write_top(args: &ProcessArgs, raw: &Row, b: u32, n: u32) {
             let out = args.top.as_mut_ptr().add(b as usize * MAX_TOP_LOGPROBS as usize);
             for k in 0..MAX_TOP_LOGPROBS as usize {
                 *out.add(k) = if k < found {
-                    TopLogprob { token: *indices.add(k), logprob: sums.raw.log_probability(*logits.add(k), 1.0) }
+                    RawTop { token: *indices.add(k), logit: *logits.add(k) }
                 } else {
-                    TopLogprob { token: NO_TOKEN, logprob: f32::NEG_INFINITY }
+                    RawTop { token: NO_TOKEN, logit: f32::NEG_INFINITY }
                 };
             }
         }
@@ -583,33 +590,103 @@ unsafe fn write_sums(
     }
 }
 
-/// The log-probability kernel (see `LogprobArgs`): one thread per drawn token.
+/// The shard merge (see `ShardMergeArgs`): one thread per (row, draw) merges the shards'
+/// winners and, with log-probabilities, the row's log-sum-exp terms in shard order; the
+/// thread of a row's first draw also merges its top raw entries.
 ///
 /// # Safety
-/// `args` describes valid buffers: `[batch, samples]` tokens and log-probabilities, `[batch,
-/// logits_stride]` logits, `[batch]` row parameters and sums.
+/// `args` describes valid buffers: `shards` parts of `part_bytes` each (16-byte aligned), laid
+/// out as `ShardPartLayout::of(batch, samples, logprobs)` with log-probabilities when
+/// `args.logprobs` is not null; `[batch]` row parameters (and processing blocks, if not null);
+/// `[batch, samples]` tokens and log-probabilities; `[batch, MAX_TOP_LOGPROBS]` top slots.
 #[inline(always)]
-pub unsafe fn token_logprobs(args: &LogprobArgs) {
+pub unsafe fn merge_shards(args: &ShardMergeArgs) {
     let (mut k, step) = arch::global_thread();
     let slots = args.batch as u64 * args.samples as u64;
+    let logprobs = args.logprobs.address() != 0;
+    let part = |s: u32| args.parts.as_ptr().wrapping_add(s as usize * args.part_bytes as usize);
     while k < slots {
         let b = (k / args.samples as u64) as usize;
-        // SAFETY: `k < batch · samples`, `b < batch`: inside the tokens, parameters and sums.
-        let (token, params, sums) = unsafe {
-            (*args.tokens.as_ptr().add(k as usize), *args.row_params.as_ptr().add(b), *args.sums.as_ptr().add(b))
-        };
-        let logits = (token < args.vocab).then(|| {
-            let at = b * args.logits_stride as usize + token as usize;
-            // SAFETY: `token < vocab`: inside row `b` of both logits.
-            unsafe { (*args.raw.as_ptr().add(at), *args.processed.as_ptr().add(at)) }
-        });
-        let (raw_lp, processed_lp) =
-            token_log_probabilities(token, logits, &sums.raw, &sums.kept, params.greedy != 0, params.temperature);
-        // SAFETY: `k < batch · samples`: inside both outputs.
-        unsafe {
-            *args.logprobs.as_mut_ptr().add(k as usize) = raw_lp;
-            *args.processed_logprobs.as_mut_ptr().add(k as usize) = processed_lp;
+        // SAFETY: `b < batch`.
+        let params = unsafe { *args.row_params.as_ptr().add(b) };
+        let mut best = ShardWinner::NONE;
+        let mut sums = RowSums { raw: LogSumExp::EMPTY, kept: LogSumExp::EMPTY };
+        for s in 0..args.shards {
+            // SAFETY: shard `s`'s part holds `batch · samples` winners and (with log-probabilities)
+            // `batch` row sums at `part_sums`.
+            unsafe {
+                best = best.merge(*(part(s) as *const ShardWinner).add(k as usize));
+                if logprobs {
+                    let terms = *(part(s).add(args.part_sums as usize) as *const RowSums).add(b);
+                    sums.raw.merge_with(terms.raw, 1.0);
+                    sums.kept.merge_with(terms.kept, params.temperature);
+                }
+            }
+        }
+        let token = best.candidate.index;
+        // SAFETY: `k < batch · samples`: inside the tokens.
+        unsafe { *args.tokens.as_mut_ptr().add(k as usize) = token };
+        if logprobs {
+            let logits = (token < NON_FINITE_TOKEN).then_some((best.raw, best.processed));
+            let greedy = params.greedy != 0;
+            let (raw_lp, processed_lp) =
+                token_log_probabilities(token, logits, &sums.raw, &sums.kept, greedy, params.temperature);
+            // SAFETY: `k < batch · samples`: inside both outputs.
+            unsafe {
+                *args.logprobs.as_mut_ptr().add(k as usize) = raw_lp;
+                *args.processed_logprobs.as_mut_ptr().add(k as usize) = processed_lp;
+            }
+            if k % args.samples as u64 == 0 && args.top.address() != 0 {
+                // SAFETY: as this function's contract, for row `b`.
+                unsafe { merge_top(args, b, &sums.raw) };
+            }
         }
         k += step;
+    }
+}
+
+/// Writes row `b`'s top raw log-probabilities: the best `n` (the row's count) of all shards'
+/// top entries by decreasing `order_key`, then increasing index, then `NO_TOKEN` slots.
+///
+/// # Safety
+/// As [`merge_shards`], for row `b`.
+#[inline(always)]
+unsafe fn merge_top(args: &ShardMergeArgs, b: usize, raw: &LogSumExp) {
+    let n = if args.processing.address() == 0 {
+        0
+    } else {
+        // SAFETY: `b < batch`: a row of the processing blocks.
+        unsafe { (*args.processing.as_ptr().add(b)).top_logprobs.min(MAX_TOP_LOGPROBS) }
+    };
+    // An entry's rank: larger comes first; distinct for distinct tokens.
+    let rank = |e: &RawTop| ((order_key(e.logit) as u64) << 32) | !e.token as u64;
+    let out = args.top.as_mut_ptr().wrapping_add(b * MAX_TOP_LOGPROBS as usize);
+    let mut previous: Option<u64> = None;
+    for slot in 0..MAX_TOP_LOGPROBS as usize {
+        let mut next: Option<(u64, RawTop)> = None;
+        if (slot as u32) < n {
+            for s in 0..args.shards {
+                let tops =
+                    args.parts.as_ptr().wrapping_add(s as usize * args.part_bytes as usize + args.part_top as usize)
+                        as *const RawTop;
+                for t in 0..MAX_TOP_LOGPROBS as usize {
+                    // SAFETY: shard `s`'s `[batch, MAX_TOP_LOGPROBS]` top entries.
+                    let entry = unsafe { *tops.add(b * MAX_TOP_LOGPROBS as usize + t) };
+                    let r = rank(&entry);
+                    if entry.token != NO_TOKEN && previous.is_none_or(|p| r < p) && next.is_none_or(|(q, _)| r > q) {
+                        next = Some((r, entry));
+                    }
+                }
+            }
+        }
+        let written = match next {
+            Some((r, entry)) => {
+                previous = Some(r);
+                TopLogprob { token: entry.token, logprob: raw.log_probability(entry.logit, 1.0) }
+            }
+            None => TopLogprob { token: NO_TOKEN, logprob: f32::NEG_INFINITY },
+        };
+        // SAFETY: row `b`'s slots.
+        unsafe { *out.add(slot) = written };
     }
 }

@@ -1,10 +1,10 @@
 //! The fused tile kernels' sampling epilogue, the unfused logits sampler, and the merge kernel.
 
 use flashsample_core::abi::{
-    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, TILE_KERNEL_WARPS,
-    candidate_pair, candidate_slot,
+    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, ShardWinner,
+    TILE_KERNEL_WARPS, candidate_pair, candidate_slot,
 };
-use flashsample_core::{Candidate, block_candidate};
+use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::tile::ThreadLogits;
 use crate::{arch, process};
@@ -82,7 +82,8 @@ pub unsafe fn sample_tile<const NT: usize>(
     let g = lane / 4;
     let t = lane % 4;
     let columns = N_TILE * NT as u32;
-    let philox_block = row0 / 4;
+    let index0 = args.vocab_offset + row0;
+    let philox_block = index0 / 4;
     let rows_valid = args.vocab.saturating_sub(row0).min(4);
     let mut first = 0;
     while first < args.samples {
@@ -105,7 +106,15 @@ pub unsafe fn sample_tile<const NT: usize>(
                     let mut quad = pick(logits, column_slot);
                     if args.processing.address() != 0 {
                         // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
-                        quad = unsafe { process::fused_quad(args.processing, col0 + column, row0, args.vocab, quad) };
+                        quad = unsafe {
+                            process::fused_quad(
+                                args.processing,
+                                col0 + column,
+                                index0,
+                                args.vocab_offset + args.vocab,
+                                quad,
+                            )
+                        };
                     }
                     best = block_candidate(&row, args.draw_offset + j, philox_block, quad, rows_valid);
                 }
@@ -185,7 +194,8 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 if j >= args.samples {
                     break;
                 }
-                let best = block_candidate(&row, args.draw_offset + j, row0 / 4, logits, rows_valid);
+                let philox_block = (args.vocab_offset + row0) / 4;
+                let best = block_candidate(&row, args.draw_offset + j, philox_block, logits, rows_valid);
                 // SAFETY: every lane of the warp reaches it (uniform loops).
                 let best = unsafe { merge_over_lanes(best, 1, 16) };
                 if lane == 0 {
@@ -215,9 +225,27 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
     }
 }
 
+/// `best` of row `b` with the token's logits, where the shard has them.
+///
+/// # Safety
+/// `args.raw` and `args.processed` are null or hold `batch` rows of `logits_stride` floats whose
+/// column `i` is the global token `vocab_offset + i`; `best` is a winner of row `b` of this shard.
+#[inline(always)]
+unsafe fn shard_winner(args: &ReduceArgs, b: u32, best: Candidate) -> ShardWinner {
+    let column = best.index.wrapping_sub(args.vocab_offset);
+    let mut winner = ShardWinner { candidate: best, ..ShardWinner::NONE };
+    if args.raw.address() != 0 && best.index < NON_FINITE_TOKEN && column < args.logits_stride {
+        let at = b as usize * args.logits_stride as usize + column as usize;
+        // SAFETY: `column < logits_stride`: inside row `b` of both logits (this function's contract).
+        unsafe { (winner.raw, winner.processed) = (*args.raw.as_ptr().add(at), *args.processed.as_ptr().add(at)) };
+    }
+    winner
+}
+
 /// The merge kernel: one block per (row, draw) merges that draw's candidates over all tiles and
 /// writes the winning index, which is [`NO_TOKEN`](flashsample_core::NO_TOKEN) or
-/// [`NON_FINITE_TOKEN`](flashsample_core::NON_FINITE_TOKEN) for a row without a token.
+/// [`NON_FINITE_TOKEN`](flashsample_core::NON_FINITE_TOKEN) for a row without a token, or a
+/// vocabulary shard's [`ShardWinner`] with the token's logits.
 ///
 /// # Safety
 /// Launched with [`REDUCE_THREADS`] threads and `REDUCE_THREADS / 32` candidates of shared
@@ -254,9 +282,15 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
                 best = best.merge(unsafe { *staging.add(w as usize) });
             }
             let at = b as u64 * args.token_stride as u64 + args.draw_offset as u64 + j as u64;
-            // SAFETY: `b < batch` and `draw_offset + j < token_stride`: inside the `[batch,
-            // token_stride]` tokens.
-            unsafe { *args.tokens.as_mut_ptr().add(at as usize) = best.index };
+            if args.winners.address() == 0 {
+                // SAFETY: `b < batch` and `draw_offset + j < token_stride`: inside the `[batch,
+                // token_stride]` tokens.
+                unsafe { *args.tokens.as_mut_ptr().add(at as usize) = best.index };
+            } else {
+                // SAFETY: as above, for the `[batch, token_stride]` winners and logits of `batch`
+                // rows.
+                unsafe { *args.winners.as_mut_ptr().add(at as usize) = shard_winner(args, b, best) };
+            }
         }
         // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 
 use flashsample::cpu::logits_row;
 use flashsample::{
-    CpuSampler, CudaHidden, CudaLmHead, CudaSampler, DeviceProcessing, DeviceRows, Draws, Matrix, Penalties,
-    Processing, Result, RowStatus, Sampled, SamplingParams, Variant,
+    CpuLmHead, CpuSampler, CudaHidden, CudaLmHead, CudaSampler, DeviceProcessing, DeviceRows, Draws, Matrix, Penalties,
+    Processing, Result, RowStatus, Sampled, SamplingParams, Variant, VocabShard,
 };
 
 use crate::chi_square;
@@ -18,6 +18,16 @@ pub trait ProcessedBackend {
     fn sample_processed(
         &self,
         lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled>;
+
+    /// As `sample_processed` over `shards`, the LM head's rows split by vocabulary in order.
+    fn sample_sharded(
+        &self,
+        shards: &[Matrix],
         hidden: &Matrix,
         params: &[SamplingParams],
         processing: &[Processing],
@@ -41,6 +51,18 @@ impl ProcessedBackend for crate::Cpu {
         let sampler = CpuSampler::new();
         sampler.sample_processed(&sampler.upload_lm_head(lm_head)?, hidden, params, processing, Draws::first(samples))
     }
+
+    fn sample_sharded(
+        &self,
+        shards: &[Matrix],
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        let heads: Vec<CpuLmHead> = shards.iter().map(|w| CpuLmHead::new(w.clone())).collect::<Result<_>>()?;
+        CpuSampler::new().sample_sharded(&heads, hidden, params, processing, Draws::first(samples))
+    }
 }
 
 impl ProcessedBackend for crate::Cuda {
@@ -63,11 +85,47 @@ impl ProcessedBackend for crate::Cuda {
         self.sampler.sample_processed(&head, hidden, params, processing, draws)?;
         self.sampler.poison_workspace()?;
         let got = self.sampler.sample_processed(&head, hidden, params, processing, draws)?;
-        let vocab = lm_head.rows() as u32;
-        if let Some(bad) = got.tokens.iter().position(|&t| t >= vocab && RowStatus::of_token(t).is_none()) {
-            panic!("{}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", self.name(), got.tokens[bad]);
-        }
+        check_written(&self.name(), &got, lm_head.rows());
         Ok(got)
+    }
+
+    /// Stage 1 per shard into poisoned parts, then the shard merge: a part left unwritten
+    /// shows as a winner that is no token.
+    fn sample_sharded(
+        &self,
+        shards: &[Matrix],
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        let sampler = &self.sampler;
+        let vocab: usize = shards.iter().map(Matrix::rows).sum();
+        let heads: Vec<CudaLmHead> = shards.iter().map(|w| sampler.upload_lm_head(w)).collect::<Result<_>>()?;
+        let on_device = OnDevice::new(sampler, &shards[0], hidden, params, processing, vocab);
+        let logprobs = true;
+        let mut parts = sampler.shard_parts(shards.len(), hidden.rows(), samples as usize, logprobs)?;
+        sampler.poison_parts(&parts)?;
+        let mut vocab_offset = 0;
+        for (s, head) in heads.iter().enumerate() {
+            let shard = VocabShard { vocab_offset, vocab };
+            let draws = Draws::first(samples);
+            let (hidden, rows, processing) = (&on_device.hidden, &on_device.rows, &on_device.processing);
+            sampler.sample_shard_into(head, shard, hidden, rows, processing, draws, self.variant, &mut parts, s)?;
+            vocab_offset += head.shape().vocab;
+        }
+        let mut out = sampler.processed_outputs(hidden.rows(), samples as usize, logprobs)?;
+        sampler.merge_shards_into(&parts, &on_device.rows, &on_device.processing, &mut out)?;
+        let got = sampler.processed_to_host(&out)?;
+        check_written(&self.name(), &got, vocab);
+        Ok(got)
+    }
+}
+
+/// Panics on a slot that holds neither a token below `vocab` nor a row status.
+fn check_written(name: &str, got: &Sampled, vocab: usize) {
+    if let Some(bad) = got.tokens.iter().position(|&t| t as usize >= vocab && RowStatus::of_token(t).is_none()) {
+        panic!("{name}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", got.tokens[bad]);
     }
 }
 
@@ -81,18 +139,20 @@ pub struct OnDevice {
 }
 
 impl OnDevice {
+    /// `lm_head` may be a shard of a vocabulary of `vocab` tokens, which the processing is for.
     pub fn new(
         sampler: &CudaSampler,
         lm_head: &Matrix,
         hidden: &Matrix,
         params: &[SamplingParams],
         processing: &[Processing],
+        vocab: usize,
     ) -> OnDevice {
         OnDevice {
             head: sampler.upload_lm_head(lm_head).unwrap(),
             hidden: sampler.upload_hidden(hidden).unwrap(),
             rows: sampler.upload_rows(params).unwrap(),
-            processing: sampler.upload_processing(processing, lm_head.rows()).unwrap(),
+            processing: sampler.upload_processing(processing, vocab).unwrap(),
         }
     }
 
@@ -405,5 +465,60 @@ pub fn check_mixed_batch(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidde
         assert_eq!(batch.tokens[slots.clone()], alone.tokens[..], "{}: row {r} ({})", backend.name(), modes[r].0);
         assert_eq!(batch.logprobs[slots.clone()], alone.logprobs[..], "{}: row {r}", backend.name());
         assert_eq!(batch.processed_logprobs[slots], alone.processed_logprobs[..], "{}: row {r}", backend.name());
+    }
+}
+
+/// The LM head `w` split into shards at `bounds` (row indices, from 0 to V).
+pub fn split_rows(w: &Matrix, bounds: &[usize]) -> Vec<Matrix> {
+    bounds.windows(2).map(|b| w.row_range(b[0], b[1])).collect()
+}
+
+/// Shard bounds of V into `shards` uneven parts: a part of every other shard moves to its
+/// neighbour, and every bound is a multiple of `align`.
+pub fn uneven_bounds(vocab: usize, shards: usize, align: usize) -> Vec<usize> {
+    (0..=shards)
+        .map(|s| match s {
+            0 => 0,
+            s if s == shards => vocab,
+            s => (s * vocab / shards + (s % 2) * align).next_multiple_of(align),
+        })
+        .collect()
+}
+
+/// W split by vocabulary into 2, 3 and 8 uneven shards (bounds multiples of `align`): every
+/// mode of `modes` in one batch gives exactly the unsharded tokens and top raw tokens, and
+/// log-probabilities within 10⁻⁵ (their log-sum-exp terms are summed in another order).
+pub fn check_shards(
+    backend: &dyn ProcessedBackend,
+    w: &Matrix,
+    h: &Matrix,
+    modes: &[(&'static str, Processing)],
+    align: usize,
+) {
+    let vocab = w.rows();
+    let params: Vec<SamplingParams> =
+        (0..modes.len()).map(|r| SamplingParams::new(if r == 2 { 0.0 } else { 0.9 }, 8, r as u32, 1)).collect();
+    let processing: Vec<Processing> =
+        modes.iter().enumerate().map(|(r, m)| Processing { top_logprobs: r as u32 % 3 * 7, ..m.1.clone() }).collect();
+    let whole = backend.sample_processed(w, h, &params, &processing, 64).unwrap();
+    for shards in [2usize, 3, 8] {
+        let bounds = uneven_bounds(vocab, shards, align);
+        let got = backend.sample_sharded(&split_rows(w, &bounds), h, &params, &processing, 64).unwrap();
+        assert_eq!(got.tokens, whole.tokens, "{}: {shards} shards at {bounds:?}", backend.name());
+        let worst = got
+            .logprobs
+            .iter()
+            .chain(&got.processed_logprobs)
+            .zip(whole.logprobs.iter().chain(&whole.processed_logprobs))
+            .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() })
+            .fold(0.0f32, f32::max);
+        for (row, (a, b)) in got.top_logprobs.iter().zip(&whole.top_logprobs).enumerate() {
+            assert_eq!(a.len(), b.len(), "{shards} shards, row {row}");
+            for (x, y) in a.iter().zip(b) {
+                assert!(x.0 == y.0 && (x.1 - y.1).abs() <= 1e-5, "{shards} shards, row {row}: {x:?} vs {y:?}");
+            }
+        }
+        println!("{}: {shards} shards: tokens equal, log-probabilities within {worst:.2e}", backend.name());
+        assert!(worst <= 1e-5, "{}: {shards} shards: log-probabilities differ by {worst}", backend.name());
     }
 }

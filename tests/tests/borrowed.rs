@@ -166,6 +166,7 @@ fn a_strided_hidden_view_gives_the_contiguous_tokens() {
             draws: Draws::first(samples),
             variant,
             processing: None,
+            shard: None,
         };
         let space = caller.workspace_for(stream, &mut workspace, &request);
         // SAFETY: every buffer above lives on `stream` with the extents the request states.
@@ -266,6 +267,7 @@ fn the_callers_current_context_is_restored() {
         draws: Draws::first(1),
         variant: Variant::Auto,
         processing: None,
+        shard: None,
     };
     let space = caller.workspace_for(stream, &mut workspace, &request);
     let current = || {
@@ -367,6 +369,7 @@ fn graph_replays_fresh_noise(processing: bool) {
         draws: Draws::first(samples),
         variant: Variant::Auto,
         processing: fused,
+        shard: None,
     };
     let rows = DeviceRows::upload(stream, &initial).unwrap();
     let request = request_for(&rows);
@@ -467,6 +470,7 @@ fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
                 draws: Draws::first(samples),
                 variant,
                 processing: None,
+                shard: None,
             };
             let space = caller.workspace_for(stream, &mut workspace, &request);
             // SAFETY: every buffer lives on `stream` with the request's extents until the copy

@@ -49,6 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         draws: Draws::first(1),
         variant: Variant::Auto,
         processing: None,
+        shard: None,
     };
     let first = step_request(0);
     let space = workspace.ensure(&stream, sampler.workspace_bytes(&first.lm_head, &first.hidden, 1, Variant::Auto)?)?;

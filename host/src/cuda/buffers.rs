@@ -257,6 +257,8 @@ pub(crate) struct Workspace {
     /// A call's scratch: its tensor maps and candidates (see `StreamSampler::workspace_bytes`).
     pub scratch: Option<DeviceBuffer<u8>>,
     pub logits: Option<DeviceBuffer<f32>>,
+    /// The one shard part of the unsharded materialised path.
+    pub parts: Option<DeviceBuffer<u8>>,
     /// The read probe's one-word sink.
     pub probe_sink: Option<DeviceBuffer<u32>>,
 }

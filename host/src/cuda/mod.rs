@@ -23,5 +23,7 @@ pub mod stream;
 pub use buffers::{CudaHidden, CudaLmHead, DeviceRows, DeviceTokens};
 pub use dispatch::{MMA_COLUMNS, TMA_COLUMNS, Variant};
 pub use modules::{MODULE_VARIABLE, ModuleChoice};
-pub use sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, cuda_device_count};
-pub use stream::{DeviceElement, DeviceMatrix, DeviceWorkspace, SampleRequest, StreamSampler, StreamWorkspace};
+pub use sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard, cuda_device_count};
+pub use stream::{
+    DeviceElement, DeviceMatrix, DeviceWorkspace, SampleRequest, ShardTarget, StreamSampler, StreamWorkspace,
+};

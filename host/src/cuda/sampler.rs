@@ -16,7 +16,9 @@ use super::dispatch::Variant;
 use super::driver;
 use super::modules::ModuleChoice;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Plan};
-use super::stream::{DeviceMatrix, DeviceWorkspace, FusedProcessing, SampleRequest, StreamSampler, TensorMaps};
+use super::stream::{
+    DeviceMatrix, DeviceWorkspace, FusedProcessing, ReduceTarget, SampleRequest, ShardTarget, StreamSampler, TensorMaps,
+};
 use crate::error::{Error, Result, invalid, tokens_or_row_status};
 use crate::params::{
     Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_request_shape,
@@ -25,7 +27,7 @@ use crate::tensor::{DType, Elements, Matrix, MatrixShape};
 
 mod processed;
 
-pub use processed::{DeviceProcessing, ProcessedOutputs};
+pub use processed::{DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard};
 
 /// The number of CUDA devices; [`Error::NoCudaDevice`] without a driver or a device.
 pub fn cuda_device_count() -> Result<usize> {
@@ -276,8 +278,10 @@ impl CudaSampler {
         self.sample_at(lm_head, hidden, rows.buffer.ptr(), Draws::first(samples), variant, None, tokens)
     }
 
+    /// Fused sampling of a vocabulary shard (`shard`'s winners instead of tokens), or of the
+    /// whole head into `tokens` (`shard = None`).
     #[allow(clippy::too_many_arguments)]
-    fn sample_at(
+    pub(crate) fn sample_at_target(
         &self,
         lm_head: &CudaLmHead,
         hidden: &CudaHidden,
@@ -285,19 +289,20 @@ impl CudaSampler {
         draws: Draws,
         variant: Variant,
         processing: Option<FusedProcessing>,
-        tokens: &mut DeviceTokens,
+        tokens: u64,
+        shard: Option<ShardTarget>,
     ) -> Result<()> {
-        self.check_tokens(hidden, draws.count, tokens)?;
         let shape = lm_head.shape;
         let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
         let request = SampleRequest {
             lm_head: DeviceMatrix::contiguous(lm_head.address(), shape.vocab, shape.dim, shape.dtype),
             hidden: DeviceMatrix::contiguous(hidden.address(), hidden.rows(), hidden.shape.cols, hidden.shape.dtype),
             row_params: row_params.address(),
-            tokens: tokens.address(),
+            tokens,
             draws,
             variant,
             processing,
+            shard,
         };
         let plan = self.kernels().plan_call(&request)?;
         let maps = match plan.variant.tma_boxes() {
@@ -313,6 +318,21 @@ impl CudaSampler {
         // SAFETY: every address comes from a live buffer of this sampler, sized for the request
         // and used on its one stream; the resident maps live as long as the buffers.
         unsafe { self.kernels().enqueue(self.stream.cu_stream(), &request, &plan, maps, workspace) }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn sample_at(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        row_params: DevicePtr<RowParams>,
+        draws: Draws,
+        variant: Variant,
+        processing: Option<FusedProcessing>,
+        tokens: &mut DeviceTokens,
+    ) -> Result<()> {
+        self.check_tokens(hidden, draws.count, tokens)?;
+        self.sample_at_target(lm_head, hidden, row_params, draws, variant, processing, tokens.address(), None)
     }
 
     fn check_tokens(&self, hidden: &CudaHidden, samples: u32, tokens: &DeviceTokens) -> Result<()> {
@@ -347,15 +367,8 @@ impl CudaSampler {
         let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, hidden.rows() * stride, "logits")?;
         self.queue_logits(lm_head, hidden, variant, logits, stride)?;
         let (batch, vocab) = (hidden.rows(), lm_head.shape.vocab);
-        self.queue_logits_sampling(
-            logits,
-            stride,
-            vocab,
-            rows.buffer.ptr(),
-            batch,
-            Draws::first(samples),
-            tokens.buffer.ptr(),
-        )
+        let target = ReduceTarget::Tokens(tokens.buffer.ptr());
+        self.queue_logits_sampling(logits, stride, vocab, 0, rows.buffer.ptr(), batch, Draws::first(samples), target)
     }
 
     /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`,
@@ -390,6 +403,8 @@ impl CudaSampler {
                 samples: 0,
                 tiles: gemm_tiles as u32,
                 logits_stride: stride as u32,
+                vocab_offset: 0,
+                padding: 0,
             };
             // SAFETY: the logits buffer holds B × stride floats; the maps describe live buffers.
             unsafe { self.launch(gemm, items, &args) }
@@ -411,18 +426,19 @@ impl CudaSampler {
     }
 
     /// Queues the draws `draws` over materialised logits `[batch, stride]` (written on the
-    /// stream before): candidates per pass of bounded memory, merged into `tokens`
-    /// (`[batch, draws.count]`).
+    /// stream before; column 0 is the global token `vocab_offset`): candidates per pass of
+    /// bounded memory, merged into `target` (`[batch, draws.count]`).
     #[allow(clippy::too_many_arguments)]
     fn queue_logits_sampling(
         &self,
         logits: DevicePtr<f32>,
         stride: usize,
         vocab: usize,
+        vocab_offset: u32,
         row_params: DevicePtr<RowParams>,
         batch: usize,
         draws: Draws,
-        tokens: DevicePtr<u32>,
+        target: ReduceTarget,
     ) -> Result<()> {
         let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
         let plan = Plan::new(batch, draws.count as usize, tiles, CANDIDATE_BUDGET_BYTES);
@@ -442,7 +458,7 @@ impl CudaSampler {
                 tiles,
                 row_params,
                 candidates,
-                tokens,
+                target,
                 draws.count,
                 |pass, launch| {
                     let args = LogitsSamplerArgs {
@@ -457,6 +473,8 @@ impl CudaSampler {
                         draw_offset: draws.first + pass.first_sample as u32,
                         samples: pass.samples as u32,
                         tiles: tiles as u32,
+                        vocab_offset,
+                        padding: 0,
                     };
                     // SAFETY: the logits hold `batch × stride` floats written before on the stream.
                     self.launch(Kernel::SampleLogits, tiles as u64 * launch.batch as u64, &args)
@@ -503,17 +521,23 @@ impl CudaSampler {
         }
         if let Some(logits) = workspace.logits.as_ref() {
             // SAFETY: as above, `len` floats.
-            unsafe {
-                driver::fill_words_async(
-                    "poison logits",
-                    logits.ptr().cast(),
-                    f32::INFINITY.to_bits(),
-                    logits.len(),
-                    self.stream.cu_stream(),
-                )?
-            };
+            unsafe { self.poison_words("poison logits", logits.ptr().cast(), logits.len())? };
+        }
+        if let Some(parts) = workspace.parts.as_ref() {
+            // SAFETY: as above, `len` bytes, a multiple of 16.
+            unsafe { self.poison_words("poison shard parts", parts.ptr().cast(), parts.len() / 4)? };
         }
         Ok(())
+    }
+
+    /// Fills `words` u32 at `at` with the bits of +∞: as a winner, a score that wins every
+    /// merge with an index that is no token; as logits or sums, +∞.
+    ///
+    /// # Safety
+    /// `at` holds `words` u32 of device memory used on this sampler's stream.
+    pub(crate) unsafe fn poison_words(&self, what: &str, at: DevicePtr<u32>, words: usize) -> Result<()> {
+        // SAFETY: per this function's contract.
+        unsafe { driver::fill_words_async(what, at, f32::INFINITY.to_bits(), words, self.stream.cu_stream()) }
     }
 
     /// The poison index of [`CudaSampler::poison_workspace`].

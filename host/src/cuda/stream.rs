@@ -20,8 +20,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _, sys};
 use flashsample_core::abi::{
-    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, RowProcessing, StoreTensorMapsArgs, TENSOR_MAP_BYTES,
-    TensorMap, TmaArgs,
+    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, RowProcessing, SHARD_ALIGNMENT, ShardWinner,
+    StoreTensorMapsArgs, TENSOR_MAP_BYTES, TensorMap, TmaArgs,
 };
 use flashsample_core::registry::{Kernel, Module};
 use flashsample_core::{Candidate, RowParams};
@@ -32,7 +32,7 @@ use super::driver::{self, L2Promotion, TensorMapElement};
 use super::modules::{LoadedModule, ModuleChoice};
 use super::passes::{CANDIDATE_BUDGET_BYTES, Pass, Plan};
 use crate::error::{Result, invalid};
-use crate::params::{Draws, HeadShape, check_head_shape, check_request_shape};
+use crate::params::{Draws, HeadShape, MAX_VOCAB, check_head_shape, check_request_shape};
 use crate::tensor::{DType, MatrixShape};
 
 /// A matrix in device memory: `rows × cols` elements of `dtype` at `address`, row `r` starting
@@ -70,13 +70,61 @@ pub struct SampleRequest {
     pub row_params: u64,
     /// `[B, draws.count]` u32 tokens, row-major; every slot of a row without a token holds
     /// its status's sentinel ([`crate::RowStatus::of_token`]): `NON_FINITE_TOKEN` for a row
-    /// with a NaN or +∞ logit, `NO_TOKEN` for a row whose logits are all −∞.
+    /// with a NaN or +∞ logit, `NO_TOKEN` for a row whose logits are all −∞. Unread with
+    /// `shard`.
     pub tokens: u64,
     pub draws: Draws,
     pub variant: Variant,
     /// Per-row soft-cap, bias, mask and penalties applied in the tile (device-side parameters:
     /// [`crate::DeviceProcessing::fused`]), or `None`.
     pub processing: Option<FusedProcessing>,
+    /// `Some`: `W` is a vocabulary shard and the call writes the shard's winners for the
+    /// shard merge instead of tokens.
+    pub shard: Option<ShardTarget>,
+}
+
+/// A request over a vocabulary shard: `W`'s row `r` is the token `vocab_offset + r` of a
+/// vocabulary of `vocab` tokens. Noise and processing are keyed by the global index, so the
+/// shards' winners merge into the unsharded tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardTarget {
+    /// A multiple of [`SHARD_ALIGNMENT`] (4).
+    pub vocab_offset: usize,
+    /// The whole vocabulary's size.
+    pub vocab: usize,
+    /// `[B, draws.count]` [`ShardWinner`]s (20 bytes each, 4-byte aligned).
+    pub winners: u64,
+}
+
+/// Where the merge kernel writes a pass's winners.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ReduceTarget {
+    /// `[B, samples]` tokens.
+    Tokens(DevicePtr<u32>),
+    /// `[B, samples]` winners of a shard whose logits (if not null) are `[B, logits_stride]`
+    /// from global index `vocab_offset`.
+    Winners {
+        winners: DevicePtr<ShardWinner>,
+        raw: DevicePtr<f32>,
+        processed: DevicePtr<f32>,
+        logits_stride: u32,
+        vocab_offset: u32,
+    },
+}
+
+impl ReduceTarget {
+    /// The target of a request: its tokens, or its shard's winners without logits.
+    fn of(request: &SampleRequest) -> (ReduceTarget, u32) {
+        match request.shard {
+            None => (ReduceTarget::Tokens(DevicePtr::new(request.tokens)), 0),
+            Some(shard) => {
+                let vocab_offset = shard.vocab_offset as u32;
+                let winners = DevicePtr::new(shard.winners);
+                let (raw, processed) = (DevicePtr::NULL, DevicePtr::NULL);
+                (ReduceTarget::Winners { winners, raw, processed, logits_stride: 0, vocab_offset }, vocab_offset)
+            }
+        }
+    }
 }
 
 /// A batch's per-entry processing in device memory that the fused tiles apply: made by
@@ -426,6 +474,7 @@ impl StreamSampler {
             draws,
             variant,
             processing: None,
+            shard: None,
         };
         let plan = self.plan_call(&request)?;
         let workspace = workspace.ensure(stream, plan.workspace_bytes)?;
@@ -479,7 +528,7 @@ impl StreamSampler {
         let candidates = DevicePtr::<Candidate>::new(workspace.address + WORKSPACE_MAPS_BYTES as u64);
         let element_bytes = lm_head.dtype.bytes() as u64;
         let row_params = DevicePtr::<RowParams>::new(request.row_params);
-        let tokens = DevicePtr::<u32>::new(request.tokens);
+        let (target, vocab_offset) = ReduceTarget::of(request);
         let processing = DevicePtr::<RowProcessing>::new(request.processing.map_or(0, |p| p.address));
         // A pass's rows start at its first row, in the processing blocks as in the row parameters.
         let pass_processing =
@@ -487,7 +536,7 @@ impl StreamSampler {
         // SAFETY: the candidates of the largest pass fit the workspace (checked above); the row
         // parameters and tokens hold the request's extents (`sample`'s contract).
         unsafe {
-            self.queue_passes(stream, &plan.passes, tiles, row_params, candidates, tokens, samples, |pass, launch| {
+            self.queue_passes(stream, &plan.passes, tiles, row_params, candidates, target, samples, |pass, launch| {
                 // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
                 let draw_offset = request.draws.first + pass.first_sample as u32;
                 let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
@@ -506,6 +555,8 @@ impl StreamSampler {
                         samples: pass.samples as u32,
                         tiles: tiles as u32,
                         logits_stride: 0,
+                        vocab_offset,
+                        padding: 0,
                     };
                     // SAFETY: the maps describe the request's matrices.
                     return self.launch(stream, kernel, items, &args);
@@ -525,6 +576,8 @@ impl StreamSampler {
                     tiles: tiles as u32,
                     lm_head_stride: lm_head.row_stride as u32,
                     hidden_stride: hidden.row_stride as u32,
+                    vocab_offset,
+                    padding: 0,
                 };
                 // SAFETY: the matrices hold their extents (`sample`'s contract).
                 self.launch(stream, kernel, items, &args)
@@ -533,12 +586,13 @@ impl StreamSampler {
     }
 
     /// Queues, for each pass of `plan`, `tile_kernel` (which writes the pass's candidates) and
-    /// the merge kernel into the pass's slots of the `[B, samples]` tokens.
+    /// the merge kernel into the pass's slots of the `[B, samples]` tokens or winners.
     ///
     /// # Safety
     /// The context is current; `candidates` holds the largest pass's `rows × samples × tiles`
-    /// candidates, `row_params` `B` entries, `tokens` `B × samples` slots; `tile_kernel` queues
-    /// a kernel that writes every candidate of its pass on `stream`.
+    /// candidates, `row_params` `B` entries, `target` `B × samples` slots (and its logits, if
+    /// any, `B` rows); `tile_kernel` queues a kernel that writes every candidate of its pass on
+    /// `stream`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn queue_passes(
         &self,
@@ -547,23 +601,40 @@ impl StreamSampler {
         tiles: usize,
         row_params: DevicePtr<RowParams>,
         candidates: DevicePtr<Candidate>,
-        tokens: DevicePtr<u32>,
+        target: ReduceTarget,
         samples: u32,
         mut tile_kernel: impl FnMut(&Pass, &TileLaunch) -> Result<()>,
     ) -> Result<()> {
         for pass in plan.passes() {
             let launch = TileLaunch { row_params: row_params.add(pass.first_row as u64), batch: pass.rows as u32 };
             tile_kernel(&pass, &launch)?;
-            let reduce = ReduceArgs {
+            let first_slot = (pass.first_row * samples as usize) as u64;
+            let mut reduce = ReduceArgs {
                 candidates,
-                tokens: tokens.add((pass.first_row * samples as usize) as u64),
+                tokens: DevicePtr::NULL,
+                winners: DevicePtr::NULL,
+                raw: DevicePtr::NULL,
+                processed: DevicePtr::NULL,
                 batch: launch.batch,
                 samples: pass.samples as u32,
                 tiles: tiles as u32,
                 draw_offset: pass.first_sample as u32,
                 token_stride: samples,
+                logits_stride: 0,
+                vocab_offset: 0,
                 padding: 0,
             };
+            match target {
+                ReduceTarget::Tokens(tokens) => reduce.tokens = tokens.add(first_slot),
+                ReduceTarget::Winners { winners, raw, processed, logits_stride, vocab_offset } => {
+                    let first_logit = pass.first_row as u64 * logits_stride as u64;
+                    reduce.winners = winners.add(first_slot);
+                    if raw.address() != 0 {
+                        (reduce.raw, reduce.processed) = (raw.add(first_logit), processed.add(first_logit));
+                    }
+                    (reduce.logits_stride, reduce.vocab_offset) = (logits_stride, vocab_offset);
+                }
+            }
             // SAFETY: the tile kernel just wrote `rows × samples × tiles` candidates; the tokens
             // hold `B × samples` slots (this function's contract).
             unsafe { self.launch(stream, Kernel::ReduceCandidates, (pass.rows * pass.samples) as u64, &reduce)? };
@@ -633,22 +704,50 @@ fn check_request(request: &SampleRequest) -> Result<u32> {
     let hidden_shape = MatrixShape { rows: hidden.rows, cols: hidden.cols, dtype: hidden.dtype };
     check_request_shape(head, hidden_shape, hidden.rows, "row_params", samples)?;
     check_address("row_params", request.row_params, align_of::<RowParams>())?;
-    check_address("tokens", request.tokens, align_of::<u32>())?;
+    if request.shard.is_none() {
+        check_address("tokens", request.tokens, align_of::<u32>())?;
+    }
     if hidden.rows.checked_mul(samples as usize).is_none_or(|n| n > u32::MAX as usize) {
         return Err(invalid("samples", format!("B x samples = {} x {samples} tokens: must be < 2^32", hidden.rows)));
     }
+    let vocab = match request.shard {
+        Some(shard) => {
+            check_shard(shard.vocab_offset, lm_head.rows, shard.vocab)?;
+            check_address("shard.winners", shard.winners, align_of::<ShardWinner>())?;
+            shard.vocab
+        }
+        None => lm_head.rows,
+    };
     if let Some(p) = request.processing
-        && (p.rows != hidden.rows || p.vocab != lm_head.rows)
+        && (p.rows != hidden.rows || p.vocab != vocab)
     {
         return Err(invalid(
             "processing",
-            format!(
-                "made for B = {}, V = {}; the request has B = {}, V = {}",
-                p.rows, p.vocab, hidden.rows, lm_head.rows
-            ),
+            format!("made for B = {}, V = {}; the request has B = {}, V = {vocab}", p.rows, p.vocab, hidden.rows),
         ));
     }
     Ok(samples)
+}
+
+/// The rules of a vocabulary shard of `rows` tokens at `vocab_offset` in a vocabulary of
+/// `vocab`.
+pub(crate) fn check_shard(vocab_offset: usize, rows: usize, vocab: usize) -> Result<()> {
+    if !vocab_offset.is_multiple_of(SHARD_ALIGNMENT as usize) {
+        return Err(invalid(
+            "shard.vocab_offset",
+            format!("{vocab_offset}: must be a multiple of {SHARD_ALIGNMENT} (one Philox block of 4 tokens)"),
+        ));
+    }
+    if vocab_offset.checked_add(rows).is_none_or(|end| end > vocab) {
+        return Err(invalid(
+            "shard.vocab_offset",
+            format!("{vocab_offset} + {rows} rows: the shard must lie inside the vocabulary of V = {vocab}"),
+        ));
+    }
+    if vocab > MAX_VOCAB {
+        return Err(invalid("shard.vocab", format!("V = {vocab}: must be < 2^31")));
+    }
+    Ok(())
 }
 
 fn check_matrix(what: &str, matrix: &DeviceMatrix) -> Result<()> {

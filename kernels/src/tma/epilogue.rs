@@ -53,7 +53,8 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
     // SAFETY: the team's named barrier, reached by all of its threads (this function's contract).
     unsafe { arch::sync_named(barrier, threads) };
     let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
-    let philox_block = place.row0 / 4;
+    let index0 = args.vocab_offset + place.row0;
+    let philox_block = index0 / 4;
     for j in 0..args.samples {
         // A run-time loop over rounds keeps one copy of the Philox and log code.
         let mut round = 0;
@@ -73,7 +74,8 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
                 if PROCESSING && args.processing.address() != 0 && in_batch[k] {
                     // SAFETY: a column of the batch: the launch's processing holds its row.
                     logits[k] = unsafe {
-                        process::fused_quad(args.processing, place.col0 + column[k], place.row0, args.vocab, logits[k])
+                        let vocab_end = args.vocab_offset + args.vocab;
+                        process::fused_quad(args.processing, place.col0 + column[k], index0, vocab_end, logits[k])
                     };
                 }
             });

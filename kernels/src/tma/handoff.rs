@@ -198,8 +198,9 @@ unsafe fn process_columns<const N: usize>(
                 // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte aligned;
                 // only this lane touches the quad until the race reads it; `b < batch`.
                 unsafe {
-                    let processed =
-                        process::fused_quad(args.processing, b, tile * HANDOFF_ROWS + 4 * quad, args.vocab, (*at).0);
+                    let index0 = args.vocab_offset + tile * HANDOFF_ROWS + 4 * quad;
+                    let vocab_end = args.vocab_offset + args.vocab;
+                    let processed = process::fused_quad(args.processing, b, index0, vocab_end, (*at).0);
                     *at = Quad(processed);
                 }
             }
@@ -267,8 +268,10 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
     // A u32 phase count, as the barrier parity wants it (`enumerate` would count in usize).
     #[allow(clippy::explicit_counter_loop)]
     for (_, tile, col0) in Items::new(args, N as u32, 0, 1) {
-        // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block).
-        let first_philox_block = tile * HANDOFF_ROWS / 4 + slot;
+        // This lane's quad `i` is the Philox block `first_block + 8i` (4 rows per block) of the
+        // global vocabulary.
+        let first_philox_block = (args.vocab_offset + tile * HANDOFF_ROWS) / 4 + slot;
+        let vocab_end = args.vocab_offset + args.vocab;
         // SAFETY: `logits_full` is initialised; the whole warp waits on the same phase.
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
         if args.processing.address() != 0 {
@@ -298,7 +301,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 });
                 // SAFETY: all 32 lanes together (the group loop is uniform over the warp), and the
                 // 8 lanes `l ^ m` (`m < 8`) hold one column.
-                let race = unsafe { estimate_column(&row, draw, first_philox_block, &logits, args.vocab) };
+                let race = unsafe { estimate_column(&row, draw, first_philox_block, &logits, vocab_end) };
                 // SAFETY: all 32 lanes together.
                 let holders = unsafe { arch::ballot(race.contenders != 0) };
                 // SAFETY: all 32 lanes together.

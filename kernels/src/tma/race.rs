@@ -136,10 +136,11 @@ pub(super) unsafe fn estimate_column(
     draw: u32,
     first_philox_block: u32,
     logits: &[[f32; 4]; LANE_QUADS],
-    vocab: u32,
+    vocab_end: u32,
 ) -> LaneRace {
     let philox_block = |i: usize| first_philox_block + COLUMN_LANES * i as u32;
-    let valid = |i: usize| vocab.saturating_sub(4 * philox_block(i)).min(4);
+    // Global indices: rows at or past `vocab_end` (the shard's end) race with nothing.
+    let valid = |i: usize| vocab_end.saturating_sub(4 * philox_block(i)).min(4);
     let estimates = estimate_quads::<LANE_QUADS>(|_| row, row.greedy == 0, draw, philox_block, logits, valid);
     let mut lane_best = estimates[0].best();
     unrolled!(i < LANE_QUADS, {

@@ -4,14 +4,23 @@
 //!   each logits quad (`SampleRequest::processing`);
 //! - materialised: the unfused GEMM writes the logits (`[B, V]` f32, twice with
 //!   log-probabilities: raw and processed), one block per row processes them
-//!   (`process_rows`), the logits sampler and the merge kernel draw from them with the plain
-//!   path's noise, and with log-probabilities a last kernel gives the drawn tokens' ones.
+//!   (`process_rows`), and the logits sampler and the merge kernel draw from them with the
+//!   plain path's noise.
+//!
+//! Either path can run over a vocabulary shard of the LM head (its rows with their global
+//! offset): stage 1 writes the shard's winners per (row, draw) with the tokens' logits and,
+//! with log-probabilities, the shard's log-sum-exp terms and top raw entries into the shard's
+//! part of a [`ShardParts`]; stage 2, the shard merge, turns all parts into tokens and
+//! log-probabilities. The unsharded materialised path is the one-shard case; the parts are
+//! laid out so that a collective can gather them across devices.
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 use flashsample_core::NO_TOKEN;
-use flashsample_core::abi::{DevicePtr, LogprobArgs, ProcessArgs, RowProcessing, RowSums, TopLogprob};
+use flashsample_core::abi::{
+    DevicePtr, ProcessArgs, RowProcessing, RowSums, ShardMergeArgs, ShardPartLayout, ShardWinner, TopLogprob,
+};
 use flashsample_core::process::{MAX_TOP_LOGPROBS, SPARSE_BLOCK, SparseEntry};
 use flashsample_core::registry::Kernel;
 
@@ -20,15 +29,15 @@ use crate::cpu::Sampled;
 use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens};
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
-use crate::cuda::stream::FusedProcessing;
+use crate::cuda::stream::{FusedProcessing, ReduceTarget, ShardTarget, check_shard};
 use crate::error::{Result, invalid};
-use crate::params::{Draws, SamplingParams, check_request};
+use crate::params::{Draws, HeadShape, SamplingParams, check_request};
 use crate::process::Processing;
 use crate::tensor::Matrix;
 
-/// Blocks of the log-probability kernel for `slots` tokens, one thread each.
-fn logprob_blocks(slots: usize) -> u64 {
-    slots.div_ceil(Kernel::TokenLogprobs.threads() as usize) as u64
+/// Blocks of the shard merge for `slots` tokens, one thread each.
+fn merge_blocks(slots: usize) -> u64 {
+    slots.div_ceil(Kernel::MergeShards.threads() as usize) as u64
 }
 
 /// A batch's [`Processing`] in device memory: per row a [`RowProcessing`] block, then the
@@ -44,14 +53,20 @@ pub struct DeviceProcessing {
     /// The first row that needs its whole row (min-p, top-k, top-p or top log-probabilities),
     /// if any: the fused tiles cannot process it.
     whole_row: Option<usize>,
+    /// The first row with min-p, top-k or top-p, if any: its keep rule needs the whole
+    /// vocabulary in one shard.
+    truncating: Option<usize>,
+    /// Whether any row has a per-entry step (soft-cap, bias, mask, penalties): without one the
+    /// fused tiles are launched without processing.
+    per_entry: bool,
 }
 
 /// What a processed call writes on the device: `[B, N]` tokens and, when asked for, their raw
-/// and processed log-probabilities with each row's log-sum-exp terms.
+/// and processed log-probabilities and each row's top raw log-probabilities.
 pub struct ProcessedOutputs {
     pub tokens: DeviceTokens,
-    /// `[B, N]` raw log-probabilities, then `[B, N]` processed ones, then `[B]` [`RowSums`],
-    /// then `[B, MAX_TOP_LOGPROBS]` [`TopLogprob`].
+    /// `[B, N]` raw log-probabilities, then `[B, N]` processed ones, then `[B,
+    /// MAX_TOP_LOGPROBS]` [`TopLogprob`].
     logprobs: Option<DeviceBuffer<f32>>,
 }
 
@@ -59,14 +74,52 @@ impl ProcessedOutputs {
     fn slots(&self) -> usize {
         self.tokens.rows * self.tokens.samples
     }
+}
 
-    fn sums(&self) -> DevicePtr<RowSums> {
-        self.logprobs.as_ref().map_or(DevicePtr::NULL, |values| values.ptr().add(2 * self.slots() as u64).cast())
+/// A vocabulary shard: the LM head's rows are the tokens `vocab_offset ..` of a vocabulary of
+/// `vocab` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabShard {
+    /// A multiple of 4 (a Philox block of the global vocabulary).
+    pub vocab_offset: usize,
+    pub vocab: usize,
+}
+
+/// The stage-1 outputs of `shards` vocabulary shards side by side in one device buffer, one
+/// part of [`ShardParts::part_bytes`] per shard: `[B, N]` winners with their tokens' logits,
+/// then, with log-probabilities, `[B]` log-sum-exp terms and `[B, MAX_TOP_LOGPROBS]` top raw
+/// entries (`flashsample_core::abi::ShardPartLayout`). A collective that gathers every
+/// device's part into this layout hands the merge what it needs: a few bytes per row, never
+/// logits.
+pub struct ShardParts {
+    buffer: DeviceBuffer<u8>,
+    shards: usize,
+    rows: usize,
+    samples: usize,
+    logprobs: bool,
+    layout: ShardPartLayout,
+}
+
+impl ShardParts {
+    pub fn shards(&self) -> usize {
+        self.shards
     }
 
-    fn top(&self) -> DevicePtr<TopLogprob> {
-        let sums = self.sums();
-        if sums.address() == 0 { DevicePtr::NULL } else { sums.add(self.tokens.rows as u64).cast() }
+    /// Bytes of one shard's part.
+    pub fn part_bytes(&self) -> usize {
+        self.layout.bytes as usize
+    }
+
+    /// The device address of part 0 (part `s` starts `s · part_bytes` after it).
+    pub fn address(&self) -> u64 {
+        self.buffer.ptr().address()
+    }
+
+    fn part(&self, s: usize) -> Result<DevicePtr<u8>> {
+        if s >= self.shards {
+            return Err(invalid("part", format!("{s}: the parts hold {} shards", self.shards)));
+        }
+        Ok(self.buffer.ptr().add((s * self.part_bytes()) as u64))
     }
 }
 
@@ -162,8 +215,13 @@ impl DeviceProcessing {
         // SAFETY: the buffer holds the image's bytes; the copy is ordered on `stream`.
         unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, stream.cu_stream())? };
         let whole_row = processing.iter().position(Processing::needs_whole_row);
+        let truncating = processing.iter().position(Processing::truncates);
         let top_logprobs = processing.iter().any(|p| p.top_logprobs > 0);
-        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, whole_row, top_logprobs })
+        let per_entry = processing
+            .iter()
+            .zip(&sparse)
+            .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty());
+        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, whole_row, truncating, top_logprobs, per_entry })
     }
 
     /// The per-entry processing the fused tiles apply
@@ -178,6 +236,11 @@ impl DeviceProcessing {
             ));
         }
         Ok(FusedProcessing { address: self.buffer.ptr().address(), rows: self.rows, vocab: self.vocab })
+    }
+
+    /// [`DeviceProcessing::fused`], or `None` when no row has a per-entry step.
+    fn fused_if_any(&self) -> Result<Option<FusedProcessing>> {
+        if self.per_entry { self.fused().map(Some) } else { Ok(None) }
     }
 }
 
@@ -194,14 +257,32 @@ impl CudaSampler {
     /// are processed in place: half the workspace and less work.
     pub fn processed_outputs(&self, rows: usize, samples: usize, logprobs: bool) -> Result<ProcessedOutputs> {
         let tokens = self.tokens(rows, samples)?;
-        let len = 2 * rows * samples
-            + rows * (size_of::<RowSums>() + MAX_TOP_LOGPROBS as usize * size_of::<TopLogprob>()) / 4;
+        let len = 2 * rows * samples + rows * MAX_TOP_LOGPROBS as usize * size_of::<TopLogprob>() / 4;
         let logprobs = match logprobs {
             // SAFETY: the kernels write every value before it is read.
             true => Some(unsafe { DeviceBuffer::<f32>::uninitialized(&self.stream, len, "log-probabilities")? }),
             false => None,
         };
         Ok(ProcessedOutputs { tokens, logprobs })
+    }
+
+    /// Room for the stage-1 outputs of `shards` vocabulary shards of `rows × samples` draws,
+    /// with the log-sum-exp terms and top entries of log-probabilities if `logprobs`.
+    pub fn shard_parts(&self, shards: usize, rows: usize, samples: usize, logprobs: bool) -> Result<ShardParts> {
+        let layout = shard_layout(shards, rows, samples, logprobs)?;
+        self.make_current()?;
+        // SAFETY: stage 1 writes every part's winners (and terms) before the merge reads them.
+        let buffer =
+            unsafe { DeviceBuffer::<u8>::uninitialized(&self.stream, shards * layout.bytes as usize, "shard parts")? };
+        Ok(ShardParts { buffer, shards, rows, samples, logprobs, layout })
+    }
+
+    /// Fills `parts` with +∞ words, so that a part stage 1 leaves unwritten shows in the tokens
+    /// (a winner whose index is no token) and log-probabilities: tests call this first.
+    pub fn poison_parts(&self, parts: &ShardParts) -> Result<()> {
+        self.make_current()?;
+        // SAFETY: the buffer holds `shards · part_bytes` bytes (a multiple of 16) on our stream.
+        unsafe { self.poison_words("poison shard parts", parts.buffer.ptr().cast(), parts.buffer.len() / 4) }
     }
 
     /// The draws `draws` of each row of `hidden` with the row's [`Processing`] and
@@ -217,19 +298,58 @@ impl CudaSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Sampled> {
+        self.sample_sharded(std::slice::from_ref(lm_head), hidden, params, processing, draws)
+    }
+
+    /// As [`CudaSampler::sample_processed`] over an LM head split by vocabulary into `shards`
+    /// on this device (shard `s` holds the rows after those of shards `0 .. s`; every shard but
+    /// the last a multiple of 4 rows): each shard runs stage 1 with its global offset, the
+    /// shard merge gives the unsharded tokens (identical) and log-probabilities (equal up to
+    /// the order of the log-sum-exp sums). min-p, top-k and top-p need one shard.
+    pub fn sample_sharded(
+        &self,
+        shards: &[CudaLmHead],
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        draws: Draws,
+    ) -> Result<Sampled> {
+        let first =
+            shards.first().ok_or_else(|| invalid("shards", "none: at least one LM-head shard is needed"))?.shape;
+        let mut offsets = Vec::with_capacity(shards.len());
+        let mut vocab = 0usize;
+        for (s, shard) in shards.iter().enumerate() {
+            if (shard.shape.dim, shard.shape.dtype) != (first.dim, first.dtype) {
+                return Err(invalid(
+                    format!("shards[{s}]"),
+                    format!(
+                        "D = {}, {}: every shard must match shard 0's D = {}, {}",
+                        shard.shape.dim, shard.shape.dtype, first.dim, first.dtype
+                    ),
+                ));
+            }
+            offsets.push(vocab);
+            vocab += shard.shape.vocab;
+        }
         let draws = draws.check()?;
-        check_request(lm_head.shape, hidden.shape(), params, draws.count)?;
+        check_request(HeadShape { vocab, ..first }, hidden.shape(), params, draws.count)?;
         if processing.len() != params.len() {
             return Err(invalid(
                 "processing",
                 format!("{} entries for B = {} hidden rows: one per row", processing.len(), params.len()),
             ));
         }
-        let device_processing = self.upload_processing(processing, lm_head.shape.vocab)?;
+        let device_processing = self.upload_processing(processing, vocab)?;
         let hidden = self.upload_hidden(hidden)?;
         let rows = self.upload_rows(params)?;
+        let mut parts = self.shard_parts(shards.len(), params.len(), draws.count as usize, true)?;
+        for (s, (shard, &vocab_offset)) in shards.iter().zip(&offsets).enumerate() {
+            let at = VocabShard { vocab_offset, vocab };
+            let (processing, variant) = (&device_processing, Variant::Auto);
+            self.sample_shard_into(shard, at, &hidden, &rows, processing, draws, variant, &mut parts, s)?;
+        }
         let mut out = self.processed_outputs(params.len(), draws.count as usize, true)?;
-        self.sample_processed_into(lm_head, &hidden, &rows, &device_processing, draws, Variant::Auto, &mut out)?;
+        self.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
         self.processed_to_host(&out)
     }
 
@@ -239,9 +359,9 @@ impl CudaSampler {
     /// the logits are materialised: the unfused GEMM writes them (`B · V` floats of workspace,
     /// twice that with log-probabilities, which keep the raw logits beside the processed
     /// ones), one block per row processes them, the logits sampler and the merge kernel draw
-    /// with the plain path's noise keys, and with log-probabilities a last kernel writes them;
-    /// that GEMM needs a BF16 or F16 head with `D % 8 == 0`. Both give the same tokens for
-    /// the same logits. Never waits for the device.
+    /// with the plain path's noise keys, and the shard merge of this one shard gives the
+    /// tokens and log-probabilities; that GEMM needs a BF16 or F16 head with `D % 8 == 0`.
+    /// Both give the same tokens for the same logits. Never waits for the device.
     #[allow(clippy::too_many_arguments)]
     pub fn sample_processed_into(
         &self,
@@ -255,35 +375,128 @@ impl CudaSampler {
     ) -> Result<()> {
         let draws = draws.check()?;
         self.check_device_rows(lm_head, hidden, rows, draws.count)?;
+        check_outputs(out, hidden.rows(), draws.count)?;
+        if out.logprobs.is_none() && processing.whole_row.is_none() {
+            check_processing(processing, hidden.rows(), lm_head.shape.vocab)?;
+            let fused = processing.fused_if_any()?;
+            return self.sample_at(lm_head, hidden, rows.buffer.ptr(), draws, variant, fused, &mut out.tokens);
+        }
+        let (batch, logprobs) = (hidden.rows(), out.logprobs.is_some());
+        let layout = shard_layout(1, batch, draws.count as usize, logprobs)?;
+        let bytes = ensure(&self.stream, &mut self.workspace.borrow_mut().parts, layout.bytes as usize, "shard parts")?;
+        let parts =
+            PartsView { address: bytes, shards: 1, rows: batch, samples: draws.count as usize, logprobs, layout };
+        let whole = VocabShard { vocab_offset: 0, vocab: lm_head.shape.vocab };
+        self.queue_shard(lm_head, whole, hidden, rows, processing, draws, variant, &parts, 0)?;
+        self.queue_merge(&parts, rows, processing, out)
+    }
+
+    /// Stage 1 over a vocabulary shard `lm_head` at `shard`: queues the draws `draws` of each
+    /// row of `hidden` with the rows' processing (made for the whole vocabulary) into part
+    /// `part` of `parts`. Fused (soft-cap, bias, mask, penalties in the tile) when `parts` has
+    /// no log-probabilities and no row needs its whole row; materialised otherwise (BF16 or F16
+    /// with `D % 8 == 0`). min-p, top-k and top-p need the whole vocabulary in the shard: their
+    /// keep rule is a property of the whole row. Never waits for the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sample_shard_into(
+        &self,
+        lm_head: &CudaLmHead,
+        shard: VocabShard,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        draws: Draws,
+        variant: Variant,
+        parts: &mut ShardParts,
+        part: usize,
+    ) -> Result<()> {
+        let draws = draws.check()?;
+        self.check_device_rows(lm_head, hidden, rows, draws.count)?;
+        if (parts.rows, parts.samples) != (hidden.rows(), draws.count as usize) {
+            return Err(invalid(
+                "parts",
+                format!(
+                    "room for [{}, {}] draws, the request makes [{}, {}]",
+                    parts.rows,
+                    parts.samples,
+                    hidden.rows(),
+                    draws.count
+                ),
+            ));
+        }
+        parts.part(part)?;
+        let view = parts.view();
+        self.queue_shard(lm_head, shard, hidden, rows, processing, draws, variant, &view, part)
+    }
+
+    /// Stage 2, the shard merge: queues the tokens of every (row, draw) from all parts of
+    /// `parts` into `out`, with their log-probabilities when both have them (`processing` gives
+    /// each row's count of top log-probabilities). Never waits for the device.
+    pub fn merge_shards_into(
+        &self,
+        parts: &ShardParts,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        out: &mut ProcessedOutputs,
+    ) -> Result<()> {
+        self.make_current()?;
+        check_outputs(out, parts.rows, parts.samples as u32)?;
+        if rows.rows() != parts.rows || processing.rows != parts.rows {
+            return Err(invalid(
+                "rows",
+                format!(
+                    "{} row parameters and {} processing rows for parts of B = {}",
+                    rows.rows(),
+                    processing.rows,
+                    parts.rows
+                ),
+            ));
+        }
+        self.queue_merge(&parts.view(), rows, processing, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn queue_shard(
+        &self,
+        lm_head: &CudaLmHead,
+        shard: VocabShard,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        draws: Draws,
+        variant: Variant,
+        parts: &PartsView,
+        part: usize,
+    ) -> Result<()> {
         let shape = lm_head.shape;
         let batch = hidden.rows();
-        if processing.rows != batch || processing.vocab != shape.vocab {
-            return Err(invalid(
-                "processing",
-                format!(
-                    "uploaded for B = {}, V = {}; the request has B = {batch}, V = {}",
-                    processing.rows, processing.vocab, shape.vocab
-                ),
-            ));
-        }
-        if out.tokens.rows != batch || out.tokens.samples != draws.count as usize {
-            return Err(invalid(
-                "out",
-                format!(
-                    "room for [{}, {}] draws, the request makes [{batch}, {}]",
-                    out.tokens.rows, out.tokens.samples, draws.count
-                ),
-            ));
-        }
-        if processing.top_logprobs && out.logprobs.is_none() {
+        check_shard(shard.vocab_offset, shape.vocab, shard.vocab)?;
+        check_processing(processing, batch, shard.vocab)?;
+        if processing.top_logprobs && !parts.logprobs {
             return Err(invalid(
                 "out",
                 "top log-probabilities need outputs with log-probabilities (processed_outputs(.., true))",
             ));
         }
-        if out.logprobs.is_none() && processing.whole_row.is_none() {
-            let fused = Some(processing.fused()?);
-            return self.sample_at(lm_head, hidden, rows.buffer.ptr(), draws, variant, fused, &mut out.tokens);
+        if let Some(row) = processing.truncating
+            && shape.vocab != shard.vocab
+        {
+            return Err(invalid(
+                format!("processing[{row}]"),
+                format!(
+                    "min-p, top-k and top-p need the whole vocabulary in one shard (this one holds {} of V = {})",
+                    shape.vocab, shard.vocab
+                ),
+            ));
+        }
+        let part_at = parts.address.add((part * parts.layout.bytes as usize) as u64);
+        let winners = part_at.cast::<ShardWinner>();
+        let row_params = rows.buffer.ptr();
+        if !parts.logprobs && processing.whole_row.is_none() {
+            let target =
+                ShardTarget { vocab_offset: shard.vocab_offset, vocab: shard.vocab, winners: winners.address() };
+            let fused = processing.fused_if_any()?;
+            return self.sample_at_target(lm_head, hidden, row_params, draws, variant, fused, 0, Some(target));
         }
         let variant = variant.resolve(self.module(), shape.dtype, shape.dim, batch)?;
         if variant.logits_kernel(shape.dtype).is_none() {
@@ -293,47 +506,85 @@ impl CudaSampler {
             ));
         }
         let stride = shape.vocab.next_multiple_of(4);
-        let copies = if out.logprobs.is_some() { 2 } else { 1 };
+        let copies = if parts.logprobs { 2 } else { 1 };
         let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
         let (raw, processed) = (logits, logits.add(((copies - 1) * batch * stride) as u64));
-        let row_params = rows.buffer.ptr();
         self.queue_logits(lm_head, hidden, variant, raw, stride)?;
+        let (sums, top) = match parts.logprobs {
+            true => (part_at.byte_add(parts.layout.sums).cast::<RowSums>(), part_at.byte_add(parts.layout.top).cast()),
+            false => (DevicePtr::NULL, DevicePtr::NULL),
+        };
+        let vocab_offset = shard.vocab_offset as u32;
         let args = ProcessArgs {
             raw,
             processed,
             row_params,
             processing: processing.buffer.ptr().cast(),
-            sums: out.sums(),
-            top: out.top(),
+            sums,
+            top,
             vocab: shape.vocab as u32,
             logits_stride: stride as u32,
             batch: batch as u32,
-            padding: 0,
+            vocab_offset,
         };
         // SAFETY: both logits hold `B × stride` floats; the processing image holds `B` row
-        // blocks whose sparse entries are distinct tokens below V (`sparse_entries` of checked
-        // rows) and whose masks hold ⌈V/32⌉ words (checked); `out` holds `B` sums.
+        // blocks whose sparse entries are distinct tokens below the whole V and whose masks
+        // hold ⌈V/32⌉ words (checked), and only whole-vocabulary shards reach here with
+        // truncations; the part holds `B` sums and top slots.
         unsafe { self.launch(Kernel::ProcessRows, batch as u64, &args)? };
-        self.queue_logits_sampling(processed, stride, shape.vocab, row_params, batch, draws, out.tokens.buffer.ptr())?;
-        let Some(values) = &out.logprobs else {
-            return Ok(());
+        // Without log-probabilities the winners need no logits.
+        let (raw_logits, processed_logits) = match parts.logprobs {
+            true => (raw, processed),
+            false => (DevicePtr::NULL, DevicePtr::NULL),
         };
-        let slots = out.slots();
-        let args = LogprobArgs {
-            raw,
-            processed,
-            row_params,
-            sums: out.sums(),
-            tokens: out.tokens.buffer.ptr(),
-            logprobs: values.ptr(),
-            processed_logprobs: values.ptr().add(slots as u64),
-            vocab: shape.vocab as u32,
+        let target = ReduceTarget::Winners {
+            winners,
+            raw: raw_logits,
+            processed: processed_logits,
             logits_stride: stride as u32,
-            batch: batch as u32,
-            samples: draws.count,
+            vocab_offset,
         };
-        // SAFETY: `B × samples` tokens and twice as many log-probability slots; the rest as above.
-        unsafe { self.launch(Kernel::TokenLogprobs, logprob_blocks(slots), &args) }
+        self.queue_logits_sampling(processed, stride, shape.vocab, vocab_offset, row_params, batch, draws, target)
+    }
+
+    fn queue_merge(
+        &self,
+        parts: &PartsView,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        out: &mut ProcessedOutputs,
+    ) -> Result<()> {
+        let slots = out.slots();
+        let (logprobs, processed_logprobs, top) = match (&out.logprobs, parts.logprobs) {
+            (Some(values), true) => {
+                let top = values.ptr().add(2 * slots as u64).cast::<TopLogprob>();
+                (values.ptr(), values.ptr().add(slots as u64), top)
+            }
+            (Some(_), false) => {
+                return Err(invalid("out", "has log-probabilities; the parts were made without them"));
+            }
+            (None, _) => (DevicePtr::NULL, DevicePtr::NULL, DevicePtr::NULL),
+        };
+        let args = ShardMergeArgs {
+            parts: parts.address,
+            row_params: rows.buffer.ptr(),
+            processing: processing.buffer.ptr().cast::<RowProcessing>(),
+            tokens: out.tokens.buffer.ptr(),
+            logprobs,
+            processed_logprobs,
+            top,
+            part_sums: parts.layout.sums,
+            part_top: parts.layout.top,
+            part_bytes: parts.layout.bytes,
+            shards: parts.shards as u32,
+            batch: parts.rows as u32,
+            samples: parts.samples as u32,
+            padding: 0,
+        };
+        // SAFETY: the parts hold `shards` parts of the layout (written by stage 1 on this stream
+        // or gathered into it); `out` holds `B × N` tokens and log-probability slots and `B`
+        // top rows; the rows and processing `B` entries (checked by the callers).
+        unsafe { self.launch(Kernel::MergeShards, merge_blocks(slots), &args) }
     }
 
     /// Waits for a processed call and copies its tokens and log-probabilities (empty if `out`
@@ -347,8 +598,7 @@ impl CudaSampler {
         let mut top_logprobs = vec![Vec::new(); out.tokens.rows];
         if let Some(values) = &out.logprobs {
             logprobs = values.to_host(&self.stream, "log-probabilities")?;
-            let top_at = 2 * out.slots() + out.tokens.rows * size_of::<RowSums>() / 4;
-            let top: &[TopLogprob] = bytemuck::cast_slice(&logprobs[top_at..]);
+            let top: &[TopLogprob] = bytemuck::cast_slice(&logprobs[2 * out.slots()..]);
             for (row, slots) in top_logprobs.iter_mut().zip(top.chunks(MAX_TOP_LOGPROBS as usize)) {
                 *row = slots.iter().take_while(|t| t.token != NO_TOKEN).map(|t| (t.token, t.logprob)).collect();
             }
@@ -357,4 +607,62 @@ impl CudaSampler {
         }
         Ok(Sampled { draws: out.tokens.samples, tokens, logprobs, processed_logprobs, top_logprobs })
     }
+}
+
+/// A [`ShardParts`]' extents at an address: the owned parts or the unsharded path's workspace.
+struct PartsView {
+    address: DevicePtr<u8>,
+    shards: usize,
+    rows: usize,
+    samples: usize,
+    logprobs: bool,
+    layout: ShardPartLayout,
+}
+
+impl ShardParts {
+    fn view(&self) -> PartsView {
+        let (shards, rows, samples, logprobs, layout) =
+            (self.shards, self.rows, self.samples, self.logprobs, self.layout);
+        PartsView { address: self.buffer.ptr(), shards, rows, samples, logprobs, layout }
+    }
+}
+
+/// The part layout of `shards` parts of `rows × samples` draws, checked against 32-bit extents.
+fn shard_layout(shards: usize, rows: usize, samples: usize, logprobs: bool) -> Result<ShardPartLayout> {
+    if shards == 0 || shards > u32::MAX as usize {
+        return Err(invalid("shards", format!("{shards}: must be at least 1 and below 2^32")));
+    }
+    let (Ok(batch), Ok(draws)) = (u32::try_from(rows), u32::try_from(samples)) else {
+        return Err(invalid("samples", format!("B x samples = {rows} x {samples}: must be < 2^32 each")));
+    };
+    if rows.checked_mul(samples).is_none_or(|n| n > u32::MAX as usize) {
+        return Err(invalid("samples", format!("B x samples = {rows} x {samples} tokens: must be < 2^32")));
+    }
+    Ok(ShardPartLayout::of(batch, draws, logprobs))
+}
+
+fn check_outputs(out: &ProcessedOutputs, batch: usize, samples: u32) -> Result<()> {
+    if out.tokens.rows != batch || out.tokens.samples != samples as usize {
+        return Err(invalid(
+            "out",
+            format!(
+                "room for [{}, {}] draws, the request makes [{batch}, {samples}]",
+                out.tokens.rows, out.tokens.samples
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_processing(processing: &DeviceProcessing, batch: usize, vocab: usize) -> Result<()> {
+    if processing.rows != batch || processing.vocab != vocab {
+        return Err(invalid(
+            "processing",
+            format!(
+                "uploaded for B = {}, V = {}; the request has B = {batch}, V = {vocab}",
+                processing.rows, processing.vocab
+            ),
+        ));
+    }
+    Ok(())
 }

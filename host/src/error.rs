@@ -23,6 +23,10 @@ pub enum Error {
     /// slot, with [`NO_TOKEN`] or [`NON_FINITE_TOKEN`] in those rows' slots.
     #[error("{}", rows_without_token_message(rows))]
     RowsWithoutToken { rows: Vec<(usize, RowStatus)>, tokens: Vec<u32> },
+    /// NCCL is missing, or a call or collective failed or timed out; `rank` names the GPU's
+    /// rank where one is to blame.
+    #[error("NCCL: {call} failed{}: {detail}", rank.map(|r| format!(" on rank {r}")).unwrap_or_default())]
+    Nccl { rank: Option<usize>, call: String, detail: String },
     /// A call into the caller's framework (candle) failed.
     #[error("{call} failed: {detail}")]
     Framework { call: String, detail: String },

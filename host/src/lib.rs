@@ -38,6 +38,8 @@ pub use cuda::{
 /// The cudarc this crate is built with: the safe wrappers of borrowed mode take its
 /// `CudaStream` and `CudaSlice`.
 pub use cudarc;
+#[cfg(feature = "nccl")]
+pub use cuda::{TensorParallelSampler, nccl_library_present};
 pub use error::{Error, Result, RowStatus};
 pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 pub use flashsample_core::process::{LogSumExp, Penalties};

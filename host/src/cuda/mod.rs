@@ -19,11 +19,15 @@ pub mod modules;
 pub mod passes;
 pub mod sampler;
 pub mod stream;
+#[cfg(feature = "nccl")]
+pub mod tensor_parallel;
 
 pub use buffers::{CudaHidden, CudaLmHead, DeviceRows, DeviceTokens};
 pub use dispatch::{MMA_COLUMNS, TMA_COLUMNS, Variant};
 pub use modules::{MODULE_VARIABLE, ModuleChoice};
 pub use sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard, cuda_device_count};
+#[cfg(feature = "nccl")]
+pub use tensor_parallel::{TensorParallelSampler, nccl_library_present};
 pub use stream::{
     DeviceElement, DeviceMatrix, DeviceWorkspace, SampleRequest, ShardTarget, StreamSampler, StreamWorkspace,
 };

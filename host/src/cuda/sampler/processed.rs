@@ -85,6 +85,22 @@ pub struct VocabShard {
     pub vocab: usize,
 }
 
+impl VocabShard {
+    /// The bounds of `shards` shards of a vocabulary of `vocab` tokens: shard `s` holds the
+    /// tokens `bounds[s] .. bounds[s + 1]`, whole blocks of 4 (the Philox block) but for the
+    /// last, as even as blocks allow; at most `⌈vocab / 4⌉` shards.
+    pub fn bounds(vocab: usize, shards: usize) -> Result<Vec<usize>> {
+        let blocks = vocab.div_ceil(4);
+        if shards == 0 || shards > blocks {
+            return Err(invalid(
+                "shards",
+                format!("{shards}: shards are whole blocks of 4 tokens, 1 to ⌈V/4⌉ = {blocks}"),
+            ));
+        }
+        Ok((0..=shards).map(|s| (4 * (s * blocks / shards)).min(vocab)).collect())
+    }
+}
+
 /// The stage-1 outputs of `shards` vocabulary shards side by side in one device buffer, one
 /// part of [`ShardParts::part_bytes`] per shard: `[B, N]` winners with their tokens' logits,
 /// then, with log-probabilities, `[B]` log-sum-exp terms and `[B, MAX_TOP_LOGPROBS]` top raw

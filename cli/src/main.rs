@@ -411,9 +411,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
             (0..samples).step_by(per_call as usize).map(|first| Draws { first, count: per_call.min(samples - first) });
         match gpu_sampler(device, gpu)? {
             Some(sampler) => {
-                let quads = vocab.div_ceil(4);
-                let bounds: Vec<usize> =
-                    (0..=shard_count).map(|s| (4 * (s * quads / shard_count)).min(vocab)).collect();
+                let bounds = VocabShard::bounds(vocab, shard_count)?;
                 let heads = bounds
                     .windows(2)
                     .map(|b| sampler.upload_lm_head(&w.row_range(b[0], b[1])))

@@ -34,6 +34,15 @@ cublas_path() {
     mkdir -p /tmp/flashsample-cublas && ln -sf "$lib" /tmp/flashsample-cublas/libcublas.so
     echo "/tmp/flashsample-cublas:$(dirname "$lib")"
 }
+# NCCL as torch ships it (libnccl.so.2): cudarc opens it by the names it knows, `libnccl.so`
+# among them, so a link of that name goes on LD_LIBRARY_PATH for the tensor-parallel tests.
+nccl_path() {
+    local lib
+    lib=$(python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(sorted(glob.glob(d + "/nvidia/**/libnccl.so.*", recursive=True))), ""))' 2>/dev/null)
+    [ -n "$lib" ] || return 0
+    mkdir -p /tmp/flashsample-nccl && ln -sf "$lib" /tmp/flashsample-nccl/libnccl.so
+    echo "/tmp/flashsample-nccl"
+}
 find_ncu() {
     command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1
 }
@@ -42,6 +51,9 @@ run_tests() { # log, binaries...
     # Each binary under a time limit, its output straight to the log, so a hang shows which
     # test it was in and the later stages still run.
     export FLASHSAMPLE_BIN="$here/flashsample"
+    local nccl
+    nccl=$(nccl_path)
+    export LD_LIBRARY_PATH="${nccl:+$nccl:}${LD_LIBRARY_PATH:-}"
     for t in "$@"; do
         echo "=== $(basename "$t") (FLASHSAMPLE_MODULE=${FLASHSAMPLE_MODULE:-auto})" >> "$log"
         step "$(basename "$t")${FLASHSAMPLE_MODULE:+ $FLASHSAMPLE_MODULE}" timeout 560 "$t" --include-ignored --test-threads=1 --nocapture >> "$log" 2>&1

@@ -35,11 +35,11 @@ pub use cuda::{
     DeviceWorkspace, MMA_COLUMNS, ModuleChoice, ProcessedOutputs, SampleRequest, ShardParts, ShardTarget,
     StreamSampler, StreamWorkspace, TMA_COLUMNS, Variant, VocabShard, cuda_device_count,
 };
+#[cfg(feature = "nccl")]
+pub use cuda::{TensorParallelSampler, nccl_library_present};
 /// The cudarc this crate is built with: the safe wrappers of borrowed mode take its
 /// `CudaStream` and `CudaSlice`.
 pub use cudarc;
-#[cfg(feature = "nccl")]
-pub use cuda::{TensorParallelSampler, nccl_library_present};
 pub use error::{Error, Result, RowStatus};
 pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
 pub use flashsample_core::process::{LogSumExp, Penalties};

@@ -197,10 +197,37 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let fused = OnDevice::new(&sampler, &w, &batch, &params, &per_entry, w.rows());
     let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
     variants.push(Variant::Simt);
-    for variant in variants {
+    for &variant in &variants {
         match fused.sample(&sampler, 3, variant, false) {
             Ok(sampled) => assert!(sampled.tokens.iter().all(|&t| t < 1009)),
             Err(e) => assert!(e.to_string().contains("does not apply per-row processing"), "{variant:?}: {e}"),
         }
     }
+    // Three vocabulary shards: materialised with log-probabilities (every row's truncations
+    // dropped, its top count kept), then fused per variant into parts without them.
+    let decomposing: Vec<flashsample::Processing> = processing
+        .iter()
+        .map(|p| match p.truncates() {
+            true => flashsample::Processing { top_logprobs: p.top_logprobs, ..Default::default() },
+            false => p.clone(),
+        })
+        .collect();
+    let bounds = flashsample::VocabShard::bounds(1009, 3).unwrap();
+    let heads: Vec<_> = bounds.windows(2).map(|b| sampler.upload_lm_head(&w.row_range(b[0], b[1])).unwrap()).collect();
+    let draws = flashsample::Draws::first(3);
+    let sharded = sampler.sample_sharded(&heads, &batch, &params, &decomposing, draws).unwrap();
+    assert!(sharded.tokens.iter().all(|&t| t < 1009), "{:?}", sharded.tokens);
+    for &variant in &variants {
+        let mut parts = sampler.shard_parts(heads.len(), modes.len(), 3, false).unwrap();
+        for (s, head) in heads.iter().enumerate() {
+            let shard = flashsample::VocabShard { vocab_offset: bounds[s], vocab: 1009 };
+            let (hidden, rows, p) = (&fused.hidden, &fused.rows, &fused.processing);
+            match sampler.sample_shard_into(head, shard, hidden, rows, p, draws, variant, &mut parts, s) {
+                Ok(()) => {}
+                Err(e) if e.to_string().contains("does not apply per-row processing") => break,
+                Err(e) => panic!("{variant:?}: {e}"),
+            }
+        }
+    }
+    sampler.synchronize("sharded sampling").unwrap();
 }

@@ -33,8 +33,7 @@ fn bad_device_lists_and_a_missing_library_are_typed_errors() {
 fn every_rank_gets_the_single_gpu_tokens() {
     let (vocab, dim) = (5003, 64);
     let w = random_matrix(vocab, dim, DType::BF16, 1.0, 71);
-    let modes: Vec<Processing> =
-        each_mode(vocab).into_iter().filter(|m| !m.1.truncates()).map(|m| m.1).collect();
+    let modes: Vec<Processing> = each_mode(vocab).into_iter().filter(|m| !m.1.truncates()).map(|m| m.1).collect();
     let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 72);
     let params: Vec<SamplingParams> =
         (0..modes.len()).map(|r| SamplingParams::new(if r == 2 { 0.0 } else { 0.9 }, 8, r as u32, 1)).collect();
@@ -64,7 +63,11 @@ fn every_rank_gets_the_single_gpu_tokens() {
             .fold(0.0f32, f32::max);
         assert!(worst <= 1e-5, "N = {n}: log-probabilities differ by {worst}");
         for (row, (a, b)) in sampled.top_logprobs.iter().zip(&want.top_logprobs).enumerate() {
-            assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), b.iter().map(|x| x.0).collect::<Vec<_>>(), "row {row}");
+            assert_eq!(
+                a.iter().map(|x| x.0).collect::<Vec<_>>(),
+                b.iter().map(|x| x.0).collect::<Vec<_>>(),
+                "row {row}"
+            );
         }
         sampler.close().unwrap();
     }

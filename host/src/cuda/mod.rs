@@ -26,8 +26,8 @@ pub use buffers::{CudaHidden, CudaLmHead, DeviceRows, DeviceTokens};
 pub use dispatch::{MMA_COLUMNS, TMA_COLUMNS, Variant};
 pub use modules::{MODULE_VARIABLE, ModuleChoice};
 pub use sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard, cuda_device_count};
-#[cfg(feature = "nccl")]
-pub use tensor_parallel::{TensorParallelSampler, nccl_library_present};
 pub use stream::{
     DeviceElement, DeviceMatrix, DeviceWorkspace, SampleRequest, ShardTarget, StreamSampler, StreamWorkspace,
 };
+#[cfg(feature = "nccl")]
+pub use tensor_parallel::{TensorParallelSampler, nccl_library_present};

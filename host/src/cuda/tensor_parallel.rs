@@ -17,11 +17,11 @@ use cudarc::nccl::sys as nccl_sys;
 
 use super::buffers::CudaLmHead;
 use super::sampler::{CudaSampler, VocabShard};
+use crate::Variant;
 use crate::cpu::Sampled;
 use crate::error::{Error, Result, invalid};
 use crate::params::{Draws, HeadShape, SamplingParams, check_request};
 use crate::process::Processing;
-use crate::Variant;
 use crate::tensor::Matrix;
 
 /// How long a call waits for its collective and merge before it aborts the communicators.
@@ -223,7 +223,10 @@ impl TensorParallelSampler {
                     sys::CUresult::CUDA_ERROR_NOT_READY => still.push(r),
                     error => {
                         self.abort();
-                        return Err(Error::Cuda { call: format!("cuStreamQuery (rank {r})"), detail: format!("{error:?}") });
+                        return Err(Error::Cuda {
+                            call: format!("cuStreamQuery (rank {r})"),
+                            detail: format!("{error:?}"),
+                        });
                     }
                 }
             }

@@ -142,10 +142,15 @@ pub const fn fused_simt_shared_bytes() -> u32 {
     fused_mma_shared_bytes(N_TILE) + TILE_KERNEL_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
 }
 
-/// Dynamic shared memory of the unfused logits sampler.
-pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * CANDIDATE_BYTES;
-/// Dynamic shared memory of the merge kernel.
-pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * CANDIDATE_BYTES;
+/// Bytes of one row's pair of log-sum-exp terms ([`RowSums`]).
+const ROW_SUMS_BYTES: u32 = core::mem::size_of::<RowSums>() as u32;
+/// Dynamic shared memory of the unfused logits sampler: its candidate staging, then a pair of
+/// log-sum-exp terms per warp.
+pub const LOGITS_SAMPLER_SHARED_BYTES: u32 =
+    SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * CANDIDATE_BYTES + TILE_KERNEL_WARPS * ROW_SUMS_BYTES;
+/// Dynamic shared memory of the merge kernel: a candidate, then a pair of log-sum-exp terms,
+/// per warp.
+pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * (CANDIDATE_BYTES + ROW_SUMS_BYTES);
 
 /// Warps of a TMA + `wgmma` kernel that compute: two warpgroups. A third warpgroup issues
 /// the TMA loads (one thread of it).
@@ -358,6 +363,12 @@ pub struct LogitsSamplerArgs {
     pub logits: DevicePtr<f32>,
     pub row_params: DevicePtr<RowParams>,
     pub candidates: DevicePtr<Candidate>,
+    /// `[batch]` rows' per-entry processing applied to each quad before the race (the logits
+    /// are then raw), or null for none.
+    pub processing: DevicePtr<RowProcessing>,
+    /// `[batch, tiles]` log-sum-exp terms of each (row, tile): over the raw logits at T = 1 and
+    /// over the processed ones at the row's temperature (empty for a greedy row); null: none.
+    pub tile_sums: DevicePtr<RowSums>,
     pub vocab: u32,
     pub logits_stride: u32,
     pub batch: u32,
@@ -384,7 +395,16 @@ pub struct ReduceArgs {
     /// `[batch, logits_stride]` raw and processed logits of the shard (its column 0 at global
     /// index `vocab_offset`), from which the winners take their logits; null: NaN logits.
     pub raw: DevicePtr<f32>,
+    /// Null with `raw` not null: the processed logit is `raw`'s after `processing`'s
+    /// per-entry steps, as the logits sampler applied them.
     pub processed: DevicePtr<f32>,
+    pub processing: DevicePtr<RowProcessing>,
+    /// `[batch]` row parameters (their temperatures merge the per-tile terms).
+    pub row_params: DevicePtr<RowParams>,
+    /// `[batch, tiles]` per-tile log-sum-exp terms ([`LogitsSamplerArgs::tile_sums`]), merged
+    /// in tile order into `sums[b]` by the block of each row's draw 0; null: none.
+    pub tile_sums: DevicePtr<RowSums>,
+    pub sums: DevicePtr<RowSums>,
     pub batch: u32,
     pub samples: u32,
     pub tiles: u32,
@@ -392,8 +412,8 @@ pub struct ReduceArgs {
     pub token_stride: u32,
     pub logits_stride: u32,
     pub vocab_offset: u32,
-    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
-    pub padding: u32,
+    /// Entries of the shard's logits (for `processing`'s bounds).
+    pub vocab: u32,
 }
 
 /// A vocabulary shard's winner of one (row, draw) with the token's raw and processed logits

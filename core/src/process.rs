@@ -195,6 +195,13 @@ impl LogSumExp {
         }
     }
 
+    /// An entry's term `exp((logit − max) / T)` in a sum whose maximum `max` is known first
+    /// (a block's two-pass sum: maximum, then terms); 0 for a −∞ logit, NaN for NaN.
+    #[inline(always)]
+    pub fn term(logit: f32, max: f32, temperature: f32) -> f32 {
+        if logit == f32::NEG_INFINITY { 0.0 } else { exp((logit - max) / temperature) }
+    }
+
     /// `logit / T − ln Σ exp(logitⱼ / T)`: the log-probability of an entry of the set.
     /// −∞ for an empty set.
     #[inline(always)]

@@ -311,7 +311,7 @@ impl Row {
 /// # Safety
 /// All 32 lanes call it together.
 #[inline(always)]
-unsafe fn merge_lse_over_warp(mut lse: LogSumExp, temperature: f32) -> LogSumExp {
+pub(crate) unsafe fn merge_lse_over_warp(mut lse: LogSumExp, temperature: f32) -> LogSumExp {
     let mut mask = 1;
     while mask < 32 {
         // SAFETY: all 32 lanes together (this function's contract).

@@ -1,9 +1,11 @@
 //! The fused tile kernels' sampling epilogue, the unfused logits sampler, and the merge kernel.
 
 use flashsample_core::abi::{
-    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, SAMPLES_PER_MERGE, ShardWinner,
+    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, RowSums, SAMPLES_PER_MERGE, ShardWinner,
     TILE_KERNEL_WARPS, candidate_pair, candidate_slot,
 };
+use flashsample_core::process::LogSumExp;
+use flashsample_core::candidate::maximum;
 use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::tile::ThreadLogits;
@@ -159,25 +161,107 @@ pub unsafe fn sample_tile<const NT: usize>(
     }
 }
 
-/// The unfused sampler: reads materialised logits, four per thread, and writes one candidate
-/// per (row, draw, 512-entry tile) exactly as the fused epilogue would.
+/// The block's log-sum-exp terms of its `rows_valid`-masked quads, raw at T = 1 and processed
+/// at `temperature` (empty unless `sampling`), in two passes: the block's maxima, then the sums
+/// of `LogSumExp::term`, which add no rescaling per entry. Every thread returns the terms.
 ///
 /// # Safety
-/// Launched with `TILE_KERNEL_WARPS · 32` threads and `SAMPLES_PER_MERGE · TILE_KERNEL_WARPS` candidates
-/// of shared memory; `args` describes valid device buffers, `logits_stride % 4 == 0`.
+/// Every thread of the block calls it together; `staging` holds a `RowSums` per warp of shared
+/// memory, which the threads may rewrite once every thread has passed the block's next
+/// barrier after this call.
+#[inline(always)]
+unsafe fn block_sums(
+    raw: [f32; 4],
+    processed: [f32; 4],
+    rows_valid: u32,
+    sampling: bool,
+    temperature: f32,
+    staging: *mut RowSums,
+) -> RowSums {
+    let thread = arch::thread_index();
+    let (lane, warp) = (thread % 32, (thread / 32) as usize);
+    // Scalars, not indexed arrays: an array indexed in a loop goes to the stack.
+    let ([r0, r1, r2, r3], [p0, p1, p2, p3]) = (raw, processed);
+    let valid = |r: u32, x: f32| if r < rows_valid { x } else { f32::NEG_INFINITY };
+    let (r0, r1, r2, r3) = (valid(0, r0), valid(1, r1), valid(2, r2), valid(3, r3));
+    let kept = |r: u32, x: f32| if sampling { valid(r, x) } else { f32::NEG_INFINITY };
+    let (p0, p1, p2, p3) = (kept(0, p0), kept(1, p1), kept(2, p2), kept(3, p3));
+    let mut raw_max = maximum(maximum(r0, r1), maximum(r2, r3));
+    let mut kept_max = maximum(maximum(p0, p1), maximum(p2, p3));
+    let mut mask = 1;
+    while mask < 32 {
+        // SAFETY: all lanes together (this function's contract).
+        unsafe {
+            raw_max = maximum(raw_max, f32::from_bits(arch::shuffle_xor(raw_max.to_bits(), mask)));
+            kept_max = maximum(kept_max, f32::from_bits(arch::shuffle_xor(kept_max.to_bits(), mask)));
+        }
+        mask <<= 1;
+    }
+    if lane == 0 {
+        // SAFETY: warp `warp`'s slot.
+        unsafe { ((*staging.add(warp)).raw.max, (*staging.add(warp)).kept.max) = (raw_max, kept_max) };
+    }
+    // SAFETY: every thread of the block (this function's contract).
+    unsafe { arch::sync_threads() };
+    for w in 0..TILE_KERNEL_WARPS as usize {
+        // SAFETY: written before the barrier above.
+        let slot = unsafe { *staging.add(w) };
+        (raw_max, kept_max) = (maximum(raw_max, slot.raw.max), maximum(kept_max, slot.kept.max));
+    }
+    let t = |l: f32, max: f32, temperature: f32| LogSumExp::term(l, max, temperature);
+    let mut raw_sum = t(r0, raw_max, 1.0) + t(r1, raw_max, 1.0) + t(r2, raw_max, 1.0) + t(r3, raw_max, 1.0);
+    let mut kept_sum = t(p0, kept_max, temperature)
+        + t(p1, kept_max, temperature)
+        + t(p2, kept_max, temperature)
+        + t(p3, kept_max, temperature);
+    let mut mask = 1;
+    while mask < 32 {
+        // SAFETY: all lanes together; `a + b` and `b + a` are the same float, so both lanes of
+        // a pair hold the same sum.
+        unsafe {
+            raw_sum += f32::from_bits(arch::shuffle_xor(raw_sum.to_bits(), mask));
+            kept_sum += f32::from_bits(arch::shuffle_xor(kept_sum.to_bits(), mask));
+        }
+        mask <<= 1;
+    }
+    if lane == 0 {
+        // SAFETY: warp `warp`'s slot; the maxima read above are other fields.
+        unsafe { ((*staging.add(warp)).raw.sum, (*staging.add(warp)).kept.sum) = (raw_sum, kept_sum) };
+    }
+    // SAFETY: every thread of the block.
+    unsafe { arch::sync_threads() };
+    let (mut raw_total, mut kept_total) = (0.0, 0.0);
+    for w in 0..TILE_KERNEL_WARPS as usize {
+        // SAFETY: written before the barrier above.
+        let slot = unsafe { *staging.add(w) };
+        (raw_total, kept_total) = (raw_total + slot.raw.sum, kept_total + slot.kept.sum);
+    }
+    let lse = |max: f32, sum: f32| if max == f32::NEG_INFINITY { LogSumExp::EMPTY } else { LogSumExp { max, sum } };
+    RowSums { raw: lse(raw_max, raw_total), kept: lse(kept_max, kept_total) }
+}
+
+/// The unfused sampler: reads materialised logits, four per thread, applies the row's
+/// per-entry processing if asked, and writes one candidate per (row, draw, 512-entry tile)
+/// exactly as the fused epilogue would; with `tile_sums`, also the tile's log-sum-exp terms.
+///
+/// # Safety
+/// Launched with `TILE_KERNEL_WARPS · 32` threads and `LOGITS_SAMPLER_SHARED_BYTES` of shared
+/// memory; `args` describes valid device buffers, `logits_stride % 4 == 0`.
 #[inline(always)]
 pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
     let thread = arch::thread_index();
     let lane = thread % 32;
     let warp = thread / 32;
+    let sums_staging = staging.wrapping_add((SAMPLES_PER_MERGE * TILE_KERNEL_WARPS) as usize).cast::<RowSums>();
     let mut item = arch::block_index();
     let items = args.tiles * args.batch;
     while item < items {
         let tile = item % args.tiles;
         let b = item / args.tiles;
         let row0 = (tile * TILE_KERNEL_WARPS * 32 + thread) * 4;
+        let index0 = args.vocab_offset + row0;
         let rows_valid = args.vocab.saturating_sub(row0).min(4);
-        let logits = if rows_valid > 0 {
+        let raw = if rows_valid > 0 {
             let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
             // SAFETY: `rows_valid > 0`: `row0 < vocab`, so the four floats lie in row `b` of the
             // logits (stride a multiple of 4, so 16-byte aligned).
@@ -187,6 +271,21 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
         };
         // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
         let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
+        let mut logits = raw;
+        if args.processing.address() != 0 {
+            // SAFETY: `b < batch`: the launch's processing holds the row.
+            logits = unsafe { process::fused_quad(args.processing, b, index0, args.vocab_offset + args.vocab, raw) };
+        }
+        if args.tile_sums.address() != 0 {
+            let sampling = row.greedy == 0;
+            // SAFETY: every thread of the block together (uniform loops); `b < batch`, `tile <
+            // tiles`.
+            let sums = unsafe { block_sums(raw, logits, rows_valid, sampling, row.temperature, sums_staging) };
+            if thread == 0 {
+                // SAFETY: row `b`'s term of tile `tile`.
+                unsafe { *args.tile_sums.as_mut_ptr().add((b * args.tiles + tile) as usize) = sums };
+            }
+        }
         let mut first = 0;
         while first < args.samples {
             for slot in 0..SAMPLES_PER_MERGE {
@@ -194,8 +293,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 if j >= args.samples {
                     break;
                 }
-                let philox_block = (args.vocab_offset + row0) / 4;
-                let best = block_candidate(&row, args.draw_offset + j, philox_block, logits, rows_valid);
+                let best = block_candidate(&row, args.draw_offset + j, index0 / 4, logits, rows_valid);
                 // SAFETY: every lane of the warp reaches it (uniform loops).
                 let best = unsafe { merge_over_lanes(best, 1, 16) };
                 if lane == 0 {
@@ -225,21 +323,89 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
     }
 }
 
-/// `best` of row `b` with the token's logits, where the shard has them.
+/// `best` of row `b` with the token's logits, where the shard has them: the raw logit, and the
+/// processed one from `processed` or, without it, the raw quad after `processing`'s steps (as
+/// the logits sampler applied them).
 ///
 /// # Safety
 /// `args.raw` and `args.processed` are null or hold `batch` rows of `logits_stride` floats whose
-/// column `i` is the global token `vocab_offset + i`; `best` is a winner of row `b` of this shard.
+/// column `i` is the global token `vocab_offset + i`; `args.processing`, if not null, holds
+/// `batch` rows; `best` is a winner of row `b` of this shard.
 #[inline(always)]
 unsafe fn shard_winner(args: &ReduceArgs, b: u32, best: Candidate) -> ShardWinner {
     let column = best.index.wrapping_sub(args.vocab_offset);
     let mut winner = ShardWinner { candidate: best, ..ShardWinner::NONE };
     if args.raw.address() != 0 && best.index < NON_FINITE_TOKEN && column < args.logits_stride {
-        let at = b as usize * args.logits_stride as usize + column as usize;
-        // SAFETY: `column < logits_stride`: inside row `b` of both logits (this function's contract).
-        unsafe { (winner.raw, winner.processed) = (*args.raw.as_ptr().add(at), *args.processed.as_ptr().add(at)) };
+        let row = b as usize * args.logits_stride as usize;
+        // SAFETY: `column < logits_stride`: inside row `b` of the logits (this function's contract).
+        winner.raw = unsafe { *args.raw.as_ptr().add(row + column as usize) };
+        winner.processed = if args.processed.address() != 0 {
+            // SAFETY: as above.
+            unsafe { *args.processed.as_ptr().add(row + column as usize) }
+        } else if args.processing.address() != 0 {
+            let first = column & !3;
+            // SAFETY: the quad `first .. first + 4` lies in row `b` (the stride is a multiple of 4).
+            let quad: [f32; 4] = core::array::from_fn(|r| unsafe { *args.raw.as_ptr().add(row + first as usize + r) });
+            let vocab_end = args.vocab_offset + args.vocab;
+            // SAFETY: row `b` of the processing (this function's contract).
+            let [q0, q1, q2, q3] =
+                unsafe { process::fused_quad(args.processing, b, args.vocab_offset + first, vocab_end, quad) };
+            // Selects, not an index: an array indexed at run time goes to the stack.
+            match column & 3 {
+                0 => q0,
+                1 => q1,
+                2 => q2,
+                _ => q3,
+            }
+        } else {
+            winner.raw
+        };
     }
     winner
+}
+
+/// Merges row `b`'s per-tile log-sum-exp terms in tile order into `args.sums[b]`.
+///
+/// # Safety
+/// Every thread of the block calls it together; `args.tile_sums` holds row `b`'s `tiles`
+/// terms, `args.sums` and `args.row_params` row `b`; `staging` is the block's shared terms.
+#[inline(always)]
+unsafe fn merge_tile_sums(args: &ReduceArgs, b: u32, staging: *mut RowSums) {
+    let thread = arch::thread_index();
+    // SAFETY: `b < batch` (this function's contract).
+    let temperature = unsafe { (*args.row_params.as_ptr().add(b as usize)).temperature };
+    let terms = args.tile_sums.as_ptr().wrapping_add((b * args.tiles) as usize);
+    // Each thread merges a contiguous run of tiles, so that lane order, then warp order, is tile
+    // order.
+    let per_thread = args.tiles.div_ceil(REDUCE_THREADS);
+    let mut sums = RowSums { raw: LogSumExp::EMPTY, kept: LogSumExp::EMPTY };
+    let mut tile = thread * per_thread;
+    while tile < ((thread + 1) * per_thread).min(args.tiles) {
+        // SAFETY: `tile < tiles`: one of row `b`'s terms.
+        let part = unsafe { *terms.add(tile as usize) };
+        sums.raw.merge_with(part.raw, 1.0);
+        sums.kept.merge_with(part.kept, temperature);
+        tile += 1;
+    }
+    // SAFETY: every lane reaches it (this function's contract).
+    unsafe {
+        sums.raw = process::merge_lse_over_warp(sums.raw, 1.0);
+        sums.kept = process::merge_lse_over_warp(sums.kept, temperature);
+        if thread % 32 == 0 {
+            *staging.add((thread / 32) as usize) = sums;
+        }
+        arch::sync_threads();
+        if thread == 0 {
+            let mut row = *staging;
+            for w in 1..(REDUCE_THREADS / 32) as usize {
+                let part = *staging.add(w);
+                row.raw.merge_with(part.raw, 1.0);
+                row.kept.merge_with(part.kept, temperature);
+            }
+            *args.sums.as_mut_ptr().add(b as usize) = row;
+        }
+        arch::sync_threads();
+    }
 }
 
 /// The merge kernel: one block per (row, draw) merges that draw's candidates over all tiles and
@@ -259,6 +425,12 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
     while item < args.batch * args.samples {
         let b = item / args.samples;
         let j = item % args.samples;
+        if j == 0 && args.tile_sums.address() != 0 {
+            let sums_staging = staging.wrapping_add((REDUCE_THREADS / 32) as usize).cast::<RowSums>();
+            // SAFETY: every thread of the block together (`j` is the block's); the terms and sums
+            // hold row `b` (the launcher's contract).
+            unsafe { merge_tile_sums(args, b, sums_staging) };
+        }
         let base = args.candidates.as_ptr().wrapping_add(candidate_slot(item as u64, args.tiles, 0) as usize);
         let mut best = Candidate::NONE;
         let mut tile = thread;

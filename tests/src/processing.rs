@@ -486,20 +486,23 @@ pub fn uneven_bounds(vocab: usize, shards: usize, align: usize) -> Vec<usize> {
 }
 
 /// W split by vocabulary into 2, 3 and 8 uneven shards (bounds multiples of `align`): every
-/// mode of `modes` in one batch gives exactly the unsharded tokens and top raw tokens, and
-/// log-probabilities within 10⁻⁵ (their log-sum-exp terms are summed in another order).
+/// mode of `modes` in one batch (with top raw log-probabilities on two rows in three if
+/// `top`) gives exactly the unsharded tokens and top raw tokens, and log-probabilities within
+/// 10⁻⁵ (their log-sum-exp terms are summed in another order).
 pub fn check_shards(
     backend: &dyn ProcessedBackend,
     w: &Matrix,
     h: &Matrix,
     modes: &[(&'static str, Processing)],
     align: usize,
+    top: bool,
 ) {
     let vocab = w.rows();
     let params: Vec<SamplingParams> =
         (0..modes.len()).map(|r| SamplingParams::new(if r == 2 { 0.0 } else { 0.9 }, 8, r as u32, 1)).collect();
+    let top_count = |r: usize| if top { r as u32 % 3 * 7 } else { 0 };
     let processing: Vec<Processing> =
-        modes.iter().enumerate().map(|(r, m)| Processing { top_logprobs: r as u32 % 3 * 7, ..m.1.clone() }).collect();
+        modes.iter().enumerate().map(|(r, m)| Processing { top_logprobs: top_count(r), ..m.1.clone() }).collect();
     let whole = backend.sample_processed(w, h, &params, &processing, 64).unwrap();
     for shards in [2usize, 3, 8] {
         let bounds = uneven_bounds(vocab, shards, align);

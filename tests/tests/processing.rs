@@ -76,7 +76,7 @@ fn shards_give_the_unsharded_tokens_and_log_probabilities() {
     let w = random_matrix(vocab, dim, DType::BF16, 1.0, 51);
     let modes = each_mode(vocab);
     let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 52);
-    check_shards(&Cpu, &w, &h, &modes, 1);
+    check_shards(&Cpu, &w, &h, &modes, 1, true);
 }
 
 /// The GPU's materialised path (each test once per module, `FLASHSAMPLE_MODULE`): the same
@@ -313,7 +313,8 @@ mod gpu {
 
     /// Vocabulary shards on the GPU (bounds multiples of 4, the Philox block): the modes that
     /// decompose over shards (per-entry steps, log-probabilities, top raw log-probabilities)
-    /// in one batch give the unsharded tokens and log-probabilities.
+    /// in one batch give the unsharded tokens and log-probabilities, through the processing
+    /// kernel (rows with top entries) and through the logits sampler's per-tile terms (none).
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn shards_give_the_unsharded_tokens_and_log_probabilities() {
@@ -321,7 +322,41 @@ mod gpu {
         let w = random_matrix(vocab, dim, DType::BF16, 1.0, 51);
         let modes: Vec<_> = each_mode(vocab).into_iter().filter(|m| !m.1.truncates()).collect();
         let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 52);
-        check_shards(&cuda(), &w, &h, &modes, 4);
+        check_shards(&cuda(), &w, &h, &modes, 4, true);
+        check_shards(&cuda(), &w, &h, &modes, 4, false);
+    }
+
+    /// Log-probabilities without truncations or top entries (per-tile log-sum-exp terms in the
+    /// logits sampler, per-entry steps applied as it races): on integer inputs (exact logits on
+    /// both backends) the per-entry modes, plain rows and a greedy row give the CPU's tokens,
+    /// and log-probabilities within 10⁻⁵ (relative above 1).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn per_tile_log_sum_exp_gives_the_cpu_log_probabilities() {
+        let (vocab, dim, batch) = (4099, 16, 11);
+        let integers = |rows: usize, seed: u64| {
+            let values = (0..rows * dim).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect();
+            matrix_of(rows, dim, DType::F32, values).to_dtype(DType::BF16)
+        };
+        let (w, h) = (integers(vocab, 67), integers(batch, 68));
+        let params: Vec<flashsample::SamplingParams> = (0..batch)
+            .map(|r| flashsample::SamplingParams::new(if r == 4 { 0.0 } else { 1.7 }, 9, r as u32, 2))
+            .collect();
+        let mut processing = per_entry_modes(vocab, batch);
+        processing[batch - 1] = flashsample::Processing::default();
+        use flashsample_tests::processing::ProcessedBackend;
+        let gpu = cuda().sample_processed(&w, &h, &params, &processing, 128).unwrap();
+        let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 128).unwrap();
+        assert_eq!(gpu.tokens, cpu.tokens);
+        let worst = gpu
+            .logprobs
+            .iter()
+            .chain(&gpu.processed_logprobs)
+            .zip(cpu.logprobs.iter().chain(&cpu.processed_logprobs))
+            .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() / b.abs().max(1.0) })
+            .fold(0.0f32, f32::max);
+        println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
+        assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
     }
 
     /// A row with top-k over a shard that is not the whole vocabulary is refused, naming the

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _};
 use flashsample_core::RowParams;
-use flashsample_core::abi::{DevicePtr, Element, TMA_ITEM_ROWS, TensorMap};
+use flashsample_core::abi::{DevicePtr, Element, RowSums, TMA_ITEM_ROWS, TensorMap};
 
 use super::dispatch::TMA_COLUMNS;
 use super::driver::{self, L2Promotion};
@@ -259,6 +259,8 @@ pub(crate) struct Workspace {
     pub logits: Option<DeviceBuffer<f32>>,
     /// The one shard part of the unsharded materialised path.
     pub parts: Option<DeviceBuffer<u8>>,
+    /// Per-tile log-sum-exp terms of the logits sampler.
+    pub tile_sums: Option<DeviceBuffer<RowSums>>,
     /// The read probe's one-word sink.
     pub probe_sink: Option<DeviceBuffer<u32>>,
 }

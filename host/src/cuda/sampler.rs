@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use flashsample_core::abi::{
-    DevicePtr, EstimateErrorArgs, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, ReadProbeArgs, TmaArgs,
+    DevicePtr, EstimateErrorArgs, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, ReadProbeArgs, RowProcessing,
+    RowSums, TmaArgs,
 };
 use flashsample_core::registry::{Kernel, Module};
 use flashsample_core::{Candidate, RowParams};
@@ -368,7 +369,8 @@ impl CudaSampler {
         self.queue_logits(lm_head, hidden, variant, logits, stride)?;
         let (batch, vocab) = (hidden.rows(), lm_head.shape.vocab);
         let target = ReduceTarget::Tokens(tokens.buffer.ptr());
-        self.queue_logits_sampling(logits, stride, vocab, 0, rows.buffer.ptr(), batch, Draws::first(samples), target)
+        let (draws, none) = (Draws::first(samples), DevicePtr::NULL);
+        self.queue_logits_sampling(logits, stride, vocab, 0, rows.buffer.ptr(), batch, draws, none, DevicePtr::NULL, target)
     }
 
     /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`,
@@ -427,7 +429,9 @@ impl CudaSampler {
 
     /// Queues the draws `draws` over materialised logits `[batch, stride]` (written on the
     /// stream before; column 0 is the global token `vocab_offset`): candidates per pass of
-    /// bounded memory, merged into `target` (`[batch, draws.count]`).
+    /// bounded memory, merged into `target` (`[batch, draws.count]`). `processing` (null:
+    /// none) applies the rows' per-entry steps to each quad before the race; `tile_sums` (null:
+    /// none) receives the `[batch, tiles]` per-tile log-sum-exp terms.
     #[allow(clippy::too_many_arguments)]
     fn queue_logits_sampling(
         &self,
@@ -438,6 +442,8 @@ impl CudaSampler {
         row_params: DevicePtr<RowParams>,
         batch: usize,
         draws: Draws,
+        processing: DevicePtr<RowProcessing>,
+        tile_sums: DevicePtr<RowSums>,
         target: ReduceTarget,
     ) -> Result<()> {
         let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
@@ -461,10 +467,17 @@ impl CudaSampler {
                 target,
                 draws.count,
                 |pass, launch| {
+                    let first_row = pass.first_row as u64;
                     let args = LogitsSamplerArgs {
-                        logits: logits.add((pass.first_row * stride) as u64),
+                        logits: logits.add(first_row * stride as u64),
                         row_params: launch.row_params,
                         candidates,
+                        processing: if processing.address() == 0 { processing } else { processing.add(first_row) },
+                        // The terms are written once per row, in the pass of its first draws.
+                        tile_sums: match pass.first_sample {
+                            0 if tile_sums.address() != 0 => tile_sums.add(first_row * tiles as u64),
+                            _ => DevicePtr::NULL,
+                        },
                         vocab: vocab as u32,
                         logits_stride: stride as u32,
                         batch: launch.batch,

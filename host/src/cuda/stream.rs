@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _, sys};
 use flashsample_core::abi::{
-    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, RowProcessing, SHARD_ALIGNMENT, ShardWinner,
+    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, RowProcessing, RowSums, SHARD_ALIGNMENT, ShardWinner,
     StoreTensorMapsArgs, TENSOR_MAP_BYTES, TensorMap, TmaArgs,
 };
 use flashsample_core::registry::{Kernel, Module};
@@ -101,15 +101,43 @@ pub struct ShardTarget {
 pub(crate) enum ReduceTarget {
     /// `[B, samples]` tokens.
     Tokens(DevicePtr<u32>),
-    /// `[B, samples]` winners of a shard whose logits (if not null) are `[B, logits_stride]`
-    /// from global index `vocab_offset`.
-    Winners {
-        winners: DevicePtr<ShardWinner>,
-        raw: DevicePtr<f32>,
-        processed: DevicePtr<f32>,
-        logits_stride: u32,
-        vocab_offset: u32,
-    },
+    /// `[B, samples]` winners of a shard.
+    Winners(WinnerTarget),
+}
+
+/// A shard's winners and what the merge kernel adds to them: the tokens' logits from `[B,
+/// logits_stride]` raw logits (column 0 the global token `vocab_offset`; null: none) and
+/// processed ones (null: `processing`'s steps on the raw quad), and each row's log-sum-exp
+/// terms merged from `[B, tiles]` per-tile ones into `sums` (null: none).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WinnerTarget {
+    pub winners: DevicePtr<ShardWinner>,
+    pub raw: DevicePtr<f32>,
+    pub processed: DevicePtr<f32>,
+    pub processing: DevicePtr<RowProcessing>,
+    pub tile_sums: DevicePtr<RowSums>,
+    pub sums: DevicePtr<RowSums>,
+    pub logits_stride: u32,
+    pub vocab_offset: u32,
+    pub vocab: u32,
+}
+
+impl WinnerTarget {
+    /// Winners alone, without logits or terms.
+    pub fn bare(winners: DevicePtr<ShardWinner>, vocab_offset: u32, vocab: u32) -> WinnerTarget {
+        let null = DevicePtr::NULL;
+        WinnerTarget {
+            winners,
+            raw: null,
+            processed: null,
+            processing: DevicePtr::NULL,
+            tile_sums: DevicePtr::NULL,
+            sums: DevicePtr::NULL,
+            logits_stride: 0,
+            vocab_offset,
+            vocab,
+        }
+    }
 }
 
 impl ReduceTarget {
@@ -119,9 +147,8 @@ impl ReduceTarget {
             None => (ReduceTarget::Tokens(DevicePtr::new(request.tokens)), 0),
             Some(shard) => {
                 let vocab_offset = shard.vocab_offset as u32;
-                let winners = DevicePtr::new(shard.winners);
-                let (raw, processed) = (DevicePtr::NULL, DevicePtr::NULL);
-                (ReduceTarget::Winners { winners, raw, processed, logits_stride: 0, vocab_offset }, vocab_offset)
+                let target = WinnerTarget::bare(DevicePtr::new(shard.winners), vocab_offset, request.lm_head.rows as u32);
+                (ReduceTarget::Winners(target), vocab_offset)
             }
         }
     }
@@ -615,6 +642,10 @@ impl StreamSampler {
                 winners: DevicePtr::NULL,
                 raw: DevicePtr::NULL,
                 processed: DevicePtr::NULL,
+                processing: DevicePtr::NULL,
+                row_params: launch.row_params,
+                tile_sums: DevicePtr::NULL,
+                sums: DevicePtr::NULL,
                 batch: launch.batch,
                 samples: pass.samples as u32,
                 tiles: tiles as u32,
@@ -622,17 +653,26 @@ impl StreamSampler {
                 token_stride: samples,
                 logits_stride: 0,
                 vocab_offset: 0,
-                padding: 0,
+                vocab: 0,
             };
             match target {
                 ReduceTarget::Tokens(tokens) => reduce.tokens = tokens.add(first_slot),
-                ReduceTarget::Winners { winners, raw, processed, logits_stride, vocab_offset } => {
-                    let first_logit = pass.first_row as u64 * logits_stride as u64;
-                    reduce.winners = winners.add(first_slot);
-                    if raw.address() != 0 {
-                        (reduce.raw, reduce.processed) = (raw.add(first_logit), processed.add(first_logit));
+                ReduceTarget::Winners(target) => {
+                    let first_logit = pass.first_row as u64 * target.logits_stride as u64;
+                    let first_row = pass.first_row as u64;
+                    let at = |p: DevicePtr<f32>, by: u64| if p.address() == 0 { p } else { p.add(by) };
+                    reduce.winners = target.winners.add(first_slot);
+                    (reduce.raw, reduce.processed) = (at(target.raw, first_logit), at(target.processed, first_logit));
+                    if target.processing.address() != 0 {
+                        reduce.processing = target.processing.add(first_row);
                     }
-                    (reduce.logits_stride, reduce.vocab_offset) = (logits_stride, vocab_offset);
+                    // The terms are merged once per row, in the pass of its first draws.
+                    if target.tile_sums.address() != 0 && pass.first_sample == 0 {
+                        reduce.tile_sums = target.tile_sums.add(first_row * tiles as u64);
+                        reduce.sums = target.sums.add(first_row);
+                    }
+                    (reduce.logits_stride, reduce.vocab_offset, reduce.vocab) =
+                        (target.logits_stride, target.vocab_offset, target.vocab);
                 }
             }
             // SAFETY: the tile kernel just wrote `rows × samples × tiles` candidates; the tokens

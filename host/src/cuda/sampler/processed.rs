@@ -19,7 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use flashsample_core::NO_TOKEN;
 use flashsample_core::abi::{
-    DevicePtr, ProcessArgs, RowProcessing, RowSums, ShardMergeArgs, ShardPartLayout, ShardWinner, TopLogprob,
+    DevicePtr, LOGITS_SAMPLER_TILE, ProcessArgs, RowProcessing, RowSums, ShardMergeArgs, ShardPartLayout, ShardWinner, TopLogprob,
 };
 use flashsample_core::process::{MAX_TOP_LOGPROBS, SPARSE_BLOCK, SparseEntry};
 use flashsample_core::registry::Kernel;
@@ -29,7 +29,7 @@ use crate::cpu::Sampled;
 use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens};
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
-use crate::cuda::stream::{FusedProcessing, ReduceTarget, ShardTarget, check_shard};
+use crate::cuda::stream::{FusedProcessing, ReduceTarget, ShardTarget, WinnerTarget, check_shard};
 use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape, SamplingParams, check_request};
 use crate::process::Processing;
@@ -522,15 +522,32 @@ impl CudaSampler {
             ));
         }
         let stride = shape.vocab.next_multiple_of(4);
-        let copies = if parts.logprobs { 2 } else { 1 };
-        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
-        let (raw, processed) = (logits, logits.add(((copies - 1) * batch * stride) as u64));
-        self.queue_logits(lm_head, hidden, variant, raw, stride)?;
+        let vocab_offset = shard.vocab_offset as u32;
         let (sums, top) = match parts.logprobs {
             true => (part_at.byte_add(parts.layout.sums).cast::<RowSums>(), part_at.byte_add(parts.layout.top).cast()),
             false => (DevicePtr::NULL, DevicePtr::NULL),
         };
-        let vocab_offset = shard.vocab_offset as u32;
+        let mut target = WinnerTarget::bare(winners, vocab_offset, shape.vocab as u32);
+        target.logits_stride = stride as u32;
+        if processing.whole_row.is_none() {
+            // Log-probabilities without truncations or top entries: the logits sampler applies
+            // the per-entry steps to the raw logits as it races them and sums each tile's
+            // log-sum-exp terms; the merge kernel merges them per row and takes the winners'
+            // logits from the raw ones.
+            let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, batch * stride, "logits")?;
+            self.queue_logits(lm_head, hidden, variant, logits, stride)?;
+            let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
+            let tile_sums = ensure(&self.stream, &mut self.workspace.borrow_mut().tile_sums, batch * tiles, "tile sums")?;
+            let steps = processing.fused_if_any()?.map_or(DevicePtr::NULL, |_| processing.buffer.ptr().cast());
+            (target.raw, target.processing, target.tile_sums, target.sums) = (logits, steps, tile_sums, sums);
+            let target = ReduceTarget::Winners(target);
+            let at = (logits, stride, shape.vocab, vocab_offset);
+            return self.queue_logits_sampling(at.0, at.1, at.2, at.3, row_params, batch, draws, steps, tile_sums, target);
+        }
+        let copies = if parts.logprobs { 2 } else { 1 };
+        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
+        let (raw, processed) = (logits, logits.add(((copies - 1) * batch * stride) as u64));
+        self.queue_logits(lm_head, hidden, variant, raw, stride)?;
         let args = ProcessArgs {
             raw,
             processed,
@@ -549,18 +566,11 @@ impl CudaSampler {
         // truncations; the part holds `B` sums and top slots.
         unsafe { self.launch(Kernel::ProcessRows, batch as u64, &args)? };
         // Without log-probabilities the winners need no logits.
-        let (raw_logits, processed_logits) = match parts.logprobs {
-            true => (raw, processed),
-            false => (DevicePtr::NULL, DevicePtr::NULL),
-        };
-        let target = ReduceTarget::Winners {
-            winners,
-            raw: raw_logits,
-            processed: processed_logits,
-            logits_stride: stride as u32,
-            vocab_offset,
-        };
-        self.queue_logits_sampling(processed, stride, shape.vocab, vocab_offset, row_params, batch, draws, target)
+        if parts.logprobs {
+            (target.raw, target.processed) = (raw, processed);
+        }
+        let (none, target) = (DevicePtr::NULL, ReduceTarget::Winners(target));
+        self.queue_logits_sampling(processed, stride, shape.vocab, vocab_offset, row_params, batch, draws, none, DevicePtr::NULL, target)
     }
 
     fn queue_merge(

@@ -203,6 +203,9 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
             Err(e) => assert!(e.to_string().contains("does not apply per-row processing"), "{variant:?}: {e}"),
         }
     }
+    // Log-probabilities without truncations or top entries: the logits sampler's per-tile terms.
+    let per_tile = fused.sample(&sampler, 3, Variant::Auto, true).unwrap();
+    assert!(per_tile.tokens.iter().all(|&t| t < 1009), "{:?}", per_tile.tokens);
     // Three vocabulary shards: materialised with log-probabilities (every row's truncations
     // dropped, its top count kept), then fused per variant into parts without them.
     let decomposing: Vec<flashsample::Processing> = processing

@@ -4,8 +4,8 @@ use flashsample_core::abi::{
     FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, RowSums, SAMPLES_PER_MERGE, ShardWinner,
     TILE_KERNEL_WARPS, candidate_pair, candidate_slot,
 };
-use flashsample_core::process::LogSumExp;
 use flashsample_core::candidate::maximum;
+use flashsample_core::process::LogSumExp;
 use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::tile::ThreadLogits;
@@ -391,7 +391,7 @@ unsafe fn merge_tile_sums(args: &ReduceArgs, b: u32, staging: *mut RowSums) {
     unsafe {
         sums.raw = process::merge_lse_over_warp(sums.raw, 1.0);
         sums.kept = process::merge_lse_over_warp(sums.kept, temperature);
-        if thread % 32 == 0 {
+        if thread & 31 == 0 {
             *staging.add((thread / 32) as usize) = sums;
         }
         arch::sync_threads();

@@ -370,7 +370,18 @@ impl CudaSampler {
         let (batch, vocab) = (hidden.rows(), lm_head.shape.vocab);
         let target = ReduceTarget::Tokens(tokens.buffer.ptr());
         let (draws, none) = (Draws::first(samples), DevicePtr::NULL);
-        self.queue_logits_sampling(logits, stride, vocab, 0, rows.buffer.ptr(), batch, draws, none, DevicePtr::NULL, target)
+        self.queue_logits_sampling(
+            logits,
+            stride,
+            vocab,
+            0,
+            rows.buffer.ptr(),
+            batch,
+            draws,
+            none,
+            DevicePtr::NULL,
+            target,
+        )
     }
 
     /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`,

@@ -147,7 +147,8 @@ impl ReduceTarget {
             None => (ReduceTarget::Tokens(DevicePtr::new(request.tokens)), 0),
             Some(shard) => {
                 let vocab_offset = shard.vocab_offset as u32;
-                let target = WinnerTarget::bare(DevicePtr::new(shard.winners), vocab_offset, request.lm_head.rows as u32);
+                let target =
+                    WinnerTarget::bare(DevicePtr::new(shard.winners), vocab_offset, request.lm_head.rows as u32);
                 (ReduceTarget::Winners(target), vocab_offset)
             }
         }

@@ -19,7 +19,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use flashsample_core::NO_TOKEN;
 use flashsample_core::abi::{
-    DevicePtr, LOGITS_SAMPLER_TILE, ProcessArgs, RowProcessing, RowSums, ShardMergeArgs, ShardPartLayout, ShardWinner, TopLogprob,
+    DevicePtr, LOGITS_SAMPLER_TILE, ProcessArgs, RowProcessing, RowSums, ShardMergeArgs, ShardPartLayout, ShardWinner,
+    TopLogprob,
 };
 use flashsample_core::process::{MAX_TOP_LOGPROBS, SPARSE_BLOCK, SparseEntry};
 use flashsample_core::registry::Kernel;
@@ -537,12 +538,14 @@ impl CudaSampler {
             let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, batch * stride, "logits")?;
             self.queue_logits(lm_head, hidden, variant, logits, stride)?;
             let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
-            let tile_sums = ensure(&self.stream, &mut self.workspace.borrow_mut().tile_sums, batch * tiles, "tile sums")?;
+            let tile_sums =
+                ensure(&self.stream, &mut self.workspace.borrow_mut().tile_sums, batch * tiles, "tile sums")?;
             let steps = processing.fused_if_any()?.map_or(DevicePtr::NULL, |_| processing.buffer.ptr().cast());
             (target.raw, target.processing, target.tile_sums, target.sums) = (logits, steps, tile_sums, sums);
             let target = ReduceTarget::Winners(target);
             let at = (logits, stride, shape.vocab, vocab_offset);
-            return self.queue_logits_sampling(at.0, at.1, at.2, at.3, row_params, batch, draws, steps, tile_sums, target);
+            return self
+                .queue_logits_sampling(at.0, at.1, at.2, at.3, row_params, batch, draws, steps, tile_sums, target);
         }
         let copies = if parts.logprobs { 2 } else { 1 };
         let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
@@ -570,7 +573,18 @@ impl CudaSampler {
             (target.raw, target.processed) = (raw, processed);
         }
         let (none, target) = (DevicePtr::NULL, ReduceTarget::Winners(target));
-        self.queue_logits_sampling(processed, stride, shape.vocab, vocab_offset, row_params, batch, draws, none, DevicePtr::NULL, target)
+        self.queue_logits_sampling(
+            processed,
+            stride,
+            shape.vocab,
+            vocab_offset,
+            row_params,
+            batch,
+            draws,
+            none,
+            DevicePtr::NULL,
+            target,
+        )
     }
 
     fn queue_merge(

@@ -9,7 +9,9 @@ use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
 use crate::error::{Result, RowStatus, invalid, tokens_or_row_status};
-use crate::params::{Draws, HeadShape, MAX_VOCAB, SamplingParams, check_hidden_values, check_lm_head, check_request};
+use crate::params::{
+    Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, sharded_head,
+};
 use crate::process::{ProcessedRow, Processing, process_sharded_row, top_raw_log_probabilities};
 use crate::tensor::{Elements, Matrix};
 
@@ -184,28 +186,10 @@ impl CpuSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Sampled> {
-        let first =
-            shards.first().ok_or_else(|| invalid("shards", "none: at least one LM-head shard is needed"))?.shape;
-        let mut offsets = Vec::with_capacity(shards.len());
-        let mut vocab = 0usize;
-        for (s, shard) in shards.iter().enumerate() {
-            if (shard.shape.dim, shard.shape.dtype) != (first.dim, first.dtype) {
-                return Err(invalid(
-                    format!("shards[{s}]"),
-                    format!(
-                        "D = {}, {}: every shard must match shard 0's D = {}, {}",
-                        shard.shape.dim, shard.shape.dtype, first.dim, first.dtype
-                    ),
-                ));
-            }
-            offsets.push(vocab as u32);
-            vocab += shard.shape.vocab;
-            if vocab > MAX_VOCAB {
-                return Err(invalid("shards", format!("V = {vocab} in all: must be < 2^31")));
-            }
-        }
+        let (head, offsets) = sharded_head(shards.iter().map(|shard| shard.shape))?;
+        let offsets: Vec<u32> = offsets.into_iter().map(|o| o as u32).collect();
+        let vocab = head.vocab;
         let draws = draws.check()?;
-        let head = HeadShape { vocab, ..first };
         let rows = check_request(head, hidden.shape(), params, draws.count)?;
         if processing.len() != rows.len() {
             return Err(invalid(

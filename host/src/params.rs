@@ -97,6 +97,32 @@ pub fn check_lm_head(lm_head: &Matrix) -> Result<HeadShape> {
 }
 
 /// The shape rules of an LM head `W[V, D]`: `1 ≤ V < 2³¹`, `1 ≤ D < 2³²`.
+/// The shape of an LM head split by vocabulary into shards of the given shapes (shard `s`
+/// holds the rows after those of shards `0 .. s`) and each shard's first row: every shard has
+/// shard 0's D and dtype, and the whole V is below 2³¹.
+pub fn sharded_head(shards: impl IntoIterator<Item = HeadShape>) -> Result<(HeadShape, Vec<usize>)> {
+    let mut shards = shards.into_iter();
+    let first = shards.next().ok_or_else(|| invalid("shards", "none: at least one LM-head shard is needed"))?;
+    let (mut offsets, mut vocab) = (vec![0], first.vocab);
+    for (s, shard) in shards.enumerate().map(|(s, shard)| (s + 1, shard)) {
+        if (shard.dim, shard.dtype) != (first.dim, first.dtype) {
+            return Err(invalid(
+                format!("shards[{s}]"),
+                format!(
+                    "D = {}, {}: every shard must match shard 0's D = {}, {}",
+                    shard.dim, shard.dtype, first.dim, first.dtype
+                ),
+            ));
+        }
+        offsets.push(vocab);
+        vocab += shard.vocab;
+        if vocab > MAX_VOCAB {
+            return Err(invalid("shards", format!("V = {vocab} in all: must be < 2^31")));
+        }
+    }
+    Ok((HeadShape { vocab, ..first }, offsets))
+}
+
 pub fn check_head_shape(vocab: usize, dim: usize) -> Result<()> {
     if vocab == 0 {
         return Err(invalid("lm_head", "V = 0 rows: the vocabulary must not be empty"));

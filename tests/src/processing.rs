@@ -508,13 +508,7 @@ pub fn check_shards(
         let bounds = uneven_bounds(vocab, shards, align);
         let got = backend.sample_sharded(&split_rows(w, &bounds), h, &params, &processing, 64).unwrap();
         assert_eq!(got.tokens, whole.tokens, "{}: {shards} shards at {bounds:?}", backend.name());
-        let worst = got
-            .logprobs
-            .iter()
-            .chain(&got.processed_logprobs)
-            .zip(whole.logprobs.iter().chain(&whole.processed_logprobs))
-            .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() })
-            .fold(0.0f32, f32::max);
+        let worst = largest_log_probability_difference(&got, &whole, false);
         for (row, (a, b)) in got.top_logprobs.iter().zip(&whole.top_logprobs).enumerate() {
             assert_eq!(a.len(), b.len(), "{shards} shards, row {row}");
             for (x, y) in a.iter().zip(b) {
@@ -524,4 +518,27 @@ pub fn check_shards(
         println!("{}: {shards} shards: tokens equal, log-probabilities within {worst:.2e}", backend.name());
         assert!(worst <= 1e-5, "{}: {shards} shards: log-probabilities differ by {worst}", backend.name());
     }
+}
+
+/// `rows × cols` integers in [−4, 4] (F32; exact in BF16 and F16), a fixed pattern per `seed`:
+/// every logit of two such matrices is an integer each backend computes exactly.
+pub fn integer_matrix(rows: usize, cols: usize, seed: u64) -> Matrix {
+    let values = (0..rows * cols).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect();
+    crate::matrix_of(rows, cols, flashsample::DType::F32, values)
+}
+
+/// The largest difference between two results' raw and processed log-probabilities (equal
+/// values, infinities included, differ by 0), relative to the reference `b` above 1 if
+/// `relative`.
+pub fn largest_log_probability_difference(a: &Sampled, b: &Sampled, relative: bool) -> f32 {
+    a.logprobs
+        .iter()
+        .chain(&a.processed_logprobs)
+        .zip(b.logprobs.iter().chain(&b.processed_logprobs))
+        .map(|(x, y)| match x == y {
+            true => 0.0,
+            false if relative => (x - y).abs() / y.abs().max(1.0),
+            false => (x - y).abs(),
+        })
+        .fold(0.0f32, f32::max)
 }

@@ -7,7 +7,7 @@ use flashsample::DType;
 use flashsample::Variant;
 use flashsample_tests::processing::{
     OnDevice, check_every_mode, check_log_probabilities, check_mixed_batch, check_processing_edges, check_shards,
-    check_top_k_keeps_ties, each_mode, split_rows, uneven_bounds,
+    check_top_k_keeps_ties, each_mode, integer_matrix, largest_log_probability_difference, split_rows, uneven_bounds,
 };
 use flashsample_tests::{Cpu, Cuda, matrix_of, random_matrix};
 
@@ -157,10 +157,7 @@ mod gpu {
     fn gpu_and_cpu_draw_the_same_tokens_from_exact_logits() {
         let (vocab, dim) = (4099, 16);
         let modes = each_mode(vocab);
-        let integers = |rows: usize, seed: u64| {
-            let values = (0..rows * dim).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect();
-            matrix_of(rows, dim, DType::F32, values).to_dtype(DType::BF16)
-        };
+        let integers = |rows: usize, seed: u64| integer_matrix(rows, dim, seed).to_dtype(DType::BF16);
         let (w, h) = (integers(vocab, 53), integers(modes.len(), 54));
         let params: Vec<flashsample::SamplingParams> = (0..modes.len())
             .map(|r| flashsample::SamplingParams::new(if r == 2 { 0.0 } else { 3.0 }, 8, r as u32, 1))
@@ -170,13 +167,7 @@ mod gpu {
         let gpu = cuda().sample_processed(&w, &h, &params, &processing, 256).unwrap();
         let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 256).unwrap();
         assert_eq!(gpu.tokens, cpu.tokens);
-        let worst = gpu
-            .logprobs
-            .iter()
-            .chain(&gpu.processed_logprobs)
-            .zip(cpu.logprobs.iter().chain(&cpu.processed_logprobs))
-            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-            .fold(0.0f32, f32::max);
+        let worst = largest_log_probability_difference(&gpu, &cpu, true);
         println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
         assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
     }
@@ -250,10 +241,7 @@ mod gpu {
     #[ignore = "needs a CUDA GPU"]
     fn fused_per_entry_steps_on_the_simt_tile_give_the_cpu_tokens() {
         let (vocab, dim, batch, n) = (1031, 13, 10, 16u32);
-        let integers = |rows: usize, seed: u64| {
-            let values = (0..rows * dim).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect();
-            matrix_of(rows, dim, DType::F32, values)
-        };
+        let integers = |rows: usize, seed: u64| integer_matrix(rows, dim, seed);
         let (w, h) = (integers(vocab, 59), integers(batch, 60));
         let params: Vec<flashsample::SamplingParams> =
             (0..batch).map(|r| flashsample::SamplingParams::new(2.5, 6, r as u32, 0)).collect();
@@ -334,10 +322,7 @@ mod gpu {
     #[ignore = "needs a CUDA GPU"]
     fn per_tile_log_sum_exp_gives_the_cpu_log_probabilities() {
         let (vocab, dim, batch) = (4099, 16, 11);
-        let integers = |rows: usize, seed: u64| {
-            let values = (0..rows * dim).map(|k| ((k as u64 * 2_654_435_761 + seed) % 9) as f32 - 4.0).collect();
-            matrix_of(rows, dim, DType::F32, values).to_dtype(DType::BF16)
-        };
+        let integers = |rows: usize, seed: u64| integer_matrix(rows, dim, seed).to_dtype(DType::BF16);
         let (w, h) = (integers(vocab, 67), integers(batch, 68));
         let params: Vec<flashsample::SamplingParams> = (0..batch)
             .map(|r| flashsample::SamplingParams::new(if r == 4 { 0.0 } else { 1.7 }, 9, r as u32, 2))
@@ -348,13 +333,7 @@ mod gpu {
         let gpu = cuda().sample_processed(&w, &h, &params, &processing, 128).unwrap();
         let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 128).unwrap();
         assert_eq!(gpu.tokens, cpu.tokens);
-        let worst = gpu
-            .logprobs
-            .iter()
-            .chain(&gpu.processed_logprobs)
-            .zip(cpu.logprobs.iter().chain(&cpu.processed_logprobs))
-            .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() / b.abs().max(1.0) })
-            .fold(0.0f32, f32::max);
+        let worst = largest_log_probability_difference(&gpu, &cpu, true);
         println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
         assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
     }

@@ -32,7 +32,7 @@ use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::stream::{FusedProcessing, ReduceTarget, ShardTarget, WinnerTarget, check_shard};
 use crate::error::{Result, invalid};
-use crate::params::{Draws, HeadShape, SamplingParams, check_request};
+use crate::params::{Draws, SamplingParams, check_request, sharded_head};
 use crate::process::Processing;
 use crate::tensor::Matrix;
 
@@ -110,21 +110,17 @@ impl VocabShard {
 /// logits.
 pub struct ShardParts {
     buffer: DeviceBuffer<u8>,
-    shards: usize,
-    rows: usize,
-    samples: usize,
-    logprobs: bool,
-    layout: ShardPartLayout,
+    view: PartsView,
 }
 
 impl ShardParts {
     pub fn shards(&self) -> usize {
-        self.shards
+        self.view.shards
     }
 
     /// Bytes of one shard's part.
     pub fn part_bytes(&self) -> usize {
-        self.layout.bytes as usize
+        self.view.layout.bytes as usize
     }
 
     /// The device address of part 0 (part `s` starts `s · part_bytes` after it).
@@ -133,8 +129,8 @@ impl ShardParts {
     }
 
     fn part(&self, s: usize) -> Result<DevicePtr<u8>> {
-        if s >= self.shards {
-            return Err(invalid("part", format!("{s}: the parts hold {} shards", self.shards)));
+        if s >= self.view.shards {
+            return Err(invalid("part", format!("{s}: the parts hold {} shards", self.view.shards)));
         }
         Ok(self.buffer.ptr().add((s * self.part_bytes()) as u64))
     }
@@ -291,7 +287,8 @@ impl CudaSampler {
         // SAFETY: stage 1 writes every part's winners (and terms) before the merge reads them.
         let buffer =
             unsafe { DeviceBuffer::<u8>::uninitialized(&self.stream, shards * layout.bytes as usize, "shard parts")? };
-        Ok(ShardParts { buffer, shards, rows, samples, logprobs, layout })
+        let view = PartsView { address: buffer.ptr(), shards, rows, samples, logprobs, layout };
+        Ok(ShardParts { buffer, view })
     }
 
     /// Fills `parts` with +∞ words, so that a part stage 1 leaves unwritten shows in the tokens
@@ -331,25 +328,10 @@ impl CudaSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Sampled> {
-        let first =
-            shards.first().ok_or_else(|| invalid("shards", "none: at least one LM-head shard is needed"))?.shape;
-        let mut offsets = Vec::with_capacity(shards.len());
-        let mut vocab = 0usize;
-        for (s, shard) in shards.iter().enumerate() {
-            if (shard.shape.dim, shard.shape.dtype) != (first.dim, first.dtype) {
-                return Err(invalid(
-                    format!("shards[{s}]"),
-                    format!(
-                        "D = {}, {}: every shard must match shard 0's D = {}, {}",
-                        shard.shape.dim, shard.shape.dtype, first.dim, first.dtype
-                    ),
-                ));
-            }
-            offsets.push(vocab);
-            vocab += shard.shape.vocab;
-        }
+        let (head, offsets) = sharded_head(shards.iter().map(|shard| shard.shape))?;
+        let vocab = head.vocab;
         let draws = draws.check()?;
-        check_request(HeadShape { vocab, ..first }, hidden.shape(), params, draws.count)?;
+        check_request(head, hidden.shape(), params, draws.count)?;
         if processing.len() != params.len() {
             return Err(invalid(
                 "processing",
@@ -429,20 +411,20 @@ impl CudaSampler {
     ) -> Result<()> {
         let draws = draws.check()?;
         self.check_device_rows(lm_head, hidden, rows, draws.count)?;
-        if (parts.rows, parts.samples) != (hidden.rows(), draws.count as usize) {
+        if (parts.view.rows, parts.view.samples) != (hidden.rows(), draws.count as usize) {
             return Err(invalid(
                 "parts",
                 format!(
                     "room for [{}, {}] draws, the request makes [{}, {}]",
-                    parts.rows,
-                    parts.samples,
+                    parts.view.rows,
+                    parts.view.samples,
                     hidden.rows(),
                     draws.count
                 ),
             ));
         }
         parts.part(part)?;
-        let view = parts.view();
+        let view = parts.view;
         self.queue_shard(lm_head, shard, hidden, rows, processing, draws, variant, &view, part)
     }
 
@@ -457,19 +439,20 @@ impl CudaSampler {
         out: &mut ProcessedOutputs,
     ) -> Result<()> {
         self.make_current()?;
-        check_outputs(out, parts.rows, parts.samples as u32)?;
-        if rows.rows() != parts.rows || processing.rows != parts.rows {
+        let view = parts.view;
+        check_outputs(out, view.rows, view.samples as u32)?;
+        if rows.rows() != view.rows || processing.rows != view.rows {
             return Err(invalid(
                 "rows",
                 format!(
                     "{} row parameters and {} processing rows for parts of B = {}",
                     rows.rows(),
                     processing.rows,
-                    parts.rows
+                    view.rows
                 ),
             ));
         }
-        self.queue_merge(&parts.view(), rows, processing, out)
+        self.queue_merge(&view, rows, processing, out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -650,6 +633,7 @@ impl CudaSampler {
 }
 
 /// A [`ShardParts`]' extents at an address: the owned parts or the unsharded path's workspace.
+#[derive(Clone, Copy)]
 struct PartsView {
     address: DevicePtr<u8>,
     shards: usize,
@@ -657,14 +641,6 @@ struct PartsView {
     samples: usize,
     logprobs: bool,
     layout: ShardPartLayout,
-}
-
-impl ShardParts {
-    fn view(&self) -> PartsView {
-        let (shards, rows, samples, logprobs, layout) =
-            (self.shards, self.rows, self.samples, self.logprobs, self.layout);
-        PartsView { address: self.buffer.ptr(), shards, rows, samples, logprobs, layout }
-    }
 }
 
 /// The part layout of `shards` parts of `rows × samples` draws, checked against 32-bit extents.

@@ -650,3 +650,42 @@ pub struct StoreTensorMapsArgs {
     pub lm_head: [u64; 16],
     pub hidden: [u64; 16],
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shard's winner keeps its own logits through the merge, in any order, and "no token"
+    /// loses to every shard's winner.
+    #[test]
+    fn shard_winners_merge_with_their_logits() {
+        let winner = |score: f32, index: u32, raw: f32| ShardWinner {
+            candidate: Candidate { score, word: 7, index },
+            raw,
+            processed: raw - 1.0,
+        };
+        let shards = [winner(1.0, 10, 0.5), winner(3.0, 900, 2.5), winner(3.0, 40, 1.5), ShardWinner::NONE];
+        let best = winner(3.0, 40, 1.5);
+        for first in 0..shards.len() {
+            let merged = (0..shards.len())
+                .map(|k| shards[(first + k) % shards.len()])
+                .fold(ShardWinner::NONE, ShardWinner::merge);
+            assert_eq!(merged, best, "starting at shard {first}");
+        }
+    }
+
+    /// The parts are whole multiples of 16 bytes, with the sums after the winners and the top
+    /// entries after the sums; without log-probabilities only the winners.
+    #[test]
+    fn shard_parts_are_laid_out_in_order() {
+        for (batch, samples) in [(1, 1), (3, 7), (37, 5), (256, 1)] {
+            let with = ShardPartLayout::of(batch, samples, true);
+            let winners = (batch * samples) as u64 * 20;
+            assert_eq!(with.sums, winners);
+            assert_eq!(with.top, winners + batch as u64 * 16);
+            assert!(with.bytes >= with.top + batch as u64 * 20 * 8 && with.bytes.is_multiple_of(16));
+            let without = ShardPartLayout::of(batch, samples, false);
+            assert!(without.bytes >= winners && without.bytes.is_multiple_of(16) && without.sums == without.bytes);
+        }
+    }
+}

@@ -206,3 +206,23 @@ pub fn batch_row_params(params: &[SamplingParams]) -> Result<Vec<RowParams>> {
     }
     row_params(params)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    /// Shards of one D and dtype add up, each starting where the last ended; a mismatch names
+    /// the shard, an empty list and a V past 2³¹ are refused.
+    #[test]
+    fn sharded_heads_add_up_or_name_the_bad_shard() {
+        let shape = |vocab| HeadShape { vocab, dim: 8, dtype: DType::BF16 };
+        let (head, offsets) = sharded_head([shape(10), shape(3), shape(7)]).unwrap();
+        assert_eq!((head.vocab, offsets), (20, vec![0, 10, 13]));
+        let odd = HeadShape { dim: 9, ..shape(4) };
+        let error = sharded_head([shape(10), odd]).unwrap_err().to_string();
+        assert!(error.contains("shards[1]") && error.contains("D = 9"), "{error}");
+        assert!(sharded_head([]).unwrap_err().to_string().contains("invalid shards: none"));
+        assert!(sharded_head([shape(MAX_VOCAB), shape(1)]).unwrap_err().to_string().contains("must be < 2^31"));
+    }
+}

@@ -682,3 +682,32 @@ fn check_processing(processing: &DeviceProcessing, batch: usize, vocab: usize) -
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bounds are whole blocks of 4 but the last, cover the vocabulary, leave no shard empty,
+    /// and differ in size by at most a block; more shards than blocks are refused.
+    #[test]
+    fn shard_bounds_are_whole_blocks_and_even() {
+        for vocab in [1usize, 4, 5, 70, 1009, 151_936, 128_257] {
+            let blocks = vocab.div_ceil(4);
+            for shards in [1, 2, 3, 7, 8, blocks] {
+                if shards > blocks {
+                    continue;
+                }
+                let bounds = VocabShard::bounds(vocab, shards).unwrap();
+                assert_eq!((bounds.len(), bounds[0], bounds[shards]), (shards + 1, 0, vocab));
+                assert!(bounds[..shards].iter().all(|b| b % 4 == 0), "V = {vocab}, {shards}: {bounds:?}");
+                let sizes: Vec<usize> = bounds.windows(2).map(|b| b[1] - b[0]).collect();
+                assert!(sizes.iter().all(|&n| n > 0), "V = {vocab}, {shards}: {bounds:?}");
+                let blocks_of = |n: usize| n.div_ceil(4);
+                let (low, high) =
+                    (sizes.iter().map(|&n| blocks_of(n)).min(), sizes.iter().map(|&n| blocks_of(n)).max());
+                assert!(high.unwrap() - low.unwrap() <= 1, "V = {vocab}, {shards}: {sizes:?}");
+            }
+            assert!(VocabShard::bounds(vocab, blocks + 1).is_err() && VocabShard::bounds(vocab, 0).is_err());
+        }
+    }
+}

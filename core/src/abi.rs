@@ -39,6 +39,11 @@ impl<T> DevicePtr<T> {
         DevicePtr::new(self.address + count * core::mem::size_of::<T>() as u64)
     }
 
+    /// [`DevicePtr::add`], keeping the null address null (an optional argument stays absent).
+    pub const fn add_unless_null(self, count: u64) -> DevicePtr<T> {
+        if self.address == 0 { self } else { self.add(count) }
+    }
+
     /// The address `bytes` further on.
     pub const fn byte_add(self, bytes: u64) -> DevicePtr<T> {
         DevicePtr::new(self.address + bytes)

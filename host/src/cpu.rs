@@ -8,9 +8,10 @@ use flashsample_core::process::{LogSumExp, token_log_probabilities};
 use flashsample_core::{Candidate, RowParams, block_candidate};
 use rayon::prelude::*;
 
-use crate::error::{Result, RowStatus, invalid, tokens_or_row_status};
+use crate::error::{Result, RowStatus, tokens_or_row_status};
 use crate::params::{
-    Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, sharded_head,
+    Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_processing_rows, check_request,
+    sharded_head,
 };
 use crate::process::{ProcessedRow, Processing, process_sharded_row, top_raw_log_probabilities};
 use crate::tensor::{Elements, Matrix};
@@ -191,12 +192,7 @@ impl CpuSampler {
         let vocab = head.vocab;
         let draws = draws.check()?;
         let rows = check_request(head, hidden.shape(), params, draws.count)?;
-        if processing.len() != rows.len() {
-            return Err(invalid(
-                "processing",
-                format!("{} entries for B = {} hidden rows: one per row", processing.len(), rows.len()),
-            ));
-        }
+        check_processing_rows(processing.len(), rows.len())?;
         for (b, p) in processing.iter().enumerate() {
             p.check(b, vocab)?;
         }

@@ -161,6 +161,14 @@ pub fn check_request(
     row_params(params)
 }
 
+/// A processed request's rule that its processing has one entry per row (`rows` of them).
+pub fn check_processing_rows(processing: usize, rows: usize) -> Result<()> {
+    if processing != rows {
+        return Err(invalid("processing", format!("{processing} entries for B = {rows} hidden rows: one per row")));
+    }
+    Ok(())
+}
+
 /// The shape rules of a request whose `rows` per-row parameters come from `rows_argument`.
 pub fn check_request_shape(
     head: HeadShape,

@@ -102,7 +102,8 @@ impl ProcessedBackend for crate::Cuda {
         let sampler = &self.sampler;
         let vocab: usize = shards.iter().map(Matrix::rows).sum();
         let heads: Vec<CudaLmHead> = shards.iter().map(|w| sampler.upload_lm_head(w)).collect::<Result<_>>()?;
-        let on_device = OnDevice::new(sampler, &shards[0], hidden, params, processing, vocab);
+        let device_processing = sampler.upload_processing(processing, vocab)?;
+        let (on_device, rows) = (sampler.upload_hidden(hidden)?, sampler.upload_rows(params)?);
         let logprobs = true;
         let mut parts = sampler.shard_parts(shards.len(), hidden.rows(), samples as usize, logprobs)?;
         sampler.poison_parts(&parts)?;
@@ -110,12 +111,12 @@ impl ProcessedBackend for crate::Cuda {
         for (s, head) in heads.iter().enumerate() {
             let shard = VocabShard { vocab_offset, vocab };
             let draws = Draws::first(samples);
-            let (hidden, rows, processing) = (&on_device.hidden, &on_device.rows, &on_device.processing);
-            sampler.sample_shard_into(head, shard, hidden, rows, processing, draws, self.variant, &mut parts, s)?;
+            let (hidden, processing) = (&on_device, &device_processing);
+            sampler.sample_shard_into(head, shard, hidden, &rows, processing, draws, self.variant, &mut parts, s)?;
             vocab_offset += head.shape().vocab;
         }
         let mut out = sampler.processed_outputs(hidden.rows(), samples as usize, logprobs)?;
-        sampler.merge_shards_into(&parts, &on_device.rows, &on_device.processing, &mut out)?;
+        sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
         let got = sampler.processed_to_host(&out)?;
         check_written(&self.name(), &got, vocab);
         Ok(got)
@@ -139,20 +140,18 @@ pub struct OnDevice {
 }
 
 impl OnDevice {
-    /// `lm_head` may be a shard of a vocabulary of `vocab` tokens, which the processing is for.
     pub fn new(
         sampler: &CudaSampler,
         lm_head: &Matrix,
         hidden: &Matrix,
         params: &[SamplingParams],
         processing: &[Processing],
-        vocab: usize,
     ) -> OnDevice {
         OnDevice {
             head: sampler.upload_lm_head(lm_head).unwrap(),
             hidden: sampler.upload_hidden(hidden).unwrap(),
             rows: sampler.upload_rows(params).unwrap(),
-            processing: sampler.upload_processing(processing, vocab).unwrap(),
+            processing: sampler.upload_processing(processing, lm_head.rows()).unwrap(),
         }
     }
 

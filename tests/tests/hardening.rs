@@ -190,11 +190,11 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let without_top: Vec<flashsample::Processing> =
         processing.iter().map(|p| flashsample::Processing { top_logprobs: 0, ..p.clone() }).collect();
     let batch = h.row_range(0, modes.len());
-    let in_place = OnDevice::new(&sampler, &w, &batch, &params, &without_top, w.rows());
+    let in_place = OnDevice::new(&sampler, &w, &batch, &params, &without_top);
     assert_eq!(in_place.sample(&sampler, 3, Variant::Auto, false).unwrap().tokens, sampled.tokens);
     // The per-entry modes alone run in the fused tile of every variant.
     let per_entry: Vec<flashsample::Processing> = (0..modes.len()).map(|r| without_top[r % 4].clone()).collect();
-    let fused = OnDevice::new(&sampler, &w, &batch, &params, &per_entry, w.rows());
+    let fused = OnDevice::new(&sampler, &w, &batch, &params, &per_entry);
     let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
     variants.push(Variant::Simt);
     for &variant in &variants {

@@ -185,7 +185,7 @@ mod gpu {
             (0..modes.len()).map(|r| flashsample::SamplingParams::new(0.9, 3, r as u32, 0)).collect();
         let processing: Vec<flashsample::Processing> = modes.iter().map(|m| m.1.clone()).collect();
         let sampler = &cuda().sampler;
-        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing, w.rows());
+        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
         let run = |logprobs: bool| on_device.sample(sampler, 40, Variant::Auto, logprobs).unwrap();
         let (with, without) = (run(true), run(false));
         assert_eq!(with.tokens, without.tokens);
@@ -219,7 +219,7 @@ mod gpu {
             .collect();
         let processing = per_entry_modes(vocab, batch);
         let sampler = &cuda().sampler;
-        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing, w.rows());
+        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
         for variant in Variant::tensor_core(sampler.module()) {
             let run = |logprobs: bool| on_device.sample(sampler, n, variant, logprobs).map(|sampled| sampled.tokens);
             if let Variant::Tma { rows, columns } = variant
@@ -247,7 +247,7 @@ mod gpu {
             (0..batch).map(|r| flashsample::SamplingParams::new(2.5, 6, r as u32, 0)).collect();
         let processing = per_entry_modes(vocab, batch);
         let sampler = &cuda().sampler;
-        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing, w.rows());
+        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
         let gpu = on_device.sample(sampler, n, Variant::Simt, false).unwrap().tokens;
         use flashsample_tests::processing::ProcessedBackend;
         assert_eq!(gpu, Cpu.sample_processed(&w, &h, &params, &processing, n).unwrap().tokens);
@@ -266,7 +266,7 @@ mod gpu {
             (0..batch).map(|r| flashsample::SamplingParams::new(0.9, 7, r as u32, 0)).collect();
         let processing = per_entry_modes(vocab, batch);
         let owned = &cuda().sampler;
-        let on_device = OnDevice::new(owned, &w, &h, &params, &processing, w.rows());
+        let on_device = OnDevice::new(owned, &w, &h, &params, &processing);
         let want = on_device.sample(owned, n, Variant::Auto, false).unwrap().tokens;
         let (head, hidden, rows) = (&on_device.head, &on_device.hidden, &on_device.rows);
 
@@ -380,7 +380,7 @@ mod gpu {
         for (label, processing) in
             [("plain", vec![flashsample::Processing::default(); batch]), ("per-entry", per_entry_modes(vocab, batch))]
         {
-            let on_device = OnDevice::new(sampler, &w, &h, &params, &processing, vocab);
+            let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
             for &variant in &variants {
                 if let Variant::Tma { rows, columns } = variant
                     && label == "per-entry"

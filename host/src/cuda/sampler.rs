@@ -483,10 +483,10 @@ impl CudaSampler {
                         logits: logits.add(first_row * stride as u64),
                         row_params: launch.row_params,
                         candidates,
-                        processing: if processing.address() == 0 { processing } else { processing.add(first_row) },
+                        processing: processing.add_unless_null(first_row),
                         // The terms are written once per row, in the pass of its first draws.
                         tile_sums: match pass.first_sample {
-                            0 if tile_sums.address() != 0 => tile_sums.add(first_row * tiles as u64),
+                            0 => tile_sums.add_unless_null(first_row * tiles as u64),
                             _ => DevicePtr::NULL,
                         },
                         vocab: vocab as u32,

@@ -558,9 +558,6 @@ impl StreamSampler {
         let row_params = DevicePtr::<RowParams>::new(request.row_params);
         let (target, vocab_offset) = ReduceTarget::of(request);
         let processing = DevicePtr::<RowProcessing>::new(request.processing.map_or(0, |p| p.address));
-        // A pass's rows start at its first row, in the processing blocks as in the row parameters.
-        let pass_processing =
-            |first_row: usize| if processing.address() == 0 { processing } else { processing.add(first_row as u64) };
         // SAFETY: the candidates of the largest pass fit the workspace (checked above); the row
         // parameters and tokens hold the request's extents (`sample`'s contract).
         unsafe {
@@ -574,7 +571,9 @@ impl StreamSampler {
                         hidden_map,
                         row_params: launch.row_params,
                         out: candidates.cast(),
-                        processing: pass_processing(pass.first_row),
+                        // A pass's rows start at its first row, in the processing blocks as in
+                        // the row parameters.
+                        processing: processing.add_unless_null(pass.first_row as u64),
                         vocab: lm_head.rows as u32,
                         dim: lm_head.cols as u32,
                         batch: launch.batch,
@@ -595,7 +594,7 @@ impl StreamSampler {
                     hidden: DevicePtr::new(hidden.address + first_row_bytes),
                     row_params: launch.row_params,
                     candidates,
-                    processing: pass_processing(pass.first_row),
+                    processing: processing.add_unless_null(pass.first_row as u64),
                     vocab: lm_head.rows as u32,
                     dim: lm_head.cols as u32,
                     batch: launch.batch,
@@ -661,16 +660,14 @@ impl StreamSampler {
                 ReduceTarget::Winners(target) => {
                     let first_logit = pass.first_row as u64 * target.logits_stride as u64;
                     let first_row = pass.first_row as u64;
-                    let at = |p: DevicePtr<f32>, by: u64| if p.address() == 0 { p } else { p.add(by) };
                     reduce.winners = target.winners.add(first_slot);
-                    (reduce.raw, reduce.processed) = (at(target.raw, first_logit), at(target.processed, first_logit));
-                    if target.processing.address() != 0 {
-                        reduce.processing = target.processing.add(first_row);
-                    }
+                    reduce.raw = target.raw.add_unless_null(first_logit);
+                    reduce.processed = target.processed.add_unless_null(first_logit);
+                    reduce.processing = target.processing.add_unless_null(first_row);
                     // The terms are merged once per row, in the pass of its first draws.
-                    if target.tile_sums.address() != 0 && pass.first_sample == 0 {
-                        reduce.tile_sums = target.tile_sums.add(first_row * tiles as u64);
-                        reduce.sums = target.sums.add(first_row);
+                    if pass.first_sample == 0 {
+                        reduce.tile_sums = target.tile_sums.add_unless_null(first_row * tiles as u64);
+                        reduce.sums = target.sums.add_unless_null(first_row);
                     }
                     (reduce.logits_stride, reduce.vocab_offset, reduce.vocab) =
                         (target.logits_stride, target.vocab_offset, target.vocab);

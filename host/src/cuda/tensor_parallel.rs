@@ -20,7 +20,7 @@ use super::sampler::{CudaSampler, VocabShard};
 use crate::Variant;
 use crate::cpu::Sampled;
 use crate::error::{Error, Result, invalid};
-use crate::params::{Draws, HeadShape, SamplingParams, check_request};
+use crate::params::{Draws, HeadShape, SamplingParams, check_processing_rows, check_request};
 use crate::process::Processing;
 use crate::tensor::Matrix;
 
@@ -138,12 +138,7 @@ impl TensorParallelSampler {
         let draws = draws.check()?;
         let shape = self.ranks[0].head.shape();
         check_request(HeadShape { vocab: self.vocab, ..shape }, hidden.shape(), params, draws.count)?;
-        if processing.len() != params.len() {
-            return Err(invalid(
-                "processing",
-                format!("{} entries for B = {} hidden rows: one per row", processing.len(), params.len()),
-            ));
-        }
+        check_processing_rows(processing.len(), params.len())?;
         let (batch, count, world) = (params.len(), draws.count as usize, self.ranks.len());
         let mut staged = Vec::with_capacity(world);
         for (r, rank) in self.ranks.iter().enumerate() {
@@ -166,10 +161,12 @@ impl TensorParallelSampler {
             )?;
             staged.push((device_processing, rows, parts));
         }
+        // Each rank sends its own part (NCCL's in-place all-gather).
+        let own: Vec<u64> =
+            staged.iter().enumerate().map(|(r, (_, _, parts))| parts.part_address(r)).collect::<Result<_>>()?;
         nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
         for (r, (rank, (_, _, parts))) in self.ranks.iter().zip(&staged).enumerate() {
-            let bytes = parts.part_bytes();
-            let own = parts.address() + (r * bytes) as u64;
+            let (bytes, own) = (parts.part_bytes(), own[r]);
             let stream = rank.sampler.stream().cu_stream();
             // SAFETY: the parts buffer holds `world` parts of `bytes` on this rank's device; the
             // send buffer is this rank's own part inside it (NCCL's in-place all-gather), and the

@@ -32,7 +32,7 @@ use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::stream::{FusedProcessing, ReduceTarget, ShardTarget, WinnerTarget, check_shard};
 use crate::error::{Result, invalid};
-use crate::params::{Draws, SamplingParams, check_request, sharded_head};
+use crate::params::{Draws, SamplingParams, check_processing_rows, check_request, sharded_head};
 use crate::process::Processing;
 use crate::tensor::Matrix;
 
@@ -128,11 +128,12 @@ impl ShardParts {
         self.buffer.ptr().address()
     }
 
-    fn part(&self, s: usize) -> Result<DevicePtr<u8>> {
+    /// The device address of shard `s`'s part.
+    pub fn part_address(&self, s: usize) -> Result<u64> {
         if s >= self.view.shards {
             return Err(invalid("part", format!("{s}: the parts hold {} shards", self.view.shards)));
         }
-        Ok(self.buffer.ptr().add((s * self.part_bytes()) as u64))
+        Ok(self.address() + (s * self.part_bytes()) as u64)
     }
 }
 
@@ -332,12 +333,7 @@ impl CudaSampler {
         let vocab = head.vocab;
         let draws = draws.check()?;
         check_request(head, hidden.shape(), params, draws.count)?;
-        if processing.len() != params.len() {
-            return Err(invalid(
-                "processing",
-                format!("{} entries for B = {} hidden rows: one per row", processing.len(), params.len()),
-            ));
-        }
+        check_processing_rows(processing.len(), params.len())?;
         let device_processing = self.upload_processing(processing, vocab)?;
         let hidden = self.upload_hidden(hidden)?;
         let rows = self.upload_rows(params)?;
@@ -355,11 +351,13 @@ impl CudaSampler {
     /// Queues processed sampling into `out` (`[B, draws.count]`) with the tile of `variant`.
     /// Without log-probabilities and truncations (soft-cap, bias, mask and penalties only) the
     /// fused tile applies the steps to each logits tile on chip: no logits in memory. Otherwise
-    /// the logits are materialised: the unfused GEMM writes them (`B · V` floats of workspace,
-    /// twice that with log-probabilities, which keep the raw logits beside the processed
-    /// ones), one block per row processes them, the logits sampler and the merge kernel draw
-    /// with the plain path's noise keys, and the shard merge of this one shard gives the
-    /// tokens and log-probabilities; that GEMM needs a BF16 or F16 head with `D % 8 == 0`.
+    /// the logits are materialised: the unfused GEMM writes them (`B · V` floats of workspace),
+    /// the logits sampler and the merge kernel draw with the plain path's noise keys, and the
+    /// shard merge of this one shard gives the tokens and log-probabilities; that GEMM needs a
+    /// BF16 or F16 head with `D % 8 == 0`. Truncations and top log-probabilities first need
+    /// one block per row to process the logits (twice the workspace with log-probabilities,
+    /// which keep the raw logits beside the processed ones); otherwise the logits sampler
+    /// applies the per-entry steps itself and sums per-tile log-sum-exp terms.
     /// Both give the same tokens for the same logits. Never waits for the device.
     #[allow(clippy::too_many_arguments)]
     pub fn sample_processed_into(
@@ -423,7 +421,7 @@ impl CudaSampler {
                 ),
             ));
         }
-        parts.part(part)?;
+        parts.part_address(part)?;
         let view = parts.view;
         self.queue_shard(lm_head, shard, hidden, rows, processing, draws, variant, &view, part)
     }
@@ -511,29 +509,39 @@ impl CudaSampler {
             true => (part_at.byte_add(parts.layout.sums).cast::<RowSums>(), part_at.byte_add(parts.layout.top).cast()),
             false => (DevicePtr::NULL, DevicePtr::NULL),
         };
+        // Log-probabilities without truncations or top entries keep only the raw logits: the
+        // logits sampler applies the per-entry steps as it races them and sums each tile's
+        // log-sum-exp terms, and the merge kernel merges the terms per row and takes the
+        // winners' logits from the raw ones. Otherwise the processing kernel writes the
+        // processed logits (beside the raw ones with log-probabilities, over them without).
+        let per_tile = processing.whole_row.is_none();
+        let copies = if parts.logprobs && !per_tile { 2 } else { 1 };
+        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
+        let (raw, processed) = (logits, logits.add(((copies - 1) * batch * stride) as u64));
+        self.queue_logits(lm_head, hidden, variant, raw, stride)?;
         let mut target = WinnerTarget::bare(winners, vocab_offset, shape.vocab as u32);
         target.logits_stride = stride as u32;
-        if processing.whole_row.is_none() {
-            // Log-probabilities without truncations or top entries: the logits sampler applies
-            // the per-entry steps to the raw logits as it races them and sums each tile's
-            // log-sum-exp terms; the merge kernel merges them per row and takes the winners'
-            // logits from the raw ones.
-            let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, batch * stride, "logits")?;
-            self.queue_logits(lm_head, hidden, variant, logits, stride)?;
+        if per_tile {
             let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
             let tile_sums =
                 ensure(&self.stream, &mut self.workspace.borrow_mut().tile_sums, batch * tiles, "tile sums")?;
             let steps = processing.fused_if_any()?.map_or(DevicePtr::NULL, |_| processing.buffer.ptr().cast());
-            (target.raw, target.processing, target.tile_sums, target.sums) = (logits, steps, tile_sums, sums);
+            (target.raw, target.processing, target.tile_sums, target.sums) = (raw, steps, tile_sums, sums);
             let target = ReduceTarget::Winners(target);
-            let at = (logits, stride, shape.vocab, vocab_offset);
-            return self
-                .queue_logits_sampling(at.0, at.1, at.2, at.3, row_params, batch, draws, steps, tile_sums, target);
+            let vocab = shape.vocab;
+            return self.queue_logits_sampling(
+                raw,
+                stride,
+                vocab,
+                vocab_offset,
+                row_params,
+                batch,
+                draws,
+                steps,
+                tile_sums,
+                target,
+            );
         }
-        let copies = if parts.logprobs { 2 } else { 1 };
-        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
-        let (raw, processed) = (logits, logits.add(((copies - 1) * batch * stride) as u64));
-        self.queue_logits(lm_head, hidden, variant, raw, stride)?;
         let args = ProcessArgs {
             raw,
             processed,
@@ -555,17 +563,18 @@ impl CudaSampler {
         if parts.logprobs {
             (target.raw, target.processed) = (raw, processed);
         }
-        let (none, target) = (DevicePtr::NULL, ReduceTarget::Winners(target));
+        let (vocab, target) = (shape.vocab, ReduceTarget::Winners(target));
+        let (steps, tile_sums) = (DevicePtr::NULL, DevicePtr::NULL);
         self.queue_logits_sampling(
             processed,
             stride,
-            shape.vocab,
+            vocab,
             vocab_offset,
             row_params,
             batch,
             draws,
-            none,
-            DevicePtr::NULL,
+            steps,
+            tile_sums,
             target,
         )
     }

@@ -32,8 +32,9 @@ pub use candle::CandleSampler;
 pub use cpu::{CpuLmHead, CpuSampler, Sampled};
 pub use cuda::{
     CudaHidden, CudaLmHead, CudaSampler, DeviceElement, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceTokens,
-    DeviceWorkspace, MMA_COLUMNS, ModuleChoice, ProcessedOutputs, SampleRequest, ShardParts, ShardTarget,
-    StreamSampler, StreamWorkspace, TMA_COLUMNS, Variant, VocabShard, cuda_device_count,
+    DeviceWorkspace, MMA_COLUMNS, ModuleChoice, ProcessedOutputs, ProcessedRequest, ProcessedTarget, ProcessingRef,
+    SampleRequest, ShardMergeRequest, ShardParts, ShardTarget, StreamSampler, StreamWorkspace, TMA_COLUMNS, Variant,
+    VocabShard, cuda_device_count,
 };
 #[cfg(feature = "nccl")]
 pub use cuda::{TensorParallelSampler, nccl_library_present};

@@ -4,11 +4,16 @@
 
 use std::collections::HashMap;
 
+use std::sync::Arc;
+
 use flashsample::cpu::logits_row;
+use flashsample::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use flashsample::{
-    CpuLmHead, CpuSampler, CudaHidden, CudaLmHead, CudaSampler, DeviceProcessing, DeviceRows, Draws, Matrix, Penalties,
-    Processing, Result, RowStatus, Sampled, SamplingParams, Variant, VocabShard,
+    CpuLmHead, CpuSampler, CudaHidden, CudaLmHead, CudaSampler, DeviceProcessing, DeviceRows, DeviceWorkspace, Draws,
+    Matrix, ModuleChoice, Penalties, ProcessedRequest, ProcessedTarget, Processing, Result, RowStatus, Sampled,
+    SamplingParams, ShardMergeRequest, StreamSampler, Variant, VocabShard,
 };
+use flashsample_core::abi::ShardPartLayout;
 
 use crate::chi_square;
 
@@ -118,6 +123,168 @@ impl ProcessedBackend for crate::Cuda {
         let mut out = sampler.processed_outputs(hidden.rows(), samples as usize, logprobs)?;
         sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
         let got = sampler.processed_to_host(&out)?;
+        check_written(&self.name(), &got, vocab);
+        Ok(got)
+    }
+}
+
+/// Borrowed mode: the owned sampler uploads the inputs, and the kernels run through
+/// [`StreamSampler::sample_processed`] and [`StreamSampler::merge_shards`] on a second stream
+/// of the context into cudarc buffers, with a workspace, outputs and parts poisoned with +∞
+/// words first.
+pub struct Borrowed {
+    pub owned: CudaSampler,
+    kernels: StreamSampler,
+    stream: Arc<CudaStream>,
+}
+
+impl Borrowed {
+    pub fn new() -> Borrowed {
+        let owned = CudaSampler::new().expect("these tests need a CUDA GPU");
+        let context = owned.stream().context().clone();
+        let kernels = StreamSampler::on_context(&context, ModuleChoice::from_environment().unwrap()).unwrap();
+        let stream = context.new_stream().unwrap();
+        Borrowed { owned, kernels, stream }
+    }
+
+    /// `bytes` of device memory on the stream, every word +∞.
+    fn poisoned(&self, bytes: usize) -> CudaSlice<u32> {
+        self.stream.clone_htod(&vec![f32::INFINITY.to_bits(); bytes.div_ceil(4).max(1)]).unwrap()
+    }
+
+    fn address(&self, slice: &CudaSlice<u32>) -> u64 {
+        slice.device_ptr(&self.stream).0
+    }
+
+    /// The inputs on the device, their uploads finished before the stream uses them.
+    fn upload(
+        &self,
+        heads: &[Matrix],
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+    ) -> Result<(Vec<CudaLmHead>, CudaHidden, DeviceRows, DeviceProcessing)> {
+        let vocab = heads.iter().map(Matrix::rows).sum();
+        let owned = &self.owned;
+        let uploaded = (
+            heads.iter().map(|w| owned.upload_lm_head(w)).collect::<Result<Vec<_>>>()?,
+            owned.upload_hidden(hidden)?,
+            owned.upload_rows(params)?,
+            owned.upload_processing(processing, vocab)?,
+        );
+        owned.synchronize("uploads")?;
+        Ok(uploaded)
+    }
+
+    /// Waits for the stream and reads `[B, n]` tokens and, if any, the log-probabilities.
+    fn read(&self, n: u32, tokens: &CudaSlice<u32>, logprobs: Option<&CudaSlice<u32>>) -> Result<Sampled> {
+        self.stream.synchronize().unwrap();
+        let tokens = self.stream.clone_dtoh(tokens).unwrap();
+        let words = logprobs.map(|l| self.stream.clone_dtoh(l).unwrap());
+        let bytes: Option<&[u8]> = words.as_deref().map(cast_words);
+        Sampled::from_processed_outputs(n as usize, tokens, bytes)
+    }
+}
+
+impl Default for Borrowed {
+    fn default() -> Borrowed {
+        Borrowed::new()
+    }
+}
+
+/// A word buffer as bytes.
+fn cast_words(words: &[u32]) -> &[u8] {
+    // SAFETY: any u32 slice is a valid byte slice of four times its length.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), words.len() * 4) }
+}
+
+impl ProcessedBackend for Borrowed {
+    fn name(&self) -> String {
+        format!("cuda {} borrowed", self.kernels.module().name())
+    }
+
+    fn sample_processed(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        let (heads, on_device, rows, device_processing) =
+            self.upload(std::slice::from_ref(lm_head), hidden, params, processing)?;
+        let batch = hidden.rows();
+        let slots = batch * samples as usize;
+        let tokens = self.poisoned(4 * slots);
+        let logprobs = self.poisoned(ProcessedRequest::logprobs_bytes(batch, samples as usize));
+        let request = ProcessedRequest {
+            lm_head: heads[0].matrix(),
+            hidden: on_device.matrix(),
+            row_params: rows.address(),
+            draws: Draws::first(samples),
+            variant: Variant::Auto,
+            processing: device_processing.on_device(),
+            target: ProcessedTarget::Tokens { tokens: self.address(&tokens), logprobs: self.address(&logprobs) },
+        };
+        let workspace = self.poisoned(self.kernels.processed_workspace_bytes(&request)?.next_multiple_of(64));
+        let workspace = DeviceWorkspace { address: self.address(&workspace), bytes: workspace.len() * 4 };
+        // SAFETY: every buffer lives until the stream has run the call (`read` waits) and holds
+        // the request's extents.
+        unsafe { self.kernels.sample_processed(self.stream.cu_stream().cast(), &request, workspace)? };
+        let got = self.read(samples, &tokens, Some(&logprobs))?;
+        check_written(&self.name(), &got, lm_head.rows());
+        Ok(got)
+    }
+
+    fn sample_sharded(
+        &self,
+        shards: &[Matrix],
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        let (heads, on_device, rows, device_processing) = self.upload(shards, hidden, params, processing)?;
+        let vocab: usize = shards.iter().map(Matrix::rows).sum();
+        let batch = hidden.rows();
+        let layout = ShardPartLayout::of(batch as u32, samples, true);
+        let parts = self.poisoned(shards.len() * layout.bytes as usize);
+        let mut vocab_offset = 0;
+        let mut spaces = Vec::new();
+        for (s, head) in heads.iter().enumerate() {
+            let part = self.address(&parts) + s as u64 * layout.bytes;
+            let request = ProcessedRequest {
+                lm_head: head.matrix(),
+                hidden: on_device.matrix(),
+                row_params: rows.address(),
+                draws: Draws::first(samples),
+                variant: Variant::Auto,
+                processing: device_processing.on_device(),
+                target: ProcessedTarget::Shard { vocab_offset, vocab, part, logprobs: true },
+            };
+            let workspace = self.poisoned(self.kernels.processed_workspace_bytes(&request)?.next_multiple_of(64));
+            let space = DeviceWorkspace { address: self.address(&workspace), bytes: workspace.len() * 4 };
+            // SAFETY: as in `sample_processed`; each shard has a workspace of its own.
+            unsafe { self.kernels.sample_processed(self.stream.cu_stream().cast(), &request, space)? };
+            spaces.push(workspace);
+            vocab_offset += head.shape().vocab;
+        }
+        let tokens = self.poisoned(4 * batch * samples as usize);
+        let logprobs = self.poisoned(ProcessedRequest::logprobs_bytes(batch, samples as usize));
+        let merge = ShardMergeRequest {
+            parts: self.address(&parts),
+            shards: shards.len(),
+            rows: batch,
+            samples,
+            logprobs: true,
+            row_params: rows.address(),
+            processing: device_processing.on_device(),
+            tokens: self.address(&tokens),
+            out_logprobs: self.address(&logprobs),
+        };
+        // SAFETY: stage 1 wrote every part on this stream; the buffers live until `read`.
+        unsafe { self.kernels.merge_shards(self.stream.cu_stream().cast(), &merge)? };
+        let got = self.read(samples, &tokens, Some(&logprobs))?;
         check_written(&self.name(), &got, vocab);
         Ok(got)
     }

@@ -1,6 +1,7 @@
 //! Borrowed mode on the GPU: sampling queued on a caller's stream from the caller's device
 //! memory, ordered with the caller's own kernels, concurrent on two streams, restoring the
-//! caller's context, captured once in a CUDA graph that replays fresh noise each step, and
+//! caller's context, captured once in a CUDA graph that replays fresh noise each step (plain,
+//! with per-entry processing, and with truncations and log-probabilities), and
 //! reporting non-finite hidden states as row statuses on the device.
 //! Ignored without a GPU (run by the GPU bundle with `--include-ignored`).
 
@@ -8,8 +9,9 @@ use std::sync::Arc;
 
 use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
 use flashsample::{
-    CudaSampler, DType, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceWorkspace, Draws, ModuleChoice, Processing,
-    RowStatus, SampleRequest, SamplingParams, StreamSampler, StreamWorkspace, Variant,
+    CudaSampler, DType, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceWorkspace, Draws, ModuleChoice,
+    ProcessedRequest, ProcessedTarget, Processing, RowStatus, SampleRequest, Sampled, SamplingParams, StreamSampler,
+    StreamWorkspace, Variant,
 };
 use flashsample_tests::{gpu_cases, uniform_values};
 use half::{bf16, f16};
@@ -409,6 +411,109 @@ fn graph_replays_fresh_noise(processing: bool) {
     }
     let repeats = uncaptured.windows(2).filter(|pair| pair[0] == pair[1]).count();
     assert_eq!(repeats, 0, "a step drew the same {batch} x {samples} tokens as the step before");
+    stream.synchronize().unwrap();
+}
+
+/// Processed sampling with every mode (truncations, per-entry steps, top raw entries) and
+/// log-probabilities, captured once in a CUDA graph on the caller's stream: each replay, as
+/// `advance_steps` moves the step on the device, gives the tokens and log-probabilities
+/// (bit for bit) of an uncaptured call at that step, never the previous step's tokens; and
+/// step 0 gives the owned sampler's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_noise() {
+    let caller = Caller::new();
+    let stream = &caller.stream;
+    let (batch, samples, steps) = (8usize, 2u32, 20);
+    let initial: Vec<_> = (0..batch).map(|b| SamplingParams::new(0.9, 77, b as u32, 0)).collect();
+    let modes = flashsample_tests::processing::each_mode(VOCAB);
+    let processing: Vec<Processing> =
+        (0..batch).map(|r| Processing { top_logprobs: [5, 0][r % 2], ..modes[r % modes.len()].1.clone() }).collect();
+    let w = caller.random(stream, VOCAB, DIM, 17, 0.05);
+    let h = caller.random(stream, batch, DIM, 18, 1.0);
+    let device_processing = DeviceProcessing::upload(stream, &processing, VOCAB).unwrap();
+    let logprob_bytes = ProcessedRequest::logprobs_bytes(batch, samples as usize);
+    let mut tokens = caller.tokens(stream, batch * samples as usize);
+    let mut logprobs = stream.alloc_zeros::<u8>(logprob_bytes).unwrap();
+    let (w_address, _w) = w.device_ptr(stream);
+    let (h_address, _h) = h.device_ptr(stream);
+    let (t_address, _t) = tokens.device_ptr_mut(stream);
+    let (l_address, _l) = logprobs.device_ptr_mut(stream);
+    let request_for = |rows: &DeviceRows| ProcessedRequest {
+        lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
+        hidden: DeviceMatrix::contiguous(h_address, batch, DIM, DType::BF16),
+        row_params: rows.address(),
+        draws: Draws::first(samples),
+        variant: Variant::Auto,
+        processing: device_processing.on_device(),
+        target: ProcessedTarget::Tokens { tokens: t_address, logprobs: l_address },
+    };
+    let rows = DeviceRows::upload(stream, &initial).unwrap();
+    let mut workspace = StreamWorkspace::new();
+    let bytes = caller.sampler.processed_workspace_bytes(&request_for(&rows)).unwrap();
+    let space = workspace.ensure(stream, bytes).unwrap();
+    let run_steps = |rows: &DeviceRows, step: &mut dyn FnMut()| -> Vec<(Vec<u32>, Vec<u8>)> {
+        (0..steps)
+            .map(|_| {
+                step();
+                let mut host_tokens = vec![0u32; batch * samples as usize];
+                let mut host_logprobs = vec![0u8; logprob_bytes];
+                // SAFETY: the buffers hold this many bytes; the copies are ordered on `stream`.
+                unsafe {
+                    let copy = |to: *mut u8, from, bytes| {
+                        sys::cuMemcpyDtoHAsync_v2(to.cast(), from, bytes, stream.cu_stream()).result().unwrap()
+                    };
+                    copy(host_tokens.as_mut_ptr().cast(), t_address, host_tokens.len() * 4);
+                    copy(host_logprobs.as_mut_ptr(), l_address, logprob_bytes);
+                }
+                stream.synchronize().unwrap();
+                // SAFETY: the step counter lives in `rows`, on `stream`.
+                unsafe { caller.sampler.advance_steps(stream.cu_stream().cast(), rows.address(), batch, 1).unwrap() };
+                (host_tokens, host_logprobs)
+            })
+            .collect()
+    };
+    let request = request_for(&rows);
+    // SAFETY (both closures): the buffers live on `stream` with the request's extents.
+    let uncaptured = run_steps(&rows, &mut || unsafe {
+        caller.sampler.sample_processed(stream.cu_stream().cast(), &request, space).unwrap()
+    });
+
+    let rows = DeviceRows::upload(stream, &initial).unwrap();
+    let request = request_for(&rows);
+    stream.synchronize().unwrap();
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    // SAFETY: as above; captured, not run.
+    unsafe { caller.sampler.sample_processed(stream.cu_stream().cast(), &request, space).unwrap() };
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("one captured call");
+    let replayed = run_steps(&rows, &mut || graph.launch().unwrap());
+
+    for (step, (a, b)) in uncaptured.iter().zip(&replayed).enumerate() {
+        assert_eq!(a, b, "step {step}");
+        assert!(a.0.iter().all(|&t| (t as usize) < VOCAB), "step {step}");
+    }
+    let repeats = uncaptured.windows(2).filter(|pair| pair[0].0 == pair[1].0).count();
+    assert_eq!(repeats, 0, "a step drew the same {batch} x {samples} tokens as the step before");
+
+    let owned = CudaSampler::new().unwrap();
+    let head = owned.random_lm_head(VOCAB, DIM, DType::BF16, 17, 0.05).unwrap();
+    let hidden = owned.random_hidden(batch, DIM, DType::BF16, 18, 1.0).unwrap();
+    let (owned_rows, owned_processing) =
+        (owned.upload_rows(&initial).unwrap(), owned.upload_processing(&processing, VOCAB).unwrap());
+    let mut out = owned.processed_outputs(batch, samples as usize, true).unwrap();
+    let draws = Draws::first(samples);
+    owned
+        .sample_processed_into(&head, &hidden, &owned_rows, &owned_processing, draws, Variant::Auto, &mut out)
+        .unwrap();
+    let want = owned.processed_to_host(&out).unwrap();
+    let got =
+        Sampled::from_processed_outputs(samples as usize, uncaptured[0].0.clone(), Some(&uncaptured[0].1)).unwrap();
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.top_logprobs, want.top_logprobs);
+    let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got.logprobs), bits(&want.logprobs));
+    assert_eq!(bits(&got.processed_logprobs), bits(&want.processed_logprobs));
+    assert!(got.top_logprobs.iter().enumerate().all(|(r, top)| top.len() == [5, 0][r % 2]));
     stream.synchronize().unwrap();
 }
 

@@ -299,6 +299,48 @@ mod gpu {
         borrowed.close().unwrap();
     }
 
+    /// Borrowed mode (`StreamSampler::sample_processed` and `merge_shards` on a second stream
+    /// into caller buffers, workspace and parts poisoned first) gives the owned sampler's
+    /// tokens and log-probabilities bit for bit for every mode in one batch (top raw entries on
+    /// every other row, a greedy row), and passes the bodies the owned sampler passes: every
+    /// mode's χ² at small V (60,000 draws, as above), the boundary cases, log-probabilities
+    /// against f64, the mixed batch, and 2, 3 and 8 shards with log-probabilities.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn borrowed_mode_gives_the_owned_results_and_passes_every_body() {
+        use flashsample_tests::processing::{Borrowed, ProcessedBackend};
+        let borrowed = Borrowed::new();
+        let (vocab, dim) = (5003, 32);
+        let w = random_matrix(vocab, dim, DType::BF16, 0.5, 47);
+        let modes = each_mode(vocab);
+        let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 48);
+        let params: Vec<flashsample::SamplingParams> = (0..modes.len())
+            .map(|r| flashsample::SamplingParams::new(if r == 5 { 0.0 } else { 0.9 }, 3, r as u32, 0))
+            .collect();
+        let processing: Vec<flashsample::Processing> = modes
+            .iter()
+            .enumerate()
+            .map(|(r, m)| flashsample::Processing { top_logprobs: [7, 0][r % 2], ..m.1.clone() })
+            .collect();
+        let want = cuda().sample_processed(&w, &h, &params, &processing, 32).unwrap();
+        let got = borrowed.sample_processed(&w, &h, &params, &processing, 32).unwrap();
+        let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(got.tokens, want.tokens);
+        assert_eq!(bits(&got.logprobs), bits(&want.logprobs));
+        assert_eq!(bits(&got.processed_logprobs), bits(&want.processed_logprobs));
+        assert_eq!(got.top_logprobs, want.top_logprobs);
+
+        let small = random_matrix(1000, 32, DType::BF16, 0.5, 41);
+        check_every_mode(&borrowed, &small, &random_matrix(1, 32, DType::BF16, 1.0, 42), 0.8, 60_000, ALPHA);
+        let (edges_w, edges_h) =
+            (random_matrix(777, 24, DType::BF16, 0.5, 45), random_matrix(2, 24, DType::BF16, 1.0, 46));
+        check_processing_edges(&borrowed, &edges_w, &edges_h);
+        check_log_probabilities(&borrowed, &w, &h, 1e-4);
+        check_mixed_batch(&borrowed, &w, &h);
+        let per_shard: Vec<_> = modes.into_iter().filter(|m| !m.1.truncates()).collect();
+        check_shards(&borrowed, &w, &h.row_range(0, per_shard.len()), &per_shard, 4, true);
+    }
+
     /// Vocabulary shards on the GPU (bounds multiples of 4, the Philox block): the modes that
     /// decompose over shards (per-entry steps, log-probabilities, top raw log-probabilities)
     /// in one batch give the unsharded tokens and log-probabilities, through the processing

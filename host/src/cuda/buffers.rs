@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _};
 use flashsample_core::RowParams;
-use flashsample_core::abi::{DevicePtr, Element, RowSums, TMA_ITEM_ROWS, TensorMap};
+use flashsample_core::abi::{DevicePtr, TMA_ITEM_ROWS, TensorMap};
 
 use super::dispatch::TMA_COLUMNS;
 use super::driver::{self, L2Promotion};
@@ -143,8 +143,9 @@ impl CudaLmHead {
         self.buffer.ptr().address()
     }
 
-    pub(crate) fn ptr(&self) -> DevicePtr<Element> {
-        self.buffer.ptr().cast()
+    /// `W` as a request names it.
+    pub fn matrix(&self) -> DeviceMatrix {
+        DeviceMatrix::contiguous(self.address(), self.shape.vocab, self.shape.dim, self.shape.dtype)
     }
 
     /// The tensor map for boxes of `rows` rows, promoted as a tile of `columns` columns is.
@@ -192,8 +193,9 @@ impl CudaHidden {
         self.buffer.ptr().address()
     }
 
-    pub(crate) fn ptr(&self) -> DevicePtr<Element> {
-        self.buffer.ptr().cast()
+    /// `H` as a request names it.
+    pub fn matrix(&self) -> DeviceMatrix {
+        DeviceMatrix::contiguous(self.address(), self.shape.rows, self.shape.cols, self.shape.dtype)
     }
 
     /// The tensor map for boxes of `columns` rows.
@@ -254,13 +256,9 @@ impl DeviceRows {
 #[derive(Default)]
 pub(crate) struct Workspace {
     pub row_params: Option<DeviceBuffer<RowParams>>,
-    /// A call's scratch: its tensor maps and candidates (see `StreamSampler::workspace_bytes`).
+    /// A call's scratch: its tensor maps and candidates, and on the materialised path its
+    /// logits and terms (`StreamSampler::workspace_bytes`, `processed_workspace_bytes`).
     pub scratch: Option<DeviceBuffer<u8>>,
-    pub logits: Option<DeviceBuffer<f32>>,
-    /// The one shard part of the unsharded materialised path.
-    pub parts: Option<DeviceBuffer<u8>>,
-    /// Per-tile log-sum-exp terms of the logits sampler.
-    pub tile_sums: Option<DeviceBuffer<RowSums>>,
     /// The read probe's one-word sink.
     pub probe_sink: Option<DeviceBuffer<u32>>,
 }

@@ -27,7 +27,8 @@ pub use dispatch::{MMA_COLUMNS, TMA_COLUMNS, Variant};
 pub use modules::{MODULE_VARIABLE, ModuleChoice};
 pub use sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard, cuda_device_count};
 pub use stream::{
-    DeviceElement, DeviceMatrix, DeviceWorkspace, SampleRequest, ShardTarget, StreamSampler, StreamWorkspace,
+    DeviceElement, DeviceMatrix, DeviceWorkspace, ProcessedRequest, ProcessedTarget, ProcessingRef, SampleRequest,
+    ShardMergeRequest, ShardTarget, StreamSampler, StreamWorkspace,
 };
 #[cfg(feature = "nccl")]
 pub use tensor_parallel::{TensorParallelSampler, nccl_library_present};

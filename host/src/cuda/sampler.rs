@@ -5,10 +5,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use flashsample_core::abi::{
-    DevicePtr, EstimateErrorArgs, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, ReadProbeArgs, RowProcessing,
-    RowSums, TmaArgs,
-};
+use flashsample_core::abi::{DevicePtr, EstimateErrorArgs, ReadProbeArgs};
 use flashsample_core::registry::{Kernel, Module};
 use flashsample_core::{Candidate, RowParams};
 
@@ -16,9 +13,8 @@ use super::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTok
 use super::dispatch::Variant;
 use super::driver;
 use super::modules::ModuleChoice;
-use super::passes::{CANDIDATE_BUDGET_BYTES, Plan};
 use super::stream::{
-    DeviceMatrix, DeviceWorkspace, FusedProcessing, ReduceTarget, SampleRequest, ShardTarget, StreamSampler, TensorMaps,
+    DeviceWorkspace, FusedProcessing, ProcessedRequest, SampleRequest, ShardTarget, StreamSampler, TensorMaps,
 };
 use crate::error::{Error, Result, invalid, tokens_or_row_status};
 use crate::params::{
@@ -296,8 +292,8 @@ impl CudaSampler {
         let shape = lm_head.shape;
         let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
         let request = SampleRequest {
-            lm_head: DeviceMatrix::contiguous(lm_head.address(), shape.vocab, shape.dim, shape.dtype),
-            hidden: DeviceMatrix::contiguous(hidden.address(), hidden.rows(), hidden.shape.cols, hidden.shape.dtype),
+            lm_head: lm_head.matrix(),
+            hidden: hidden.matrix(),
             row_params: row_params.address(),
             tokens,
             draws,
@@ -306,19 +302,37 @@ impl CudaSampler {
             shard,
         };
         let plan = self.kernels().plan_call(&request)?;
-        let maps = match plan.variant.tma_boxes() {
-            Some((rows, columns)) => TensorMaps::Resident {
-                lm_head: lm_head.tensor_map(rows, columns)?,
-                hidden: hidden.tensor_map(columns)?,
-            },
-            None => TensorMaps::Store,
-        };
-        let bytes = plan.workspace_bytes;
-        let scratch = ensure(&self.stream, &mut self.workspace.borrow_mut().scratch, bytes, "workspace")?;
-        let workspace = DeviceWorkspace { address: scratch.address(), bytes };
+        let maps = resident_maps(lm_head, hidden, plan.variant)?;
+        let workspace = self.scratch(plan.workspace_bytes)?;
         // SAFETY: every address comes from a live buffer of this sampler, sized for the request
         // and used on its one stream; the resident maps live as long as the buffers.
         unsafe { self.kernels().enqueue(self.stream.cu_stream(), &request, &plan, maps, workspace) }
+    }
+
+    /// Queues a processed request over this sampler's buffers (`lm_head` and `hidden` are
+    /// the request's matrices) on its stream; the context is current.
+    ///
+    /// # Safety
+    /// Every address of `request` comes from a live buffer of this sampler holding the
+    /// request's extents.
+    pub(crate) unsafe fn enqueue_processed(
+        &self,
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        request: &ProcessedRequest,
+    ) -> Result<()> {
+        let plan = self.kernels().plan_processed(request)?;
+        let maps = resident_maps(lm_head, hidden, plan.variant())?;
+        let workspace = self.scratch(plan.workspace_bytes())?;
+        // SAFETY: per this function's contract; the workspace is this stream's, sized by the
+        // plan; the resident maps live as long as the buffers.
+        unsafe { self.kernels().enqueue_processed(self.stream.cu_stream(), request, &plan, maps, workspace) }
+    }
+
+    /// The scratch workspace, grown to at least `bytes`.
+    fn scratch(&self, bytes: usize) -> Result<DeviceWorkspace> {
+        let scratch = ensure(&self.stream, &mut self.workspace.borrow_mut().scratch, bytes, "workspace")?;
+        Ok(DeviceWorkspace { address: scratch.address(), bytes })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -364,147 +378,21 @@ impl CudaSampler {
     ) -> Result<()> {
         self.check_device_rows(lm_head, hidden, rows, samples)?;
         self.check_tokens(hidden, samples, tokens)?;
-        let stride = lm_head.shape.vocab.next_multiple_of(4);
-        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, hidden.rows() * stride, "logits")?;
-        self.queue_logits(lm_head, hidden, variant, logits, stride)?;
-        let (batch, vocab) = (hidden.rows(), lm_head.shape.vocab);
-        let target = ReduceTarget::Tokens(tokens.buffer.ptr());
-        let (draws, none) = (Draws::first(samples), DevicePtr::NULL);
-        self.queue_logits_sampling(
-            logits,
-            stride,
-            vocab,
-            0,
-            rows.buffer.ptr(),
-            batch,
-            draws,
-            none,
-            DevicePtr::NULL,
-            target,
-        )
-    }
-
-    /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`,
-    /// `stride ≥ V` a multiple of 4).
-    fn queue_logits(
-        &self,
-        lm_head: &CudaLmHead,
-        hidden: &CudaHidden,
-        variant: Variant,
-        logits: DevicePtr<f32>,
-        stride: usize,
-    ) -> Result<()> {
-        let shape = lm_head.shape;
-        let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
-        let gemm = variant.logits_kernel(shape.dtype).ok_or_else(|| {
-            invalid("variant", "the unfused pipeline has mma and TMA GEMMs only (BF16/F16, D % 8 == 0)")
-        })?;
-        let gemm_tiles = shape.vocab.div_ceil(variant.tile_rows() as usize);
-        let items = gemm_tiles as u64 * hidden.rows().div_ceil(variant.columns() as usize) as u64;
-        if let Some((rows, columns)) = variant.tma_boxes() {
-            let args = TmaArgs {
-                lm_head_map: lm_head.tensor_map(rows, columns)?,
-                hidden_map: hidden.tensor_map(columns)?,
-                row_params: DevicePtr::NULL,
-                out: logits.cast(),
-                processing: DevicePtr::NULL,
-                vocab: shape.vocab as u32,
-                dim: shape.dim as u32,
-                batch: hidden.rows() as u32,
-                hidden_row0: 0,
-                draw_offset: 0,
-                samples: 0,
-                tiles: gemm_tiles as u32,
-                logits_stride: stride as u32,
-                vocab_offset: 0,
-                padding: 0,
-            };
-            // SAFETY: the logits buffer holds B × stride floats; the maps describe live buffers.
-            unsafe { self.launch(gemm, items, &args) }
-        } else {
-            let args = LogitsArgs {
-                lm_head: lm_head.ptr(),
-                hidden: hidden.ptr(),
-                logits,
-                vocab: shape.vocab as u32,
-                dim: shape.dim as u32,
-                batch: hidden.rows() as u32,
-                logits_stride: stride as u32,
-                lm_head_stride: shape.dim as u32,
-                hidden_stride: shape.dim as u32,
-            };
-            // SAFETY: the logits buffer holds B × stride floats.
-            unsafe { self.launch(gemm, items, &args) }
-        }
-    }
-
-    /// Queues the draws `draws` over materialised logits `[batch, stride]` (written on the
-    /// stream before; column 0 is the global token `vocab_offset`): candidates per pass of
-    /// bounded memory, merged into `target` (`[batch, draws.count]`). `processing` (null:
-    /// none) applies the rows' per-entry steps to each quad before the race; `tile_sums` (null:
-    /// none) receives the `[batch, tiles]` per-tile log-sum-exp terms.
-    #[allow(clippy::too_many_arguments)]
-    fn queue_logits_sampling(
-        &self,
-        logits: DevicePtr<f32>,
-        stride: usize,
-        vocab: usize,
-        vocab_offset: u32,
-        row_params: DevicePtr<RowParams>,
-        batch: usize,
-        draws: Draws,
-        processing: DevicePtr<RowProcessing>,
-        tile_sums: DevicePtr<RowSums>,
-        target: ReduceTarget,
-    ) -> Result<()> {
-        let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
-        let plan = Plan::new(batch, draws.count as usize, tiles, CANDIDATE_BUDGET_BYTES);
-        let scratch = ensure(
-            &self.stream,
-            &mut self.workspace.borrow_mut().scratch,
-            plan.candidate_pairs() * tiles * size_of::<Candidate>(),
-            "workspace",
-        )?;
-        let candidates = scratch.cast::<Candidate>();
-        // SAFETY: the workspace holds the largest pass's candidates, the rows and tokens the
-        // request's extents (this function's callers size them); all on this sampler's stream.
-        unsafe {
-            self.kernels().queue_passes(
-                self.stream.cu_stream(),
-                &plan,
-                tiles,
-                row_params,
-                candidates,
-                target,
-                draws.count,
-                |pass, launch| {
-                    let first_row = pass.first_row as u64;
-                    let args = LogitsSamplerArgs {
-                        logits: logits.add(first_row * stride as u64),
-                        row_params: launch.row_params,
-                        candidates,
-                        processing: processing.add_unless_null(first_row),
-                        // The terms are written once per row, in the pass of its first draws.
-                        tile_sums: match pass.first_sample {
-                            0 => tile_sums.add_unless_null(first_row * tiles as u64),
-                            _ => DevicePtr::NULL,
-                        },
-                        vocab: vocab as u32,
-                        logits_stride: stride as u32,
-                        batch: launch.batch,
-                        // The noise is keyed by the draw's index: the pass's first draw, after
-                        // `draws.first`.
-                        draw_offset: draws.first + pass.first_sample as u32,
-                        samples: pass.samples as u32,
-                        tiles: tiles as u32,
-                        vocab_offset,
-                        padding: 0,
-                    };
-                    // SAFETY: the logits hold `batch × stride` floats written before on the stream.
-                    self.launch(Kernel::SampleLogits, tiles as u64 * launch.batch as u64, &args)
-                },
-            )
-        }
+        let request = SampleRequest {
+            lm_head: lm_head.matrix(),
+            hidden: hidden.matrix(),
+            row_params: rows.address(),
+            tokens: tokens.address(),
+            draws: Draws::first(samples),
+            variant,
+            processing: None,
+            shard: None,
+        };
+        let plan = self.kernels().plan_unfused(&request)?;
+        let maps = resident_maps(lm_head, hidden, plan.variant)?;
+        let workspace = self.scratch(plan.workspace_bytes)?;
+        // SAFETY: every address comes from a live buffer of this sampler sized for the request.
+        unsafe { self.kernels().enqueue_unfused(self.stream.cu_stream(), &request, &plan, maps, workspace) }
     }
 
     fn check_device_rows(
@@ -527,10 +415,11 @@ impl CudaSampler {
         Ok(address)
     }
 
-    /// Fills the candidate and logits workspaces with a candidate that wins every merge
-    /// (score +inf, word `u32::MAX`, index [`CudaSampler::POISON_INDEX`], not a token). A tile kernel that
-    /// leaves a slot unwritten then shows up as that index in the tokens: tests call this
-    /// before sampling.
+    /// Fills the workspace with a candidate that wins every merge (score +inf, word
+    /// `u32::MAX`, index [`CudaSampler::POISON_INDEX`], not a token): a tile kernel that leaves
+    /// a slot unwritten then shows up as that index in the tokens, and unwritten logits, terms
+    /// or winners of the materialised path as non-finite values or indices that are no token.
+    /// Tests call this before sampling (after a call of the same shape has grown it).
     pub fn poison_workspace(&self) -> Result<()> {
         self.make_current()?;
         let poison = Candidate { score: f32::INFINITY, word: u32::MAX, index: Self::POISON_INDEX };
@@ -542,14 +431,6 @@ impl CudaSampler {
             unsafe {
                 driver::copy_to_device_async("poison candidates", scratch.ptr().cast(), &host, self.stream.cu_stream())?
             };
-        }
-        if let Some(logits) = workspace.logits.as_ref() {
-            // SAFETY: as above, `len` floats.
-            unsafe { self.poison_words("poison logits", logits.ptr().cast(), logits.len())? };
-        }
-        if let Some(parts) = workspace.parts.as_ref() {
-            // SAFETY: as above, `len` bytes, a multiple of 16.
-            unsafe { self.poison_words("poison shard parts", parts.ptr().cast(), parts.len() / 4)? };
         }
         Ok(())
     }
@@ -626,7 +507,7 @@ impl CudaSampler {
         self.make_current()?;
         let sink = ensure(&self.stream, &mut self.workspace.borrow_mut().probe_sink, 1, "probe sink")?;
         let bytes = (lm_head.buffer.size_bytes() / 64 * 64) as u64;
-        let args = ReadProbeArgs { source: lm_head.ptr().cast(), bytes, sink };
+        let args = ReadProbeArgs { source: lm_head.buffer.ptr().cast(), bytes, sink };
         // SAFETY: `bytes` is within the buffer; the sink holds one u32.
         unsafe { self.launch(Kernel::ReadProbe, u64::MAX, &args) }
     }
@@ -677,4 +558,14 @@ fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
         DType::F16 => Elements::F16(bytemuck::pod_collect_to_vec(bytes)),
         DType::BF16 => Elements::BF16(bytemuck::pod_collect_to_vec(bytes)),
     }
+}
+
+/// The resident tensor maps of `lm_head` and `hidden` for `variant`'s boxes (TMA), or none.
+fn resident_maps(lm_head: &CudaLmHead, hidden: &CudaHidden, variant: Variant) -> Result<TensorMaps> {
+    Ok(match variant.tma_boxes() {
+        Some((rows, columns)) => {
+            TensorMaps::Resident { lm_head: lm_head.tensor_map(rows, columns)?, hidden: hidden.tensor_map(columns)? }
+        }
+        None => TensorMaps::Store,
+    })
 }

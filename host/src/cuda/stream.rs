@@ -35,6 +35,10 @@ use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape, MAX_VOCAB, check_head_shape, check_request_shape};
 use crate::tensor::{DType, MatrixShape};
 
+mod processed;
+
+pub use processed::{ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest};
+
 /// A matrix in device memory: `rows × cols` elements of `dtype` at `address`, row `r` starting
 /// `r · row_stride` elements after it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -529,30 +533,10 @@ impl StreamSampler {
     ) -> Result<()> {
         let CallPlan { variant, tiles, samples, workspace_bytes: needed, .. } = *plan;
         let (lm_head, hidden) = (&request.lm_head, &request.hidden);
-        check_address("workspace", workspace.address, 64)?;
-        if workspace.bytes < needed {
-            return Err(invalid(
-                "workspace",
-                format!("{} bytes: this call needs {needed} (StreamSampler::workspace_bytes)", workspace.bytes),
-            ));
-        }
+        self.check_workspace(workspace, needed)?;
         let kernel = variant.fused_kernel(lm_head.dtype);
-        let maps = match (variant.tma_boxes(), maps) {
-            (None, _) => None,
-            (Some(_), TensorMaps::Resident { lm_head, hidden }) => Some((lm_head, hidden)),
-            (Some((rows, columns)), TensorMaps::Store) => {
-                let destination = DevicePtr::<TensorMap>::new(workspace.address);
-                let args = StoreTensorMapsArgs {
-                    destination,
-                    lm_head: tensor_map("lm_head", lm_head, rows, l2_promotion(columns))?.0,
-                    hidden: tensor_map("hidden", hidden, columns, l2_promotion(columns))?.0,
-                };
-                // SAFETY: the workspace starts with room for two 64-byte aligned maps, and only
-                // this stream's work touches it.
-                unsafe { self.launch(stream, Kernel::StoreTensorMaps, 1, &args)? };
-                Some((destination, destination.add(1)))
-            }
-        };
+        // SAFETY: the workspace is checked above; the maps per this function's contract.
+        let maps = unsafe { self.tensor_maps(stream, variant, lm_head, hidden, maps, workspace)? };
         let candidates = DevicePtr::<Candidate>::new(workspace.address + WORKSPACE_MAPS_BYTES as u64);
         let element_bytes = lm_head.dtype.bytes() as u64;
         let row_params = DevicePtr::<RowParams>::new(request.row_params);
@@ -610,6 +594,51 @@ impl StreamSampler {
                 self.launch(stream, kernel, items, &args)
             })
         }
+    }
+
+    /// A workspace's rules: 64-byte aligned, at least `needed` bytes.
+    fn check_workspace(&self, workspace: DeviceWorkspace, needed: usize) -> Result<()> {
+        check_address("workspace", workspace.address, 64)?;
+        if workspace.bytes < needed {
+            return Err(invalid(
+                "workspace",
+                format!("{} bytes: this call needs {needed} (StreamSampler::workspace_bytes)", workspace.bytes),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The tensor maps a call of `variant` reads (`None` unless TMA): resident ones, or
+    /// `W`'s and `H`'s encoded here and written to the workspace's start on `stream`.
+    ///
+    /// # Safety
+    /// The context is current; the workspace (checked) is only this stream's; resident `maps`
+    /// describe `W` and `H` for the variant's boxes.
+    unsafe fn tensor_maps(
+        &self,
+        stream: sys::CUstream,
+        variant: Variant,
+        lm_head: &DeviceMatrix,
+        hidden: &DeviceMatrix,
+        maps: TensorMaps,
+        workspace: DeviceWorkspace,
+    ) -> Result<Option<processed::MapPair>> {
+        Ok(match (variant.tma_boxes(), maps) {
+            (None, _) => None,
+            (Some(_), TensorMaps::Resident { lm_head, hidden }) => Some((lm_head, hidden)),
+            (Some((rows, columns)), TensorMaps::Store) => {
+                let destination = DevicePtr::<TensorMap>::new(workspace.address);
+                let args = StoreTensorMapsArgs {
+                    destination,
+                    lm_head: tensor_map("lm_head", lm_head, rows, l2_promotion(columns))?.0,
+                    hidden: tensor_map("hidden", hidden, columns, l2_promotion(columns))?.0,
+                };
+                // SAFETY: the workspace starts with room for two 64-byte aligned maps, and only
+                // this stream's work touches it.
+                unsafe { self.launch(stream, Kernel::StoreTensorMaps, 1, &args)? };
+                Some((destination, destination.add(1)))
+            }
+        })
     }
 
     /// Queues, for each pass of `plan`, `tile_kernel` (which writes the pass's candidates) and

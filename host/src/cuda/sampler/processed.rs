@@ -17,29 +17,19 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use flashsample_core::NO_TOKEN;
-use flashsample_core::abi::{
-    DevicePtr, LOGITS_SAMPLER_TILE, ProcessArgs, RowProcessing, RowSums, ShardMergeArgs, ShardPartLayout, ShardWinner,
-    TopLogprob,
-};
-use flashsample_core::process::{MAX_TOP_LOGPROBS, SPARSE_BLOCK, SparseEntry};
-use flashsample_core::registry::Kernel;
+use flashsample_core::abi::{DevicePtr, RowProcessing, ShardPartLayout};
+use flashsample_core::process::{SPARSE_BLOCK, SparseEntry};
 
-use super::{CudaSampler, ensure};
+use super::CudaSampler;
 use crate::cpu::Sampled;
 use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens};
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
-use crate::cuda::stream::{FusedProcessing, ReduceTarget, ShardTarget, WinnerTarget, check_shard};
+use crate::cuda::stream::{FusedProcessing, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest};
 use crate::error::{Result, invalid};
 use crate::params::{Draws, SamplingParams, check_processing_rows, check_request, sharded_head};
 use crate::process::Processing;
 use crate::tensor::Matrix;
-
-/// Blocks of the shard merge for `slots` tokens, one thread each.
-fn merge_blocks(slots: usize) -> u64 {
-    slots.div_ceil(Kernel::MergeShards.threads() as usize) as u64
-}
 
 /// A batch's [`Processing`] in device memory: per row a [`RowProcessing`] block, then the
 /// rows' sparse entries, their per-row index of [`SPARSE_BLOCK`]-entry blocks and the mask
@@ -66,15 +56,9 @@ pub struct DeviceProcessing {
 /// and processed log-probabilities and each row's top raw log-probabilities.
 pub struct ProcessedOutputs {
     pub tokens: DeviceTokens,
-    /// `[B, N]` raw log-probabilities, then `[B, N]` processed ones, then `[B,
-    /// MAX_TOP_LOGPROBS]` [`TopLogprob`].
+    /// The log-probabilities in the layout of
+    /// [`ProcessedTarget::Tokens`](crate::ProcessedTarget::Tokens).
     logprobs: Option<DeviceBuffer<f32>>,
-}
-
-impl ProcessedOutputs {
-    fn slots(&self) -> usize {
-        self.tokens.rows * self.tokens.samples
-    }
 }
 
 /// A vocabulary shard: the LM head's rows are the tokens `vocab_offset ..` of a vocabulary of
@@ -110,17 +94,21 @@ impl VocabShard {
 /// logits.
 pub struct ShardParts {
     buffer: DeviceBuffer<u8>,
-    view: PartsView,
+    shards: usize,
+    rows: usize,
+    samples: usize,
+    logprobs: bool,
+    layout: ShardPartLayout,
 }
 
 impl ShardParts {
     pub fn shards(&self) -> usize {
-        self.view.shards
+        self.shards
     }
 
     /// Bytes of one shard's part.
     pub fn part_bytes(&self) -> usize {
-        self.view.layout.bytes as usize
+        self.layout.bytes as usize
     }
 
     /// The device address of part 0 (part `s` starts `s · part_bytes` after it).
@@ -130,8 +118,8 @@ impl ShardParts {
 
     /// The device address of shard `s`'s part.
     pub fn part_address(&self, s: usize) -> Result<u64> {
-        if s >= self.view.shards {
-            return Err(invalid("part", format!("{s}: the parts hold {} shards", self.view.shards)));
+        if s >= self.shards {
+            return Err(invalid("part", format!("{s}: the parts hold {} shards", self.shards)));
         }
         Ok(self.address() + (s * self.part_bytes()) as u64)
     }
@@ -252,9 +240,19 @@ impl DeviceProcessing {
         Ok(FusedProcessing { address: self.buffer.ptr().address(), rows: self.rows, vocab: self.vocab })
     }
 
-    /// [`DeviceProcessing::fused`], or `None` when no row has a per-entry step.
-    fn fused_if_any(&self) -> Result<Option<FusedProcessing>> {
-        if self.per_entry { self.fused().map(Some) } else { Ok(None) }
+    /// Every mode of the batch's processing as a processed request names it
+    /// ([`ProcessedRequest::processing`](crate::ProcessedRequest::processing), borrowed mode and
+    /// CUDA graphs included).
+    pub fn on_device(&self) -> ProcessingRef {
+        ProcessingRef {
+            address: self.buffer.ptr().address(),
+            rows: self.rows,
+            vocab: self.vocab,
+            whole_row: self.whole_row,
+            truncating: self.truncating,
+            top_logprobs: self.top_logprobs,
+            per_entry: self.per_entry,
+        }
     }
 }
 
@@ -271,7 +269,7 @@ impl CudaSampler {
     /// are processed in place: half the workspace and less work.
     pub fn processed_outputs(&self, rows: usize, samples: usize, logprobs: bool) -> Result<ProcessedOutputs> {
         let tokens = self.tokens(rows, samples)?;
-        let len = 2 * rows * samples + rows * MAX_TOP_LOGPROBS as usize * size_of::<TopLogprob>() / 4;
+        let len = ProcessedRequest::logprobs_bytes(rows, samples) / 4;
         let logprobs = match logprobs {
             // SAFETY: the kernels write every value before it is read.
             true => Some(unsafe { DeviceBuffer::<f32>::uninitialized(&self.stream, len, "log-probabilities")? }),
@@ -288,8 +286,7 @@ impl CudaSampler {
         // SAFETY: stage 1 writes every part's winners (and terms) before the merge reads them.
         let buffer =
             unsafe { DeviceBuffer::<u8>::uninitialized(&self.stream, shards * layout.bytes as usize, "shard parts")? };
-        let view = PartsView { address: buffer.ptr(), shards, rows, samples, logprobs, layout };
-        Ok(ShardParts { buffer, view })
+        Ok(ShardParts { buffer, shards, rows, samples, logprobs, layout })
     }
 
     /// Fills `parts` with +∞ words, so that a part stage 1 leaves unwritten shows in the tokens
@@ -348,17 +345,14 @@ impl CudaSampler {
         self.processed_to_host(&out)
     }
 
-    /// Queues processed sampling into `out` (`[B, draws.count]`) with the tile of `variant`.
+    /// Queues processed sampling into `out` (`[B, draws.count]`) with the tile of `variant`:
+    /// the owned form of [`StreamSampler::sample_processed`](crate::StreamSampler::sample_processed).
     /// Without log-probabilities and truncations (soft-cap, bias, mask and penalties only) the
     /// fused tile applies the steps to each logits tile on chip: no logits in memory. Otherwise
-    /// the logits are materialised: the unfused GEMM writes them (`B · V` floats of workspace),
-    /// the logits sampler and the merge kernel draw with the plain path's noise keys, and the
-    /// shard merge of this one shard gives the tokens and log-probabilities; that GEMM needs a
-    /// BF16 or F16 head with `D % 8 == 0`. Truncations and top log-probabilities first need
-    /// one block per row to process the logits (twice the workspace with log-probabilities,
-    /// which keep the raw logits beside the processed ones); otherwise the logits sampler
-    /// applies the per-entry steps itself and sums per-tile log-sum-exp terms.
-    /// Both give the same tokens for the same logits. Never waits for the device.
+    /// the logits are materialised in the workspace (`B · V` floats; twice that when a row
+    /// needs its whole row and log-probabilities keep the raw logits beside the processed
+    /// ones), which needs a BF16 or F16 head with `D % 8 == 0`. Both give the same tokens for
+    /// the same logits. Never waits for the device.
     #[allow(clippy::too_many_arguments)]
     pub fn sample_processed_into(
         &self,
@@ -373,19 +367,12 @@ impl CudaSampler {
         let draws = draws.check()?;
         self.check_device_rows(lm_head, hidden, rows, draws.count)?;
         check_outputs(out, hidden.rows(), draws.count)?;
-        if out.logprobs.is_none() && processing.whole_row.is_none() {
-            check_processing(processing, hidden.rows(), lm_head.shape.vocab)?;
-            let fused = processing.fused_if_any()?;
-            return self.sample_at(lm_head, hidden, rows.buffer.ptr(), draws, variant, fused, &mut out.tokens);
-        }
-        let (batch, logprobs) = (hidden.rows(), out.logprobs.is_some());
-        let layout = shard_layout(1, batch, draws.count as usize, logprobs)?;
-        let bytes = ensure(&self.stream, &mut self.workspace.borrow_mut().parts, layout.bytes as usize, "shard parts")?;
-        let parts =
-            PartsView { address: bytes, shards: 1, rows: batch, samples: draws.count as usize, logprobs, layout };
-        let whole = VocabShard { vocab_offset: 0, vocab: lm_head.shape.vocab };
-        self.queue_shard(lm_head, whole, hidden, rows, processing, draws, variant, &parts, 0)?;
-        self.queue_merge(&parts, rows, processing, out)
+        let logprobs = out.logprobs.as_ref().map_or(0, |values| values.ptr().address());
+        let target = ProcessedTarget::Tokens { tokens: out.tokens.address(), logprobs };
+        let request = processed_request(lm_head, hidden, rows, processing, draws, variant, target);
+        // SAFETY: every address comes from a live buffer of this sampler holding the request's
+        // extents (checked above and by the plan).
+        unsafe { self.enqueue_processed(lm_head, hidden, &request) }
     }
 
     /// Stage 1 over a vocabulary shard `lm_head` at `shard`: queues the draws `draws` of each
@@ -409,21 +396,28 @@ impl CudaSampler {
     ) -> Result<()> {
         let draws = draws.check()?;
         self.check_device_rows(lm_head, hidden, rows, draws.count)?;
-        if (parts.view.rows, parts.view.samples) != (hidden.rows(), draws.count as usize) {
+        if (parts.rows, parts.samples) != (hidden.rows(), draws.count as usize) {
             return Err(invalid(
                 "parts",
                 format!(
                     "room for [{}, {}] draws, the request makes [{}, {}]",
-                    parts.view.rows,
-                    parts.view.samples,
+                    parts.rows,
+                    parts.samples,
                     hidden.rows(),
                     draws.count
                 ),
             ));
         }
-        parts.part_address(part)?;
-        let view = parts.view;
-        self.queue_shard(lm_head, shard, hidden, rows, processing, draws, variant, &view, part)
+        let target = ProcessedTarget::Shard {
+            vocab_offset: shard.vocab_offset,
+            vocab: shard.vocab,
+            part: parts.part_address(part)?,
+            logprobs: parts.logprobs,
+        };
+        let request = processed_request(lm_head, hidden, rows, processing, draws, variant, target);
+        // SAFETY: every address comes from a live buffer of this sampler holding the request's
+        // extents (the part checked above, the rest by the plan).
+        unsafe { self.enqueue_processed(lm_head, hidden, &request) }
     }
 
     /// Stage 2, the shard merge: queues the tokens of every (row, draw) from all parts of
@@ -437,186 +431,24 @@ impl CudaSampler {
         out: &mut ProcessedOutputs,
     ) -> Result<()> {
         self.make_current()?;
-        let view = parts.view;
-        check_outputs(out, view.rows, view.samples as u32)?;
-        if rows.rows() != view.rows || processing.rows != view.rows {
-            return Err(invalid(
-                "rows",
-                format!(
-                    "{} row parameters and {} processing rows for parts of B = {}",
-                    rows.rows(),
-                    processing.rows,
-                    view.rows
-                ),
-            ));
+        check_outputs(out, parts.rows, parts.samples as u32)?;
+        if rows.rows() != parts.rows {
+            return Err(invalid("rows", format!("{} row parameters for parts of B = {}", rows.rows(), parts.rows)));
         }
-        self.queue_merge(&view, rows, processing, out)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn queue_shard(
-        &self,
-        lm_head: &CudaLmHead,
-        shard: VocabShard,
-        hidden: &CudaHidden,
-        rows: &DeviceRows,
-        processing: &DeviceProcessing,
-        draws: Draws,
-        variant: Variant,
-        parts: &PartsView,
-        part: usize,
-    ) -> Result<()> {
-        let shape = lm_head.shape;
-        let batch = hidden.rows();
-        check_shard(shard.vocab_offset, shape.vocab, shard.vocab)?;
-        check_processing(processing, batch, shard.vocab)?;
-        if processing.top_logprobs && !parts.logprobs {
-            return Err(invalid(
-                "out",
-                "top log-probabilities need outputs with log-probabilities (processed_outputs(.., true))",
-            ));
-        }
-        if let Some(row) = processing.truncating
-            && shape.vocab != shard.vocab
-        {
-            return Err(invalid(
-                format!("processing[{row}]"),
-                format!(
-                    "min-p, top-k and top-p need the whole vocabulary in one shard (this one holds {} of V = {})",
-                    shape.vocab, shard.vocab
-                ),
-            ));
-        }
-        let part_at = parts.address.add((part * parts.layout.bytes as usize) as u64);
-        let winners = part_at.cast::<ShardWinner>();
-        let row_params = rows.buffer.ptr();
-        if !parts.logprobs && processing.whole_row.is_none() {
-            let target =
-                ShardTarget { vocab_offset: shard.vocab_offset, vocab: shard.vocab, winners: winners.address() };
-            let fused = processing.fused_if_any()?;
-            return self.sample_at_target(lm_head, hidden, row_params, draws, variant, fused, 0, Some(target));
-        }
-        let variant = variant.resolve(self.module(), shape.dtype, shape.dim, batch)?;
-        if variant.logits_kernel(shape.dtype).is_none() {
-            return Err(invalid(
-                "lm_head",
-                format!("{}, D = {}: processing on the GPU needs BF16 or F16 with D % 8 == 0", shape.dtype, shape.dim),
-            ));
-        }
-        let stride = shape.vocab.next_multiple_of(4);
-        let vocab_offset = shard.vocab_offset as u32;
-        let (sums, top) = match parts.logprobs {
-            true => (part_at.byte_add(parts.layout.sums).cast::<RowSums>(), part_at.byte_add(parts.layout.top).cast()),
-            false => (DevicePtr::NULL, DevicePtr::NULL),
-        };
-        // Log-probabilities without truncations or top entries keep only the raw logits: the
-        // logits sampler applies the per-entry steps as it races them and sums each tile's
-        // log-sum-exp terms, and the merge kernel merges the terms per row and takes the
-        // winners' logits from the raw ones. Otherwise the processing kernel writes the
-        // processed logits (beside the raw ones with log-probabilities, over them without).
-        let per_tile = processing.whole_row.is_none();
-        let copies = if parts.logprobs && !per_tile { 2 } else { 1 };
-        let logits = ensure(&self.stream, &mut self.workspace.borrow_mut().logits, copies * batch * stride, "logits")?;
-        let (raw, processed) = (logits, logits.add(((copies - 1) * batch * stride) as u64));
-        self.queue_logits(lm_head, hidden, variant, raw, stride)?;
-        let mut target = WinnerTarget::bare(winners, vocab_offset, shape.vocab as u32);
-        target.logits_stride = stride as u32;
-        if per_tile {
-            let tiles = shape.vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
-            let tile_sums =
-                ensure(&self.stream, &mut self.workspace.borrow_mut().tile_sums, batch * tiles, "tile sums")?;
-            let steps = processing.fused_if_any()?.map_or(DevicePtr::NULL, |_| processing.buffer.ptr().cast());
-            (target.raw, target.processing, target.tile_sums, target.sums) = (raw, steps, tile_sums, sums);
-            let target = ReduceTarget::Winners(target);
-            let vocab = shape.vocab;
-            return self.queue_logits_sampling(
-                raw,
-                stride,
-                vocab,
-                vocab_offset,
-                row_params,
-                batch,
-                draws,
-                steps,
-                tile_sums,
-                target,
-            );
-        }
-        let args = ProcessArgs {
-            raw,
-            processed,
-            row_params,
-            processing: processing.buffer.ptr().cast(),
-            sums,
-            top,
-            vocab: shape.vocab as u32,
-            logits_stride: stride as u32,
-            batch: batch as u32,
-            vocab_offset,
-        };
-        // SAFETY: both logits hold `B × stride` floats; the processing image holds `B` row
-        // blocks whose sparse entries are distinct tokens below the whole V and whose masks
-        // hold ⌈V/32⌉ words (checked), and only whole-vocabulary shards reach here with
-        // truncations; the part holds `B` sums and top slots.
-        unsafe { self.launch(Kernel::ProcessRows, batch as u64, &args)? };
-        // Without log-probabilities the winners need no logits.
-        if parts.logprobs {
-            (target.raw, target.processed) = (raw, processed);
-        }
-        let (vocab, target) = (shape.vocab, ReduceTarget::Winners(target));
-        let (steps, tile_sums) = (DevicePtr::NULL, DevicePtr::NULL);
-        self.queue_logits_sampling(
-            processed,
-            stride,
-            vocab,
-            vocab_offset,
-            row_params,
-            batch,
-            draws,
-            steps,
-            tile_sums,
-            target,
-        )
-    }
-
-    fn queue_merge(
-        &self,
-        parts: &PartsView,
-        rows: &DeviceRows,
-        processing: &DeviceProcessing,
-        out: &mut ProcessedOutputs,
-    ) -> Result<()> {
-        let slots = out.slots();
-        let (logprobs, processed_logprobs, top) = match (&out.logprobs, parts.logprobs) {
-            (Some(values), true) => {
-                let top = values.ptr().add(2 * slots as u64).cast::<TopLogprob>();
-                (values.ptr(), values.ptr().add(slots as u64), top)
-            }
-            (Some(_), false) => {
-                return Err(invalid("out", "has log-probabilities; the parts were made without them"));
-            }
-            (None, _) => (DevicePtr::NULL, DevicePtr::NULL, DevicePtr::NULL),
-        };
-        let args = ShardMergeArgs {
-            parts: parts.address,
-            row_params: rows.buffer.ptr(),
-            processing: processing.buffer.ptr().cast::<RowProcessing>(),
-            tokens: out.tokens.buffer.ptr(),
-            logprobs,
-            processed_logprobs,
-            top,
-            part_sums: parts.layout.sums,
-            part_top: parts.layout.top,
-            part_bytes: parts.layout.bytes,
-            shards: parts.shards as u32,
-            batch: parts.rows as u32,
+        let request = ShardMergeRequest {
+            parts: parts.address(),
+            shards: parts.shards,
+            rows: parts.rows,
             samples: parts.samples as u32,
-            padding: 0,
+            logprobs: parts.logprobs,
+            row_params: rows.address(),
+            processing: processing.on_device(),
+            tokens: out.tokens.address(),
+            out_logprobs: out.logprobs.as_ref().map_or(0, |values| values.ptr().address()),
         };
-        // SAFETY: the parts hold `shards` parts of the layout (written by stage 1 on this stream
-        // or gathered into it); `out` holds `B × N` tokens and log-probability slots and `B`
-        // top rows; the rows and processing `B` entries (checked by the callers).
-        unsafe { self.launch(Kernel::MergeShards, merge_blocks(slots), &args) }
+        // SAFETY: the parts, rows, processing and outputs are live buffers of this sampler on
+        // its stream, with the extents the request names (checked by the merge).
+        unsafe { self.kernels().merge_shards(self.stream.cu_stream().cast(), &request) }
     }
 
     /// Waits for a processed call and copies its tokens and log-probabilities (empty if `out`
@@ -626,30 +458,13 @@ impl CudaSampler {
         self.make_current()?;
         self.synchronize("processed sampling")?;
         let tokens = out.tokens.buffer.to_host(&self.stream, "tokens")?;
-        let (mut logprobs, mut processed_logprobs) = (Vec::new(), Vec::new());
-        let mut top_logprobs = vec![Vec::new(); out.tokens.rows];
-        if let Some(values) = &out.logprobs {
-            logprobs = values.to_host(&self.stream, "log-probabilities")?;
-            let top: &[TopLogprob] = bytemuck::cast_slice(&logprobs[2 * out.slots()..]);
-            for (row, slots) in top_logprobs.iter_mut().zip(top.chunks(MAX_TOP_LOGPROBS as usize)) {
-                *row = slots.iter().take_while(|t| t.token != NO_TOKEN).map(|t| (t.token, t.logprob)).collect();
-            }
-            logprobs.truncate(2 * out.slots());
-            processed_logprobs = logprobs.split_off(out.slots());
-        }
-        Ok(Sampled { draws: out.tokens.samples, tokens, logprobs, processed_logprobs, top_logprobs })
+        let logprobs = match &out.logprobs {
+            Some(values) => Some(values.to_host(&self.stream, "log-probabilities")?),
+            None => None,
+        };
+        let bytes = logprobs.as_deref().map(bytemuck::cast_slice::<f32, u8>);
+        Sampled::from_processed_outputs(out.tokens.samples, tokens, bytes)
     }
-}
-
-/// A [`ShardParts`]' extents at an address: the owned parts or the unsharded path's workspace.
-#[derive(Clone, Copy)]
-struct PartsView {
-    address: DevicePtr<u8>,
-    shards: usize,
-    rows: usize,
-    samples: usize,
-    logprobs: bool,
-    layout: ShardPartLayout,
 }
 
 /// The part layout of `shards` parts of `rows × samples` draws, checked against 32-bit extents.
@@ -679,17 +494,25 @@ fn check_outputs(out: &ProcessedOutputs, batch: usize, samples: u32) -> Result<(
     Ok(())
 }
 
-fn check_processing(processing: &DeviceProcessing, batch: usize, vocab: usize) -> Result<()> {
-    if processing.rows != batch || processing.vocab != vocab {
-        return Err(invalid(
-            "processing",
-            format!(
-                "uploaded for B = {}, V = {}; the request has B = {batch}, V = {vocab}",
-                processing.rows, processing.vocab
-            ),
-        ));
+/// The processed request of an owned call.
+fn processed_request(
+    lm_head: &CudaLmHead,
+    hidden: &CudaHidden,
+    rows: &DeviceRows,
+    processing: &DeviceProcessing,
+    draws: Draws,
+    variant: Variant,
+    target: ProcessedTarget,
+) -> ProcessedRequest {
+    ProcessedRequest {
+        lm_head: lm_head.matrix(),
+        hidden: hidden.matrix(),
+        row_params: rows.address(),
+        draws,
+        variant,
+        processing: processing.on_device(),
+        target,
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,792 @@
+//! Processed sampling through [`StreamSampler`]: every processing mode, log-probabilities and
+//! vocabulary shards on a stream and workspace the caller gives, by one of two paths with the
+//! same tokens for the same logits:
+//! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) and no
+//!   log-probabilities go through the tile kernels of plain sampling, which apply the steps to
+//!   each logits quad;
+//! - materialised: the unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice
+//!   with truncations or top entries and log-probabilities: raw and processed), one block per
+//!   row processes them (`process_rows`) when a row needs its whole row, and the logits sampler
+//!   and the merge kernel draw from them with the plain path's noise; stage 1 of a shard ends
+//!   there (its winners, log-sum-exp terms and top raw entries in its part), the unsharded call
+//!   goes on to the shard merge of its one part.
+
+use flashsample_core::abi::{
+    DevicePtr, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, ProcessArgs, RawTop, RowProcessing, RowSums,
+    ShardMergeArgs, ShardPartLayout, ShardWinner, TmaArgs, TopLogprob,
+};
+use flashsample_core::process::MAX_TOP_LOGPROBS;
+use flashsample_core::registry::Kernel;
+use flashsample_core::{Candidate, NO_TOKEN, RowParams};
+
+use super::{
+    CallPlan, DeviceMatrix, DeviceWorkspace, ReduceTarget, SampleRequest, ShardTarget, StreamSampler, TensorMaps,
+    WORKSPACE_MAPS_BYTES, WinnerTarget, check_address, check_request, check_shard,
+};
+use crate::cpu::Sampled;
+use crate::cuda::dispatch::Variant;
+use crate::cuda::driver;
+use crate::cuda::passes::{CANDIDATE_BUDGET_BYTES, Plan};
+use crate::error::{Result, invalid};
+use crate::params::Draws;
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+/// A batch's processing in device memory as a request names it (every mode): made by
+/// [`crate::DeviceProcessing::on_device`], whose memory it names; keep that alive until the
+/// stream has run the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessingRef {
+    /// `[rows]` [`RowProcessing`] blocks, then what they point to.
+    pub(crate) address: u64,
+    pub(crate) rows: usize,
+    pub(crate) vocab: usize,
+    /// The first row that needs its whole row (min-p, top-k, top-p or top log-probabilities).
+    pub(crate) whole_row: Option<usize>,
+    /// The first row with min-p, top-k or top-p.
+    pub(crate) truncating: Option<usize>,
+    /// Whether a row asks for its top raw log-probabilities.
+    pub(crate) top_logprobs: bool,
+    /// Whether a row has a per-entry step (soft-cap, bias, mask, penalties).
+    pub(crate) per_entry: bool,
+}
+
+impl ProcessingRef {
+    fn blocks(&self) -> DevicePtr<RowProcessing> {
+        DevicePtr::new(self.address)
+    }
+
+    /// The blocks the fused tiles or the logits sampler apply, or null when no row has a
+    /// per-entry step.
+    fn per_entry_blocks(&self) -> DevicePtr<RowProcessing> {
+        if self.per_entry { self.blocks() } else { DevicePtr::NULL }
+    }
+}
+
+/// Where a processed call writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessedTarget {
+    /// `[B, draws.count]` u32 tokens (rows without a token hold their status's sentinel, as
+    /// [`SampleRequest::tokens`]) and, unless `logprobs` is 0, the tokens' log-probabilities
+    /// at `logprobs` (4-byte aligned, [`ProcessedRequest::logprobs_bytes`]): `[B, N]` f32 under
+    /// the raw logits, `[B, N]` f32 under the distribution drawn from, then `[B,
+    /// MAX_TOP_LOGPROBS]` [`TopLogprob`] (each row's top raw entries by decreasing
+    /// log-probability, as many as its processing asks for, the rest `NO_TOKEN`).
+    Tokens { tokens: u64, logprobs: u64 },
+    /// `W` is a vocabulary shard, its row `r` the token `vocab_offset + r` of a vocabulary of
+    /// `vocab`: the call writes the shard's part for the shard merge at `part` (16-byte
+    /// aligned, `ShardPartLayout::of(B, N, logprobs).bytes`).
+    Shard { vocab_offset: usize, vocab: usize, part: u64, logprobs: bool },
+}
+
+/// One processed sampling call in device memory: `draws` of each row of `H` from the row's
+/// processed distribution (soft-cap → bias → mask → penalties → temperature → min-p → top-k
+/// → top-p), with log-probabilities when the target has room for them.
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessedRequest {
+    /// `W[V, D]` (a shard's rows with [`ProcessedTarget::Shard`]).
+    pub lm_head: DeviceMatrix,
+    /// `H[B, D]`, the same dtype as `W`.
+    pub hidden: DeviceMatrix,
+    /// `[B]` row parameters ([`RowParams`], 8-byte aligned).
+    pub row_params: u64,
+    pub draws: Draws,
+    pub variant: Variant,
+    /// `[B]` rows' processing for the whole vocabulary.
+    pub processing: ProcessingRef,
+    pub target: ProcessedTarget,
+}
+
+impl ProcessedRequest {
+    /// Bytes of the log-probability outputs of `rows × samples` draws
+    /// ([`ProcessedTarget::Tokens`]).
+    pub fn logprobs_bytes(rows: usize, samples: usize) -> usize {
+        2 * rows * samples * 4 + rows * MAX_TOP_LOGPROBS as usize * size_of::<TopLogprob>()
+    }
+
+    fn logprobs(&self) -> bool {
+        match self.target {
+            ProcessedTarget::Tokens { logprobs, .. } => logprobs != 0,
+            ProcessedTarget::Shard { logprobs, .. } => logprobs,
+        }
+    }
+
+    /// The vocabulary the processing and the noise are keyed over.
+    fn vocab(&self) -> usize {
+        match self.target {
+            ProcessedTarget::Tokens { .. } => self.lm_head.rows,
+            ProcessedTarget::Shard { vocab, .. } => vocab,
+        }
+    }
+
+    /// The request without processing, writing tokens to `tokens`.
+    fn plain(&self, tokens: u64) -> SampleRequest {
+        SampleRequest {
+            lm_head: self.lm_head,
+            hidden: self.hidden,
+            row_params: self.row_params,
+            tokens,
+            draws: self.draws,
+            variant: self.variant,
+            processing: None,
+            shard: None,
+        }
+    }
+
+    /// The request's fused form, when no row needs its whole row and no log-probabilities are
+    /// asked for: the tile kernels apply the per-entry steps.
+    fn fused(&self) -> Option<SampleRequest> {
+        if self.logprobs() || self.processing.whole_row.is_some() {
+            return None;
+        }
+        let processing = self.processing.per_entry.then_some(super::FusedProcessing {
+            address: self.processing.address,
+            rows: self.processing.rows,
+            vocab: self.processing.vocab,
+        });
+        let (tokens, shard) = match self.target {
+            ProcessedTarget::Tokens { tokens, .. } => (tokens, None),
+            ProcessedTarget::Shard { vocab_offset, vocab, part, .. } => {
+                (0, Some(ShardTarget { vocab_offset, vocab, winners: part }))
+            }
+        };
+        Some(SampleRequest { processing, shard, ..self.plain(tokens) })
+    }
+}
+
+impl Sampled {
+    /// A processed call's outputs read back to the host: `[B, draws]` `tokens` and, if the
+    /// call had them, the bytes of its log-probability outputs (the layout of
+    /// [`ProcessedTarget::Tokens`], [`ProcessedRequest::logprobs_bytes`] long). Rows without a
+    /// token keep their sentinels ([`Sampled::rows_without_token`]).
+    pub fn from_processed_outputs(draws: usize, tokens: Vec<u32>, logprobs: Option<&[u8]>) -> Result<Sampled> {
+        let (slots, rows) = (tokens.len(), tokens.len().checked_div(draws).unwrap_or(0));
+        let mut sampled = Sampled {
+            draws,
+            tokens,
+            logprobs: Vec::new(),
+            processed_logprobs: Vec::new(),
+            top_logprobs: vec![Vec::new(); rows],
+        };
+        let Some(bytes) = logprobs else { return Ok(sampled) };
+        if bytes.len() != ProcessedRequest::logprobs_bytes(rows, draws) {
+            return Err(invalid(
+                "logprobs",
+                format!(
+                    "{} bytes: [{rows}, {draws}] draws have {}",
+                    bytes.len(),
+                    ProcessedRequest::logprobs_bytes(rows, draws)
+                ),
+            ));
+        }
+        let word = |at: usize| u32::from_ne_bytes(bytes[4 * at..4 * at + 4].try_into().expect("four bytes"));
+        sampled.logprobs = (0..slots).map(|k| f32::from_bits(word(k))).collect();
+        sampled.processed_logprobs = (slots..2 * slots).map(|k| f32::from_bits(word(k))).collect();
+        for (row, top) in sampled.top_logprobs.iter_mut().enumerate() {
+            let first = 2 * slots + 2 * row * MAX_TOP_LOGPROBS as usize;
+            *top = (0..MAX_TOP_LOGPROBS as usize)
+                .map(|k| (word(first + 2 * k), f32::from_bits(word(first + 2 * k + 1))))
+                .take_while(|&(token, _)| token != NO_TOKEN)
+                .collect();
+        }
+        Ok(sampled)
+    }
+}
+
+/// The shard merge in device memory: the parts of `shards` vocabulary shards, side by side
+/// from `parts` (each `ShardPartLayout::of(B, N, logprobs).bytes`, written by stage 1 or
+/// gathered from other devices), become tokens and, unless `out.logprobs` is 0, their
+/// log-probabilities (layout of [`ProcessedTarget::Tokens`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ShardMergeRequest {
+    pub parts: u64,
+    pub shards: usize,
+    /// B.
+    pub rows: usize,
+    /// N, the draws per row.
+    pub samples: u32,
+    /// Whether the parts hold log-sum-exp terms and top entries.
+    pub logprobs: bool,
+    /// `[B]` row parameters, as in stage 1.
+    pub row_params: u64,
+    pub processing: ProcessingRef,
+    /// `tokens` and `logprobs` of [`ProcessedTarget::Tokens`].
+    pub tokens: u64,
+    pub out_logprobs: u64,
+}
+
+/// A materialised call's launch plan and where its scratch lies in the workspace (byte
+/// offsets; the tensor maps first).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MaterialisedPlan {
+    pub variant: Variant,
+    /// Row stride of the logits (V rounded up to a quad).
+    stride: usize,
+    /// The logits sampler's tiles and passes.
+    tiles: usize,
+    passes: Plan,
+    /// Copies of the logits: 2 when the processing kernel writes processed logits beside raw
+    /// ones that log-probabilities still need.
+    copies: usize,
+    /// Whether the processing kernel runs (a row needs its whole row).
+    process_rows: bool,
+    logits_at: usize,
+    tile_sums_at: usize,
+    /// The unsharded call's one part.
+    part_at: usize,
+    pub workspace_bytes: usize,
+}
+
+/// A processed request's plan: the fused tiles' or the materialised pipeline's.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ProcessedPlan {
+    Fused(SampleRequest, CallPlan),
+    Materialised(MaterialisedPlan),
+}
+
+impl ProcessedPlan {
+    pub fn workspace_bytes(&self) -> usize {
+        match self {
+            ProcessedPlan::Fused(_, plan) => plan.workspace_bytes,
+            ProcessedPlan::Materialised(plan) => plan.workspace_bytes,
+        }
+    }
+
+    /// The tile variant whose tensor maps the call reads (if TMA).
+    pub fn variant(&self) -> Variant {
+        match self {
+            ProcessedPlan::Fused(_, plan) => plan.variant,
+            ProcessedPlan::Materialised(plan) => plan.variant,
+        }
+    }
+}
+
+/// Offsets in a workspace are 64-byte aligned.
+fn align(bytes: usize) -> usize {
+    bytes.next_multiple_of(64)
+}
+
+impl StreamSampler {
+    /// Workspace bytes `request` needs (the materialised path: its logits, `B · V` floats or
+    /// twice that, plus candidates and terms).
+    pub fn processed_workspace_bytes(&self, request: &ProcessedRequest) -> Result<usize> {
+        Ok(self.plan_processed(request)?.workspace_bytes())
+    }
+
+    /// Checks `request` and plans it.
+    pub(crate) fn plan_processed(&self, request: &ProcessedRequest) -> Result<ProcessedPlan> {
+        let vocab = request.vocab();
+        let processing = &request.processing;
+        let batch = request.hidden.rows;
+        if processing.rows != batch || processing.vocab != vocab {
+            return Err(invalid(
+                "processing",
+                format!(
+                    "uploaded for B = {}, V = {}; the request has B = {batch}, V = {vocab}",
+                    processing.rows, processing.vocab
+                ),
+            ));
+        }
+        if processing.top_logprobs && !request.logprobs() {
+            return Err(invalid("target", "top log-probabilities need room for log-probabilities"));
+        }
+        if let Some(row) = processing.truncating
+            && request.lm_head.rows != vocab
+        {
+            return Err(invalid(
+                format!("processing[{row}]"),
+                format!(
+                    "min-p, top-k and top-p need the whole vocabulary in one shard (this one holds {} of V = {vocab})",
+                    request.lm_head.rows
+                ),
+            ));
+        }
+        match request.target {
+            ProcessedTarget::Tokens { logprobs, .. } if logprobs != 0 => check_address("logprobs", logprobs, 4)?,
+            ProcessedTarget::Shard { part, .. } => check_address("part", part, 16)?,
+            ProcessedTarget::Tokens { .. } => {}
+        }
+        if let Some(fused) = request.fused() {
+            return Ok(ProcessedPlan::Fused(fused, self.plan_call(&fused)?));
+        }
+        // The materialised path: the shape rules of plain sampling, then its own.
+        let output = match request.target {
+            ProcessedTarget::Tokens { tokens, .. } => tokens,
+            ProcessedTarget::Shard { part, .. } => part,
+        };
+        let samples = check_request(&request.plain(output))?;
+        if let ProcessedTarget::Shard { vocab_offset, vocab, .. } = request.target {
+            check_shard(vocab_offset, request.lm_head.rows, vocab)?;
+        }
+        let (lm_head, hidden) = (&request.lm_head, &request.hidden);
+        let variant = self.resolve(lm_head, hidden, request.variant)?;
+        if variant.logits_kernel(lm_head.dtype).is_none() {
+            return Err(invalid(
+                "lm_head",
+                format!(
+                    "{}, D = {}: processing on the GPU needs BF16 or F16 with D % 8 == 0",
+                    lm_head.dtype, lm_head.cols
+                ),
+            ));
+        }
+        Ok(ProcessedPlan::Materialised(materialised_plan(
+            variant,
+            lm_head.rows,
+            batch,
+            samples,
+            processing.whole_row.is_some(),
+            request.logprobs(),
+            matches!(request.target, ProcessedTarget::Tokens { .. }),
+        )))
+    }
+
+    /// Queues one processed sampling call on the caller's `stream` (see [`ProcessedRequest`]
+    /// and [`ProcessedTarget`]); as [`StreamSampler::sample`], nothing is allocated and
+    /// nothing waits, so CUDA graphs capture it.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample`], with the workspace of
+    /// [`StreamSampler::processed_workspace_bytes`]; the processing (the `DeviceProcessing`
+    /// behind `request.processing`) and the target's memory hold their extents and stay
+    /// allocated until `stream` has run the call.
+    pub unsafe fn sample_processed(
+        &self,
+        stream: *mut c_void,
+        request: &ProcessedRequest,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        let plan = self.plan_processed(request)?;
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(self.context, || {
+                self.enqueue_processed(stream.cast(), request, &plan, TensorMaps::Store, workspace)
+            })
+        }
+    }
+
+    /// Queues the shard merge of `request` on `stream`.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample`]: `parts` holds `shards` parts whose writes (stage 1, or a
+    /// collective) are ordered before this call on `stream`; the row parameters and processing
+    /// are stage 1's; the outputs hold their extents; all live until `stream` has run the call.
+    pub unsafe fn merge_shards(&self, stream: *mut c_void, request: &ShardMergeRequest) -> Result<()> {
+        if request.shards == 0 || request.shards > u32::MAX as usize {
+            return Err(invalid("shards", format!("{}: must be at least 1 and below 2^32", request.shards)));
+        }
+        let (Ok(batch), slots) = (u32::try_from(request.rows), request.rows.checked_mul(request.samples as usize))
+        else {
+            return Err(invalid("rows", format!("B = {}: must be < 2^32", request.rows)));
+        };
+        if slots.is_none_or(|n| n > u32::MAX as usize) || request.samples == 0 {
+            return Err(invalid(
+                "samples",
+                format!("B x samples = {} x {}: must be 1 to 2^32 - 1 tokens", request.rows, request.samples),
+            ));
+        }
+        if request.processing.rows != request.rows {
+            return Err(invalid(
+                "processing",
+                format!("uploaded for B = {}; the parts hold B = {}", request.processing.rows, request.rows),
+            ));
+        }
+        check_address("parts", request.parts, 16)?;
+        check_address("row_params", request.row_params, align_of::<RowParams>())?;
+        check_address("tokens", request.tokens, 4)?;
+        if request.out_logprobs != 0 {
+            check_address("out_logprobs", request.out_logprobs, 4)?;
+            if !request.logprobs {
+                return Err(invalid(
+                    "out_logprobs",
+                    "has room for log-probabilities; the parts were made without them",
+                ));
+            }
+        } else if request.processing.top_logprobs {
+            return Err(invalid("out_logprobs", "null, but a row asks for its top log-probabilities"));
+        }
+        let layout = ShardPartLayout::of(batch, request.samples, request.logprobs);
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(self.context, || {
+                self.queue_merge(stream.cast(), request.parts, &layout, request, request.tokens, request.out_logprobs)
+            })
+        }
+    }
+
+    /// Queues a planned processed request; the context is current.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample_processed`]; `plan` is `request`'s; resident `maps` describe
+    /// `W` and `H` for the plan's variant.
+    pub(crate) unsafe fn enqueue_processed(
+        &self,
+        stream: sys::CUstream,
+        request: &ProcessedRequest,
+        plan: &ProcessedPlan,
+        maps: TensorMaps,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        let plan = match plan {
+            // SAFETY: per this function's contract.
+            ProcessedPlan::Fused(fused, plan) => return unsafe { self.enqueue(stream, fused, plan, maps, workspace) },
+            ProcessedPlan::Materialised(plan) => plan,
+        };
+        self.check_workspace(workspace, plan.workspace_bytes)?;
+        let base = DevicePtr::<u8>::new(workspace.address);
+        let batch = request.hidden.rows;
+        let vocab = request.lm_head.rows as u32;
+        let (vocab_offset, part, part_layout) = match request.target {
+            ProcessedTarget::Tokens { .. } => {
+                let layout = ShardPartLayout::of(batch as u32, request.draws.count, request.logprobs());
+                (0, base.byte_add(plan.part_at as u64), layout)
+            }
+            ProcessedTarget::Shard { vocab_offset, part, logprobs, .. } => {
+                let layout = ShardPartLayout::of(batch as u32, request.draws.count, logprobs);
+                (vocab_offset as u32, DevicePtr::new(part), layout)
+            }
+        };
+        let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
+        let logits_len = (batch * plan.stride) as u64;
+        let (raw, processed) = (logits, logits.add((plan.copies as u64 - 1) * logits_len));
+        // SAFETY: the workspace holds the plan's extents (checked above); the request's
+        // buffers hold theirs (this function's contract).
+        unsafe {
+            let maps = self.tensor_maps(stream, plan.variant, &request.lm_head, &request.hidden, maps, workspace)?;
+            self.queue_logits(stream, plan.variant, &request.lm_head, &request.hidden, maps, raw, plan.stride)?;
+        }
+        let (sums, top) = match request.logprobs() {
+            true => {
+                (part.byte_add(part_layout.sums).cast::<RowSums>(), part.byte_add(part_layout.top).cast::<RawTop>())
+            }
+            false => (DevicePtr::NULL, DevicePtr::NULL),
+        };
+        let row_params = DevicePtr::<RowParams>::new(request.row_params);
+        let mut target = WinnerTarget::bare(part.cast::<ShardWinner>(), vocab_offset, vocab);
+        target.logits_stride = plan.stride as u32;
+        let (sampled, steps, tile_sums) = if plan.process_rows {
+            let args = ProcessArgs {
+                raw,
+                processed,
+                row_params,
+                processing: request.processing.blocks(),
+                sums,
+                top,
+                vocab,
+                logits_stride: plan.stride as u32,
+                batch: batch as u32,
+                vocab_offset,
+            };
+            // SAFETY: both logits hold `B × stride` floats; the processing holds `B` row blocks
+            // for the whole vocabulary (checked against the request), and only whole-vocabulary
+            // shards reach here with truncations; the part holds `B` sums and top slots.
+            unsafe { self.launch(stream, Kernel::ProcessRows, batch as u64, &args)? };
+            // Without log-probabilities the winners need no logits.
+            if request.logprobs() {
+                (target.raw, target.processed) = (raw, processed);
+            }
+            (processed, DevicePtr::NULL, DevicePtr::NULL)
+        } else {
+            // Log-probabilities without truncations or top entries keep only the raw logits:
+            // the logits sampler applies the per-entry steps as it races them and sums each
+            // tile's log-sum-exp terms, and the merge kernel merges the terms per row and
+            // takes the winners' logits from the raw ones.
+            let steps = request.processing.per_entry_blocks();
+            let tile_sums = base.byte_add(plan.tile_sums_at as u64).cast::<RowSums>();
+            (target.raw, target.processing, target.tile_sums, target.sums) = (raw, steps, tile_sums, sums);
+            (raw, steps, tile_sums)
+        };
+        let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
+        let sampling = LogitsSampling { logits: sampled, stride: plan.stride, vocab, vocab_offset, steps, tile_sums };
+        // SAFETY: as above; the candidates of the largest pass fit the workspace.
+        unsafe {
+            self.queue_logits_sampling(
+                stream,
+                &sampling,
+                plan,
+                row_params,
+                request.draws,
+                candidates,
+                ReduceTarget::Winners(target),
+            )?
+        };
+        let ProcessedTarget::Tokens { tokens, logprobs } = request.target else { return Ok(()) };
+        let merge = ShardMergeRequest {
+            parts: part.address(),
+            shards: 1,
+            rows: batch,
+            samples: request.draws.count,
+            logprobs: request.logprobs(),
+            row_params: request.row_params,
+            processing: request.processing,
+            tokens,
+            out_logprobs: logprobs,
+        };
+        // SAFETY: stage 1 just wrote the one part on this stream.
+        unsafe { self.queue_merge(stream, part.address(), &part_layout, &merge, tokens, logprobs) }
+    }
+
+    /// The unfused pipeline on a request without processing: the GEMM of `variant` (an mma
+    /// or TMA one) writes f32 logits `[B, V]` into the workspace, the logits sampler reads them
+    /// back into `request.tokens`. The logits are bit-identical to the fused kernel's of the same
+    /// variant, so are the tokens.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::enqueue_processed`], with the workspace of [`StreamSampler::plan_unfused`].
+    pub(crate) unsafe fn enqueue_unfused(
+        &self,
+        stream: sys::CUstream,
+        request: &SampleRequest,
+        plan: &MaterialisedPlan,
+        maps: TensorMaps,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        self.check_workspace(workspace, plan.workspace_bytes)?;
+        let base = DevicePtr::<u8>::new(workspace.address);
+        let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
+        let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
+        let vocab = request.lm_head.rows as u32;
+        let sampling = LogitsSampling {
+            logits,
+            stride: plan.stride,
+            vocab,
+            vocab_offset: 0,
+            steps: DevicePtr::NULL,
+            tile_sums: DevicePtr::NULL,
+        };
+        // SAFETY: per this function's contract.
+        unsafe {
+            let maps = self.tensor_maps(stream, plan.variant, &request.lm_head, &request.hidden, maps, workspace)?;
+            self.queue_logits(stream, plan.variant, &request.lm_head, &request.hidden, maps, logits, plan.stride)?;
+            self.queue_logits_sampling(
+                stream,
+                &sampling,
+                plan,
+                DevicePtr::new(request.row_params),
+                request.draws,
+                candidates,
+                ReduceTarget::Tokens(DevicePtr::new(request.tokens)),
+            )
+        }
+    }
+
+    /// The plan of [`StreamSampler::enqueue_unfused`].
+    pub(crate) fn plan_unfused(&self, request: &SampleRequest) -> Result<MaterialisedPlan> {
+        let samples = check_request(request)?;
+        let variant = self.resolve(&request.lm_head, &request.hidden, request.variant)?;
+        if variant.logits_kernel(request.lm_head.dtype).is_none() {
+            return Err(invalid("variant", "the unfused pipeline has mma and TMA GEMMs only (BF16/F16, D % 8 == 0)"));
+        }
+        Ok(materialised_plan(variant, request.lm_head.rows, request.hidden.rows, samples, false, false, false))
+    }
+
+    /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`).
+    ///
+    /// # Safety
+    /// The context is current; `logits` holds `B × stride` floats; `maps` (TMA variants)
+    /// describe `W` and `H` and are written before on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn queue_logits(
+        &self,
+        stream: sys::CUstream,
+        variant: Variant,
+        lm_head: &DeviceMatrix,
+        hidden: &DeviceMatrix,
+        maps: Option<MapPair>,
+        logits: DevicePtr<f32>,
+        stride: usize,
+    ) -> Result<()> {
+        let gemm = variant.logits_kernel(lm_head.dtype).expect("planned with a logits kernel");
+        let gemm_tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
+        let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
+        if let Some((lm_head_map, hidden_map)) = maps {
+            let args = TmaArgs {
+                lm_head_map,
+                hidden_map,
+                row_params: DevicePtr::NULL,
+                out: logits.cast(),
+                processing: DevicePtr::NULL,
+                vocab: lm_head.rows as u32,
+                dim: lm_head.cols as u32,
+                batch: hidden.rows as u32,
+                hidden_row0: 0,
+                draw_offset: 0,
+                samples: 0,
+                tiles: gemm_tiles as u32,
+                logits_stride: stride as u32,
+                vocab_offset: 0,
+                padding: 0,
+            };
+            // SAFETY: per this function's contract.
+            return unsafe { self.launch(stream, gemm, items, &args) };
+        }
+        let args = LogitsArgs {
+            lm_head: DevicePtr::new(lm_head.address),
+            hidden: DevicePtr::new(hidden.address),
+            logits,
+            vocab: lm_head.rows as u32,
+            dim: lm_head.cols as u32,
+            batch: hidden.rows as u32,
+            logits_stride: stride as u32,
+            lm_head_stride: lm_head.row_stride as u32,
+            hidden_stride: hidden.row_stride as u32,
+        };
+        // SAFETY: per this function's contract.
+        unsafe { self.launch(stream, gemm, items, &args) }
+    }
+
+    /// Queues the draws `draws` over materialised logits (written before on `stream`):
+    /// candidates per pass of the plan, merged into `target` (`[batch, draws.count]`).
+    ///
+    /// # Safety
+    /// The context is current; the logits hold `B × stride` floats, `candidates` the plan's
+    /// largest pass, `target` its `B × draws.count` slots, the terms (if any) `B × tiles`
+    /// entries.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn queue_logits_sampling(
+        &self,
+        stream: sys::CUstream,
+        sampling: &LogitsSampling,
+        plan: &MaterialisedPlan,
+        row_params: DevicePtr<RowParams>,
+        draws: Draws,
+        candidates: DevicePtr<Candidate>,
+        target: ReduceTarget,
+    ) -> Result<()> {
+        let (tiles, stride) = (plan.tiles, sampling.stride as u64);
+        // SAFETY: per this function's contract.
+        unsafe {
+            self.queue_passes(
+                stream,
+                &plan.passes,
+                tiles,
+                row_params,
+                candidates,
+                target,
+                draws.count,
+                |pass, launch| {
+                    let first_row = pass.first_row as u64;
+                    let args = LogitsSamplerArgs {
+                        logits: sampling.logits.add(first_row * stride),
+                        row_params: launch.row_params,
+                        candidates,
+                        processing: sampling.steps.add_unless_null(first_row),
+                        // The terms are written once per row, in the pass of its first draws.
+                        tile_sums: match pass.first_sample {
+                            0 => sampling.tile_sums.add_unless_null(first_row * tiles as u64),
+                            _ => DevicePtr::NULL,
+                        },
+                        vocab: sampling.vocab,
+                        logits_stride: stride as u32,
+                        batch: launch.batch,
+                        // The noise is keyed by the draw's index: the pass's first draw, after
+                        // `draws.first`.
+                        draw_offset: draws.first + pass.first_sample as u32,
+                        samples: pass.samples as u32,
+                        tiles: tiles as u32,
+                        vocab_offset: sampling.vocab_offset,
+                        padding: 0,
+                    };
+                    // SAFETY: the logits hold the pass's rows.
+                    self.launch(stream, Kernel::SampleLogits, tiles as u64 * launch.batch as u64, &args)
+                },
+            )
+        }
+    }
+
+    /// Queues the merge kernel over `parts` (of `layout`) into `tokens` and `logprobs`.
+    ///
+    /// # Safety
+    /// The context is current; as [`StreamSampler::merge_shards`].
+    unsafe fn queue_merge(
+        &self,
+        stream: sys::CUstream,
+        parts: u64,
+        layout: &ShardPartLayout,
+        request: &ShardMergeRequest,
+        tokens: u64,
+        logprobs: u64,
+    ) -> Result<()> {
+        let slots = (request.rows * request.samples as usize) as u64;
+        let (raw, processed, top) = match logprobs {
+            0 => (DevicePtr::NULL, DevicePtr::NULL, DevicePtr::NULL),
+            at => {
+                let raw = DevicePtr::<f32>::new(at);
+                (raw, raw.add(slots), raw.add(2 * slots).cast::<TopLogprob>())
+            }
+        };
+        let args = ShardMergeArgs {
+            parts: DevicePtr::new(parts),
+            row_params: DevicePtr::new(request.row_params),
+            processing: request.processing.blocks(),
+            tokens: DevicePtr::new(tokens),
+            logprobs: raw,
+            processed_logprobs: processed,
+            top,
+            part_sums: layout.sums,
+            part_top: layout.top,
+            part_bytes: layout.bytes,
+            shards: request.shards as u32,
+            batch: request.rows as u32,
+            samples: request.samples,
+            padding: 0,
+        };
+        let blocks = slots.div_ceil(Kernel::MergeShards.threads() as u64);
+        // SAFETY: per this function's contract.
+        unsafe { self.launch(stream, Kernel::MergeShards, blocks, &args) }
+    }
+}
+
+/// The tensor maps' pair (`W`'s, `H`'s).
+pub(crate) type MapPair = (DevicePtr<flashsample_core::abi::TensorMap>, DevicePtr<flashsample_core::abi::TensorMap>);
+
+/// Materialised logits and what the logits sampler applies to them.
+struct LogitsSampling {
+    logits: DevicePtr<f32>,
+    stride: usize,
+    vocab: u32,
+    vocab_offset: u32,
+    /// Per-entry steps applied before the race (null: none).
+    steps: DevicePtr<RowProcessing>,
+    /// `[batch, tiles]` per-tile terms written (null: none).
+    tile_sums: DevicePtr<RowSums>,
+}
+
+/// The materialised path's plan for `batch × samples` draws over `vocab` rows: logits
+/// (`copies` of them), candidates of the logits sampler's passes, per-tile terms when the
+/// logits sampler sums them (log-probabilities without a whole-row step), and the unsharded
+/// call's one part (`own_part`).
+fn materialised_plan(
+    variant: Variant,
+    vocab: usize,
+    batch: usize,
+    samples: u32,
+    process_rows: bool,
+    logprobs: bool,
+    own_part: bool,
+) -> MaterialisedPlan {
+    let stride = vocab.next_multiple_of(4);
+    let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
+    let passes = Plan::new(batch, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+    let copies = if process_rows && logprobs { 2 } else { 1 };
+    let logits_at = align(WORKSPACE_MAPS_BYTES + passes.candidate_pairs() * tiles * size_of::<Candidate>());
+    let tile_sums_at = align(logits_at + copies * batch * stride * 4);
+    let tile_sums = if logprobs && !process_rows { batch * tiles * size_of::<RowSums>() } else { 0 };
+    let part_at = align(tile_sums_at + tile_sums);
+    let part = match own_part {
+        true => ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize,
+        false => 0,
+    };
+    MaterialisedPlan {
+        variant,
+        stride,
+        tiles,
+        passes,
+        copies,
+        process_rows,
+        logits_at,
+        tile_sums_at,
+        part_at,
+        workspace_bytes: part_at + part,
+    }
+}

@@ -20,13 +20,33 @@ use candle_core::{Device, Storage, Tensor};
 use cudarc::driver::{CudaStream, DevicePtr as _, DevicePtrMut as _};
 
 use crate::cuda::{
-    DeviceMatrix, DeviceProcessing, DeviceRows, ModuleChoice, SampleRequest, StreamSampler, StreamWorkspace, Variant,
+    DeviceMatrix, DeviceProcessing, DeviceRows, ModuleChoice, ProcessedRequest, ProcessedTarget, StreamSampler,
+    StreamWorkspace, Variant,
 };
 use crate::error::{Error, Result, invalid};
 use crate::params::{Draws, SamplingParams, batch_row_params};
 use crate::process::Processing;
 use crate::tensor::{DType, Elements, Matrix};
 use crate::{CpuLmHead, CpuSampler};
+use flashsample_core::NO_TOKEN;
+use flashsample_core::process::MAX_TOP_LOGPROBS;
+
+/// What [`CandleSampler::sample_with_logprobs`] returns, on the sampler's device.
+pub struct CandleSampled {
+    /// `[B, N]` u32 tokens (a row without a token holds its status's sentinel).
+    pub tokens: Tensor,
+    /// `[B, N]` f32: each token's log-probability under the raw logits.
+    pub logprobs: Tensor,
+    /// `[B, N]` f32: each token's log-probability under the distribution it was drawn from.
+    pub processed_logprobs: Tensor,
+    /// `[B, MAX_TOP_LOGPROBS, 2]` u32: per row its top raw entries (as many as its
+    /// `Processing::top_logprobs`) as (token, bits of the f32 log-probability), by decreasing
+    /// log-probability; the other slots hold `NO_TOKEN` and −∞.
+    pub top_logprobs: Tensor,
+}
+
+/// Tokens, and with log-probabilities the `[2, B, N]` log-probabilities and the top ones.
+type Outputs = (Tensor, Option<(Tensor, Tensor)>);
 
 /// A sampler a generation loop keeps: one device, one set of per-row parameters and, if set,
 /// the rows' logit processing.
@@ -158,24 +178,17 @@ impl CandleSampler {
     }
 
     /// Sets each row's logit processing (`processing[b]` for row `b`; an empty slice for none),
-    /// checked against the vocabulary at the next `sample`. On a CUDA device the adapter
-    /// applies soft-cap, bias, mask and penalties in the fused tiles on candle's stream (the
-    /// parameters go to the device once per vocabulary) and refuses rows with min-p, top-k or
-    /// top-p, which need whole rows ([`crate::CudaSampler::sample_processed`] has them); on
-    /// the CPU every mode runs ([`CpuSampler::sample_processed`]).
+    /// checked against the vocabulary at the next `sample`. Every mode runs on either device:
+    /// on CUDA through [`StreamSampler::sample_processed`] on candle's stream (the parameters
+    /// go to the device once per vocabulary; soft-cap, bias, mask and penalties alone stay in
+    /// the fused tiles, min-p, top-k and top-p materialise the logits in the workspace), on
+    /// the CPU through [`CpuSampler::sample_processed`]. Rows that ask for top
+    /// log-probabilities need [`CandleSampler::sample_with_logprobs`].
     pub fn set_processing(&mut self, processing: &[Processing]) -> Result<()> {
         if !processing.is_empty() && processing.len() != self.params.len() {
             return Err(invalid(
                 "processing",
                 format!("{} entries for {} rows of parameters: one per row", processing.len(), self.params.len()),
-            ));
-        }
-        if self.cuda.is_some()
-            && let Some(row) = processing.iter().position(Processing::needs_whole_row)
-        {
-            return Err(invalid(
-                format!("processing[{row}]"),
-                "min-p, top-k, top-p and top log-probabilities need whole rows: on CUDA the adapter applies soft-cap, bias, mask and penalties",
             ));
         }
         if let Some(cuda) = self.cuda.as_mut() {
@@ -212,6 +225,20 @@ impl CandleSampler {
     /// without a token (non-finite logits, or nothing allowed) holds its status's sentinel
     /// ([`crate::RowStatus::of_token`] reads it), on either device.
     pub fn sample(&mut self, hidden: &Tensor, lm_head: &Tensor, samples: u32) -> Result<Tensor> {
+        Ok(self.sample_outputs(hidden, lm_head, samples, false)?.0)
+    }
+
+    /// As [`CandleSampler::sample`], with each token's raw and processed log-probabilities and
+    /// each row's top raw log-probabilities (with or without processing; on CUDA the logits are
+    /// then materialised in the workspace: `B · V` floats, or twice that with truncations).
+    pub fn sample_with_logprobs(&mut self, hidden: &Tensor, lm_head: &Tensor, samples: u32) -> Result<CandleSampled> {
+        let (tokens, logprobs) = self.sample_outputs(hidden, lm_head, samples, true)?;
+        let (values, top_logprobs) = logprobs.expect("log-probabilities were asked for");
+        let half = |i: usize| values.get(i).map_err(|e| candle_error("Tensor::get", e));
+        Ok(CandleSampled { tokens, logprobs: half(0)?, processed_logprobs: half(1)?, top_logprobs })
+    }
+
+    fn sample_outputs(&mut self, hidden: &Tensor, lm_head: &Tensor, samples: u32, logprobs: bool) -> Result<Outputs> {
         let (h_dtype, w_dtype) = (dtype("hidden", hidden.dtype())?, dtype("lm_head", lm_head.dtype())?);
         if h_dtype != w_dtype {
             return Err(Error::DTypeMismatch { lm_head: w_dtype, hidden: h_dtype });
@@ -229,18 +256,26 @@ impl CandleSampler {
             return Err(invalid("hidden", format!("B = {batch} rows for {} rows of parameters", self.params.len())));
         }
         match h_dtype {
-            DType::BF16 => self.sample_typed::<half::bf16>(hidden, lm_head, samples, h_dtype),
-            DType::F16 => self.sample_typed::<half::f16>(hidden, lm_head, samples, h_dtype),
-            DType::F32 => self.sample_typed::<f32>(hidden, lm_head, samples, h_dtype),
+            DType::BF16 => self.sample_typed::<half::bf16>(hidden, lm_head, samples, h_dtype, logprobs),
+            DType::F16 => self.sample_typed::<half::f16>(hidden, lm_head, samples, h_dtype, logprobs),
+            DType::F32 => self.sample_typed::<f32>(hidden, lm_head, samples, h_dtype, logprobs),
         }
     }
 
-    fn sample_typed<T>(&mut self, hidden: &Tensor, lm_head: &Tensor, samples: u32, dtype: DType) -> Result<Tensor>
+    fn sample_typed<T>(
+        &mut self,
+        hidden: &Tensor,
+        lm_head: &Tensor,
+        samples: u32,
+        dtype: DType,
+        logprobs: bool,
+    ) -> Result<Outputs>
     where
         T: CudaDType + cudarc::driver::DeviceRepr + candle_core::WithDType,
     {
         let Some(cuda) = self.cuda.as_mut() else {
-            return sample_on_cpu::<T>(hidden, lm_head, &self.params, &self.processing, samples, dtype);
+            let processing = &self.processing;
+            return sample_on_cpu::<T>(hidden, lm_head, &self.params, processing, samples, dtype, logprobs);
         };
         let hidden_rows = rows_of("hidden", hidden)?;
         let lm_head_rows = rows_of("lm_head", lm_head)?;
@@ -252,41 +287,76 @@ impl CandleSampler {
         let (h_base, _h_use) = h_slice.device_ptr(stream);
         let (w_base, _w_use) = w_slice.device_ptr(stream);
         let vocab = lm_head_rows.rows;
-        if !self.processing.is_empty() && cuda.processing.as_ref().is_none_or(|(v, _)| *v != vocab) {
-            cuda.processing = Some((vocab, DeviceProcessing::upload(stream, &self.processing, vocab)?));
+        // Plain rows are the default processing: the plan runs them as plain fused sampling.
+        if cuda.processing.as_ref().is_none_or(|(v, p)| *v != vocab || p.on_device().rows != batch) {
+            let processing = match self.processing.is_empty() {
+                true => vec![Processing::default(); batch],
+                false => self.processing.clone(),
+            };
+            cuda.processing = Some((vocab, DeviceProcessing::upload(stream, &processing, vocab)?));
         }
-        let processing = cuda.processing.as_ref().map(|(_, p)| p.fused()).transpose()?;
-        let lm_head = lm_head_rows.at(w_base, dtype);
-        let hidden = hidden_rows.at(h_base, dtype);
+        let processing = cuda.processing.as_ref().expect("just made").1.on_device();
         let count = Draws::first(samples).check()?.count as usize;
         if batch.checked_mul(count).is_none_or(|n| n > u32::MAX as usize) {
             return Err(invalid("samples", format!("B x samples = {batch} x {count} tokens: must be < 2^32")));
         }
-        // SAFETY: the merge kernel writes every token before anything reads it.
-        let tokens = unsafe { stream.alloc::<u32>(batch * count) };
-        let mut tokens = crate::cuda::driver::check("cuMemAllocAsync(tokens)", tokens)?;
+        let mut tokens = allocate::<u32>(stream, batch * count, "tokens")?;
+        let mut values =
+            logprobs.then(|| allocate::<f32>(stream, 2 * batch * count, "log-probabilities")).transpose()?;
+        let top_len = batch * MAX_TOP_LOGPROBS as usize * 2;
+        let mut top = logprobs.then(|| allocate::<u32>(stream, top_len, "top log-probabilities")).transpose()?;
         let (t_base, t_use) = tokens.device_ptr_mut(stream);
-        let request = SampleRequest {
-            lm_head,
-            hidden,
+        let values_use = values.as_mut().map(|v| v.device_ptr_mut(stream));
+        let top_use = top.as_mut().map(|t| t.device_ptr_mut(stream));
+        let request = ProcessedRequest {
+            lm_head: lm_head_rows.at(w_base, dtype),
+            hidden: hidden_rows.at(h_base, dtype),
             row_params: cuda.rows.address(),
-            tokens: t_base,
             draws: Draws::first(samples),
             variant: self.variant,
             processing,
-            shard: None,
+            target: ProcessedTarget::Tokens {
+                tokens: t_base,
+                logprobs: values_use.as_ref().map_or(0, |u| u.0),
+                top_logprobs: top_use.as_ref().map_or(0, |u| u.0),
+            },
         };
-        let plan = cuda.kernels.plan_call(&request)?;
-        let workspace = cuda.workspace.ensure(stream, plan.workspace_bytes)?;
+        let plan = cuda.kernels.plan_processed(&request)?;
+        let workspace = cuda.workspace.ensure(stream, plan.workspace_bytes())?;
         // SAFETY: the tensors' storages are read-locked and live through the call, and candle
         // frees on this same stream, after this work; the views' extents were checked by
-        // `rows_of` against candle's layouts; tokens and workspace are this stream's.
-        unsafe { cuda.kernels.sample_planned(stream.cu_stream(), &request, &plan, workspace)? };
-        drop(t_use);
+        // `rows_of` against candle's layouts; the processing, outputs and workspace are this
+        // stream's, sized for the request.
+        unsafe { cuda.kernels.sample_processed_planned(stream.cu_stream(), &request, &plan, workspace)? };
+        drop((t_use, values_use, top_use));
         let device = self.device.as_cuda_device().map_err(|e| candle_error("as_cuda_device", e))?.clone();
-        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(tokens, device));
-        Ok(Tensor::from_storage(storage, (batch, count), BackpropOp::none(), false))
+        let tokens = wrap(tokens, &device, &[batch, count]);
+        let outputs = values.zip(top).map(|(values, top)| {
+            (wrap(values, &device, &[2, batch, count]), wrap(top, &device, &[batch, MAX_TOP_LOGPROBS as usize, 2]))
+        });
+        Ok((tokens, outputs))
     }
+}
+
+/// `len` uninitialised values on `stream` (the kernels write every one before it is read).
+fn allocate<T: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+    what: &str,
+) -> Result<cudarc::driver::CudaSlice<T>> {
+    // SAFETY: the merge kernel writes every slot before anything reads it.
+    let slice = unsafe { stream.alloc::<T>(len) };
+    crate::cuda::driver::check(&format!("cuMemAllocAsync({what})"), slice)
+}
+
+/// A cudarc buffer as a candle tensor of `shape` on `device`.
+fn wrap<T: CudaDType + cudarc::driver::DeviceRepr>(
+    slice: cudarc::driver::CudaSlice<T>,
+    device: &candle_core::CudaDevice,
+    shape: &[usize],
+) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, device.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
 
 /// The cudarc buffer under a candle storage.
@@ -316,19 +386,41 @@ fn sample_on_cpu<T: candle_core::WithDType>(
     processing: &[Processing],
     samples: u32,
     dtype: DType,
-) -> Result<Tensor> {
+    logprobs: bool,
+) -> Result<Outputs> {
     let h = to_matrix::<T>("hidden", hidden, dtype)?;
     let w = to_matrix::<T>("lm_head", lm_head, dtype)?;
     let (sampler, head) = (CpuSampler::new(), CpuLmHead::new(w)?);
-    // Like the device path, a row without a token keeps its status sentinel in the tensor.
-    let tokens = if processing.is_empty() {
-        match sampler.sample(&head, &h, params, samples) {
+    let cpu_tensor = |result: candle_core::Result<Tensor>| result.map_err(|e| candle_error("Tensor::from_vec", e));
+    let (rows, count) = (h.rows(), samples as usize);
+    if processing.is_empty() && !logprobs {
+        // Like the device path, a row without a token keeps its status sentinel in the tensor.
+        let tokens = match sampler.sample(&head, &h, params, samples) {
             Ok(tokens) | Err(Error::RowsWithoutToken { tokens, .. }) => tokens,
             Err(e) => return Err(e),
+        };
+        return Ok((cpu_tensor(Tensor::from_vec(tokens, (rows, count), &Device::Cpu))?, None));
+    }
+    let plain;
+    let processing = match processing.is_empty() {
+        true => {
+            plain = vec![Processing::default(); rows];
+            &plain
         }
-    } else {
-        sampler.sample_processed(&head, &h, params, processing, Draws::first(samples))?.tokens
+        false => processing,
     };
-    Tensor::from_vec(tokens, (h.rows(), samples as usize), &Device::Cpu)
-        .map_err(|e| candle_error("Tensor::from_vec", e))
+    let sampled = sampler.sample_processed(&head, &h, params, processing, Draws::first(samples))?;
+    let tokens = cpu_tensor(Tensor::from_vec(sampled.tokens, (rows, count), &Device::Cpu))?;
+    if !logprobs {
+        return Ok((tokens, None));
+    }
+    let values = [sampled.logprobs, sampled.processed_logprobs].concat();
+    let mut top = Vec::with_capacity(rows * MAX_TOP_LOGPROBS as usize * 2);
+    for row in &sampled.top_logprobs {
+        let padding = std::iter::repeat((NO_TOKEN, f32::NEG_INFINITY)).take(MAX_TOP_LOGPROBS as usize - row.len());
+        top.extend(row.iter().copied().chain(padding).flat_map(|(token, lp)| [token, lp.to_bits()]));
+    }
+    let values = cpu_tensor(Tensor::from_vec(values, (2, rows, count), &Device::Cpu))?;
+    let top = cpu_tensor(Tensor::from_vec(top, (rows, MAX_TOP_LOGPROBS as usize, 2), &Device::Cpu))?;
+    Ok((tokens, Some((values, top))))
 }

@@ -28,7 +28,7 @@ pub mod process;
 pub mod tensor;
 
 #[cfg(feature = "candle")]
-pub use candle::CandleSampler;
+pub use candle::{CandleSampled, CandleSampler};
 pub use cpu::{CpuLmHead, CpuSampler, Sampled};
 pub use cuda::{
     CudaHidden, CudaLmHead, CudaSampler, DeviceElement, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceTokens,

@@ -432,9 +432,10 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
     let w = caller.random(stream, VOCAB, DIM, 17, 0.05);
     let h = caller.random(stream, batch, DIM, 18, 1.0);
     let device_processing = DeviceProcessing::upload(stream, &processing, VOCAB).unwrap();
-    let logprob_bytes = ProcessedRequest::logprobs_bytes(batch, samples as usize);
+    let (logprob_bytes, top_bytes) =
+        (ProcessedRequest::logprobs_bytes(batch, samples as usize), ProcessedRequest::top_logprobs_bytes(batch));
     let mut tokens = caller.tokens(stream, batch * samples as usize);
-    let mut logprobs = stream.alloc_zeros::<u8>(logprob_bytes).unwrap();
+    let mut logprobs = stream.alloc_zeros::<u8>(logprob_bytes + top_bytes).unwrap();
     let (w_address, _w) = w.device_ptr(stream);
     let (h_address, _h) = h.device_ptr(stream);
     let (t_address, _t) = tokens.device_ptr_mut(stream);
@@ -446,25 +447,29 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
         draws: Draws::first(samples),
         variant: Variant::Auto,
         processing: device_processing.on_device(),
-        target: ProcessedTarget::Tokens { tokens: t_address, logprobs: l_address },
+        target: ProcessedTarget::Tokens {
+            tokens: t_address,
+            logprobs: l_address,
+            top_logprobs: l_address + logprob_bytes as u64,
+        },
     };
     let rows = DeviceRows::upload(stream, &initial).unwrap();
     let mut workspace = StreamWorkspace::new();
     let bytes = caller.sampler.processed_workspace_bytes(&request_for(&rows)).unwrap();
     let space = workspace.ensure(stream, bytes).unwrap();
-    let run_steps = |rows: &DeviceRows, step: &mut dyn FnMut()| -> Vec<(Vec<u32>, Vec<u8>)> {
+    let run_steps = |rows: &DeviceRows, step: &mut dyn FnMut()| -> Vec<(Vec<u32>, Vec<u32>)> {
         (0..steps)
             .map(|_| {
                 step();
                 let mut host_tokens = vec![0u32; batch * samples as usize];
-                let mut host_logprobs = vec![0u8; logprob_bytes];
+                let mut host_logprobs = vec![0u32; (logprob_bytes + top_bytes) / 4];
                 // SAFETY: the buffers hold this many bytes; the copies are ordered on `stream`.
                 unsafe {
                     let copy = |to: *mut u8, from, bytes| {
                         sys::cuMemcpyDtoHAsync_v2(to.cast(), from, bytes, stream.cu_stream()).result().unwrap()
                     };
                     copy(host_tokens.as_mut_ptr().cast(), t_address, host_tokens.len() * 4);
-                    copy(host_logprobs.as_mut_ptr(), l_address, logprob_bytes);
+                    copy(host_logprobs.as_mut_ptr().cast(), l_address, logprob_bytes + top_bytes);
                 }
                 stream.synchronize().unwrap();
                 // SAFETY: the step counter lives in `rows`, on `stream`.
@@ -506,8 +511,10 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
         .sample_processed_into(&head, &hidden, &owned_rows, &owned_processing, draws, Variant::Auto, &mut out)
         .unwrap();
     let want = owned.processed_to_host(&out).unwrap();
+    let (values, top) = uncaptured[0].1.split_at(logprob_bytes / 4);
+    let values: Vec<f32> = values.iter().map(|&v| f32::from_bits(v)).collect();
     let got =
-        Sampled::from_processed_outputs(samples as usize, uncaptured[0].0.clone(), Some(&uncaptured[0].1)).unwrap();
+        Sampled::from_processed_outputs(samples as usize, uncaptured[0].0.clone(), Some(&values), Some(top)).unwrap();
     assert_eq!(got.tokens, want.tokens);
     assert_eq!(got.top_logprobs, want.top_logprobs);
     let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

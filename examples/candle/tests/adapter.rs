@@ -130,8 +130,11 @@ fn cpu_tensors_are_sampled_on_the_cpu() {
     assert_eq!(got.flatten_all().unwrap().to_vec1::<u32>().unwrap(), expected);
 }
 
-/// Per-row processing in the adapter (soft-cap, bias, mask and penalties, fused on candle's
-/// stream) gives the owned API's processed tokens; a row with top-k is refused on CUDA.
+/// Per-row processing in the adapter on candle's stream gives the owned API's results: every
+/// mode (soft-cap alone stays in the fused tiles; bias with top-k, the mask with top-p and top
+/// raw log-probabilities, penalties with min-p take the materialised path), tokens from
+/// `sample`, and tokens, both log-probabilities (bit for bit) and the top entries from
+/// `sample_with_logprobs`, against `CudaSampler::sample_processed_into`.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn adapter_processing_equals_the_owned_apis() {
@@ -142,7 +145,7 @@ fn adapter_processing_equals_the_owned_apis() {
     let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.9, 78, b as u32, 2)).collect();
     let mut mask = vec![0u32; vocab.div_ceil(32)];
     (0..vocab).filter(|i| i % 3 != 0).for_each(|i| mask[i / 32] |= 1 << (i % 32));
-    let processing = vec![
+    let per_entry = vec![
         Processing { softcap: Some(1.0), ..Processing::default() },
         Processing { bias: (0..vocab as u32).step_by(97).map(|t| (t, 3.0)).collect(), ..Processing::default() },
         Processing { mask: Some(mask), ..Processing::default() },
@@ -152,29 +155,45 @@ fn adapter_processing_equals_the_owned_apis() {
             ..Processing::default()
         },
     ];
-    let mut sampler = CandleSampler::new(&device, &params).unwrap();
-    sampler.set_processing(&processing).unwrap();
-    let adapter = sampler.sample(&hidden, &tiny.lm_head, 32).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let mut truncating = per_entry.clone();
+    truncating[1].top_k = Some(50);
+    (truncating[2].top_p, truncating[2].top_logprobs) = (0.8, 5);
+    truncating[3].min_p = 0.1;
     let owned = CudaSampler::new().unwrap();
     let head = owned.upload_lm_head(&to_matrix("lm_head", &tiny.lm_head)).unwrap();
     let device_hidden = owned.upload_hidden(&to_matrix("hidden", &hidden)).unwrap();
     let rows = owned.upload_rows(&params).unwrap();
-    let device_processing = owned.upload_processing(&processing, vocab).unwrap();
-    let mut out = owned.processed_outputs(BATCH, 32, false).unwrap();
-    owned
-        .sample_processed_into(
-            &head,
-            &device_hidden,
-            &rows,
-            &device_processing,
-            Draws::first(32),
-            Variant::Auto,
-            &mut out,
-        )
-        .unwrap();
-    assert_eq!(adapter, owned.processed_to_host(&out).unwrap().tokens);
-    let mut top_k = processing.clone();
-    top_k[2].top_k = Some(5);
-    let refused = sampler.set_processing(&top_k).unwrap_err().to_string();
-    assert!(refused.contains("processing[2]"), "{refused}");
+    let owned_sample = |processing: &[Processing], logprobs: bool| {
+        let device_processing = owned.upload_processing(processing, vocab).unwrap();
+        let mut out = owned.processed_outputs(BATCH, 32, logprobs).unwrap();
+        let draws = Draws::first(32);
+        owned
+            .sample_processed_into(&head, &device_hidden, &rows, &device_processing, draws, Variant::Auto, &mut out)
+            .unwrap();
+        owned.processed_to_host(&out).unwrap()
+    };
+    let mut sampler = CandleSampler::new(&device, &params).unwrap();
+    let flat_u32 = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let flat_bits =
+        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for processing in [&per_entry, &truncating] {
+        sampler.set_processing(processing).unwrap();
+        let want = owned_sample(processing, true);
+        if processing.iter().all(|p| p.top_logprobs == 0) {
+            let tokens = flat_u32(&sampler.sample(&hidden, &tiny.lm_head, 32).unwrap());
+            assert_eq!(tokens, owned_sample(processing, false).tokens);
+        }
+        let got = sampler.sample_with_logprobs(&hidden, &tiny.lm_head, 32).unwrap();
+        assert_eq!(flat_u32(&got.tokens), want.tokens);
+        assert_eq!(flat_bits(&got.logprobs), want.logprobs.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        let processed: Vec<u32> = want.processed_logprobs.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(flat_bits(&got.processed_logprobs), processed);
+        // Per row 20 (token, bits) pairs.
+        let top = flat_u32(&got.top_logprobs);
+        for (b, row) in want.top_logprobs.iter().enumerate() {
+            assert_eq!(row.len(), processing[b].top_logprobs as usize, "row {b}");
+            let expected: Vec<u32> = row.iter().flat_map(|&(t, lp)| [t, lp.to_bits()]).collect();
+            assert_eq!(&top[b * 40..b * 40 + expected.len()], &expected[..], "row {b}");
+        }
+    }
 }

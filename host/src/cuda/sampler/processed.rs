@@ -56,9 +56,19 @@ pub struct DeviceProcessing {
 /// and processed log-probabilities and each row's top raw log-probabilities.
 pub struct ProcessedOutputs {
     pub tokens: DeviceTokens,
-    /// The log-probabilities in the layout of
+    /// The log-probabilities, then the top log-probabilities, in the layouts of
     /// [`ProcessedTarget::Tokens`](crate::ProcessedTarget::Tokens).
     logprobs: Option<DeviceBuffer<f32>>,
+}
+
+impl ProcessedOutputs {
+    /// The device addresses of the log-probabilities and the top log-probabilities (0 for
+    /// none).
+    fn logprobs_addresses(&self) -> (u64, u64) {
+        let Some(values) = &self.logprobs else { return (0, 0) };
+        let at = values.ptr().address();
+        (at, at + ProcessedRequest::logprobs_bytes(self.tokens.rows, self.tokens.samples) as u64)
+    }
 }
 
 /// A vocabulary shard: the LM head's rows are the tokens `vocab_offset ..` of a vocabulary of
@@ -269,7 +279,7 @@ impl CudaSampler {
     /// are processed in place: half the workspace and less work.
     pub fn processed_outputs(&self, rows: usize, samples: usize, logprobs: bool) -> Result<ProcessedOutputs> {
         let tokens = self.tokens(rows, samples)?;
-        let len = ProcessedRequest::logprobs_bytes(rows, samples) / 4;
+        let len = (ProcessedRequest::logprobs_bytes(rows, samples) + ProcessedRequest::top_logprobs_bytes(rows)) / 4;
         let logprobs = match logprobs {
             // SAFETY: the kernels write every value before it is read.
             true => Some(unsafe { DeviceBuffer::<f32>::uninitialized(&self.stream, len, "log-probabilities")? }),
@@ -367,8 +377,8 @@ impl CudaSampler {
         let draws = draws.check()?;
         self.check_device_rows(lm_head, hidden, rows, draws.count)?;
         check_outputs(out, hidden.rows(), draws.count)?;
-        let logprobs = out.logprobs.as_ref().map_or(0, |values| values.ptr().address());
-        let target = ProcessedTarget::Tokens { tokens: out.tokens.address(), logprobs };
+        let (logprobs, top_logprobs) = out.logprobs_addresses();
+        let target = ProcessedTarget::Tokens { tokens: out.tokens.address(), logprobs, top_logprobs };
         let request = processed_request(lm_head, hidden, rows, processing, draws, variant, target);
         // SAFETY: every address comes from a live buffer of this sampler holding the request's
         // extents (checked above and by the plan).
@@ -444,7 +454,8 @@ impl CudaSampler {
             row_params: rows.address(),
             processing: processing.on_device(),
             tokens: out.tokens.address(),
-            out_logprobs: out.logprobs.as_ref().map_or(0, |values| values.ptr().address()),
+            out_logprobs: out.logprobs_addresses().0,
+            out_top_logprobs: out.logprobs_addresses().1,
         };
         // SAFETY: the parts, rows, processing and outputs are live buffers of this sampler on
         // its stream, with the extents the request names (checked by the merge).
@@ -458,12 +469,14 @@ impl CudaSampler {
         self.make_current()?;
         self.synchronize("processed sampling")?;
         let tokens = out.tokens.buffer.to_host(&self.stream, "tokens")?;
-        let logprobs = match &out.logprobs {
-            Some(values) => Some(values.to_host(&self.stream, "log-probabilities")?),
-            None => None,
+        let values = match &out.logprobs {
+            Some(values) => values.to_host(&self.stream, "log-probabilities")?,
+            None => return Sampled::from_processed_outputs(out.tokens.samples, tokens, None, None),
         };
-        let bytes = logprobs.as_deref().map(bytemuck::cast_slice::<f32, u8>);
-        Sampled::from_processed_outputs(out.tokens.samples, tokens, bytes)
+        let (logprobs, top) =
+            values.split_at(ProcessedRequest::logprobs_bytes(out.tokens.rows, out.tokens.samples) / 4);
+        let top: Vec<u32> = top.iter().map(|v| v.to_bits()).collect();
+        Sampled::from_processed_outputs(out.tokens.samples, tokens, Some(logprobs), Some(&top))
     }
 }
 

@@ -70,10 +70,13 @@ pub enum ProcessedTarget {
     /// `[B, draws.count]` u32 tokens (rows without a token hold their status's sentinel, as
     /// [`SampleRequest::tokens`]) and, unless `logprobs` is 0, the tokens' log-probabilities
     /// at `logprobs` (4-byte aligned, [`ProcessedRequest::logprobs_bytes`]): `[B, N]` f32 under
-    /// the raw logits, `[B, N]` f32 under the distribution drawn from, then `[B,
-    /// MAX_TOP_LOGPROBS]` [`TopLogprob`] (each row's top raw entries by decreasing
-    /// log-probability, as many as its processing asks for, the rest `NO_TOKEN`).
-    Tokens { tokens: u64, logprobs: u64 },
+    /// the raw logits, then `[B, N]` f32 under the distribution drawn from; and, unless
+    /// `top_logprobs` is 0 (it may be only when no row asks for top entries), `[B,
+    /// MAX_TOP_LOGPROBS]` [`TopLogprob`] at `top_logprobs` (4-byte aligned,
+    /// [`ProcessedRequest::top_logprobs_bytes`]): each row's top raw entries by decreasing
+    /// log-probability, as many as its processing asks for, the rest `NO_TOKEN`. Top entries
+    /// need `logprobs`.
+    Tokens { tokens: u64, logprobs: u64, top_logprobs: u64 },
     /// `W` is a vocabulary shard, its row `r` the token `vocab_offset + r` of a vocabulary of
     /// `vocab`: the call writes the shard's part for the shard merge at `part` (16-byte
     /// aligned, `ShardPartLayout::of(B, N, logprobs).bytes`).
@@ -99,10 +102,14 @@ pub struct ProcessedRequest {
 }
 
 impl ProcessedRequest {
-    /// Bytes of the log-probability outputs of `rows × samples` draws
-    /// ([`ProcessedTarget::Tokens`]).
+    /// Bytes of the log-probabilities of `rows × samples` draws ([`ProcessedTarget::Tokens`]).
     pub fn logprobs_bytes(rows: usize, samples: usize) -> usize {
-        2 * rows * samples * 4 + rows * MAX_TOP_LOGPROBS as usize * size_of::<TopLogprob>()
+        2 * rows * samples * size_of::<f32>()
+    }
+
+    /// Bytes of the top log-probabilities of `rows` rows ([`ProcessedTarget::Tokens`]).
+    pub fn top_logprobs_bytes(rows: usize) -> usize {
+        rows * MAX_TOP_LOGPROBS as usize * size_of::<TopLogprob>()
     }
 
     fn logprobs(&self) -> bool {
@@ -157,10 +164,16 @@ impl ProcessedRequest {
 
 impl Sampled {
     /// A processed call's outputs read back to the host: `[B, draws]` `tokens` and, if the
-    /// call had them, the bytes of its log-probability outputs (the layout of
-    /// [`ProcessedTarget::Tokens`], [`ProcessedRequest::logprobs_bytes`] long). Rows without a
+    /// call had them, its log-probabilities (`[B, draws]` raw, then `[B, draws]` processed) and
+    /// top log-probabilities as words (`[B, MAX_TOP_LOGPROBS]` pairs of a token and its
+    /// log-probability's bits): the layouts of [`ProcessedTarget::Tokens`]. Rows without a
     /// token keep their sentinels ([`Sampled::rows_without_token`]).
-    pub fn from_processed_outputs(draws: usize, tokens: Vec<u32>, logprobs: Option<&[u8]>) -> Result<Sampled> {
+    pub fn from_processed_outputs(
+        draws: usize,
+        tokens: Vec<u32>,
+        logprobs: Option<&[f32]>,
+        top_logprobs: Option<&[u32]>,
+    ) -> Result<Sampled> {
         let (slots, rows) = (tokens.len(), tokens.len().checked_div(draws).unwrap_or(0));
         let mut sampled = Sampled {
             draws,
@@ -169,26 +182,31 @@ impl Sampled {
             processed_logprobs: Vec::new(),
             top_logprobs: vec![Vec::new(); rows],
         };
-        let Some(bytes) = logprobs else { return Ok(sampled) };
-        if bytes.len() != ProcessedRequest::logprobs_bytes(rows, draws) {
-            return Err(invalid(
-                "logprobs",
-                format!(
-                    "{} bytes: [{rows}, {draws}] draws have {}",
-                    bytes.len(),
-                    ProcessedRequest::logprobs_bytes(rows, draws)
-                ),
-            ));
+        if let Some(values) = logprobs {
+            if values.len() != 2 * slots {
+                return Err(invalid(
+                    "logprobs",
+                    format!("{} values for [{rows}, {draws}] draws: 2 per draw", values.len()),
+                ));
+            }
+            sampled.logprobs = values[..slots].to_vec();
+            sampled.processed_logprobs = values[slots..].to_vec();
         }
-        let word = |at: usize| u32::from_ne_bytes(bytes[4 * at..4 * at + 4].try_into().expect("four bytes"));
-        sampled.logprobs = (0..slots).map(|k| f32::from_bits(word(k))).collect();
-        sampled.processed_logprobs = (slots..2 * slots).map(|k| f32::from_bits(word(k))).collect();
-        for (row, top) in sampled.top_logprobs.iter_mut().enumerate() {
-            let first = 2 * slots + 2 * row * MAX_TOP_LOGPROBS as usize;
-            *top = (0..MAX_TOP_LOGPROBS as usize)
-                .map(|k| (word(first + 2 * k), f32::from_bits(word(first + 2 * k + 1))))
-                .take_while(|&(token, _)| token != NO_TOKEN)
-                .collect();
+        if let Some(words) = top_logprobs {
+            let per_row = 2 * MAX_TOP_LOGPROBS as usize;
+            if words.len() != rows * per_row {
+                return Err(invalid(
+                    "top_logprobs",
+                    format!("{} words for {rows} rows: {per_row} per row", words.len()),
+                ));
+            }
+            for (top, row) in sampled.top_logprobs.iter_mut().zip(words.chunks(per_row)) {
+                *top = row
+                    .chunks(2)
+                    .map(|pair| (pair[0], f32::from_bits(pair[1])))
+                    .take_while(|&(token, _)| token != NO_TOKEN)
+                    .collect();
+            }
         }
         Ok(sampled)
     }
@@ -196,8 +214,9 @@ impl Sampled {
 
 /// The shard merge in device memory: the parts of `shards` vocabulary shards, side by side
 /// from `parts` (each `ShardPartLayout::of(B, N, logprobs).bytes`, written by stage 1 or
-/// gathered from other devices), become tokens and, unless `out.logprobs` is 0, their
-/// log-probabilities (layout of [`ProcessedTarget::Tokens`]).
+/// gathered from other devices), become tokens and, unless `out_logprobs` is 0, their
+/// log-probabilities, with top log-probabilities unless `out_top_logprobs` is 0 (the layouts
+/// of [`ProcessedTarget::Tokens`]).
 #[derive(Clone, Copy, Debug)]
 pub struct ShardMergeRequest {
     pub parts: u64,
@@ -211,9 +230,10 @@ pub struct ShardMergeRequest {
     /// `[B]` row parameters, as in stage 1.
     pub row_params: u64,
     pub processing: ProcessingRef,
-    /// `tokens` and `logprobs` of [`ProcessedTarget::Tokens`].
+    /// `tokens`, `logprobs` and `top_logprobs` of [`ProcessedTarget::Tokens`].
     pub tokens: u64,
     pub out_logprobs: u64,
+    pub out_top_logprobs: u64,
 }
 
 /// A materialised call's launch plan and where its scratch lies in the workspace (byte
@@ -288,9 +308,6 @@ impl StreamSampler {
                 ),
             ));
         }
-        if processing.top_logprobs && !request.logprobs() {
-            return Err(invalid("target", "top log-probabilities need room for log-probabilities"));
-        }
         if let Some(row) = processing.truncating
             && request.lm_head.rows != vocab
         {
@@ -303,9 +320,10 @@ impl StreamSampler {
             ));
         }
         match request.target {
-            ProcessedTarget::Tokens { logprobs, .. } if logprobs != 0 => check_address("logprobs", logprobs, 4)?,
+            ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } => {
+                check_outputs(tokens, logprobs, top_logprobs, processing.top_logprobs)?
+            }
             ProcessedTarget::Shard { part, .. } => check_address("part", part, 16)?,
-            ProcessedTarget::Tokens { .. } => {}
         }
         if let Some(fused) = request.fused() {
             return Ok(ProcessedPlan::Fused(fused, self.plan_call(&fused)?));
@@ -358,9 +376,25 @@ impl StreamSampler {
     ) -> Result<()> {
         let plan = self.plan_processed(request)?;
         // SAFETY: per this function's contract.
+        unsafe { self.sample_processed_planned(stream.cast(), request, &plan, workspace) }
+    }
+
+    /// [`StreamSampler::sample_processed`] of a request already planned by
+    /// [`StreamSampler::plan_processed`].
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample_processed`]; `plan` is `request`'s.
+    pub(crate) unsafe fn sample_processed_planned(
+        &self,
+        stream: sys::CUstream,
+        request: &ProcessedRequest,
+        plan: &ProcessedPlan,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        // SAFETY: per this function's contract.
         unsafe {
             driver::in_context(self.context, || {
-                self.enqueue_processed(stream.cast(), request, &plan, TensorMaps::Store, workspace)
+                self.enqueue_processed(stream, request, plan, TensorMaps::Store, workspace)
             })
         }
     }
@@ -393,25 +427,13 @@ impl StreamSampler {
         }
         check_address("parts", request.parts, 16)?;
         check_address("row_params", request.row_params, align_of::<RowParams>())?;
-        check_address("tokens", request.tokens, 4)?;
-        if request.out_logprobs != 0 {
-            check_address("out_logprobs", request.out_logprobs, 4)?;
-            if !request.logprobs {
-                return Err(invalid(
-                    "out_logprobs",
-                    "has room for log-probabilities; the parts were made without them",
-                ));
-            }
-        } else if request.processing.top_logprobs {
-            return Err(invalid("out_logprobs", "null, but a row asks for its top log-probabilities"));
+        check_outputs(request.tokens, request.out_logprobs, request.out_top_logprobs, request.processing.top_logprobs)?;
+        if request.out_logprobs != 0 && !request.logprobs {
+            return Err(invalid("out_logprobs", "has room for log-probabilities; the parts were made without them"));
         }
         let layout = ShardPartLayout::of(batch, request.samples, request.logprobs);
         // SAFETY: per this function's contract.
-        unsafe {
-            driver::in_context(self.context, || {
-                self.queue_merge(stream.cast(), request.parts, &layout, request, request.tokens, request.out_logprobs)
-            })
-        }
+        unsafe { driver::in_context(self.context, || self.queue_merge(stream.cast(), &layout, request)) }
     }
 
     /// Queues a planned processed request; the context is current.
@@ -510,7 +532,7 @@ impl StreamSampler {
                 ReduceTarget::Winners(target),
             )?
         };
-        let ProcessedTarget::Tokens { tokens, logprobs } = request.target else { return Ok(()) };
+        let ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } = request.target else { return Ok(()) };
         let merge = ShardMergeRequest {
             parts: part.address(),
             shards: 1,
@@ -521,9 +543,10 @@ impl StreamSampler {
             processing: request.processing,
             tokens,
             out_logprobs: logprobs,
+            out_top_logprobs: top_logprobs,
         };
         // SAFETY: stage 1 just wrote the one part on this stream.
-        unsafe { self.queue_merge(stream, part.address(), &part_layout, &merge, tokens, logprobs) }
+        unsafe { self.queue_merge(stream, &part_layout, &merge) }
     }
 
     /// The unfused pipeline on a request without processing: the GEMM of `variant` (an mma
@@ -694,35 +717,27 @@ impl StreamSampler {
         }
     }
 
-    /// Queues the merge kernel over `parts` (of `layout`) into `tokens` and `logprobs`.
+    /// Queues the merge kernel over `request`'s parts (of `layout`) into its outputs.
     ///
     /// # Safety
     /// The context is current; as [`StreamSampler::merge_shards`].
     unsafe fn queue_merge(
         &self,
         stream: sys::CUstream,
-        parts: u64,
         layout: &ShardPartLayout,
         request: &ShardMergeRequest,
-        tokens: u64,
-        logprobs: u64,
     ) -> Result<()> {
         let slots = (request.rows * request.samples as usize) as u64;
-        let (raw, processed, top) = match logprobs {
-            0 => (DevicePtr::NULL, DevicePtr::NULL, DevicePtr::NULL),
-            at => {
-                let raw = DevicePtr::<f32>::new(at);
-                (raw, raw.add(slots), raw.add(2 * slots).cast::<TopLogprob>())
-            }
-        };
+        let raw = DevicePtr::<f32>::new(request.out_logprobs);
+        let processed = raw.add_unless_null(slots);
         let args = ShardMergeArgs {
-            parts: DevicePtr::new(parts),
+            parts: DevicePtr::new(request.parts),
             row_params: DevicePtr::new(request.row_params),
             processing: request.processing.blocks(),
-            tokens: DevicePtr::new(tokens),
+            tokens: DevicePtr::new(request.tokens),
             logprobs: raw,
             processed_logprobs: processed,
-            top,
+            top: DevicePtr::new(request.out_top_logprobs),
             part_sums: layout.sums,
             part_top: layout.top,
             part_bytes: layout.bytes,
@@ -788,5 +803,21 @@ fn materialised_plan(
         tile_sums_at,
         part_at,
         workspace_bytes: part_at + part,
+    }
+}
+
+/// The rules of a call's outputs: tokens, and log-probabilities and top entries where asked
+/// (`top_asked`: a row asks for top entries), 4-byte aligned; top entries need
+/// log-probabilities.
+fn check_outputs(tokens: u64, logprobs: u64, top_logprobs: u64, top_asked: bool) -> Result<()> {
+    check_address("tokens", tokens, 4)?;
+    if logprobs != 0 {
+        check_address("logprobs", logprobs, 4)?;
+    }
+    match top_logprobs {
+        0 if top_asked => Err(invalid("top_logprobs", "null, but a row asks for its top log-probabilities")),
+        0 => Ok(()),
+        _ if logprobs == 0 => Err(invalid("top_logprobs", "top entries need log-probabilities: logprobs is null")),
+        at => check_address("top_logprobs", at, 4),
     }
 }

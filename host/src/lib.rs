@@ -37,7 +37,7 @@ pub use cuda::{
     VocabShard, cuda_device_count,
 };
 #[cfg(feature = "nccl")]
-pub use cuda::{TensorParallelSampler, nccl_library_present};
+pub use cuda::{NcclId, RankInputs, RankStep, TensorParallelRank, TensorParallelSampler, nccl_library_present};
 /// The cudarc this crate is built with: the safe wrappers of borrowed mode take its
 /// `CudaStream` and `CudaSlice`.
 pub use cudarc;

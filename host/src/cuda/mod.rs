@@ -31,4 +31,6 @@ pub use stream::{
     ShardMergeRequest, ShardTarget, StreamSampler, StreamWorkspace,
 };
 #[cfg(feature = "nccl")]
-pub use tensor_parallel::{TensorParallelSampler, nccl_library_present};
+pub use tensor_parallel::{
+    NcclId, RankInputs, RankStep, TensorParallelRank, TensorParallelSampler, nccl_library_present,
+};

@@ -4,25 +4,38 @@
 //! logits, per row the log-sum-exp terms and top raw entries: a few hundred bytes per row, no
 //! logits); every GPU then runs the shard merge and holds the tokens.
 //!
+//! Two ways in: [`TensorParallelSampler`] drives every GPU from one process (one thread), with
+//! its own buffers and streams; [`TensorParallelRank`] is one rank as engines run them, one
+//! process (or thread) per GPU, in borrowed mode on the engine's stream and memory, with a
+//! communicator joined from a shared [`NcclId`] or the engine's own. Both queue the same
+//! three steps: stage 1 into the rank's part of a gather buffer, NCCL's in-place all-gather
+//! ([`queue_all_gather`]), the shard merge.
+//!
 //! NCCL is opened at run time (cudarc's loader, by the names `cudarc::get_lib_name_candidates`
 //! gives: `libnccl.so` and the like); a machine without it gets [`Error::Nccl`], never a
 //! panic. A collective that does not finish within the sampler's timeout aborts the
 //! communicators and reports the rank that did not finish.
 
+use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys as nccl_sys;
 
-use super::buffers::CudaLmHead;
-use super::sampler::{CudaSampler, VocabShard};
+use super::buffers::{CudaHidden, CudaLmHead, DeviceRows};
+use super::driver;
+use super::sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard};
+use super::stream::{
+    DeviceMatrix, DeviceWorkspace, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, StreamSampler,
+};
 use crate::Variant;
 use crate::cpu::Sampled;
 use crate::error::{Error, Result, invalid};
 use crate::params::{Draws, HeadShape, SamplingParams, check_processing_rows, check_request};
 use crate::process::Processing;
 use crate::tensor::Matrix;
+use flashsample_core::abi::ShardPartLayout;
 
 /// How long a call waits for its collective and merge before it aborts the communicators.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -76,14 +89,7 @@ impl TensorParallelSampler {
         }
         let vocab = lm_head.rows();
         let bounds = VocabShard::bounds(vocab, devices.len())?;
-        if !nccl_library_present() {
-            let names = cudarc::get_lib_name_candidates("nccl");
-            return Err(Error::Nccl {
-                rank: None,
-                call: "open the NCCL library".into(),
-                detail: format!("none of {names:?} on the loader's path (LD_LIBRARY_PATH)"),
-            });
-        }
+        check_nccl_library()?;
         let mut ranks = Vec::with_capacity(devices.len());
         for (r, &device) in devices.iter().enumerate() {
             let sampler = CudaSampler::on_device(device)?;
@@ -116,6 +122,13 @@ impl TensorParallelSampler {
         self.timeout = timeout;
     }
 
+    /// Rank `r`'s sampler: its device, its stream (every call queues there) and the uploads a
+    /// step's inputs need ([`CudaSampler::upload_hidden`], `upload_rows`, `upload_processing`,
+    /// `shard_parts`, `processed_outputs`).
+    pub fn sampler(&self, r: usize) -> &CudaSampler {
+        &self.ranks[r].sampler
+    }
+
     /// The draws `draws` of each row of `hidden` (replicated to every GPU) with the row's
     /// processing and log-probabilities: stage 1 on every GPU over its shard, the all-gather of
     /// the parts, and the shard merge on every GPU. Returns each rank's result (all the same:
@@ -128,6 +141,38 @@ impl TensorParallelSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Vec<Sampled>> {
+        let draws = draws.check()?;
+        let shape = self.ranks[0].head.shape();
+        check_request(HeadShape { vocab: self.vocab, ..shape }, hidden.shape(), params, draws.count)?;
+        check_processing_rows(processing.len(), params.len())?;
+        let (batch, count, world) = (params.len(), draws.count as usize, self.ranks.len());
+        let mut staged = Vec::with_capacity(world);
+        for rank in &self.ranks {
+            let sampler = &rank.sampler;
+            let inputs = (
+                sampler.upload_hidden(hidden)?,
+                sampler.upload_rows(params)?,
+                sampler.upload_processing(processing, self.vocab)?,
+            );
+            let buffers =
+                (sampler.shard_parts(world, batch, count, true)?, sampler.processed_outputs(batch, count, true)?);
+            staged.push((inputs, buffers));
+        }
+        let mut steps: Vec<RankInputs> = staged
+            .iter_mut()
+            .map(|((hidden, rows, processing), (parts, out))| RankInputs { hidden, rows, processing, parts, out })
+            .collect();
+        self.sample_into(&mut steps, draws)?;
+        self.wait()?;
+        self.ranks.iter().zip(&staged).map(|(rank, (_, (_, out)))| rank.sampler.processed_to_host(out)).collect()
+    }
+
+    /// Queues one step with inputs and outputs already on the GPUs (`inputs[r]` on rank `r`'s
+    /// device, made by [`TensorParallelSampler::sampler`]`(r)`; `parts` with room for every
+    /// rank's part of `[B, draws.count]` draws): stage 1 on every rank into its own part, the
+    /// all-gather, the merge into each rank's `out`. Nothing is copied from the host and
+    /// nothing waits; [`TensorParallelSampler::wait`] waits with the timeout.
+    pub fn sample_into(&mut self, inputs: &mut [RankInputs], draws: Draws) -> Result<()> {
         if self.aborted {
             return Err(Error::Nccl {
                 rank: None,
@@ -135,72 +180,45 @@ impl TensorParallelSampler {
                 detail: "the communicators were aborted after an earlier failure; make a new sampler".into(),
             });
         }
-        let draws = draws.check()?;
-        let shape = self.ranks[0].head.shape();
-        check_request(HeadShape { vocab: self.vocab, ..shape }, hidden.shape(), params, draws.count)?;
-        check_processing_rows(processing.len(), params.len())?;
-        let (batch, count, world) = (params.len(), draws.count as usize, self.ranks.len());
-        let mut staged = Vec::with_capacity(world);
-        for (r, rank) in self.ranks.iter().enumerate() {
-            let sampler = &rank.sampler;
-            let device_processing = sampler.upload_processing(processing, self.vocab)?;
-            let on_device = sampler.upload_hidden(hidden)?;
-            let rows = sampler.upload_rows(params)?;
-            let mut parts = sampler.shard_parts(world, batch, count, true)?;
-            let (variant, shard) = (Variant::Auto, rank.shard);
-            sampler.sample_shard_into(
-                &rank.head,
-                shard,
-                &on_device,
-                &rows,
-                &device_processing,
-                draws,
-                variant,
-                &mut parts,
-                r,
-            )?;
-            staged.push((device_processing, rows, parts));
+        let world = self.ranks.len();
+        if inputs.len() != world {
+            return Err(invalid("inputs", format!("{} entries for {world} ranks: one per rank", inputs.len())));
         }
-        // Each rank sends its own part (NCCL's in-place all-gather).
-        let own: Vec<u64> =
-            staged.iter().enumerate().map(|(r, (_, _, parts))| parts.part_address(r)).collect::<Result<_>>()?;
+        for (r, (rank, step)) in self.ranks.iter().zip(inputs.iter_mut()).enumerate() {
+            if step.parts.shards() != world {
+                return Err(invalid(
+                    format!("inputs[{r}].parts"),
+                    format!("room for {} parts; {world} ranks send one each", step.parts.shards()),
+                ));
+            }
+            let (variant, shard) = (Variant::Auto, rank.shard);
+            let RankInputs { hidden, rows, processing, parts, .. } = step;
+            rank.sampler.sample_shard_into(&rank.head, shard, hidden, rows, processing, draws, variant, parts, r)?;
+        }
         nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
-        for (r, (rank, (_, _, parts))) in self.ranks.iter().zip(&staged).enumerate() {
-            let (bytes, own) = (parts.part_bytes(), own[r]);
+        for (r, (rank, step)) in self.ranks.iter().zip(inputs.iter()).enumerate() {
             let stream = rank.sampler.stream().cu_stream();
-            // SAFETY: the parts buffer holds `world` parts of `bytes` on this rank's device; the
-            // send buffer is this rank's own part inside it (NCCL's in-place all-gather), and the
-            // stream is the one stage 1 ran on, so the gather follows it.
-            let queued = unsafe {
-                nccl::all_gather(
-                    own as *const _,
-                    parts.address() as *mut _,
-                    bytes,
-                    nccl_sys::ncclDataType_t::ncclUint8,
-                    rank.comm,
-                    stream as nccl_sys::cudaStream_t,
-                )
-            };
+            let (parts, bytes) = (step.parts.address(), step.parts.part_bytes());
+            // SAFETY: the parts buffer holds `world` parts of `bytes` on this rank's device, and
+            // the stream is the one stage 1 ran on, so the gather follows it.
+            let queued = unsafe { queue_all_gather(rank.comm, stream.cast(), parts, bytes, r) };
             if let Err(e) = queued {
                 // Leave the group before reporting, so that NCCL's state stays consistent.
                 let _ = nccl::group_end();
-                return Err(nccl_error(Some(r), "ncclAllGather", e));
+                return Err(e);
             }
         }
         nccl::group_end().map_err(|e| nccl_error(None, "ncclGroupEnd", e))?;
-        let mut outputs = Vec::with_capacity(world);
-        for (rank, (device_processing, rows, parts)) in self.ranks.iter().zip(&staged) {
-            let mut out = rank.sampler.processed_outputs(batch, count, true)?;
-            rank.sampler.merge_shards_into(parts, rows, device_processing, &mut out)?;
-            outputs.push(out);
+        for (rank, step) in self.ranks.iter().zip(inputs.iter_mut()) {
+            let RankInputs { rows, processing, parts, out, .. } = step;
+            rank.sampler.merge_shards_into(parts, rows, processing, out)?;
         }
-        self.wait_all()?;
-        self.ranks.iter().zip(&outputs).map(|(rank, out)| rank.sampler.processed_to_host(out)).collect()
+        Ok(())
     }
 
     /// Waits until every rank's stream has run its work, polling NCCL for asynchronous errors;
     /// past the timeout, aborts the communicators and names the first rank not done.
-    fn wait_all(&mut self) -> Result<()> {
+    pub fn wait(&mut self) -> Result<()> {
         let start = Instant::now();
         let mut pending: Vec<usize> = (0..self.ranks.len()).collect();
         while !pending.is_empty() {
@@ -288,6 +306,272 @@ impl TensorParallelSampler {
         }
         first
     }
+}
+
+/// One rank's inputs and outputs of [`TensorParallelSampler::sample_into`], on its GPU.
+pub struct RankInputs<'a> {
+    pub hidden: &'a CudaHidden,
+    pub rows: &'a DeviceRows,
+    pub processing: &'a DeviceProcessing,
+    /// Room for every rank's part (`shard_parts(ranks, B, N, logprobs)`).
+    pub parts: &'a mut ShardParts,
+    pub out: &'a mut ProcessedOutputs,
+}
+
+/// Queues NCCL's in-place all-gather of `ranks` parts of `part_bytes` at `parts`, rank `rank`
+/// sending its own, on `stream`.
+///
+/// # Safety
+/// `comm` is a live communicator of the stream's device; `parts` holds `ranks · part_bytes`
+/// bytes of that device, used on `stream` until the gather has run.
+unsafe fn queue_all_gather(
+    comm: nccl_sys::ncclComm_t,
+    stream: *mut c_void,
+    parts: u64,
+    part_bytes: usize,
+    rank: usize,
+) -> Result<()> {
+    let own = parts + (rank * part_bytes) as u64;
+    // SAFETY: per this function's contract; the send buffer is this rank's part inside the
+    // receive buffer (NCCL's in-place all-gather).
+    unsafe {
+        nccl::all_gather(
+            own as *const _,
+            parts as *mut _,
+            part_bytes,
+            nccl_sys::ncclDataType_t::ncclUint8,
+            comm,
+            stream as nccl_sys::cudaStream_t,
+        )
+    }
+    .map(|_| ())
+    .map_err(|e| nccl_error(Some(rank), "ncclAllGather", e))
+}
+
+/// NCCL's unique id of a communicator: one rank makes it ([`NcclId::new`]) and the engine
+/// hands its bytes to every other rank ([`NcclId::from_bytes`]), as it hands its own.
+#[derive(Clone, Copy)]
+pub struct NcclId(nccl_sys::ncclUniqueId);
+
+impl NcclId {
+    /// A fresh id (`ncclGetUniqueId`); [`Error::Nccl`] without the library.
+    pub fn new() -> Result<NcclId> {
+        check_nccl_library()?;
+        nccl::get_uniqueid().map(NcclId).map_err(|e| nccl_error(None, "ncclGetUniqueId", e))
+    }
+
+    pub fn to_bytes(&self) -> [u8; 128] {
+        self.0.internal.map(|c| c as u8)
+    }
+
+    pub fn from_bytes(bytes: [u8; 128]) -> NcclId {
+        NcclId(nccl_sys::ncclUniqueId { internal: bytes.map(|b| b as _) })
+    }
+}
+
+/// One rank of tensor-parallel sampling as engines run them: one process (or thread) per GPU,
+/// the engine's context, stream and device memory (borrowed mode), and one NCCL communicator.
+/// [`TensorParallelRank::sample`] queues stage 1 of the rank's vocabulary shard into its part
+/// of a gather buffer, the in-place all-gather and the shard merge on the caller's stream;
+/// every rank ends with the same tokens and log-probabilities.
+pub struct TensorParallelRank {
+    comm: nccl_sys::ncclComm_t,
+    rank: usize,
+    ranks: usize,
+    /// Whether the communicator was made here (and is destroyed here).
+    owned: bool,
+}
+
+// SAFETY: a communicator may be used from any thread, one call at a time (`&self` calls only
+// queue work on the caller's stream).
+unsafe impl Send for TensorParallelRank {}
+
+/// One step of a [`TensorParallelRank`]: the rank's shard, the replicated inputs, the gather
+/// buffer and the outputs, all device memory of the rank's context.
+#[derive(Clone, Copy, Debug)]
+pub struct RankStep {
+    /// This rank's shard of `W`: its rows are the tokens `vocab_offset ..` (a multiple of 4).
+    pub lm_head: DeviceMatrix,
+    pub vocab_offset: usize,
+    /// The whole vocabulary.
+    pub vocab: usize,
+    pub hidden: DeviceMatrix,
+    pub row_params: u64,
+    pub draws: Draws,
+    pub variant: Variant,
+    pub processing: ProcessingRef,
+    /// `ranks` parts side by side ([`TensorParallelRank::parts_bytes`], 16-byte aligned).
+    pub parts: u64,
+    /// Whether the parts carry log-sum-exp terms and top entries (log-probabilities).
+    pub logprobs: bool,
+    /// The merge's outputs, as [`ShardMergeRequest`]'s.
+    pub tokens: u64,
+    pub out_logprobs: u64,
+    pub out_top_logprobs: u64,
+}
+
+impl TensorParallelRank {
+    /// Joins the communicator of `ranks` ranks named by `id` as rank `rank`, on the GPU of
+    /// `kernels`' context; returns once every rank has joined (`ncclCommInitRank`).
+    pub fn join(kernels: &StreamSampler, id: &NcclId, rank: usize, ranks: usize) -> Result<TensorParallelRank> {
+        if rank >= ranks || ranks > i32::MAX as usize {
+            return Err(invalid("rank", format!("{rank} of {ranks} ranks: must be below the count")));
+        }
+        check_nccl_library()?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: the sampler's context is live; NCCL takes the device current in it.
+        unsafe {
+            driver::in_context(kernels.context().cast(), || {
+                nccl::comm_init_rank(&mut comm, ranks as i32, id.0, rank as i32)
+                    .map_err(|e| nccl_error(Some(rank), "ncclCommInitRank", e))
+            })?
+        };
+        Ok(TensorParallelRank { comm, rank, ranks, owned: true })
+    }
+
+    /// A rank on the engine's own communicator (an `ncclComm_t`), which stays the engine's:
+    /// [`TensorParallelRank::close`] leaves it alive.
+    ///
+    /// # Safety
+    /// `comm` is a live communicator that outlives this rank.
+    pub unsafe fn with_comm(comm: *mut c_void) -> Result<TensorParallelRank> {
+        check_nccl_library()?;
+        let comm: nccl_sys::ncclComm_t = comm.cast();
+        // SAFETY: a live communicator (this function's contract).
+        let (rank, ranks) = unsafe { (nccl::comm_user_rank(comm), nccl::comm_count(comm)) };
+        let rank = rank.map_err(|e| nccl_error(None, "ncclCommUserRank", e))? as usize;
+        let ranks = ranks.map_err(|e| nccl_error(None, "ncclCommCount", e))? as usize;
+        Ok(TensorParallelRank { comm, rank, ranks, owned: false })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Bytes of the gather buffer of `[rows, samples]` draws.
+    pub fn parts_bytes(&self, rows: usize, samples: u32, logprobs: bool) -> Result<usize> {
+        let rows = u32::try_from(rows).map_err(|_| invalid("rows", format!("{rows}: must be < 2^32")))?;
+        Ok(self.ranks * ShardPartLayout::of(rows, samples, logprobs).bytes as usize)
+    }
+
+    /// Queues one step on `stream` (a stream of `kernels`' context): stage 1 of this rank's
+    /// shard into its part of `step.parts`, the all-gather of every rank's part, and the shard
+    /// merge into the outputs. Every rank calls it for the same step (NCCL's collective
+    /// order). Nothing is allocated and nothing waits; NCCL lets a CUDA graph capture it.
+    /// A failed collective shows in [`TensorParallelRank::check`] or as the stream's error.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample_processed`] and [`StreamSampler::merge_shards`] for the
+    /// step's buffers, with the workspace of
+    /// [`StreamSampler::processed_workspace_bytes`] for the stage-1 request; the communicator's
+    /// device is the context's.
+    pub unsafe fn sample(
+        &self,
+        kernels: &StreamSampler,
+        stream: *mut c_void,
+        step: &RankStep,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        let part_bytes = self.parts_bytes(step.hidden.rows, step.draws.count, step.logprobs)? / self.ranks;
+        let request = self.stage_one(step, part_bytes);
+        let merge = ShardMergeRequest {
+            parts: step.parts,
+            shards: self.ranks,
+            rows: step.hidden.rows,
+            samples: step.draws.count,
+            logprobs: step.logprobs,
+            row_params: step.row_params,
+            processing: step.processing,
+            tokens: step.tokens,
+            out_logprobs: step.out_logprobs,
+            out_top_logprobs: step.out_top_logprobs,
+        };
+        // SAFETY: per this function's contract.
+        unsafe {
+            kernels.sample_processed(stream, &request, workspace)?;
+            driver::in_context(kernels.context().cast(), || {
+                queue_all_gather(self.comm, stream, step.parts, part_bytes, self.rank)
+            })?;
+            kernels.merge_shards(stream, &merge)
+        }
+    }
+
+    /// The stage-1 request of `step`: this rank's shard into its part.
+    fn stage_one(&self, step: &RankStep, part_bytes: usize) -> ProcessedRequest {
+        ProcessedRequest {
+            lm_head: step.lm_head,
+            hidden: step.hidden,
+            row_params: step.row_params,
+            draws: step.draws,
+            variant: step.variant,
+            processing: step.processing,
+            target: ProcessedTarget::Shard {
+                vocab_offset: step.vocab_offset,
+                vocab: step.vocab,
+                part: step.parts + (self.rank * part_bytes) as u64,
+                logprobs: step.logprobs,
+            },
+        }
+    }
+
+    /// NCCL's asynchronous error of the communicator, if any (`ncclCommGetAsyncError`): a
+    /// collective that failed after it was queued.
+    pub fn check(&self) -> Result<()> {
+        let mut async_error = nccl_sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator and a place for its state.
+        let polled = unsafe { nccl_sys::ncclCommGetAsyncError(self.comm, &mut async_error) }.result();
+        polled.and(async_error.result()).map(|_| ()).map_err(|e| nccl_error(Some(self.rank), "the all-gather", e))
+    }
+
+    /// Aborts the communicator (NCCL's way out of a collective that hangs, for example when
+    /// another rank died); the rank is unusable afterwards.
+    pub fn abort(mut self) -> Result<()> {
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        // SAFETY: a live communicator, not used again.
+        unsafe { nccl::comm_abort(comm) }.map(|_| ()).map_err(|e| nccl_error(Some(self.rank), "ncclCommAbort", e))
+    }
+
+    /// Destroys the communicator if it was made here (after the caller's streams have run
+    /// this rank's work), reporting NCCL's error.
+    pub fn close(mut self) -> Result<()> {
+        self.destroy()
+    }
+
+    fn destroy(&mut self) -> Result<()> {
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        if comm.is_null() || !self.owned {
+            return Ok(());
+        }
+        // SAFETY: a live communicator made here, not used again.
+        unsafe { nccl::comm_destroy(comm) }.map(|_| ()).map_err(|e| nccl_error(Some(self.rank), "ncclCommDestroy", e))
+    }
+}
+
+impl Drop for TensorParallelRank {
+    /// Destroys a communicator made here; an error is reported on stderr (call
+    /// [`TensorParallelRank::close`] to receive it instead).
+    fn drop(&mut self) {
+        if let Err(e) = self.destroy() {
+            eprintln!("flashsample: dropping a TensorParallelRank: {e}");
+        }
+    }
+}
+
+/// [`Error::Nccl`] unless NCCL can be opened.
+fn check_nccl_library() -> Result<()> {
+    if nccl_library_present() {
+        return Ok(());
+    }
+    let names = cudarc::get_lib_name_candidates("nccl");
+    Err(Error::Nccl {
+        rank: None,
+        call: "open the NCCL library".into(),
+        detail: format!("none of {names:?} on the loader's path (LD_LIBRARY_PATH)"),
+    })
 }
 
 impl Drop for TensorParallelSampler {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle]
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle] [tp]
 # (none named = tests portable demo bench ncu). `tests` runs every test binary with the
 # device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
 # the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100. `quick`
@@ -10,7 +10,9 @@
 # kernel variant on odd shapes, with each module. `example` launches nvptx-builder's example kernel and checks it against the CPU, and runs the
 # borrowed-mode decode loop with both modules; `candle` runs the candle adapter's tests and
 # example (from the folder `cargo xtask bundle --candle` makes). `bench` times
-# both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py).
+# both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py). `tp` times
+# tensor-parallel sampling over 1, 2, 4 and 8 GPUs (as many as the machine has) beside torch's
+# all-gather of logits (scripts/tp_peers.py).
 # Logs and CSVs go to OUT; a summary table is printed last.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -111,6 +113,11 @@ for stage in $stages; do
         grep -E "test result|FAILED|panicked|chi2|tokens drawn" "$out/candle.log" | tail -20
         ;;
     peers) step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1" ;;
+    tp)
+        step tp-peers timeout 300 bash -c "python3 '$here/tp_peers.py' '$out/tp-peers.csv' > '$out/tp.log' 2>&1"
+        step bench-tp timeout 300 bash -c "LD_LIBRARY_PATH='$(nccl_path)' '$here/flashsample' bench-tp --out '$out/tp' --peers '$out/tp-peers.csv' >> '$out/tp.log' 2>&1"
+        tail -14 "$out/tp.log"
+        ;;
     bench)
         libs=$(cublas_path)
         echo "in-bench cuBLAS from: ${libs:-none found}" | tee "$out/bench.log"

@@ -1,6 +1,8 @@
 //! `flashsample`: sample tokens from an LM head and hidden states, run the demo, benchmark.
 
 mod bench;
+#[cfg(feature = "nccl")]
+mod bench_tp;
 mod cublas;
 mod host_cost;
 mod output;
@@ -110,6 +112,34 @@ enum Command {
         #[arg(long)]
         processing: bool,
     },
+    /// Time tensor-parallel sampling over 1, 2, 4, 8 GPUs of this machine (NCCL): the step,
+    /// its phases and the all-gather's share, with and without log-probabilities, beside one
+    /// GPU's fused sampling; writes tp.csv and tp-report.md.
+    #[cfg(feature = "nccl")]
+    BenchTp {
+        /// Folder for tp.csv and tp-report.md.
+        #[arg(long)]
+        out: PathBuf,
+        /// GPU counts (counts above the machine's are skipped).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        gpus: Vec<usize>,
+        /// Shapes as DxV, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "4096x151936,8192x128256")]
+        shapes: Vec<String>,
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+        batches: Vec<usize>,
+        #[arg(long, value_enum, default_value = "bf16")]
+        dtype: DTypeArg,
+        #[arg(long, default_value_t = 5)]
+        warmup: usize,
+        /// Timed steps per point; the median is reported.
+        #[arg(long, default_value_t = 30)]
+        runs: usize,
+        /// CSV from scripts/tp_peers.py (torch's all-gather of logits, then sample) for the
+        /// report.
+        #[arg(long)]
+        peers: Option<PathBuf>,
+    },
     /// Re-render report.md and bench.png from a bench run's CSVs (no GPU needed).
     Report {
         /// bench.csv written by `flashsample bench`.
@@ -149,6 +179,13 @@ fn main() -> ExitCode {
         Command::Sample(args) => sample(*args),
         Command::Demo { device, gpu } => gpu_flag(gpu).and_then(|gpu| demo(device, gpu)),
         Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
+        #[cfg(feature = "nccl")]
+        Command::BenchTp { out, gpus, shapes, batches, dtype, warmup, runs, peers } => {
+            parse_shapes(&shapes).and_then(|shapes| {
+                let options = bench_tp::Options { gpus, shapes, batches, dtype: dtype.into(), warmup, runs };
+                run_bench_tp(&out, &options, peers.as_deref())
+            })
+        }
         Command::Bench {
             out,
             gpu,
@@ -635,17 +672,7 @@ fn run_bench(
     options: impl FnOnce(Vec<(usize, usize)>) -> bench::Options,
     peers: Option<PathBuf>,
 ) -> Result<()> {
-    let shapes = shapes
-        .iter()
-        .map(|s| {
-            let parsed = s.split_once('x').and_then(|(d, v)| Some((d.parse().ok()?, v.parse().ok()?)));
-            parsed.ok_or_else(|| Error::InvalidArgument {
-                argument: "--shapes".into(),
-                rule: format!("`{s}`: each shape is DxV, e.g. 4096x151936"),
-            })
-        })
-        .collect::<Result<Vec<(usize, usize)>>>()?;
-    let options = options(shapes);
+    let options = options(parse_shapes(&shapes)?);
     let (dtype, runs, warmup) = (options.dtype, options.runs, options.warmup);
     if runs == 0 {
         return Err(Error::InvalidArgument { argument: "--runs".into(), rule: "0: at least one timed run".into() });
@@ -674,6 +701,40 @@ fn run_bench(
     host_cost::write_csv(&out.join("host-cost.csv"), &costs)?;
     println!("{}", host_cost::table(&costs));
     samplers.into_iter().try_for_each(CudaSampler::close)
+}
+
+/// `--shapes`: `DxV` each.
+fn parse_shapes(shapes: &[String]) -> Result<Vec<(usize, usize)>> {
+    shapes
+        .iter()
+        .map(|s| {
+            let parsed = s.split_once('x').and_then(|(d, v)| Some((d.parse().ok()?, v.parse().ok()?)));
+            parsed.ok_or_else(|| Error::InvalidArgument {
+                argument: "--shapes".into(),
+                rule: format!("`{s}`: each shape is DxV, e.g. 4096x151936"),
+            })
+        })
+        .collect()
+}
+
+#[cfg(feature = "nccl")]
+fn run_bench_tp(out: &Path, options: &bench_tp::Options, peers: Option<&Path>) -> Result<()> {
+    if options.runs == 0 {
+        return Err(Error::InvalidArgument { argument: "--runs".into(), rule: "0: at least one timed run".into() });
+    }
+    if let Some(&n) = options.gpus.iter().find(|&&n| n == 0) {
+        return Err(Error::InvalidArgument { argument: "--gpus".into(), rule: format!("{n}: at least one GPU") });
+    }
+    let peers = peers.map(bench_tp::read_csv).transpose()?.unwrap_or_default();
+    std::fs::create_dir_all(out)
+        .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    let rows = bench_tp::run(options)?;
+    bench_tp::write_csv(&out.join("tp.csv"), &rows)?;
+    let table = bench_tp::table(&rows, &peers);
+    std::fs::write(out.join("tp-report.md"), &table)
+        .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
+    println!("{table}");
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! `cargo xtask bundle`: one folder with everything a GPU run needs (the GPU machine has no
 //! Rust): the release CLI, the release test binaries (the PTX is embedded in both), the
-//! `nvptx-builder` example, `run.sh` and `peers.py`.
+//! `nvptx-builder` example, `run.sh`, `peers.py` and `tp_peers.py`.
 
 use std::path::{Path, PathBuf};
 
@@ -57,6 +57,7 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     copy(&root.join("target/release/flashsample-cudarc-example"), &out.join("decode-loop-example"))?;
     copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root.join("scripts/peers.py"), &out.join("peers.py"))?;
+    copy(&root.join("scripts/tp_peers.py"), &out.join("tp_peers.py"))?;
     println!(
         "bundle in {} ({} test binaries); on the GPU machine: bash {}/run.sh",
         out.display(),

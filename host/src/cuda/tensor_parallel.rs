@@ -79,6 +79,33 @@ impl TensorParallelSampler {
     /// `lm_head` into `devices.len()` shards of whole Philox blocks and uploads shard `r` to
     /// rank `r`, then makes one NCCL communicator per GPU.
     pub fn new(devices: &[usize], lm_head: &Matrix) -> Result<TensorParallelSampler> {
+        TensorParallelSampler::with_heads(devices, lm_head.rows(), |sampler, rows| {
+            sampler.upload_lm_head(&lm_head.row_range(rows.start, rows.end))
+        })
+    }
+
+    /// As [`TensorParallelSampler::new`] with an LM head of `vocab × dim` uniform values in
+    /// `[-scale, scale)` made on each GPU (each shard drawn under its own seed: benchmarks).
+    pub fn with_random_head(
+        devices: &[usize],
+        vocab: usize,
+        dim: usize,
+        dtype: crate::DType,
+        seed: u64,
+        scale: f32,
+    ) -> Result<TensorParallelSampler> {
+        TensorParallelSampler::with_heads(devices, vocab, |sampler, rows| {
+            sampler.random_lm_head(rows.len(), dim, dtype, seed ^ rows.start as u64, scale)
+        })
+    }
+
+    /// The ranks on `devices`, rank `r`'s shard of a vocabulary of `vocab` made by
+    /// `head(sampler, rows)` on its sampler, then the communicators.
+    fn with_heads(
+        devices: &[usize],
+        vocab: usize,
+        head: impl Fn(&CudaSampler, std::ops::Range<usize>) -> Result<CudaLmHead>,
+    ) -> Result<TensorParallelSampler> {
         if devices.is_empty() {
             return Err(invalid("devices", "none: at least one GPU is needed"));
         }
@@ -87,13 +114,12 @@ impl TensorParallelSampler {
                 return Err(invalid(format!("devices[{r}]"), format!("GPU {d} is listed twice: one rank per GPU")));
             }
         }
-        let vocab = lm_head.rows();
         let bounds = VocabShard::bounds(vocab, devices.len())?;
         check_nccl_library()?;
         let mut ranks = Vec::with_capacity(devices.len());
         for (r, &device) in devices.iter().enumerate() {
             let sampler = CudaSampler::on_device(device)?;
-            let head = sampler.upload_lm_head(&lm_head.row_range(bounds[r], bounds[r + 1]))?;
+            let head = head(&sampler, bounds[r]..bounds[r + 1])?;
             let shard = VocabShard { vocab_offset: bounds[r], vocab };
             ranks.push(Rank { sampler, head, shard, comm: std::ptr::null_mut() });
         }
@@ -169,10 +195,61 @@ impl TensorParallelSampler {
 
     /// Queues one step with inputs and outputs already on the GPUs (`inputs[r]` on rank `r`'s
     /// device, made by [`TensorParallelSampler::sampler`]`(r)`; `parts` with room for every
-    /// rank's part of `[B, draws.count]` draws): stage 1 on every rank into its own part, the
-    /// all-gather, the merge into each rank's `out`. Nothing is copied from the host and
-    /// nothing waits; [`TensorParallelSampler::wait`] waits with the timeout.
+    /// rank's part of `[B, draws.count]` draws): [`TensorParallelSampler::stage_one_into`],
+    /// [`TensorParallelSampler::all_gather`], [`TensorParallelSampler::merge_into`]. Nothing is
+    /// copied from the host and nothing waits; [`TensorParallelSampler::wait`] waits with the
+    /// timeout.
     pub fn sample_into(&mut self, inputs: &mut [RankInputs], draws: Draws) -> Result<()> {
+        self.stage_one_into(inputs, draws)?;
+        self.all_gather(inputs)?;
+        self.merge_into(inputs)
+    }
+
+    /// Stage 1 on every rank: its shard's winners and terms into its own part of
+    /// `inputs[r].parts`.
+    pub fn stage_one_into(&mut self, inputs: &mut [RankInputs], draws: Draws) -> Result<()> {
+        self.check_inputs(inputs)?;
+        for (r, (rank, step)) in self.ranks.iter().zip(inputs.iter_mut()).enumerate() {
+            let (variant, shard) = (Variant::Auto, rank.shard);
+            let RankInputs { hidden, rows, processing, parts, .. } = step;
+            rank.sampler.sample_shard_into(&rank.head, shard, hidden, rows, processing, draws, variant, parts, r)?;
+        }
+        Ok(())
+    }
+
+    /// NCCL's in-place all-gather of every rank's part into every rank's `parts`, in one
+    /// group, on each rank's stream (after its stage 1).
+    pub fn all_gather(&mut self, inputs: &[RankInputs]) -> Result<()> {
+        self.check_inputs(inputs)?;
+        nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
+        for (r, (rank, step)) in self.ranks.iter().zip(inputs).enumerate() {
+            let stream = rank.sampler.stream().cu_stream();
+            let (parts, bytes) = (step.parts.address(), step.parts.part_bytes());
+            // SAFETY: the parts buffer holds `ranks` parts of `bytes` on this rank's device
+            // (checked), used on this rank's stream.
+            let queued = unsafe { queue_all_gather(rank.comm, stream.cast(), parts, bytes, r) };
+            if let Err(e) = queued {
+                // Leave the group before reporting, so that NCCL's state stays consistent.
+                let _ = nccl::group_end();
+                return Err(e);
+            }
+        }
+        nccl::group_end().map(|_| ()).map_err(|e| nccl_error(None, "ncclGroupEnd", e))
+    }
+
+    /// The shard merge on every rank into its `out`.
+    pub fn merge_into(&mut self, inputs: &mut [RankInputs]) -> Result<()> {
+        self.check_inputs(inputs)?;
+        for (rank, step) in self.ranks.iter().zip(inputs.iter_mut()) {
+            let RankInputs { rows, processing, parts, out, .. } = step;
+            rank.sampler.merge_shards_into(parts, rows, processing, out)?;
+        }
+        Ok(())
+    }
+
+    /// The rules of a step's inputs: one per rank, each with room for every rank's part, and
+    /// communicators not aborted.
+    fn check_inputs(&self, inputs: &[RankInputs]) -> Result<()> {
         if self.aborted {
             return Err(Error::Nccl {
                 rank: None,
@@ -184,34 +261,11 @@ impl TensorParallelSampler {
         if inputs.len() != world {
             return Err(invalid("inputs", format!("{} entries for {world} ranks: one per rank", inputs.len())));
         }
-        for (r, (rank, step)) in self.ranks.iter().zip(inputs.iter_mut()).enumerate() {
-            if step.parts.shards() != world {
-                return Err(invalid(
-                    format!("inputs[{r}].parts"),
-                    format!("room for {} parts; {world} ranks send one each", step.parts.shards()),
-                ));
-            }
-            let (variant, shard) = (Variant::Auto, rank.shard);
-            let RankInputs { hidden, rows, processing, parts, .. } = step;
-            rank.sampler.sample_shard_into(&rank.head, shard, hidden, rows, processing, draws, variant, parts, r)?;
-        }
-        nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
-        for (r, (rank, step)) in self.ranks.iter().zip(inputs.iter()).enumerate() {
-            let stream = rank.sampler.stream().cu_stream();
-            let (parts, bytes) = (step.parts.address(), step.parts.part_bytes());
-            // SAFETY: the parts buffer holds `world` parts of `bytes` on this rank's device, and
-            // the stream is the one stage 1 ran on, so the gather follows it.
-            let queued = unsafe { queue_all_gather(rank.comm, stream.cast(), parts, bytes, r) };
-            if let Err(e) = queued {
-                // Leave the group before reporting, so that NCCL's state stays consistent.
-                let _ = nccl::group_end();
-                return Err(e);
-            }
-        }
-        nccl::group_end().map_err(|e| nccl_error(None, "ncclGroupEnd", e))?;
-        for (rank, step) in self.ranks.iter().zip(inputs.iter_mut()) {
-            let RankInputs { rows, processing, parts, out, .. } = step;
-            rank.sampler.merge_shards_into(parts, rows, processing, out)?;
+        if let Some(r) = inputs.iter().position(|step| step.parts.shards() != world) {
+            return Err(invalid(
+                format!("inputs[{r}].parts"),
+                format!("room for {} parts; {world} ranks send one each", inputs[r].parts.shards()),
+            ));
         }
         Ok(())
     }

@@ -9,7 +9,7 @@
 //! process (or thread) per GPU, in borrowed mode on the engine's stream and memory, with a
 //! communicator joined from a shared [`NcclId`] or the engine's own. Both queue the same
 //! three steps: stage 1 into the rank's part of a gather buffer, NCCL's in-place all-gather
-//! ([`queue_all_gather`]), the shard merge.
+//! (one function for both), the shard merge.
 //!
 //! NCCL is opened at run time (cudarc's loader, by the names `cudarc::get_lib_name_candidates`
 //! gives: `libnccl.so` and the like); a machine without it gets [`Error::Nccl`], never a

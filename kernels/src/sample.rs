@@ -5,9 +5,8 @@ use flashsample_core::abi::{
     TILE_KERNEL_WARPS, candidate_pair, candidate_slot,
 };
 use flashsample_core::candidate::maximum;
-use flashsample_core::estimate::{BlockEstimate, block_estimate, contenders, offer_contenders, race_threshold};
 use flashsample_core::process::LogSumExp;
-use flashsample_core::{Candidate, NON_FINITE_TOKEN, RowParams, block_candidate};
+use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::tile::ThreadLogits;
 use crate::{arch, process};
@@ -241,36 +240,6 @@ unsafe fn block_sums(
     RowSums { raw: lse(raw_max, raw_total), kept: lse(kept_max, kept_total) }
 }
 
-/// The best entry of one row's quads over a warp (four consecutive entries per lane, the first
-/// `rows_valid` of this lane's in the vocabulary) for draw `draw`: every entry's score is
-/// estimated with the hardware logarithm (`flashsample_core::estimate`), and only the entries
-/// that may still hold the warp's exact maximum get exact scores, so the winner is what
-/// [`block_candidate`] merged over the warp gives, at a fraction of the exact logarithms.
-///
-/// # Safety
-/// All 32 lanes call it together, for the same row.
-#[inline(always)]
-unsafe fn warp_race(row: &RowParams, draw: u32, philox_block: u32, logits: [f32; 4], rows_valid: u32) -> Candidate {
-    let estimate = match row.greedy {
-        0 => block_estimate(row, draw, philox_block, logits, rows_valid, arch::log2_approx),
-        _ => BlockEstimate::plain(logits, rows_valid),
-    };
-    let mut best = estimate.best();
-    let mut mask = 1;
-    while mask < 32 {
-        // SAFETY: all 32 lanes together (this function's contract).
-        best = maximum(best, f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
-        mask <<= 1;
-    }
-    // Entries past the vocabulary never race, even when a NaN threshold lets every entry in.
-    let valid = (1u32 << rows_valid) - 1;
-    let bits = contenders(&estimate, race_threshold(row, best)) & valid;
-    let mut winner = Candidate::NONE;
-    offer_contenders(&mut winner, row, &estimate, logits, bits, 4 * philox_block);
-    // SAFETY: as above.
-    unsafe { merge_over_lanes(winner, 1, 16) }
-}
-
 /// The unfused sampler: reads materialised logits, four per thread, applies the row's
 /// per-entry processing if asked, and writes one candidate per (row, draw, 512-entry tile)
 /// exactly as the fused epilogue would; with `tile_sums`, also the tile's log-sum-exp terms.
@@ -324,8 +293,9 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 if j >= args.samples {
                     break;
                 }
+                let best = block_candidate(&row, args.draw_offset + j, index0 / 4, logits, rows_valid);
                 // SAFETY: every lane of the warp reaches it (uniform loops).
-                let best = unsafe { warp_race(&row, args.draw_offset + j, index0 / 4, logits, rows_valid) };
+                let best = unsafe { merge_over_lanes(best, 1, 16) };
                 if lane == 0 {
                     // SAFETY: `slot < SAMPLES_PER_MERGE`, `warp < TILE_KERNEL_WARPS`: inside the staging
                     // area (`LOGITS_SAMPLER_SHARED_BYTES`).

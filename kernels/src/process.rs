@@ -137,17 +137,13 @@ unsafe fn for_each_entry(row: *const f32, vocab: u32, thread: u32, mut f: impl F
             f(i + 3, l3);
         }
     };
-    // Four loads in flight per thread: one block works a whole row, so its passes are bound by
-    // how many loads each thread keeps waiting at once.
     let mut first = thread;
     while first < quads {
-        let q = [first, first + PROCESS_THREADS, first + 2 * PROCESS_THREADS, first + 3 * PROCESS_THREADS];
-        let (a, b, c, d) = (load(q[0]), load(q[1]), load(q[2]), load(q[3]));
-        visit(q[0], a);
-        visit(q[1], b);
-        visit(q[2], c);
-        visit(q[3], d);
-        first += 4 * PROCESS_THREADS;
+        let second = first + PROCESS_THREADS;
+        let (a, b) = (load(first), load(second));
+        visit(first, a);
+        visit(second, b);
+        first += 2 * PROCESS_THREADS;
     }
 }
 

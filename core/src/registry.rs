@@ -213,6 +213,18 @@ impl Module {
         }
     }
 
+    /// The architecture of the machine code (`ptxas -arch`) the host embeds for the module
+    /// instead of its PTX, where every device that loads the module runs it: the Hopper module,
+    /// whose only compute capability (9.0) runs `sm_90a` code, so no device JIT-compiles its
+    /// PTX (about 20 s on an H200 with the driver's cache cold). `None`: the portable module
+    /// ships PTX, which every GPU from Ampere on compiles for itself.
+    pub const fn cubin_arch(self) -> Option<&'static str> {
+        match self {
+            Module::Portable => None,
+            Module::Hopper => Some("sm_90a"),
+        }
+    }
+
     /// The oldest compute capability (major, minor) that loads the module, and whether the
     /// module loads only on exactly that one (arch-specific PTX).
     pub const fn compute_capability(self) -> ((u32, u32), bool) {

@@ -26,9 +26,63 @@ fn target(module: Module) -> Target {
     target.cfg(&format!("flashsample_module=\"{}\"", module.name()))
 }
 
-/// Where the host embeds a module from (`include_str!` in `host/src/cuda/modules.rs`).
+/// Where a module's PTX is committed (the host embeds it unless the module ships machine
+/// code: `include_str!` in `host/src/cuda/modules.rs`).
 pub fn embedded_ptx(module: Module) -> String {
     format!("host/ptx/{}.ptx", module.name())
+}
+
+/// Where a module's machine code is committed, for modules that ship it
+/// ([`Module::cubin_arch`]; `include_bytes!` in `host/src/cuda/modules.rs`).
+fn embedded_cubin(module: Module, arch: &str) -> String {
+    format!("host/ptx/{}.{arch}.cubin", module.name())
+}
+
+/// `ptxas -arch=<arch> -O3` of the PTX file `ptx` into `cubin`. The machine code depends on
+/// ptxas's version: CI pins the one that made the committed files (`.ci/run`).
+fn compile_cubin(ptx: &Path, arch: &str, cubin: &Path) -> Result<(), String> {
+    let ptxas = nvptx_builder::find_ptxas()
+        .ok_or("ptxas not found (PTXAS, PATH or NVIDIA's PyPI wheel nvidia-cuda-nvcc-cu12): the Hopper module ships machine code")?;
+    let output = std::process::Command::new(&ptxas)
+        .arg(format!("-arch={arch}"))
+        .arg("-O3")
+        .arg(ptx)
+        .arg("-o")
+        .arg(cubin)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", ptxas.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "ptxas -arch={arch} failed on {}:\n{}",
+            ptx.display(),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(())
+}
+
+/// Compiles the module's PTX (at `ptx`) into its committed machine code, or with `check`
+/// compares a fresh compile with the committed file; returns the stale file's name, if any.
+fn cubin_step(root: &Path, module: Module, ptx: &Path, check: bool) -> Result<Option<String>, String> {
+    let Some(arch) = module.cubin_arch() else { return Ok(None) };
+    let embedded = embedded_cubin(module, arch);
+    let destination = root.join(&embedded);
+    if !check {
+        compile_cubin(ptx, arch, &destination)?;
+        let bytes = std::fs::metadata(&destination).map(|m| m.len()).unwrap_or(0);
+        println!("wrote {embedded} ({bytes} bytes)");
+        return Ok(None);
+    }
+    let fresh = root.join(format!("target/kernels/{}.{arch}.cubin", module.name()));
+    compile_cubin(ptx, arch, &fresh)?;
+    let (fresh, committed) =
+        (std::fs::read(&fresh).unwrap_or_default(), std::fs::read(&destination).unwrap_or_default());
+    if fresh == committed {
+        println!("{embedded} is up to date");
+        Ok(None)
+    } else {
+        Ok(Some(embedded))
+    }
 }
 
 fn modules_or_all(modules: &[Module]) -> Vec<Module> {
@@ -59,6 +113,7 @@ pub fn build(options: &Options) -> Result<(), String> {
             let committed = std::fs::read_to_string(&destination).unwrap_or_default();
             if committed == built.ptx {
                 println!("{embedded} is up to date ({} kernels)", entries(&built.ptx).len());
+                stale.extend(cubin_step(&root, module, &destination, true)?);
             } else {
                 stale.push(embedded);
             }
@@ -66,13 +121,14 @@ pub fn build(options: &Options) -> Result<(), String> {
             std::fs::write(&destination, &built.ptx)
                 .map_err(|e| format!("cannot write {}: {e}", destination.display()))?;
             println!("wrote {embedded} ({} kernels, {} bytes)", entries(&built.ptx).len(), built.ptx.len());
+            cubin_step(&root, module, &destination, false)?;
         }
     }
     if stale.is_empty() {
         Ok(())
     } else {
         Err(format!(
-            "{} stale (differs from a fresh build of kernels/); fix: cargo xtask build-kernels",
+            "{} stale (differs from a fresh build of kernels/ and ptxas); fix: cargo xtask build-kernels",
             stale.join(" and ")
         ))
     }

@@ -1,8 +1,10 @@
-//! The PTX modules the host embeds, the choice between them, and the loaded kernels.
+//! The modules the host embeds, the choice between them, and the loaded kernels.
 //!
 //! `host/ptx/<module>.ptx` is written by `cargo xtask build-kernels` from `kernels/` and
-//! committed, so building the host needs no nightly-only component; CI rebuilds both and fails
-//! if a committed file is stale (`cargo xtask build-kernels --check`).
+//! committed, so building the host needs no nightly-only component; so is the machine code
+//! ptxas makes from it for a module that ships some (`host/ptx/hopper.sm_90a.cubin`,
+//! [`Module::cubin_arch`]). CI rebuilds them and fails if a committed file is stale (`cargo
+//! xtask build-kernels --check`).
 
 use std::collections::HashMap;
 
@@ -12,11 +14,21 @@ use flashsample_core::registry::{Kernel, Module};
 use super::driver;
 use crate::error::{Error, Result, invalid};
 
-/// A module's PTX.
-pub fn ptx(module: Module) -> &'static str {
+/// What the driver loads for a module.
+#[derive(Clone, Copy, Debug)]
+pub enum Image {
+    /// PTX text, compiled by the driver for the device at load (cached by the driver).
+    Ptx(&'static str),
+    /// Machine code for [`Module::cubin_arch`], loaded as it is.
+    Cubin(&'static [u8]),
+}
+
+/// The image a module is loaded from: the Hopper module's `sm_90a` machine code (every device
+/// that loads it is compute capability 9.0), the portable module's PTX.
+pub fn image(module: Module) -> Image {
     match module {
-        Module::Portable => include_str!("../../ptx/portable.ptx"),
-        Module::Hopper => include_str!("../../ptx/hopper.ptx"),
+        Module::Portable => Image::Ptx(include_str!("../../ptx/portable.ptx")),
+        Module::Hopper => Image::Cubin(include_bytes!("../../ptx/hopper.sm_90a.cubin")),
     }
 }
 
@@ -105,10 +117,20 @@ impl LoadedModule {
     /// # Safety
     /// `context` is live and current on this thread, and outlives the returned module.
     pub unsafe fn load(context: sys::CUcontext, module: Module) -> Result<LoadedModule> {
-        let image = std::ffi::CString::new(ptx(module)).expect("PTX text has no NUL byte");
-        // SAFETY: `image` is a NUL-terminated PTX image; the driver copies what it keeps.
+        // The driver reads the image from an 8-byte aligned address: PTX with its NUL, machine
+        // code copied into words.
+        let bytes = match image(module) {
+            Image::Ptx(text) => std::ffi::CString::new(text).expect("PTX text has no NUL byte").into_bytes_with_nul(),
+            Image::Cubin(bytes) => bytes.to_vec(),
+        };
+        let words: Vec<u64> = bytes
+            .chunks(8)
+            .map(|c| u64::from_ne_bytes(std::array::from_fn(|i| c.get(i).copied().unwrap_or(0))))
+            .collect();
+        // SAFETY: `words` holds a whole PTX (NUL-terminated) or ELF image; the driver copies
+        // what it keeps.
         let handle = driver::check(&format!("cuModuleLoadData({} module)", module.name()), unsafe {
-            cudarc::driver::result::module::load_data(image.as_ptr().cast())
+            cudarc::driver::result::module::load_data(words.as_ptr().cast())
         })?;
         let mut loaded = LoadedModule { module, kernels: HashMap::new(), handle, context };
         for entry in module.kernels() {
@@ -167,6 +189,27 @@ impl Drop for LoadedModule {
     fn drop(&mut self) {
         if let Err(e) = self.unload_handle() {
             eprintln!("flashsample: unloading the {} module failed: {e}", self.module.name());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A module ships machine code exactly when the registry says so, as an ELF image; the
+    /// others ship PTX for the oldest architecture they load on.
+    #[test]
+    fn images_follow_the_registry() {
+        for module in Module::ALL {
+            match (image(module), module.cubin_arch()) {
+                (Image::Cubin(bytes), Some(_)) => assert_eq!(&bytes[..4], b"\x7fELF", "{}", module.name()),
+                (Image::Ptx(text), None) => {
+                    let ((major, minor), _) = module.compute_capability();
+                    assert!(text.contains(&format!(".target sm_{major}{minor}")), "{}", module.name());
+                }
+                (image, arch) => panic!("{}: {image:?} but cubin_arch {arch:?}", module.name()),
+            }
         }
     }
 }

@@ -8,15 +8,14 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use cudarc::driver::{CudaEvent, sys};
-use flashsample::cuda::driver::{self, fill_words_async};
+use cudarc::driver::CudaEvent;
+use flashsample::cuda::driver;
 use flashsample::{
     CudaSampler, DType, DeviceProcessing, DeviceRows, Draws, Error, Processing, RankInputs, Result, SamplingParams,
     TensorParallelSampler, Variant, cuda_device_count,
 };
-use flashsample_core::abi::DevicePtr;
 
-use crate::timing::FLUSH_BYTES;
+use crate::timing::{L2Flush, event};
 
 pub struct Options {
     /// GPU counts to run (those above the machine's count are skipped and named).
@@ -46,33 +45,14 @@ pub struct Row {
 /// A rank's L2 flush buffer and its four events: before stage 1, after it, after the
 /// all-gather, after the merge.
 struct RankClock {
-    flush: cudarc::driver::CudaSlice<u32>,
-    flush_ptr: DevicePtr<u32>,
+    flush: L2Flush,
     events: [CudaEvent; 4],
 }
 
 impl RankClock {
     fn new(sampler: &CudaSampler) -> Result<RankClock> {
-        let stream = sampler.stream();
-        // SAFETY: only ever written (by the flush).
-        let flush = driver::check("cuMemAllocAsync(L2 flush)", unsafe { stream.alloc::<u32>(FLUSH_BYTES / 4) })?;
-        let flush_ptr = DevicePtr::new(cudarc::driver::DevicePtr::device_ptr(&flush, stream).0);
-        let event =
-            || driver::check("cuEventCreate", stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)));
-        Ok(RankClock { flush, flush_ptr, events: [event()?, event()?, event()?, event()?] })
-    }
-
-    fn flush(&self, sampler: &CudaSampler, run: usize) -> Result<()> {
-        // SAFETY: the buffer is ours, `len` words, made on this stream.
-        unsafe {
-            fill_words_async(
-                "L2 flush",
-                self.flush_ptr,
-                run as u32 ^ 0x5a5a_5a5a,
-                self.flush.len(),
-                sampler.stream().cu_stream(),
-            )
-        }
+        let events = [event(sampler)?, event(sampler)?, event(sampler)?, event(sampler)?];
+        Ok(RankClock { flush: L2Flush::new(sampler)?, events })
     }
 
     fn record(&self, sampler: &CudaSampler, at: usize) -> Result<()> {
@@ -180,7 +160,7 @@ fn time_step(
     let mut phases: [Vec<f64>; 4] = Default::default();
     for run in 0..options.warmup + options.runs {
         for (r, clock) in clocks.iter().enumerate() {
-            clock.flush(sampler.sampler(r), run)?;
+            clock.flush.fill(sampler.sampler(r), run)?;
             clock.record(sampler.sampler(r), 0)?;
         }
         sampler.stage_one_into(&mut inputs, draws)?;

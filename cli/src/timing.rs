@@ -8,10 +8,47 @@ use flashsample_core::abi::DevicePtr;
 /// Bytes written between runs so that no input is still in the 60 MB L2.
 pub const FLUSH_BYTES: usize = 256 << 20;
 
+/// A buffer that overwrites the L2 cache when filled (before each timed run).
+pub struct L2Flush {
+    buffer: CudaSlice<u32>,
+    address: DevicePtr<u32>,
+}
+
+impl L2Flush {
+    /// [`FLUSH_BYTES`] on the sampler's stream.
+    pub fn new(sampler: &CudaSampler) -> Result<L2Flush> {
+        let stream = sampler.stream();
+        // SAFETY: the buffer is only ever written (by the flush).
+        let buffer = driver::check("cuMemAllocAsync(L2 flush)", unsafe { stream.alloc::<u32>(FLUSH_BYTES / 4) })?;
+        let address = DevicePtr::new(buffer.device_ptr(stream).0);
+        Ok(L2Flush { buffer, address })
+    }
+
+    /// Queues the fill for run `run` (a different word each run) on the sampler's stream.
+    pub fn fill(&self, sampler: &CudaSampler, run: usize) -> Result<()> {
+        // SAFETY: the buffer is ours alone and holds `len` words; the fill is ordered on the
+        // sampler's stream, on which the buffer was made.
+        unsafe {
+            fill_words_async(
+                "L2 flush",
+                self.address,
+                run as u32 ^ 0x5a5a_5a5a,
+                self.buffer.len(),
+                sampler.stream().cu_stream(),
+            )
+        }
+    }
+}
+
+/// A CUDA event on the sampler's stream's context.
+pub fn event(sampler: &CudaSampler) -> Result<CudaEvent> {
+    let context = sampler.stream().context();
+    driver::check("cuEventCreate", context.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
+}
+
 /// Times work queued on one sampler's stream with events.
 pub struct Timer {
-    flush: CudaSlice<u32>,
-    flush_ptr: DevicePtr<u32>,
+    flush: L2Flush,
     start: CudaEvent,
     stop: CudaEvent,
 }
@@ -27,13 +64,7 @@ pub struct Timing {
 
 impl Timer {
     pub fn new(sampler: &CudaSampler) -> Result<Timer> {
-        let stream = sampler.stream();
-        // SAFETY: the buffer is only ever written (by the flush).
-        let flush = driver::check("cuMemAllocAsync(L2 flush)", unsafe { stream.alloc::<u32>(FLUSH_BYTES / 4) })?;
-        let flush_ptr = DevicePtr::new(flush.device_ptr(stream).0);
-        let event =
-            || driver::check("cuEventCreate", stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)));
-        Ok(Timer { flush_ptr, flush, start: event()?, stop: event()? })
+        Ok(Timer { flush: L2Flush::new(sampler)?, start: event(sampler)?, stop: event(sampler)? })
     }
 
     /// Runs `work` `warmup` times, then `runs` times with the L2 flushed before each, and
@@ -51,17 +82,7 @@ impl Timer {
         }
         let mut samples = Vec::with_capacity(runs);
         for run in 0..runs {
-            // SAFETY: the flush buffer is ours alone and holds `len` words; the fill is
-            // ordered on the sampler's stream, on which the buffer was made.
-            unsafe {
-                fill_words_async(
-                    "L2 flush",
-                    self.flush_ptr,
-                    run as u32 ^ 0x5a5a_5a5a,
-                    self.flush.len(),
-                    stream.cu_stream(),
-                )?
-            };
+            self.flush.fill(sampler, run)?;
             driver::check("cuEventRecord", self.start.record(stream))?;
             work()?;
             driver::check("cuEventRecord", self.stop.record(stream))?;

@@ -6,7 +6,7 @@
 use flashsample::cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
 use flashsample::{
     CudaSampler, DType, DeviceMatrix, DeviceProcessing, DeviceRows, Draws, Error, Matrix, ModuleChoice, NcclId,
-    ProcessedRequest, ProcessedTarget, Processing, RankStep, Sampled, SamplingParams, StreamSampler, StreamWorkspace,
+    ProcessedRequest, Processing, RankStep, Sampled, SamplingParams, StreamSampler, StreamWorkspace,
     TensorParallelRank, TensorParallelSampler, Variant, VocabShard, cuda_device_count, nccl_library_present,
 };
 use flashsample_tests::processing::{each_mode, largest_log_probability_difference};
@@ -163,16 +163,7 @@ fn rank_step(
         out_top_logprobs: address(&top),
     };
     let mut workspace = StreamWorkspace::new();
-    let stage_one = ProcessedRequest {
-        lm_head: step.lm_head,
-        hidden: step.hidden,
-        row_params: step.row_params,
-        draws: step.draws,
-        variant: step.variant,
-        processing: step.processing,
-        target: ProcessedTarget::Shard { vocab_offset: bounds[r], vocab: w.rows(), part: step.parts, logprobs: true },
-    };
-    let space = workspace.ensure(&stream, kernels.processed_workspace_bytes(&stage_one).unwrap()).unwrap();
+    let space = workspace.ensure(&stream, rank.workspace_bytes(&kernels, &step).unwrap()).unwrap();
     // SAFETY: every buffer lives on `stream` with the step's extents until the reads below
     // have waited for it.
     unsafe { rank.sample(&kernels, stream.cu_stream().cast(), &step, space).unwrap() };

@@ -512,6 +512,13 @@ impl TensorParallelRank {
         Ok(self.ranks * ShardPartLayout::of(rows, samples, logprobs).bytes as usize)
     }
 
+    /// Workspace bytes `step` needs (its stage 1: the materialised logits with
+    /// log-probabilities, `B · V/N` floats or twice that, else the fused tiles' candidates).
+    pub fn workspace_bytes(&self, kernels: &StreamSampler, step: &RankStep) -> Result<usize> {
+        let part_bytes = self.parts_bytes(step.hidden.rows, step.draws.count, step.logprobs)? / self.ranks;
+        kernels.processed_workspace_bytes(&self.stage_one(step, part_bytes))
+    }
+
     /// Queues one step on `stream` (a stream of `kernels`' context): stage 1 of this rank's
     /// shard into its part of `step.parts`, the all-gather of every rank's part, and the shard
     /// merge into the outputs. Every rank calls it for the same step (NCCL's collective
@@ -520,9 +527,8 @@ impl TensorParallelRank {
     ///
     /// # Safety
     /// As [`StreamSampler::sample_processed`] and [`StreamSampler::merge_shards`] for the
-    /// step's buffers, with the workspace of
-    /// [`StreamSampler::processed_workspace_bytes`] for the stage-1 request; the communicator's
-    /// device is the context's.
+    /// step's buffers, with the workspace of [`TensorParallelRank::workspace_bytes`]; the
+    /// communicator's device is the context's.
     pub unsafe fn sample(
         &self,
         kernels: &StreamSampler,

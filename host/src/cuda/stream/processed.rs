@@ -821,3 +821,88 @@ fn check_outputs(tokens: u64, logprobs: u64, top_logprobs: u64, top_asked: bool)
         at => check_address("top_logprobs", at, 4),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The materialised plan's regions (maps, candidates, logits, per-tile terms, the one
+    /// part) follow each other without overlap, each 64-byte aligned, and hold what the
+    /// kernels write: two logits copies only with a whole-row row and log-probabilities, terms
+    /// only with log-probabilities and no whole-row row, a part only for an unsharded call.
+    #[test]
+    fn materialised_regions_are_aligned_and_disjoint() {
+        let variant = Variant::Mma { columns: 8 };
+        for (vocab, batch, samples) in [(1usize, 1usize, 1u32), (5003, 9, 3), (151_936, 64, 1), (128_257, 256, 2)] {
+            for (process_rows, logprobs, own_part) in [
+                (false, false, false),
+                (true, false, true),
+                (true, true, true),
+                (false, true, true),
+                (false, true, false),
+            ] {
+                let plan = materialised_plan(variant, vocab, batch, samples, process_rows, logprobs, own_part);
+                let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
+                let candidates = plan.passes.candidate_pairs() * tiles * size_of::<Candidate>();
+                let copies = if process_rows && logprobs { 2 } else { 1 };
+                let terms = if logprobs && !process_rows { batch * tiles * size_of::<RowSums>() } else { 0 };
+                let part =
+                    if own_part { ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize } else { 0 };
+                assert_eq!((plan.stride % 4, plan.stride >= vocab, plan.copies), (0, true, copies));
+                for at in [plan.logits_at, plan.tile_sums_at, plan.part_at] {
+                    assert_eq!(at % 64, 0);
+                }
+                assert!(WORKSPACE_MAPS_BYTES + candidates <= plan.logits_at);
+                assert!(plan.logits_at + copies * batch * plan.stride * 4 <= plan.tile_sums_at);
+                assert!(plan.tile_sums_at + terms <= plan.part_at);
+                assert_eq!(plan.workspace_bytes, plan.part_at + part);
+            }
+        }
+    }
+
+    /// The outputs' rules: tokens always, log-probabilities where given, top entries need
+    /// log-probabilities and must be given when a row asks for them; each 4-byte aligned.
+    #[test]
+    fn output_rules_name_the_buffer() {
+        assert!(check_outputs(256, 0, 0, false).is_ok());
+        assert!(check_outputs(256, 512, 1024, true).is_ok());
+        let named = |result: Result<()>, name: &str| {
+            let message = result.unwrap_err().to_string();
+            assert!(message.contains(name), "{message}");
+        };
+        named(check_outputs(0, 0, 0, false), "tokens");
+        named(check_outputs(258, 0, 0, false), "tokens");
+        named(check_outputs(256, 514, 0, false), "logprobs");
+        named(check_outputs(256, 512, 0, true), "top_logprobs");
+        named(check_outputs(256, 0, 1024, false), "top_logprobs");
+        named(check_outputs(256, 512, 1026, true), "top_logprobs");
+    }
+
+    /// Outputs read back: the tokens as written, `[B, N]` raw then processed log-probabilities,
+    /// each row's top entries up to the first `NO_TOKEN`; wrong lengths are typed errors.
+    #[test]
+    fn processed_outputs_read_back_in_their_layout() {
+        let (rows, draws) = (2usize, 3usize);
+        let tokens = vec![1, 2, 3, 4, 5, 6];
+        let values: Vec<f32> = (0..2 * rows * draws).map(|k| -(k as f32)).collect();
+        let mut top = vec![0u32; rows * 2 * MAX_TOP_LOGPROBS as usize];
+        let per_row = 2 * MAX_TOP_LOGPROBS as usize;
+        for (row, count) in [(0usize, 2usize), (1, 0)] {
+            for k in 0..MAX_TOP_LOGPROBS as usize {
+                let (token, logprob) =
+                    if k < count { (10 * row as u32 + k as u32, -(k as f32)) } else { (NO_TOKEN, f32::NEG_INFINITY) };
+                top[row * per_row + 2 * k] = token;
+                top[row * per_row + 2 * k + 1] = logprob.to_bits();
+            }
+        }
+        let got = Sampled::from_processed_outputs(draws, tokens.clone(), Some(&values), Some(&top)).unwrap();
+        assert_eq!((got.tokens, got.draws), (tokens.clone(), draws));
+        assert_eq!(got.logprobs, values[..6]);
+        assert_eq!(got.processed_logprobs, values[6..]);
+        assert_eq!(got.top_logprobs, vec![vec![(0, 0.0), (1, -1.0)], vec![]]);
+        let plain = Sampled::from_processed_outputs(draws, tokens.clone(), None, None).unwrap();
+        assert!(plain.logprobs.is_empty() && plain.top_logprobs.iter().all(Vec::is_empty));
+        assert!(Sampled::from_processed_outputs(draws, tokens.clone(), Some(&values[1..]), None).is_err());
+        assert!(Sampled::from_processed_outputs(draws, tokens, None, Some(&top[2..])).is_err());
+    }
+}

@@ -18,6 +18,8 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{Device, Storage, Tensor};
 use cudarc::driver::{CudaStream, DevicePtr as _, DevicePtrMut as _};
+use flashsample_core::NO_TOKEN;
+use flashsample_core::process::MAX_TOP_LOGPROBS;
 
 use crate::cuda::{
     DeviceMatrix, DeviceProcessing, DeviceRows, ModuleChoice, ProcessedRequest, ProcessedTarget, StreamSampler,
@@ -28,8 +30,6 @@ use crate::params::{Draws, SamplingParams, batch_row_params};
 use crate::process::Processing;
 use crate::tensor::{DType, Elements, Matrix};
 use crate::{CpuLmHead, CpuSampler};
-use flashsample_core::NO_TOKEN;
-use flashsample_core::process::MAX_TOP_LOGPROBS;
 
 /// What [`CandleSampler::sample_with_logprobs`] returns, on the sampler's device.
 pub struct CandleSampled {

@@ -11,6 +11,9 @@
 //!   there (its winners, log-sum-exp terms and top raw entries in its part), the unsharded call
 //!   goes on to the shard merge of its one part.
 
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
 use flashsample_core::abi::{
     DevicePtr, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, ProcessArgs, RawTop, RowProcessing, RowSums,
     ShardMergeArgs, ShardPartLayout, ShardWinner, TmaArgs, TopLogprob,
@@ -29,9 +32,6 @@ use crate::cuda::driver;
 use crate::cuda::passes::{CANDIDATE_BUDGET_BYTES, Plan};
 use crate::error::{Result, invalid};
 use crate::params::Draws;
-use std::ffi::c_void;
-
-use cudarc::driver::sys;
 
 /// A batch's processing in device memory as a request names it (every mode): made by
 /// [`crate::DeviceProcessing::on_device`], whose memory it names; keep that alive until the

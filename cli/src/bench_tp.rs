@@ -75,12 +75,11 @@ fn summary(mut samples: Vec<f64>) -> (f64, f64, f64) {
 pub fn run(options: &Options) -> Result<Vec<Row>> {
     let available = cuda_device_count()?;
     let mut rows = Vec::new();
+    let single = CudaSampler::on_device(0)?;
     for &(dim, vocab) in &options.shapes {
-        for &batch in &options.batches {
-            let single = single_gpu(options, dim, vocab, batch)?;
-            rows.push(Row { gpus: 1, dim, vocab, batch, variant: "single_gpu_sample".into(), ..single });
-        }
+        rows.extend(single_gpu(&single, options, dim, vocab)?);
     }
+    single.close()?;
     for &gpus in &options.gpus {
         if gpus > available {
             println!("N = {gpus}: skipped, this machine has {available} GPU(s)");
@@ -101,30 +100,32 @@ pub fn run(options: &Options) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// One GPU's fused sampling of the whole head (no log-probabilities), the step's reference.
-fn single_gpu(options: &Options, dim: usize, vocab: usize, batch: usize) -> Result<Row> {
-    let sampler = CudaSampler::on_device(0)?;
+/// One GPU's fused sampling of the whole head (no log-probabilities) at every batch size, the
+/// steps' reference.
+fn single_gpu(sampler: &CudaSampler, options: &Options, dim: usize, vocab: usize) -> Result<Vec<Row>> {
     let head = sampler.random_lm_head(vocab, dim, options.dtype, 0x5eed, 0.05)?;
-    let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
-    let rows = sampler.upload_rows(&params(batch))?;
-    let mut tokens = sampler.tokens(batch, 1)?;
-    let mut timer = crate::timing::Timer::new(&sampler)?;
-    let timing = timer.time(&sampler, options.warmup, options.runs, || {
-        sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens)
-    })?;
-    drop(timer);
-    sampler.close()?;
-    Ok(Row {
-        gpus: 1,
-        dim,
-        vocab,
-        batch,
-        variant: String::new(),
-        median_us: timing.median_us,
-        min_us: timing.min_us,
-        max_us: timing.max_us,
-        runs: timing.runs,
-    })
+    let mut timer = crate::timing::Timer::new(sampler)?;
+    let mut rows = Vec::with_capacity(options.batches.len());
+    for &batch in &options.batches {
+        let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
+        let row_params = sampler.upload_rows(&params(batch))?;
+        let mut tokens = sampler.tokens(batch, 1)?;
+        let timing = timer.time(sampler, options.warmup, options.runs, || {
+            sampler.sample_rows_into(&head, &hidden, &row_params, 1, Variant::Auto, &mut tokens)
+        })?;
+        rows.push(Row {
+            gpus: 1,
+            dim,
+            vocab,
+            batch,
+            variant: "single_gpu_sample".into(),
+            median_us: timing.median_us,
+            min_us: timing.min_us,
+            max_us: timing.max_us,
+            runs: timing.runs,
+        });
+    }
+    Ok(rows)
 }
 
 fn params(batch: usize) -> Vec<SamplingParams> {

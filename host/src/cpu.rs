@@ -10,8 +10,7 @@ use rayon::prelude::*;
 
 use crate::error::{Result, RowStatus, tokens_or_row_status};
 use crate::params::{
-    Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_processing_rows, check_request,
-    sharded_head,
+    Draws, HeadShape, SamplingParams, check_hidden_values, check_lm_head, check_request, check_sharded_request,
 };
 use crate::process::{ProcessedRow, Processing, process_sharded_row, top_raw_log_probabilities};
 use crate::tensor::{Elements, Matrix};
@@ -187,12 +186,15 @@ impl CpuSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Sampled> {
-        let (head, offsets) = sharded_head(shards.iter().map(|shard| shard.shape))?;
+        let (head, offsets, draws, rows) = check_sharded_request(
+            shards.iter().map(|shard| shard.shape),
+            hidden.shape(),
+            params,
+            processing.len(),
+            draws,
+        )?;
         let offsets: Vec<u32> = offsets.into_iter().map(|o| o as u32).collect();
         let vocab = head.vocab;
-        let draws = draws.check()?;
-        let rows = check_request(head, hidden.shape(), params, draws.count)?;
-        check_processing_rows(processing.len(), rows.len())?;
         for (b, p) in processing.iter().enumerate() {
             p.check(b, vocab)?;
         }

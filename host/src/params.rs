@@ -161,6 +161,24 @@ pub fn check_request(
     row_params(params)
 }
 
+/// The rules of processed sampling over vocabulary shards, for every backend: the shards make
+/// one head ([`sharded_head`]), the draws, the request's shapes and one processing entry per
+/// row. Returns the whole head, each shard's offset, the checked draws and the rows'
+/// parameters.
+pub fn check_sharded_request(
+    shards: impl IntoIterator<Item = HeadShape>,
+    hidden: MatrixShape,
+    params: &[SamplingParams],
+    processing_rows: usize,
+    draws: Draws,
+) -> Result<(HeadShape, Vec<usize>, Draws, Vec<RowParams>)> {
+    let (head, offsets) = sharded_head(shards)?;
+    let draws = draws.check()?;
+    let rows = check_request(head, hidden, params, draws.count)?;
+    check_processing_rows(processing_rows, rows.len())?;
+    Ok((head, offsets, draws, rows))
+}
+
 /// A processed request's rule that its processing has one entry per row (`rows` of them).
 pub fn check_processing_rows(processing: usize, rows: usize) -> Result<()> {
     if processing != rows {

@@ -187,6 +187,38 @@ impl Borrowed {
         Sampled::from_processed_outputs(n as usize, tokens, Some(&logprobs), Some(&top))
     }
 
+    /// The request of `n` draws of every row of `hidden` from `lm_head` with `processing`, into
+    /// `target`.
+    fn request(
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        n: u32,
+        target: ProcessedTarget,
+    ) -> ProcessedRequest {
+        ProcessedRequest {
+            lm_head: lm_head.matrix(),
+            hidden: hidden.matrix(),
+            row_params: rows.address(),
+            draws: Draws::first(n),
+            variant: Variant::Auto,
+            processing: processing.on_device(),
+            target,
+        }
+    }
+
+    /// Queues `request` on the stream with a workspace of its own, poisoned; returns the
+    /// workspace, which must live until the stream has run the call.
+    fn queue(&self, request: &ProcessedRequest) -> Result<CudaSlice<u32>> {
+        let workspace = self.poisoned(self.kernels.processed_workspace_bytes(request)?.next_multiple_of(64));
+        let space = DeviceWorkspace { address: self.address(&workspace), bytes: workspace.len() * 4 };
+        // SAFETY: the request's buffers hold its extents and live until `read` has waited for
+        // the stream (the callers keep them); the workspace is returned to be kept as long.
+        unsafe { self.kernels.sample_processed(self.stream.cu_stream().cast(), request, space)? };
+        Ok(workspace)
+    }
+
     /// Room for the outputs of `[rows, n]` draws, poisoned.
     fn outputs(&self, rows: usize, n: u32) -> Outputs {
         Outputs {
@@ -227,24 +259,13 @@ impl ProcessedBackend for Borrowed {
             self.upload(std::slice::from_ref(lm_head), hidden, params, processing)?;
         let batch = hidden.rows();
         let outputs = self.outputs(batch, samples);
-        let request = ProcessedRequest {
-            lm_head: heads[0].matrix(),
-            hidden: on_device.matrix(),
-            row_params: rows.address(),
-            draws: Draws::first(samples),
-            variant: Variant::Auto,
-            processing: device_processing.on_device(),
-            target: ProcessedTarget::Tokens {
-                tokens: self.address(&outputs.tokens),
-                logprobs: self.address(&outputs.logprobs),
-                top_logprobs: self.address(&outputs.top_logprobs),
-            },
+        let target = ProcessedTarget::Tokens {
+            tokens: self.address(&outputs.tokens),
+            logprobs: self.address(&outputs.logprobs),
+            top_logprobs: self.address(&outputs.top_logprobs),
         };
-        let workspace = self.poisoned(self.kernels.processed_workspace_bytes(&request)?.next_multiple_of(64));
-        let workspace = DeviceWorkspace { address: self.address(&workspace), bytes: workspace.len() * 4 };
-        // SAFETY: every buffer lives until the stream has run the call (`read` waits) and holds
-        // the request's extents.
-        unsafe { self.kernels.sample_processed(self.stream.cu_stream().cast(), &request, workspace)? };
+        let _workspace =
+            self.queue(&Borrowed::request(&heads[0], &on_device, &rows, &device_processing, samples, target))?;
         let got = self.read(samples, &outputs)?;
         check_written(&self.name(), &got, lm_head.rows());
         Ok(got)
@@ -267,20 +288,9 @@ impl ProcessedBackend for Borrowed {
         let mut spaces = Vec::new();
         for (s, head) in heads.iter().enumerate() {
             let part = self.address(&parts) + s as u64 * layout.bytes;
-            let request = ProcessedRequest {
-                lm_head: head.matrix(),
-                hidden: on_device.matrix(),
-                row_params: rows.address(),
-                draws: Draws::first(samples),
-                variant: Variant::Auto,
-                processing: device_processing.on_device(),
-                target: ProcessedTarget::Shard { vocab_offset, vocab, part, logprobs: true },
-            };
-            let workspace = self.poisoned(self.kernels.processed_workspace_bytes(&request)?.next_multiple_of(64));
-            let space = DeviceWorkspace { address: self.address(&workspace), bytes: workspace.len() * 4 };
-            // SAFETY: as in `sample_processed`; each shard has a workspace of its own.
-            unsafe { self.kernels.sample_processed(self.stream.cu_stream().cast(), &request, space)? };
-            spaces.push(workspace);
+            let target = ProcessedTarget::Shard { vocab_offset, vocab, part, logprobs: true };
+            let request = Borrowed::request(head, &on_device, &rows, &device_processing, samples, target);
+            spaces.push(self.queue(&request)?);
             vocab_offset += head.shape().vocab;
         }
         let outputs = self.outputs(batch, samples);

@@ -148,6 +148,24 @@ mod gpu {
         check_mixed_batch(&cuda(), &w, &h);
     }
 
+    /// The GPU's `n` draws per row equal the CPU's token for token, and their log-probabilities
+    /// agree within 10⁻⁵ (relative above 1; the sums run in another order).
+    fn gpu_matches_cpu(
+        w: &flashsample::Matrix,
+        h: &flashsample::Matrix,
+        params: &[flashsample::SamplingParams],
+        processing: &[flashsample::Processing],
+        n: u32,
+    ) {
+        use flashsample_tests::processing::ProcessedBackend;
+        let gpu = cuda().sample_processed(w, h, params, processing, n).unwrap();
+        let cpu = Cpu.sample_processed(w, h, params, processing, n).unwrap();
+        assert_eq!(gpu.tokens, cpu.tokens);
+        let worst = largest_log_probability_difference(&gpu, &cpu, true);
+        println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
+        assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
+    }
+
     /// The GPU draws the CPU's tokens: with integer inputs in [−4, 4] every logit is an
     /// integer both backends compute exactly, so every mode in one batch (many ties, top-p
     /// cutting inside them by index) must give the same tokens; the log-probabilities agree
@@ -163,13 +181,7 @@ mod gpu {
             .map(|r| flashsample::SamplingParams::new(if r == 2 { 0.0 } else { 3.0 }, 8, r as u32, 1))
             .collect();
         let processing: Vec<flashsample::Processing> = modes.iter().map(|m| m.1.clone()).collect();
-        use flashsample_tests::processing::ProcessedBackend;
-        let gpu = cuda().sample_processed(&w, &h, &params, &processing, 256).unwrap();
-        let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 256).unwrap();
-        assert_eq!(gpu.tokens, cpu.tokens);
-        let worst = largest_log_probability_difference(&gpu, &cpu, true);
-        println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
-        assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
+        gpu_matches_cpu(&w, &h, &params, &processing, 256);
     }
 
     /// Without log-probabilities the logits are processed in place and no log-sum-exp is
@@ -371,13 +383,7 @@ mod gpu {
             .collect();
         let mut processing = per_entry_modes(vocab, batch);
         processing[batch - 1] = flashsample::Processing::default();
-        use flashsample_tests::processing::ProcessedBackend;
-        let gpu = cuda().sample_processed(&w, &h, &params, &processing, 128).unwrap();
-        let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 128).unwrap();
-        assert_eq!(gpu.tokens, cpu.tokens);
-        let worst = largest_log_probability_difference(&gpu, &cpu, true);
-        println!("tokens equal; log-probabilities within {worst:.2e} (relative above 1)");
-        assert!(worst <= 1e-5, "log-probabilities differ by {worst} (relative above 1)");
+        gpu_matches_cpu(&w, &h, &params, &processing, 128);
     }
 
     /// A row with top-k over a shard that is not the whole vocabulary is refused, naming the

@@ -84,6 +84,18 @@ impl ModuleChoice {
     }
 }
 
+/// `image` copied into 8-byte aligned words, the address the driver reads it from; zeroed
+/// words past the image also end PTX text with its NUL.
+fn aligned_words(image: Image) -> Vec<u64> {
+    let (bytes, terminator) = match image {
+        Image::Ptx(text) => (text.as_bytes(), 1),
+        Image::Cubin(bytes) => (bytes, 0),
+    };
+    let mut words = vec![0u64; (bytes.len() + terminator).div_ceil(8)];
+    bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+    words
+}
+
 /// A kernel of the loaded module with its launch shape.
 pub struct LoadedKernel {
     pub name: &'static str,
@@ -117,16 +129,7 @@ impl LoadedModule {
     /// # Safety
     /// `context` is live and current on this thread, and outlives the returned module.
     pub unsafe fn load(context: sys::CUcontext, module: Module) -> Result<LoadedModule> {
-        // The driver reads the image from an 8-byte aligned address: PTX with its NUL, machine
-        // code copied into words.
-        let bytes = match image(module) {
-            Image::Ptx(text) => std::ffi::CString::new(text).expect("PTX text has no NUL byte").into_bytes_with_nul(),
-            Image::Cubin(bytes) => bytes.to_vec(),
-        };
-        let words: Vec<u64> = bytes
-            .chunks(8)
-            .map(|c| u64::from_ne_bytes(std::array::from_fn(|i| c.get(i).copied().unwrap_or(0))))
-            .collect();
+        let words = aligned_words(image(module));
         // SAFETY: `words` holds a whole PTX (NUL-terminated) or ELF image; the driver copies
         // what it keeps.
         let handle = driver::check(&format!("cuModuleLoadData({} module)", module.name()), unsafe {
@@ -196,6 +199,24 @@ impl Drop for LoadedModule {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The words hold the image's bytes, then zeros: PTX of any length gets its NUL.
+    #[test]
+    fn images_are_copied_whole_into_words() {
+        for (image, len) in [(Image::Ptx("12345678"), 8), (Image::Ptx("123"), 3), (Image::Cubin(b"\x7fELF1234"), 8)] {
+            let words = aligned_words(image);
+            let bytes: &[u8] = bytemuck::cast_slice(&words);
+            let original = match image {
+                Image::Ptx(text) => text.as_bytes(),
+                Image::Cubin(bytes) => bytes,
+            };
+            assert_eq!(&bytes[..len], original);
+            assert!(bytes[len..].iter().all(|&b| b == 0));
+            if let Image::Ptx(_) = image {
+                assert!(bytes.len() > len, "no room for the NUL");
+            }
+        }
+    }
 
     /// A module ships machine code exactly when the registry says so, as an ELF image; the
     /// others ship PTX for the oldest architecture they load on.

@@ -289,8 +289,6 @@ impl CudaSampler {
         tokens: u64,
         shard: Option<ShardTarget>,
     ) -> Result<()> {
-        let shape = lm_head.shape;
-        let variant = variant.resolve(self.module(), shape.dtype, shape.dim, hidden.rows())?;
         let request = SampleRequest {
             lm_head: lm_head.matrix(),
             hidden: hidden.matrix(),

@@ -27,7 +27,7 @@ use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::stream::{FusedProcessing, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest};
 use crate::error::{Result, invalid};
-use crate::params::{Draws, SamplingParams, check_processing_rows, check_request, sharded_head};
+use crate::params::{Draws, SamplingParams, check_sharded_request};
 use crate::process::Processing;
 use crate::tensor::Matrix;
 
@@ -241,13 +241,7 @@ impl DeviceProcessing {
     /// graphs included); refused when a row has min-p, top-k, top-p or top log-probabilities,
     /// which need the whole row first.
     pub fn fused(&self) -> Result<FusedProcessing> {
-        if let Some(row) = self.whole_row {
-            return Err(invalid(
-                format!("processing[{row}]"),
-                "min-p, top-k, top-p and top log-probabilities need the whole row: the fused tiles apply soft-cap, bias, mask and penalties only",
-            ));
-        }
-        Ok(FusedProcessing { address: self.buffer.ptr().address(), rows: self.rows, vocab: self.vocab })
+        self.on_device().fused()
     }
 
     /// Every mode of the batch's processing as a processed request names it
@@ -336,11 +330,14 @@ impl CudaSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Sampled> {
-        let (head, offsets) = sharded_head(shards.iter().map(|shard| shard.shape))?;
+        let (head, offsets, draws, _) = check_sharded_request(
+            shards.iter().map(|shard| shard.shape),
+            hidden.shape(),
+            params,
+            processing.len(),
+            draws,
+        )?;
         let vocab = head.vocab;
-        let draws = draws.check()?;
-        check_request(head, hidden.shape(), params, draws.count)?;
-        check_processing_rows(processing.len(), params.len())?;
         let device_processing = self.upload_processing(processing, vocab)?;
         let hidden = self.upload_hidden(hidden)?;
         let rows = self.upload_rows(params)?;

@@ -57,6 +57,17 @@ impl ProcessingRef {
         DevicePtr::new(self.address)
     }
 
+    /// The per-entry processing the fused tiles apply; refused when a row needs its whole row.
+    pub(crate) fn fused(&self) -> Result<super::FusedProcessing> {
+        if let Some(row) = self.whole_row {
+            return Err(invalid(
+                format!("processing[{row}]"),
+                "min-p, top-k, top-p and top log-probabilities need the whole row: the fused tiles apply soft-cap, bias, mask and penalties only",
+            ));
+        }
+        Ok(super::FusedProcessing { address: self.address, rows: self.rows, vocab: self.vocab })
+    }
+
     /// The blocks the fused tiles or the logits sampler apply, or null when no row has a
     /// per-entry step.
     fn per_entry_blocks(&self) -> DevicePtr<RowProcessing> {
@@ -147,11 +158,10 @@ impl ProcessedRequest {
         if self.logprobs() || self.processing.whole_row.is_some() {
             return None;
         }
-        let processing = self.processing.per_entry.then_some(super::FusedProcessing {
-            address: self.processing.address,
-            rows: self.processing.rows,
-            vocab: self.processing.vocab,
-        });
+        let processing = match self.processing.per_entry {
+            true => Some(self.processing.fused().ok()?),
+            false => None,
+        };
         let (tokens, shard) = match self.target {
             ProcessedTarget::Tokens { tokens, .. } => (tokens, None),
             ProcessedTarget::Shard { vocab_offset, vocab, part, .. } => {

@@ -187,27 +187,6 @@ impl Borrowed {
         Sampled::from_processed_outputs(n as usize, tokens, Some(&logprobs), Some(&top))
     }
 
-    /// The request of `n` draws of every row of `hidden` from `lm_head` with `processing`, into
-    /// `target`.
-    fn request(
-        lm_head: &CudaLmHead,
-        hidden: &CudaHidden,
-        rows: &DeviceRows,
-        processing: &DeviceProcessing,
-        n: u32,
-        target: ProcessedTarget,
-    ) -> ProcessedRequest {
-        ProcessedRequest {
-            lm_head: lm_head.matrix(),
-            hidden: hidden.matrix(),
-            row_params: rows.address(),
-            draws: Draws::first(n),
-            variant: Variant::Auto,
-            processing: processing.on_device(),
-            target,
-        }
-    }
-
     /// Queues `request` on the stream with a workspace of its own, poisoned; returns the
     /// workspace, which must live until the stream has run the call.
     fn queue(&self, request: &ProcessedRequest) -> Result<CudaSlice<u32>> {
@@ -264,8 +243,14 @@ impl ProcessedBackend for Borrowed {
             logprobs: self.address(&outputs.logprobs),
             top_logprobs: self.address(&outputs.top_logprobs),
         };
-        let _workspace =
-            self.queue(&Borrowed::request(&heads[0], &on_device, &rows, &device_processing, samples, target))?;
+        let _workspace = self.queue(&ProcessedRequest::on_buffers(
+            &heads[0],
+            &on_device,
+            &rows,
+            &device_processing,
+            Draws::first(samples),
+            target,
+        ))?;
         let got = self.read(samples, &outputs)?;
         check_written(&self.name(), &got, lm_head.rows());
         Ok(got)
@@ -289,7 +274,14 @@ impl ProcessedBackend for Borrowed {
         for (s, head) in heads.iter().enumerate() {
             let part = self.address(&parts) + s as u64 * layout.bytes;
             let target = ProcessedTarget::Shard { vocab_offset, vocab, part, logprobs: true };
-            let request = Borrowed::request(head, &on_device, &rows, &device_processing, samples, target);
+            let request = ProcessedRequest::on_buffers(
+                head,
+                &on_device,
+                &rows,
+                &device_processing,
+                Draws::first(samples),
+                target,
+            );
             spaces.push(self.queue(&request)?);
             vocab_offset += head.shape().vocab;
         }

@@ -376,7 +376,10 @@ impl CudaSampler {
         check_outputs(out, hidden.rows(), draws.count)?;
         let (logprobs, top_logprobs) = out.logprobs_addresses();
         let target = ProcessedTarget::Tokens { tokens: out.tokens.address(), logprobs, top_logprobs };
-        let request = processed_request(lm_head, hidden, rows, processing, draws, variant, target);
+        let request = ProcessedRequest {
+            variant,
+            ..ProcessedRequest::on_buffers(lm_head, hidden, rows, processing, draws, target)
+        };
         // SAFETY: every address comes from a live buffer of this sampler holding the request's
         // extents (checked above and by the plan).
         unsafe { self.enqueue_processed(lm_head, hidden, &request) }
@@ -421,7 +424,10 @@ impl CudaSampler {
             part: parts.part_address(part)?,
             logprobs: parts.logprobs,
         };
-        let request = processed_request(lm_head, hidden, rows, processing, draws, variant, target);
+        let request = ProcessedRequest {
+            variant,
+            ..ProcessedRequest::on_buffers(lm_head, hidden, rows, processing, draws, target)
+        };
         // SAFETY: every address comes from a live buffer of this sampler holding the request's
         // extents (the part checked above, the rest by the plan).
         unsafe { self.enqueue_processed(lm_head, hidden, &request) }
@@ -504,24 +510,27 @@ fn check_outputs(out: &ProcessedOutputs, batch: usize, samples: u32) -> Result<(
     Ok(())
 }
 
-/// The processed request of an owned call.
-fn processed_request(
-    lm_head: &CudaLmHead,
-    hidden: &CudaHidden,
-    rows: &DeviceRows,
-    processing: &DeviceProcessing,
-    draws: Draws,
-    variant: Variant,
-    target: ProcessedTarget,
-) -> ProcessedRequest {
-    ProcessedRequest {
-        lm_head: lm_head.matrix(),
-        hidden: hidden.matrix(),
-        row_params: rows.address(),
-        draws,
-        variant,
-        processing: processing.on_device(),
-        target,
+impl ProcessedRequest {
+    /// The request of `draws` of every row of `hidden` from `lm_head` with the rows' parameters
+    /// and processing in device buffers of this library, with the dispatcher's tile, into
+    /// `target` (a borrowed-mode call may take buffers the owned sampler made).
+    pub fn on_buffers(
+        lm_head: &CudaLmHead,
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        draws: Draws,
+        target: ProcessedTarget,
+    ) -> ProcessedRequest {
+        ProcessedRequest {
+            lm_head: lm_head.matrix(),
+            hidden: hidden.matrix(),
+            row_params: rows.address(),
+            draws,
+            variant: Variant::Auto,
+            processing: processing.on_device(),
+            target,
+        }
     }
 }
 

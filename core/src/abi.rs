@@ -406,9 +406,11 @@ pub struct ReduceArgs {
     pub processing: DevicePtr<RowProcessing>,
     /// `[batch]` row parameters (their temperatures merge the per-tile terms).
     pub row_params: DevicePtr<RowParams>,
-    /// `[batch, tiles]` per-tile log-sum-exp terms ([`LogitsSamplerArgs::tile_sums`]), merged
-    /// in tile order into `sums[b]` by the block of each row's draw 0; null: none.
-    pub tile_sums: DevicePtr<RowSums>,
+    /// `[batch, sum_parts]` log-sum-exp terms of the parts of each row (the logits sampler's
+    /// tiles, [`LogitsSamplerArgs::tile_sums`], or the processing pipeline's slices,
+    /// [`ProcessArgs::slice_sums`]), merged in part order into `sums[b]` by the block of each
+    /// row's draw 0; null: none.
+    pub part_sums: DevicePtr<RowSums>,
     pub sums: DevicePtr<RowSums>,
     pub batch: u32,
     pub samples: u32,
@@ -419,6 +421,9 @@ pub struct ReduceArgs {
     pub vocab_offset: u32,
     /// Entries of the shard's logits (for `processing`'s bounds).
     pub vocab: u32,
+    pub sum_parts: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
 }
 
 /// A vocabulary shard's winner of one (row, draw) with the token's raw and processed logits
@@ -561,9 +566,12 @@ pub struct RowSums {
     pub kept: LogSumExp,
 }
 
-/// The processing kernel: one block per row turns `raw[b]` into `processed[b]` (the logits
-/// the row races with, −∞ for every dropped token) and writes `sums[b]`. Without
-/// log-probabilities `sums` is null and `processed` may be `raw` (processed in place).
+/// The processing pipeline over materialised rows: launches of the processing kernel, one
+/// [`ProcessStep`] each, over a grid of (row, slice) items (`slices` slices of every row, in
+/// whole quads), turn `raw[b]` into `processed[b]` (the logits the row races with, −∞ for
+/// every dropped token), write each slice's log-sum-exp terms and each row's top raw entries.
+/// Without log-probabilities `slice_sums` is null and `processed` may be `raw` (processed in
+/// place).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -574,10 +582,14 @@ pub struct ProcessArgs {
     pub processed: DevicePtr<f32>,
     pub row_params: DevicePtr<RowParams>,
     pub processing: DevicePtr<RowProcessing>,
-    /// `[batch]`, written; null: no log-sum-exp terms.
-    pub sums: DevicePtr<RowSums>,
+    /// `[batch]` rows' selection state, zeroed before the pipeline's first step.
+    pub state: DevicePtr<ProcessRowState>,
+    /// `[batch, slices]` log-sum-exp terms of each (row, slice), written (raw terms by
+    /// [`ProcessStep::Entries`], kept ones by [`ProcessStep::Apply`]); the merge kernel merges
+    /// them in slice order. Null: no terms.
+    pub slice_sums: DevicePtr<RowSums>,
     /// `[batch, MAX_TOP_LOGPROBS]`, each row's top raw entries by decreasing logit, then
-    /// increasing index, as many as the row asks for (needs `sums`); null: none.
+    /// increasing index, as many as the row asks for (needs `slice_sums`); null: none.
     pub top: DevicePtr<RawTop>,
     pub vocab: u32,
     pub logits_stride: u32,
@@ -585,17 +597,116 @@ pub struct ProcessArgs {
     /// The global vocabulary index of the logits' column 0 (a shard's offset): mask bits,
     /// sparse entries and the written indices are global.
     pub vocab_offset: u32,
+    pub slices: u32,
+    /// The launch's [`ProcessStep`].
+    pub step: u32,
+    /// With [`ProcessStep::Select`]: the [`Selection`] and its digit (0 = most significant).
+    pub selection: u32,
+    pub digit: u32,
 }
 
-/// Threads per block of the processing kernel.
-pub const PROCESS_THREADS: u32 = 512;
+/// What one launch of the processing kernel does ([`ProcessArgs::step`]). A pipeline runs
+/// `Entries`, then the digits of the selections any row needs (in [`Selection`] order), then
+/// `Apply`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessStep {
+    /// The per-entry steps, the raw log-sum-exp terms, the row's largest processed logit.
+    Entries = 0,
+    /// One 8-bit digit of one selection: a histogram of the slice's members added to the
+    /// row's, and the last slice to finish picks the digit.
+    Select = 1,
+    /// The keep rule: dropped entries set to −∞, the kept terms, the top raw entries.
+    Apply = 2,
+}
+
+/// The order statistics a row may need, each found by a radix selection over
+/// `crate::process::order_key`, four 8-bit digits, in this order (each may use the ones
+/// before it).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Selection {
+    /// The k-th largest kept processed logit.
+    TopK = 0,
+    /// The last key of top-p's prefix, by top-p's integer masses.
+    TopP = 1,
+    /// Among the entries tied at top-p's last key, the index where its prefix ends.
+    TopPTie = 2,
+    /// The n-th largest raw logit (the top log-probabilities).
+    TopRaw = 3,
+    /// Among the raw entries tied at that logit, the index of the n-th.
+    TopRawTie = 4,
+}
+
+impl Selection {
+    pub const ALL: [Selection; 5] =
+        [Selection::TopK, Selection::TopP, Selection::TopPTie, Selection::TopRaw, Selection::TopRawTie];
+
+    /// The selection of a [`ProcessArgs::selection`] value.
+    pub const fn from_u32(value: u32) -> Option<Selection> {
+        match value {
+            0 => Some(Selection::TopK),
+            1 => Some(Selection::TopP),
+            2 => Some(Selection::TopPTie),
+            3 => Some(Selection::TopRaw),
+            4 => Some(Selection::TopRawTie),
+            _ => None,
+        }
+    }
+
+    /// The selection's bit in [`ProcessRowState::found`] and [`ProcessRowState::ended`].
+    pub const fn bit(self) -> u32 {
+        1 << self as u32
+    }
+}
+
+/// Digits of a selection: four 8-bit digits of a 32-bit key.
+pub const SELECT_DIGITS: u32 = 4;
+
+/// One row's state between the launches of the processing pipeline (zeroed before the first).
+/// The slices of a row add into `histogram`; the last slice of a launch to finish (counted by
+/// `arrivals`) decides the digit, records the selection's outcome and clears both for the next
+/// launch. A whole multiple of 128 bytes, so that no two rows share a cache line.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessRowState {
+    pub histogram: [u64; SELECT_BUCKETS as usize],
+    /// The running selection: the weight above its key prefix, and its target.
+    pub above: u64,
+    pub target: u64,
+    /// The target of the next tie selection, set when its parent finds its key.
+    pub tie_goal: u64,
+    /// The running selection's key prefix (its decided digits).
+    pub prefix: u32,
+    pub arrivals: u32,
+    /// `order_key` of the row's largest processed logit (rows with truncations).
+    pub max_key: u32,
+    /// Non-zero when a processed logit is NaN or +∞ (rows with truncations).
+    pub non_finite: u32,
+    /// [`Selection::bit`]s of the selections that found their key.
+    pub found: u32,
+    /// [`Selection::bit`]s of the selections whose members weigh less than the target.
+    pub ended: u32,
+    /// Per [`Selection`], what it found: a key, or for the tie selections an index.
+    pub keys: [u32; 5],
+    /// The row's top raw entries as the slices gather them: their count, then the entries.
+    pub top_count: u32,
+    pub top: [RawTop; crate::process::MAX_TOP_LOGPROBS as usize],
+    pub padding: [u32; 6],
+}
+
+const _: () = assert!(core::mem::size_of::<ProcessRowState>().is_multiple_of(128));
+
+/// Threads per block of the processing kernel: a thread per bucket of a digit's histogram.
+pub const PROCESS_THREADS: u32 = 256;
 /// Buckets of one radix digit in the processing kernel's selections (8 bits).
 pub const SELECT_BUCKETS: u32 = 256;
 /// Dynamic shared memory of the processing kernel: a `u64` per bucket, then a log-sum-exp
-/// pair and a flag word per warp for the block's reductions, then the selection's result,
-/// then the top raw entries as they are gathered (a count and its padding, indices, logits).
-pub const PROCESS_SHARED_BYTES: u32 =
-    SELECT_BUCKETS * 8 + (PROCESS_THREADS / 32) * 24 + 32 + 8 + crate::process::MAX_TOP_LOGPROBS * 8;
+/// pair, a maximum and a flag word per warp for the block's reductions, then the
+/// last-to-arrive flag and its padding, then a digit's decision (five words).
+pub const PROCESS_SHARED_BYTES: u32 = SELECT_BUCKETS * 8 + (PROCESS_THREADS / 32) * 16 + 8 + 5 * 8;
+
+const _: () = assert!(PROCESS_THREADS >= SELECT_BUCKETS);
 
 /// Fills `count` elements at `out` with values uniform in `[-scale, scale)` drawn from Philox
 /// under `seed` (benchmark and demo inputs; never zeros).

@@ -33,6 +33,18 @@ pub fn global_thread() -> (u64, u64) {
     (block_index() as u64 * block_dim + thread_index() as u64, grid_size() as u64 * block_dim)
 }
 
+/// Orders this thread's memory accesses before and after it for every thread of the device
+/// (`__threadfence`): what a block writes before a fence and an atomic count, a block that
+/// sees the count sees too.
+///
+/// # Safety
+/// None beyond inline assembly's; `unsafe` as every PTX wrapper here.
+#[inline(always)]
+pub unsafe fn fence_device() {
+    // SAFETY: a fence; it reads and writes no register.
+    unsafe { asm!("fence.sc.gpu;", options(nostack)) }
+}
+
 /// Block-wide barrier.
 ///
 /// # Safety

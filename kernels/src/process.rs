@@ -1,26 +1,30 @@
-//! Logit processing over materialised rows: one block per row applies the per-entry steps of
-//! `flashsample_core::process`, decides min-p, top-k and top-p exactly, writes the logits
-//! the row races with and its log-sum-exp terms; the shard merge turns the winners and terms
-//! of one or more vocabulary shards into tokens and log-probabilities.
+//! Logit processing over materialised rows: a pipeline of launches over (row, slice) items
+//! applies the per-entry steps of `flashsample_core::process`, decides min-p, top-k and top-p
+//! exactly, writes the logits each row races with, each slice's log-sum-exp terms and each
+//! row's top raw entries; the shard merge turns the winners and terms of one or more
+//! vocabulary shards into tokens and log-probabilities.
 //!
 //! top-k and top-p are order statistics of the whole row. Each is found by a radix selection
-//! over [`order_key`] (four 8-bit digits, most significant first): per digit a histogram of
-//! the entries still in play, whose weights are counts (top-k) or top-p's integer masses
-//! ([`top_p_units`]). Integer sums do not depend on the order the threads add them in, so the
-//! cut is the same on every launch and the same as the CPU's, which sorts.
+//! over [`order_key`] (four 8-bit digits, most significant first): per digit one launch, in
+//! which every slice adds a histogram of its entries still in play to the row's, with weights
+//! that are counts (top-k) or top-p's integer masses ([`top_p_units`]), and the row's last
+//! slice to finish picks the digit for the next launch. Integer sums do not depend on the
+//! order the threads and slices add them in, so the cut is the same on every launch and for
+//! every slicing, and the same as the CPU's, which sorts. A row split into many slices keeps
+//! many multiprocessors busy when the batch is small.
 
-use core::ptr::addr_of_mut;
+use core::ptr::{addr_of_mut, read_volatile};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use flashsample_core::abi::{
-    DevicePtr, PROCESS_THREADS, ProcessArgs, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, ShardMergeArgs,
-    ShardWinner, TopLogprob,
+    DevicePtr, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs, ProcessRowState, ProcessStep, RawTop, RowProcessing,
+    RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardMergeArgs, ShardWinner, TopLogprob,
 };
 use flashsample_core::process::{
     KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, dense_step, key_logit,
     min_p_threshold, order_key, process_quad, sparse_step, token_log_probabilities, top_p_target, top_p_units,
 };
-use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN};
+use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 
 use crate::arch;
 
@@ -30,28 +34,19 @@ const WARPS: usize = (PROCESS_THREADS / 32) as usize;
 #[repr(C)]
 pub struct ProcessShared {
     buckets: [u64; SELECT_BUCKETS as usize],
-    warp_raw: [LogSumExp; WARPS],
-    warp_kept: [LogSumExp; WARPS],
+    warp_lse: [LogSumExp; WARPS],
     warp_max: [f32; WARPS],
     warp_non_finite: [u32; WARPS],
-    /// A selection digit's outcome, from thread 0 to the block: the key prefix, the weight
-    /// above it, the target, and whether the set reached the target.
-    selection: [u64; 4],
-    /// The row's top raw entries as they are gathered: their count, indices and logits.
-    top_count: u32,
-    top_padding: u32,
-    top_index: [u32; MAX_TOP_LOGPROBS as usize],
-    top_logit: [f32; MAX_TOP_LOGPROBS as usize],
+    /// Whether the block is its row's last slice to arrive ([`Slice::arrive`]), from thread 0
+    /// to the block.
+    last: u32,
+    padding: u32,
+    /// A digit's decision ([`decide_digit`]): whether the selection runs, the weight above
+    /// its prefix, its target; the chosen bucket and the weight above it.
+    decision: [u64; 5],
 }
 
-/// A selection's result: the largest key `K` whose entries at or above it reach the target,
-/// the weight of the entries above `K`, and the target.
-#[derive(Clone, Copy)]
-struct Selected {
-    key: u32,
-    above: u64,
-    target: u64,
-}
+const _: () = assert!(core::mem::size_of::<ProcessShared>() == PROCESS_SHARED_BYTES as usize);
 
 /// The per-entry processing of the quad at `index0` of row `b` in a fused tile
 /// (`flashsample_core::process::process_quad` with the row's mask word and the sparse entries
@@ -102,18 +97,19 @@ pub unsafe fn fused_quad(
 #[derive(Clone, Copy)]
 struct Quad([f32; 4]);
 
-/// Calls `f(i, logit)` for this thread's entries `i < vocab` of the row at `row`: quads
-/// `thread, thread + PROCESS_THREADS, …`, two of them loaded before either is used, so that
-/// one block per row keeps enough loads in flight.
+/// Calls `f(i, logit)` for this thread's entries `i < vocab` of the row at `row` among its
+/// quads `quads.0 .. quads.1`: `quads.0 + thread`, then every `PROCESS_THREADS`-th, two of
+/// them loaded before either is used, so that each block keeps enough loads in flight.
 ///
 /// # Safety
-/// `row` is 16-byte aligned and readable up to `vocab` rounded up to a multiple of 4.
+/// `row` is 16-byte aligned and readable up to `vocab` rounded up to a multiple of 4, and
+/// `quads.1 ≤ ⌈vocab / 4⌉`.
 #[inline(always)]
-unsafe fn for_each_entry(row: *const f32, vocab: u32, thread: u32, mut f: impl FnMut(u32, f32)) {
-    let quads = vocab.div_ceil(4);
+unsafe fn for_each_entry(row: *const f32, vocab: u32, quads: (u32, u32), thread: u32, mut f: impl FnMut(u32, f32)) {
+    let (start, end) = quads;
     let load = |q: u32| {
-        if q < quads {
-            // SAFETY: `q < ⌈vocab / 4⌉`: a whole aligned quad of the row (this function's
+        if q < end {
+            // SAFETY: `q < end ≤ ⌈vocab / 4⌉`: a whole aligned quad of the row (this function's
             // contract).
             unsafe { *(row.add(4 * q as usize) as *const Quad) }
         } else {
@@ -137,136 +133,170 @@ unsafe fn for_each_entry(row: *const f32, vocab: u32, thread: u32, mut f: impl F
             f(i + 3, l3);
         }
     };
-    let mut first = thread;
-    while first < quads {
+    let mut first = start + thread;
+    while first < end {
         let second = first + PROCESS_THREADS;
         let (a, b) = (load(first), load(second));
         visit(first, a);
-        visit(second, b);
+        // A quad past the slice may still lie inside the row: it is another slice's.
+        if second < end {
+            visit(second, b);
+        }
         first += 2 * PROCESS_THREADS;
     }
 }
 
-/// The block's view of one row.
-struct Row {
+/// One (row, slice) item of a launch: the block's part of row `b`.
+struct Slice {
     shared: *mut ProcessShared,
-    /// The row's logits the selections read (processed, or raw for the top log-probabilities).
-    logits: *const f32,
+    b: u32,
+    /// The slice's index among the row's `slices` and its quads `quads.0 .. quads.1`.
+    index: u32,
+    slices: u32,
+    quads: (u32, u32),
     vocab: u32,
     thread: u32,
 }
 
-impl Row {
-    /// The largest key `K` such that the entries with `member(i) = Some((key, logit))` and
-    /// `key ≥ K` weigh at least `target(total)` (`total` the weight of all members), with
-    /// `weight(logit)` per entry; `None` when all members weigh less.
-    ///
-    /// # Safety
-    /// Every thread of the block calls it together; the row is not written meanwhile.
-    #[inline(always)]
-    unsafe fn select(
-        &self,
-        member: impl Fn(u32, f32) -> Option<u32>,
-        weight: impl Fn(f32) -> u64,
-        target: impl Fn(u64) -> u64,
-    ) -> Option<Selected> {
-        // SAFETY: the fields lie inside the block's shared memory (`PROCESS_SHARED_BYTES`).
-        let buckets = unsafe { addr_of_mut!((*self.shared).buckets) } as *mut u64;
-        // SAFETY: as above.
-        let selection = unsafe { addr_of_mut!((*self.shared).selection) } as *mut u64;
-        let mut prefix = 0u32;
-        for digit in 0..4u32 {
-            let shift = 24 - 8 * digit;
-            if self.thread < SELECT_BUCKETS {
-                // SAFETY: `thread < SELECT_BUCKETS`: one bucket.
-                unsafe { *buckets.add(self.thread as usize) = 0 };
-            }
-            // SAFETY: every thread of the block reaches it (this function's contract, uniform
-            // loop).
-            unsafe { arch::sync_threads() };
-            // A thread's consecutive members mostly share a bucket (the leading digits most
-            // of all): it adds runs, not entries, to keep the shared atomics uncontended.
-            let add = |bucket: u32, weight: u64| {
-                if weight > 0 {
-                    // SAFETY: a bucket of the shared histogram, only accessed atomically until
-                    // the barrier below.
-                    unsafe { AtomicU64::from_ptr(buckets.add(bucket as usize)) }.fetch_add(weight, Ordering::Relaxed);
-                }
-            };
-            let (mut run_bucket, mut run_weight) = (0u32, 0u64);
-            // SAFETY: the row's processed logits, padded to the stride.
-            unsafe {
-                for_each_entry(self.logits, self.vocab, self.thread, |i, l| {
-                    if let Some(key) = member(i, l)
-                        && (digit == 0 || (key ^ prefix) >> (shift + 8) == 0)
-                    {
-                        let bucket = (key >> shift) & (SELECT_BUCKETS - 1);
-                        if bucket != run_bucket {
-                            add(run_bucket, run_weight);
-                            (run_bucket, run_weight) = (bucket, 0);
-                        }
-                        run_weight += weight(l);
-                    }
-                })
-            };
-            add(run_bucket, run_weight);
-            // SAFETY: as above.
-            unsafe { arch::sync_threads() };
-            if self.thread == 0 {
-                // SAFETY: the selection words and buckets, read and written by thread 0 alone
-                // between two barriers.
-                unsafe {
-                    if digit == 0 {
-                        let mut total = 0u64;
-                        for d in 0..SELECT_BUCKETS as usize {
-                            total += *buckets.add(d);
-                        }
-                        *selection.add(1) = 0;
-                        *selection.add(2) = target(total);
-                        *selection.add(3) = (total >= target(total)) as u64;
-                    }
-                    let (mut above, goal) = (*selection.add(1), *selection.add(2));
-                    let mut chosen = 0u32;
-                    let mut d = SELECT_BUCKETS;
-                    while d > 0 {
-                        d -= 1;
-                        let here = *buckets.add(d as usize);
-                        if above + here >= goal {
-                            chosen = d;
-                            break;
-                        }
-                        above += here;
-                    }
-                    *selection = (prefix | chosen << shift) as u64;
-                    *selection.add(1) = above;
-                }
-            }
-            // SAFETY: as above.
-            unsafe { arch::sync_threads() };
-            // SAFETY: written by thread 0 before the barrier; rewritten only after the next
-            // digit's two barriers.
-            let (found, key) = unsafe { (*selection.add(3), *selection as u32) };
-            if found == 0 {
-                return None;
-            }
-            prefix = key;
+impl Slice {
+    /// Item `item` of `args`' (row, slice) items; `args.slices` splits every row into runs of
+    /// `⌈quads / slices⌉` quads (the last ones may be short or empty).
+    fn of(args: &ProcessArgs, shared: *mut ProcessShared, item: u32) -> Slice {
+        let quads = args.vocab.div_ceil(4);
+        let per_slice = quads.div_ceil(args.slices);
+        let (b, index) = (item / args.slices, item % args.slices);
+        let start = (index * per_slice).min(quads);
+        Slice {
+            shared,
+            b,
+            index,
+            slices: args.slices,
+            quads: (start, (start + per_slice).min(quads)),
+            vocab: args.vocab,
+            thread: arch::thread_index(),
         }
-        // SAFETY: as above.
-        let (above, target) = unsafe { (*selection.add(1), *selection.add(2)) };
-        Some(Selected { key: prefix, above, target })
     }
 
-    /// The block's largest entry and whether any entry is NaN or +∞.
+    /// [`for_each_entry`] over this slice of the row at `row`.
     ///
     /// # Safety
-    /// Every thread of the block calls it together.
+    /// As [`for_each_entry`] for `row`.
     #[inline(always)]
-    unsafe fn max_and_non_finite(&self) -> (f32, bool) {
+    unsafe fn for_each(&self, row: *const f32, f: impl FnMut(u32, f32)) {
+        // SAFETY: the slice's quads lie inside the row's (`Slice::of`), per this function's
+        // contract.
+        unsafe { for_each_entry(row, self.vocab, self.quads, self.thread, f) }
+    }
+
+    /// Adds the weights of the slice's entries `i` of `row` with `member(i, logit) =
+    /// Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
+    /// the histogram to `row_histogram`.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together; `row` as [`Slice::for_each`];
+    /// `row_histogram` holds `SELECT_BUCKETS` words, only accessed atomically meanwhile.
+    #[inline(always)]
+    unsafe fn add_histogram(
+        &self,
+        row: *const f32,
+        shift: u32,
+        member: impl Fn(u32, f32) -> Option<u32>,
+        weight: impl Fn(f32) -> u64,
+        row_histogram: *mut u64,
+    ) {
+        // SAFETY: the buckets lie inside the block's shared memory (`PROCESS_SHARED_BYTES`).
+        let buckets = unsafe { addr_of_mut!((*self.shared).buckets) } as *mut u64;
+        if self.thread < SELECT_BUCKETS {
+            // SAFETY: `thread < SELECT_BUCKETS`: one bucket.
+            unsafe { *buckets.add(self.thread as usize) = 0 };
+        }
+        // SAFETY: every thread of the block reaches it (this function's contract).
+        unsafe { arch::sync_threads() };
+        // A thread's consecutive members mostly share a bucket (the leading digits most of
+        // all): it adds runs, not entries, to keep the shared atomics uncontended.
+        let add = |bucket: u32, weight: u64| {
+            if weight > 0 {
+                // SAFETY: a bucket of the shared histogram, only accessed atomically until the
+                // barrier below.
+                unsafe { AtomicU64::from_ptr(buckets.add(bucket as usize)) }.fetch_add(weight, Ordering::Relaxed);
+            }
+        };
+        let (mut run_bucket, mut run_weight) = (0u32, 0u64);
+        // SAFETY: per this function's contract.
+        unsafe {
+            self.for_each(row, |i, l| {
+                if let Some(key) = member(i, l) {
+                    let bucket = (key >> shift) & (SELECT_BUCKETS - 1);
+                    if bucket != run_bucket {
+                        add(run_bucket, run_weight);
+                        (run_bucket, run_weight) = (bucket, 0);
+                    }
+                    run_weight += weight(l);
+                }
+            })
+        };
+        add(run_bucket, run_weight);
+        // SAFETY: as above.
+        unsafe { arch::sync_threads() };
+        if self.thread < SELECT_BUCKETS {
+            // SAFETY: written before the barrier above; a word of the row's histogram, only
+            // accessed atomically (this function's contract).
+            unsafe {
+                let weight = *buckets.add(self.thread as usize);
+                if weight > 0 {
+                    AtomicU64::from_ptr(row_histogram.add(self.thread as usize)).fetch_add(weight, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Whether this block is the last of the row's slices to get here in this launch: every
+    /// thread's writes for the row are made visible first, and the last block sees every
+    /// other slice's.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together, once per launch and item; `state` is the
+    /// row's.
+    #[inline(always)]
+    unsafe fn arrive(&self, state: *mut ProcessRowState) -> bool {
+        // SAFETY: a fence, then a barrier every thread reaches (this function's contract).
+        unsafe {
+            arch::fence_device();
+            arch::sync_threads();
+        }
+        // SAFETY: the flag lies inside the block's shared memory.
+        let flag = unsafe { addr_of_mut!((*self.shared).last) };
+        if self.thread == 0 {
+            // SAFETY: the row's arrival count, only accessed atomically during the launch.
+            let before =
+                unsafe { AtomicU32::from_ptr(addr_of_mut!((*state).arrivals)) }.fetch_add(1, Ordering::Relaxed);
+            let last = before + 1 == self.slices;
+            if last {
+                // SAFETY: a fence.
+                unsafe { arch::fence_device() };
+            }
+            // SAFETY: read by the block after the barrier below; rewritten only after the
+            // first barrier of the next call.
+            unsafe { *flag = last as u32 };
+        }
+        // SAFETY: as above.
+        unsafe {
+            arch::sync_threads();
+            *flag != 0
+        }
+    }
+
+    /// The slice's largest entry of `row` and whether any is NaN or +∞, in every thread.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together; `row` as [`Slice::for_each`].
+    #[inline(always)]
+    unsafe fn max_and_non_finite(&self, row: *const f32) -> (f32, bool) {
         let mut max = f32::NEG_INFINITY;
         let mut non_finite = false;
-        // SAFETY: the row's processed logits, padded to the stride.
+        // SAFETY: per this function's contract.
         unsafe {
-            for_each_entry(self.logits, self.vocab, self.thread, |_, l| {
+            self.for_each(row, |_, l| {
                 max = if l > max { l } else { max };
                 non_finite |= l.is_nan() || l == f32::INFINITY;
             })
@@ -304,6 +334,34 @@ impl Row {
         unsafe { arch::sync_threads() };
         (max, non_finite)
     }
+
+    /// The block's log-sum-exp terms merged in lane, then warp order; meaningful in thread 0.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together.
+    #[inline(always)]
+    unsafe fn merge_lse(&self, lse: LogSumExp, temperature: f32) -> LogSumExp {
+        // SAFETY: all lanes together (this function's contract).
+        let lse = unsafe { merge_lse_over_warp(lse, temperature) };
+        // SAFETY: per-warp slots of the block's shared memory.
+        let slots = unsafe { addr_of_mut!((*self.shared).warp_lse) } as *mut LogSumExp;
+        if self.thread.is_multiple_of(32) {
+            // SAFETY: `thread / 32 < WARPS`.
+            unsafe { *slots.add((self.thread / 32) as usize) = lse };
+        }
+        // SAFETY: every thread of the block reaches it.
+        unsafe { arch::sync_threads() };
+        let mut total = LogSumExp::EMPTY;
+        if self.thread == 0 {
+            for w in 0..WARPS {
+                // SAFETY: written before the barrier above.
+                total.merge_with(unsafe { *slots.add(w) }, temperature);
+            }
+        }
+        // SAFETY: every thread of the block reaches it; the slots are free again after it.
+        unsafe { arch::sync_threads() };
+        total
+    }
 }
 
 /// Merges a log-sum-exp pair over the warp's lanes.
@@ -328,265 +386,495 @@ pub(crate) unsafe fn merge_lse_over_warp(mut lse: LogSumExp, temperature: f32) -
     lse
 }
 
-/// The row's keep rule (min-p, then top-k, then top-p), for a sampling row whose processed
-/// logits are finite or −∞ with largest `max`.
+/// Whether a row samples with min-p, top-k or top-p (a greedy row keeps every entry).
+fn truncates(params: &RowParams, p: &RowProcessing) -> bool {
+    params.greedy == 0 && (p.min_p > 0.0 || p.top_k > 0 || p.top_p < 1.0)
+}
+
+/// The largest processed logit of a row whose truncations apply (it [`truncates`] and its
+/// processed logits are finite or −∞, not all −∞); `None`: the row keeps every entry.
 ///
 /// # Safety
-/// Every thread of the block calls it together.
+/// `state` is the row's, after its [`ProcessStep::Entries`] launch.
 #[inline(always)]
-unsafe fn keep_rule(row: &Row, max: f32, temperature: f32, p: &flashsample_core::abi::RowProcessing) -> KeepRule {
-    let min_cut = min_p_threshold(max, temperature, p.min_p);
-    let mut rule = KeepRule { min_cut, ..KeepRule::ALL };
-    let kept = |rule: KeepRule| move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, i)).then(|| order_key(l));
-    if p.top_k > 0 {
-        let k = p.top_k as u64;
-        // SAFETY: every thread together (this function's contract).
-        if let Some(kth) = unsafe { row.select(kept(rule), |_| 1, |_| k) } {
-            rule.order_cut = (key_logit(kth.key), u32::MAX);
-        }
+unsafe fn truncation_max(params: &RowParams, p: &RowProcessing, state: *const ProcessRowState) -> Option<f32> {
+    if !truncates(params, p) {
+        return None;
     }
-    if p.top_p < 1.0 {
-        let units = |l: f32| top_p_units(l, max, temperature);
-        let members = kept(rule);
-        // SAFETY: as above.
-        if let Some(last) = unsafe { row.select(members, units, |total| top_p_target(total, p.top_p)) } {
-            // Entries tied at the last key weigh the same: the prefix ends at the n-th of them
-            // by index.
-            let n = (last.target - last.above).div_ceil(units(key_logit(last.key)).max(1));
-            let ties = |i: u32, l: f32| members(i, l).filter(|&key| key == last.key).map(|_| !i);
-            // SAFETY: as above.
-            let index = unsafe { row.select(ties, |_| 1, |_| n) }.map_or(u32::MAX, |tie| !tie.key);
-            rule.order_cut = (key_logit(last.key), index);
-        }
+    // SAFETY: the row's state (this function's contract).
+    let (max_key, non_finite) = unsafe { ((*state).max_key, (*state).non_finite) };
+    let max = key_logit(max_key);
+    (non_finite == 0 && max > f32::NEG_INFINITY).then_some(max)
+}
+
+/// The row's keep rule with the cuts of the selections before `before` (all of them with
+/// `None`), for a row whose truncations apply with largest logit `max`.
+///
+/// # Safety
+/// `state` is the row's.
+#[inline(always)]
+unsafe fn keep_rule(
+    max: f32,
+    params: &RowParams,
+    p: &RowProcessing,
+    state: *const ProcessRowState,
+    before: Option<Selection>,
+) -> KeepRule {
+    // SAFETY: the row's state (this function's contract).
+    let (found, keys) = unsafe { ((*state).found, (*state).keys) };
+    let done = |s: Selection| before.is_none_or(|b| s < b) && found & s.bit() != 0;
+    let mut rule = KeepRule { min_cut: min_p_threshold(max, params.temperature, p.min_p), ..KeepRule::ALL };
+    if done(Selection::TopK) {
+        rule.order_cut = (key_logit(keys[Selection::TopK as usize]), u32::MAX);
+    }
+    if before.is_none_or(|b| b > Selection::TopPTie) && found & Selection::TopP.bit() != 0 {
+        let index = if found & Selection::TopPTie.bit() != 0 { keys[Selection::TopPTie as usize] } else { u32::MAX };
+        rule.order_cut = (key_logit(keys[Selection::TopP as usize]), index);
     }
     rule
 }
 
-/// The processing kernel (see `ProcessArgs`): per row, the dense and sparse steps, the keep
-/// rule, the kept logits and the row's log-sum-exp terms.
+/// The processing kernel (see `ProcessArgs`): one step of the pipeline for each (row, slice)
+/// item.
 ///
 /// # Safety
-/// Launched with `PROCESS_THREADS` threads and `PROCESS_SHARED_BYTES` of shared memory;
-/// `args` describes valid buffers; each row's sparse tokens are distinct, its mask (if any)
-/// holds a word for each of the global indices `vocab_offset .. vocab_offset + vocab`; rows
-/// with truncations only when the logits are the whole vocabulary (`vocab_offset = 0`).
+/// Launched with `PROCESS_THREADS` threads and `PROCESS_SHARED_BYTES` of shared memory, the
+/// steps of one pipeline in order on one stream; `args` describes valid buffers; each row's
+/// sparse tokens are distinct, its mask (if any) holds a word for each of the global indices
+/// `vocab_offset .. vocab_offset + vocab`; rows with truncations only when the logits are the
+/// whole vocabulary (`vocab_offset = 0`); `1 ≤ slices ≤ ⌈vocab / 4⌉` and `batch · slices <
+/// 2³²`.
 #[inline(always)]
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
-    let thread = arch::thread_index();
-    // Without log-probabilities no log-sum-exp is summed; in place (`raw == processed`) the
-    // raw logits are overwritten.
-    let log_sums = !args.sums.as_ptr().is_null();
-    let in_place = args.raw == args.processed;
-    let mut b = arch::block_index();
-    while b < args.batch {
-        // SAFETY: `b < batch`: a row of the `[batch]` parameters.
-        let (params, p) =
-            unsafe { (*args.row_params.as_ptr().add(b as usize), *args.processing.as_ptr().add(b as usize)) };
-        let offset = b as usize * args.logits_stride as usize;
-        let raw = args.raw.as_ptr().wrapping_add(offset);
-        let processed = args.processed.as_mut_ptr().wrapping_add(offset);
-        let row = Row { shared, logits: processed, vocab: args.vocab, thread };
-        let mask = p.mask.as_ptr();
-        let mut raw_lse = LogSumExp::EMPTY;
-        let dense = |i: u32, l: f32| {
-            let index = args.vocab_offset + i;
-            // SAFETY: `i < vocab`: inside the mask's words and row `b` of the processed logits.
-            let allowed = mask.is_null() || unsafe { *mask.add(index as usize / 32) >> (index % 32) } & 1 == 1;
-            if log_sums {
-                raw_lse.add(l, 1.0);
-            }
-            // SAFETY: as above.
-            unsafe { *processed.add(i as usize) = dense_step(l, p.softcap, allowed) };
+    let items = args.batch * args.slices;
+    let mut item = arch::block_index();
+    while item < items {
+        let slice = Slice::of(args, shared, item);
+        let b = slice.b as usize;
+        // SAFETY: `b < batch`: a row of the `[batch]` parameters, processing and states.
+        let (params, p, state) = unsafe {
+            (*args.row_params.as_ptr().add(b), *args.processing.as_ptr().add(b), args.state.as_mut_ptr().add(b))
         };
-        // In place, a row without soft-cap or mask is already what the dense steps make.
-        if log_sums || !in_place || p.softcap > 0.0 || !mask.is_null() {
-            // SAFETY: row `b` of the raw logits, padded to the stride (a multiple of 4).
-            unsafe { for_each_entry(raw, args.vocab, thread, dense) };
-        }
-        // The row's padding up to the stride: the logits sampler loads whole quads.
-        if thread < args.logits_stride - args.vocab {
-            // SAFETY: `vocab + thread < logits_stride`: inside row `b`.
-            unsafe { *processed.add((args.vocab + thread) as usize) = f32::NEG_INFINITY };
-        }
-        // SAFETY: every thread of the block reaches it (uniform loops).
-        unsafe { arch::sync_threads() };
-        let mut e = thread;
-        while e < p.sparse_len {
-            // SAFETY: `e < sparse_len`.
-            let entry = unsafe { *p.sparse.as_ptr().add(e as usize) };
-            // Entries of other shards wrap past `vocab`.
-            let column = entry.token.wrapping_sub(args.vocab_offset);
-            if column < args.vocab {
-                // SAFETY: `column < vocab`: inside the row; the token is listed once (this
-                // function's contract), so no two threads touch one logit.
-                unsafe {
-                    let at = processed.add(column as usize);
-                    *at = sparse_step(*at, &entry, &p.penalties);
+        // SAFETY: every thread of the block together (the step and the item are the block's),
+        // per this function's contract.
+        unsafe {
+            if args.step == ProcessStep::Entries as u32 {
+                entries(args, &slice, &params, &p, state);
+            } else if args.step == ProcessStep::Select as u32 {
+                if let Some(selection) = Selection::from_u32(args.selection) {
+                    select_digit(args, &slice, &params, &p, state, selection);
                 }
+            } else {
+                apply(args, &slice, &params, &p, state);
             }
-            e += PROCESS_THREADS;
+            // The next item reuses the shared memory.
+            arch::sync_threads();
         }
-        // SAFETY: as above.
-        unsafe { arch::sync_threads() };
-        let sampling = params.greedy == 0;
-        let mut rule = KeepRule::ALL;
-        if sampling && (p.min_p > 0.0 || p.top_k > 0 || p.top_p < 1.0) {
-            // SAFETY: every thread together (uniform condition: one row per block).
-            let (max, non_finite) = unsafe { row.max_and_non_finite() };
-            if !non_finite && max > f32::NEG_INFINITY {
-                // SAFETY: as above.
-                rule = unsafe { keep_rule(&row, max, params.temperature, &p) };
-            }
-        }
-        let mut kept = LogSumExp::EMPTY;
-        let apply = |i: u32, l: f32| {
-            if !rule.keeps(l, i) {
-                // SAFETY: `i < vocab`: inside the row; only this thread touches entry `i`.
-                unsafe { *processed.add(i as usize) = f32::NEG_INFINITY };
-            } else if sampling && log_sums {
-                kept.add(l, params.temperature);
-            }
-        };
-        if log_sums || rule != KeepRule::ALL {
-            // SAFETY: the row's processed logits, padded to the stride.
-            unsafe { for_each_entry(processed, args.vocab, thread, apply) };
-        }
-        if log_sums {
-            // SAFETY: every thread of the block together (a uniform condition).
-            unsafe { write_sums(args, shared, b, raw_lse, kept, params.temperature) };
-            if args.top.address() != 0 {
-                let raw_row = Row { shared, logits: raw, vocab: args.vocab, thread };
-                // SAFETY: as above.
-                unsafe { write_top(args, &raw_row, b, p.top_logprobs) };
-            }
-        }
-        // SAFETY: every thread of the block reaches it; the next row reuses the shared memory.
-        unsafe { arch::sync_threads() };
-        b += arch::grid_size();
+        item += arch::grid_size();
     }
 }
 
-/// Writes `args.top[b]`: the row's `n` largest raw logits by (`order_key`, then increasing
-/// index) with their global indices, then `NO_TOKEN` slots up to `MAX_TOP_LOGPROBS`.
+/// [`ProcessStep::Entries`] on one slice: the dense and sparse steps, the slice's raw terms,
+/// and for a truncating row its largest processed logit, merged into the row's state.
 ///
 /// # Safety
-/// Every thread of the block calls it together; `raw` views row `b`'s raw logits; `args.top`
-/// holds row `b`'s slots.
+/// As [`process_rows`], for `slice` of row `slice.b` with its parameters, processing and state.
 #[inline(always)]
-unsafe fn write_top(args: &ProcessArgs, raw: &Row, b: u32, n: u32) {
-    let shared = raw.shared;
-    // SAFETY: the fields lie inside the block's shared memory.
-    let (count, indices, logits) = unsafe {
-        (
-            addr_of_mut!((*shared).top_count),
-            addr_of_mut!((*shared).top_index) as *mut u32,
-            addr_of_mut!((*shared).top_logit) as *mut f32,
-        )
+unsafe fn entries(
+    args: &ProcessArgs,
+    slice: &Slice,
+    params: &RowParams,
+    p: &RowProcessing,
+    state: *mut ProcessRowState,
+) {
+    // Without log-probabilities no log-sum-exp is summed; in place (`raw == processed`) the
+    // raw logits are overwritten.
+    let log_sums = args.slice_sums.address() != 0;
+    let in_place = args.raw == args.processed;
+    let offset = slice.b as usize * args.logits_stride as usize;
+    let raw = args.raw.as_ptr().wrapping_add(offset);
+    let processed = args.processed.as_mut_ptr().wrapping_add(offset);
+    let mask = p.mask.as_ptr();
+    let mut raw_lse = LogSumExp::EMPTY;
+    let dense = |i: u32, l: f32| {
+        let index = args.vocab_offset + i;
+        // SAFETY: `i < vocab`: inside the mask's words and row `b` of the processed logits.
+        let allowed = mask.is_null() || unsafe { *mask.add(index as usize / 32) >> (index % 32) } & 1 == 1;
+        if log_sums {
+            raw_lse.add(l, 1.0);
+        }
+        // SAFETY: as above.
+        unsafe { *processed.add(i as usize) = dense_step(l, p.softcap, allowed) };
     };
-    let mut cut = (0u32, u32::MAX);
-    if n > 0 {
-        let all = |_: u32, l: f32| Some(order_key(l));
-        // SAFETY: every thread together (this function's contract).
-        if let Some(last) = unsafe { raw.select(all, |_| 1, |_| n as u64) } {
-            // Entries tied at the last key: the first by index fill the rest.
-            let ties = |i: u32, l: f32| (order_key(l) == last.key).then_some(!i);
-            let wanted = n as u64 - last.above;
-            // SAFETY: as above.
-            let index = unsafe { raw.select(ties, |_| 1, |_| wanted) }.map_or(u32::MAX, |tie| !tie.key);
-            cut = (last.key, index);
+    // In place, a row without soft-cap or mask is already what the dense steps make.
+    if log_sums || !in_place || p.softcap > 0.0 || !mask.is_null() {
+        // SAFETY: row `b` of the raw logits, padded to the stride (a multiple of 4).
+        unsafe { slice.for_each(raw, dense) };
+    }
+    // The row's padding up to the stride: the logits sampler loads whole quads.
+    if slice.index + 1 == slice.slices && slice.thread < args.logits_stride - args.vocab {
+        // SAFETY: `vocab + thread < logits_stride`: inside row `b`.
+        unsafe { *processed.add((args.vocab + slice.thread) as usize) = f32::NEG_INFINITY };
+    }
+    // SAFETY: every thread of the block reaches it (uniform loops).
+    unsafe { arch::sync_threads() };
+    let (first, end) = (4 * slice.quads.0, (4 * slice.quads.1).min(args.vocab));
+    let mut e = slice.thread;
+    while e < p.sparse_len {
+        // SAFETY: `e < sparse_len`.
+        let entry = unsafe { *p.sparse.as_ptr().add(e as usize) };
+        // Entries of other shards wrap past `vocab`.
+        let column = entry.token.wrapping_sub(args.vocab_offset);
+        if (first..end).contains(&column) {
+            // SAFETY: `column < vocab`: inside the row; the token is listed once (this
+            // function's contract) and in this slice, so no two threads touch one logit.
+            unsafe {
+                let at = processed.add(column as usize);
+                *at = sparse_step(*at, &entry, &p.penalties);
+            }
+        }
+        e += PROCESS_THREADS;
+    }
+    // SAFETY: as above.
+    unsafe { arch::sync_threads() };
+    if truncates(params, p) {
+        // SAFETY: every thread together (uniform condition); the slice's processed logits.
+        let (max, non_finite) = unsafe { slice.max_and_non_finite(processed) };
+        if slice.thread == 0 {
+            // SAFETY: the row's state words, only accessed atomically during the launch.
+            unsafe {
+                AtomicU32::from_ptr(addr_of_mut!((*state).max_key)).fetch_max(order_key(max), Ordering::Relaxed);
+                if non_finite {
+                    AtomicU32::from_ptr(addr_of_mut!((*state).non_finite)).fetch_or(1, Ordering::Relaxed);
+                }
+            }
         }
     }
-    if raw.thread == 0 {
-        // SAFETY: read only after the barrier below.
-        unsafe { *count = 0 };
+    if log_sums {
+        // SAFETY: every thread together (uniform condition).
+        let lse = unsafe { slice.merge_lse(raw_lse, 1.0) };
+        if slice.thread == 0 {
+            // SAFETY: item `(b, index)` of the `[batch, slices]` terms.
+            unsafe { (*args.slice_sums.as_mut_ptr().add(slice_slot(slice))).raw = lse };
+        }
+    }
+}
+
+/// The index of `slice`'s terms in `[batch, slices]`.
+fn slice_slot(slice: &Slice) -> usize {
+    (slice.b * slice.slices + slice.index) as usize
+}
+
+/// [`ProcessStep::Select`] on one slice: digit `args.digit` of `selection`, for a row that
+/// runs it (and whose members still reach its target); the row's last slice picks the digit.
+///
+/// # Safety
+/// As [`process_rows`], for `slice` of row `slice.b` with its parameters, processing and
+/// state, after the row's earlier steps.
+#[inline(always)]
+unsafe fn select_digit(
+    args: &ProcessArgs,
+    slice: &Slice,
+    params: &RowParams,
+    p: &RowProcessing,
+    state: *mut ProcessRowState,
+    selection: Selection,
+) {
+    // SAFETY: the row's state, written by earlier launches only while this one reads it.
+    let (found, ended, prefix, keys) = unsafe { ((*state).found, (*state).ended, (*state).prefix, (*state).keys) };
+    // SAFETY: as above.
+    let max = unsafe { truncation_max(params, p, state) };
+    let top_asked = args.slice_sums.address() != 0 && args.top.address() != 0 && p.top_logprobs > 0;
+    let runs = match selection {
+        Selection::TopK => max.is_some() && p.top_k > 0,
+        Selection::TopP => max.is_some() && p.top_p < 1.0,
+        Selection::TopPTie => max.is_some() && found & Selection::TopP.bit() != 0,
+        Selection::TopRaw => top_asked,
+        Selection::TopRawTie => top_asked && found & Selection::TopRaw.bit() != 0,
+    };
+    if !runs || ended & selection.bit() != 0 {
+        return;
+    }
+    let shift = 24 - 8 * args.digit;
+    let in_prefix = |key: &u32| args.digit == 0 || (key ^ prefix) >> (shift + 8) == 0;
+    let offset = slice.b as usize * args.logits_stride as usize;
+    let raw = args.raw.as_ptr().wrapping_add(offset);
+    let processed = args.processed.as_ptr().wrapping_add(offset);
+    // SAFETY: the row's histogram, only accessed atomically during the launch.
+    let histogram = unsafe { addr_of_mut!((*state).histogram) } as *mut u64;
+    let max = max.unwrap_or(f32::NEG_INFINITY);
+    // SAFETY: the row's state, as above.
+    let rule = unsafe { keep_rule(max, params, p, state, Some(selection)) };
+    let kept = move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, i)).then(|| order_key(l));
+    let one = |_: f32| 1u64;
+    // SAFETY: in every arm, every thread of the block together (uniform conditions); the
+    // rows' logits, padded to the stride; the row's histogram.
+    unsafe {
+        match selection {
+            Selection::TopK => {
+                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), one, histogram)
+            }
+            Selection::TopP => {
+                let units = |l: f32| top_p_units(l, max, params.temperature);
+                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), units, histogram)
+            }
+            Selection::TopPTie => {
+                let last = keys[Selection::TopP as usize];
+                let tie = |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !i).filter(in_prefix);
+                slice.add_histogram(processed, shift, tie, one, histogram)
+            }
+            Selection::TopRaw => {
+                slice.add_histogram(raw, shift, |_, l| Some(order_key(l)).filter(in_prefix), one, histogram)
+            }
+            Selection::TopRawTie => {
+                let last = keys[Selection::TopRaw as usize];
+                let tie = |i: u32, l: f32| (order_key(l) == last).then_some(!i).filter(in_prefix);
+                slice.add_histogram(raw, shift, tie, one, histogram)
+            }
+        }
+    }
+    // SAFETY: every thread together, once in this launch for this item.
+    if unsafe { slice.arrive(state) } {
+        // SAFETY: the last slice of the row: every other slice has added its histogram.
+        unsafe { decide_digit(args, slice, params, p, state, selection, max) };
+    }
+}
+
+/// The digit the row's histogram picks for `selection`, by the row's last slice to arrive:
+/// the largest bucket whose entries at or above it reach the target (computed from the total
+/// at digit 0; a selection whose total falls short ends there); after the last digit the
+/// selection's outcome. The block loads the buckets at once (clearing them for the next
+/// launch) and finds the bucket by a prefix sum over them from the top, so that the decision
+/// costs one round trip to memory, not one per bucket.
+///
+/// # Safety
+/// Every thread of the block calls it together, after [`Slice::arrive`] said it is the last.
+#[inline(always)]
+unsafe fn decide_digit(
+    args: &ProcessArgs,
+    slice: &Slice,
+    params: &RowParams,
+    p: &RowProcessing,
+    state: *mut ProcessRowState,
+    selection: Selection,
+    max: f32,
+) {
+    let t = slice.thread as usize;
+    let top = SELECT_BUCKETS as usize - 1;
+    // SAFETY: the fields lie inside the block's shared memory and the row's state.
+    let (sums, decision, histogram) = unsafe {
+        (
+            addr_of_mut!((*slice.shared).buckets) as *mut u64,
+            addr_of_mut!((*slice.shared).decision) as *mut u64,
+            addr_of_mut!((*state).histogram) as *mut u64,
+        )
+    };
+    if t <= top {
+        // SAFETY: bucket `top - t` of the row's histogram, this thread's alone: the other
+        // slices' adds are visible (`Slice::arrive`) and read from where they were made, not
+        // from this multiprocessor's cache; cleared for the next launch.
+        unsafe {
+            *sums.add(t) = read_volatile(histogram.add(top - t));
+            *histogram.add(top - t) = 0;
+        }
+    }
+    // `sums[t]` becomes the weight of buckets `top - t ..= top` (an inclusive prefix sum).
+    let mut offset = 1;
+    while offset <= top {
+        // SAFETY: every thread of the block reaches both barriers (uniform loop); between them
+        // the sums are only read, after the second only `sums[t]` is written, by thread `t`.
+        unsafe {
+            arch::sync_threads();
+            let add = if t <= top && t >= offset { *sums.add(t - offset) } else { 0 };
+            arch::sync_threads();
+            if t <= top {
+                *sums.add(t) += add;
+            }
+        }
+        offset <<= 1;
+    }
+    // SAFETY: as above.
+    unsafe { arch::sync_threads() };
+    let shift = 24 - 8 * args.digit;
+    if t == 0 {
+        // SAFETY: the row's state, written by this thread alone until the launch ends; the
+        // decision words, read by the block after the barrier below.
+        unsafe {
+            let s = &mut *state;
+            if args.digit == 0 {
+                let total = *sums.add(top);
+                s.target = match selection {
+                    Selection::TopK => p.top_k as u64,
+                    Selection::TopP => top_p_target(total, p.top_p),
+                    Selection::TopPTie | Selection::TopRawTie => s.tie_goal,
+                    Selection::TopRaw => p.top_logprobs as u64,
+                };
+                (s.above, s.prefix) = (0, 0);
+                if total < s.target {
+                    s.ended |= selection.bit();
+                }
+            }
+            *decision = (s.ended & selection.bit() == 0) as u64;
+            (*decision.add(1), *decision.add(2)) = (s.above, s.target);
+            (*decision.add(3), *decision.add(4)) = (0, s.above);
+            s.arrivals = 0;
+        }
     }
     // SAFETY: every thread of the block reaches it.
     unsafe { arch::sync_threads() };
-    if n > 0 {
+    // SAFETY: written by thread 0 before the barrier above.
+    let (running, above, goal) = unsafe { (*decision != 0, *decision.add(1), *decision.add(2)) };
+    if running && t <= top {
+        // While the running selection's weight above its prefix is short of the goal (and
+        // its members reach it), exactly one bucket takes the weight across the goal.
+        // SAFETY: the prefix sums, final since the barriers above.
+        let (before, through) = unsafe { (if t == 0 { 0 } else { *sums.add(t - 1) }, *sums.add(t)) };
+        if above + before < goal && above + through >= goal {
+            // SAFETY: written by this thread alone, read after the barrier below.
+            unsafe { (*decision.add(3), *decision.add(4)) = ((top - t) as u64, above + before) };
+        }
+    }
+    // SAFETY: every thread of the block reaches it.
+    unsafe { arch::sync_threads() };
+    if t == 0 && running {
+        // SAFETY: the row's state, as above; the decision, written before the barrier above.
+        unsafe {
+            let s = &mut *state;
+            let (chosen, above) = (*decision.add(3) as u32, *decision.add(4));
+            let key = s.prefix | chosen << shift;
+            (s.prefix, s.above) = (key, above);
+            if args.digit + 1 == SELECT_DIGITS {
+                s.found |= selection.bit();
+                s.keys[selection as usize] = match selection {
+                    Selection::TopPTie | Selection::TopRawTie => !key,
+                    Selection::TopK | Selection::TopP | Selection::TopRaw => key,
+                };
+                if selection == Selection::TopP {
+                    // Entries tied at the last key weigh the same: the prefix ends at the n-th
+                    // of them by index.
+                    let units = top_p_units(key_logit(key), max, params.temperature).max(1);
+                    s.tie_goal = (goal - above).div_ceil(units);
+                } else if selection == Selection::TopRaw {
+                    // Entries tied at the last key: the first by index fill the rest.
+                    s.tie_goal = goal - above;
+                }
+            }
+        }
+    }
+}
+
+/// [`ProcessStep::Apply`] on one slice: the keep rule (dropped entries set to −∞), the
+/// slice's kept terms, the row's top raw entries in the slice; the row's last slice writes the
+/// row's top entries in order.
+///
+/// # Safety
+/// As [`process_rows`], for `slice` of row `slice.b` with its parameters, processing and
+/// state, after the row's selections.
+#[inline(always)]
+unsafe fn apply(args: &ProcessArgs, slice: &Slice, params: &RowParams, p: &RowProcessing, state: *mut ProcessRowState) {
+    let log_sums = args.slice_sums.address() != 0;
+    let top_asked = log_sums && args.top.address() != 0;
+    let sampling = params.greedy == 0;
+    // SAFETY: the row's state, written by earlier launches only.
+    let rule =
+        unsafe { truncation_max(params, p, state).map_or(KeepRule::ALL, |max| keep_rule(max, params, p, state, None)) };
+    let offset = slice.b as usize * args.logits_stride as usize;
+    let processed = args.processed.as_mut_ptr().wrapping_add(offset);
+    let mut kept = LogSumExp::EMPTY;
+    let drop = |i: u32, l: f32| {
+        if !rule.keeps(l, i) {
+            // SAFETY: `i < vocab`: inside the row; only this thread touches entry `i`.
+            unsafe { *processed.add(i as usize) = f32::NEG_INFINITY };
+        } else if sampling && log_sums {
+            kept.add(l, params.temperature);
+        }
+    };
+    if log_sums || rule != KeepRule::ALL {
+        // SAFETY: the row's processed logits, padded to the stride.
+        unsafe { slice.for_each(processed, drop) };
+    }
+    if top_asked && p.top_logprobs > 0 {
+        // SAFETY: the row's state, as above.
+        let (found, keys) = unsafe { ((*state).found, (*state).keys) };
+        let cut = match found & Selection::TopRaw.bit() {
+            0 => (0, u32::MAX),
+            _ => {
+                let index = match found & Selection::TopRawTie.bit() {
+                    0 => u32::MAX,
+                    _ => keys[Selection::TopRawTie as usize],
+                };
+                (keys[Selection::TopRaw as usize], index)
+            }
+        };
+        // SAFETY: the row's gathered entries: a count only accessed atomically during the
+        // launch, and the slots it hands out.
+        let (count, top) = unsafe { (addr_of_mut!((*state).top_count), addr_of_mut!((*state).top) as *mut RawTop) };
         let gather = |i: u32, l: f32| {
             let key = order_key(l);
             if key > cut.0 || (key == cut.0 && i <= cut.1) {
-                // SAFETY: the shared count, only accessed atomically until the barrier below.
+                // SAFETY: as above.
                 let slot = unsafe { AtomicU32::from_ptr(count) }.fetch_add(1, Ordering::Relaxed);
                 if slot < MAX_TOP_LOGPROBS {
-                    // SAFETY: `slot < MAX_TOP_LOGPROBS`: a slot of the shared lists.
-                    unsafe { (*indices.add(slot as usize), *logits.add(slot as usize)) = (args.vocab_offset + i, l) };
+                    // SAFETY: `slot < MAX_TOP_LOGPROBS`: a slot of the row's state, this thread's.
+                    unsafe { *top.add(slot as usize) = RawTop { token: args.vocab_offset + i, logit: l } };
                 }
             }
         };
         // SAFETY: the row's raw logits, padded to the stride.
-        unsafe { for_each_entry(raw.logits, raw.vocab, raw.thread, gather) };
+        unsafe { slice.for_each(args.raw.as_ptr().wrapping_add(offset), gather) };
     }
-    // SAFETY: every thread of the block reaches it.
-    unsafe { arch::sync_threads() };
-    if raw.thread == 0 {
-        // SAFETY: written before the barrier above; the sums by this thread.
-        unsafe {
-            let found = (*count).min(n).min(MAX_TOP_LOGPROBS) as usize;
-            // Insertion sort of at most MAX_TOP_LOGPROBS entries, by key then index.
-            let before = |x: usize, y: usize| {
-                let (kx, ky) = (order_key(*logits.add(x)), order_key(*logits.add(y)));
-                kx > ky || (kx == ky && *indices.add(x) < *indices.add(y))
-            };
-            for k in 1..found {
-                let mut j = k;
-                while j > 0 && before(j, j - 1) {
-                    core::ptr::swap(indices.add(j), indices.add(j - 1));
-                    core::ptr::swap(logits.add(j), logits.add(j - 1));
-                    j -= 1;
-                }
-            }
-            let out = args.top.as_mut_ptr().add(b as usize * MAX_TOP_LOGPROBS as usize);
-            for k in 0..MAX_TOP_LOGPROBS as usize {
-                *out.add(k) = if k < found {
-                    RawTop { token: *indices.add(k), logit: *logits.add(k) }
-                } else {
-                    RawTop { token: NO_TOKEN, logit: f32::NEG_INFINITY }
-                };
-            }
+    if log_sums {
+        // SAFETY: every thread together (uniform condition).
+        let lse = unsafe { slice.merge_lse(kept, params.temperature) };
+        if slice.thread == 0 {
+            // SAFETY: item `(b, index)` of the `[batch, slices]` terms.
+            unsafe { (*args.slice_sums.as_mut_ptr().add(slice_slot(slice))).kept = lse };
         }
     }
-    // SAFETY: every thread of the block reaches it; the next row reuses the shared memory.
-    unsafe { arch::sync_threads() };
+    // SAFETY: every thread together, once in this launch for this item.
+    if top_asked && unsafe { slice.arrive(state) } && slice.thread == 0 {
+        // SAFETY: the last slice of the row: every slice's entries are visible.
+        unsafe { write_top(args, slice, p.top_logprobs, state) };
+    }
 }
 
-/// Merges the block's log-sum-exp terms of row `b` and writes them to `args.sums[b]`.
+/// Writes `args.top[b]`: the row's `n` gathered raw entries by (`order_key`, then increasing
+/// index), then `NO_TOKEN` slots up to `MAX_TOP_LOGPROBS`; clears the arrivals.
 ///
 /// # Safety
-/// Every thread of the block calls it together; `args.sums` holds row `b`.
+/// Thread 0 of the row's last slice in [`ProcessStep::Apply`]; `args.top` holds row `b`'s slots.
 #[inline(always)]
-unsafe fn write_sums(
-    args: &ProcessArgs,
-    shared: *mut ProcessShared,
-    b: u32,
-    raw_lse: LogSumExp,
-    kept: LogSumExp,
-    temperature: f32,
-) {
-    let thread = arch::thread_index();
-    let (lane, warp) = (thread % 32, (thread / 32) as usize);
-    // SAFETY: all lanes together (uniform loops).
-    let (raw_lse, kept) = unsafe { (merge_lse_over_warp(raw_lse, 1.0), merge_lse_over_warp(kept, temperature)) };
-    // SAFETY: per-warp slots of the shared memory.
-    let (raws, kepts) = unsafe {
-        (addr_of_mut!((*shared).warp_raw) as *mut LogSumExp, addr_of_mut!((*shared).warp_kept) as *mut LogSumExp)
-    };
-    if lane == 0 {
-        // SAFETY: `warp < WARPS`.
-        unsafe { (*raws.add(warp), *kepts.add(warp)) = (raw_lse, kept) };
-    }
-    // SAFETY: every thread of the block reaches it (this function's contract).
-    unsafe { arch::sync_threads() };
-    if thread == 0 {
-        let mut sums = RowSums { raw: LogSumExp::EMPTY, kept: LogSumExp::EMPTY };
-        for w in 0..WARPS {
-            // SAFETY: written before the barrier above.
-            let (r, k) = unsafe { (*raws.add(w), *kepts.add(w)) };
-            sums.raw.merge_with(r, 1.0);
-            sums.kept.merge_with(k, temperature);
+unsafe fn write_top(args: &ProcessArgs, slice: &Slice, n: u32, state: *mut ProcessRowState) {
+    // The block's buckets are free: the entries are sorted there.
+    // SAFETY: the buckets hold `SELECT_BUCKETS · 8` bytes, more than `MAX_TOP_LOGPROBS`
+    // entries.
+    let sorted = unsafe { addr_of_mut!((*slice.shared).buckets) } as *mut RawTop;
+    // SAFETY: the row's gathered entries, read from where the other slices wrote them.
+    let found = unsafe { read_volatile(addr_of_mut!((*state).top_count)) }.min(n).min(MAX_TOP_LOGPROBS) as usize;
+    // SAFETY: the row's state and the block's buckets, this thread's alone here.
+    unsafe {
+        let gathered = addr_of_mut!((*state).top) as *const RawTop;
+        for k in 0..found {
+            *sorted.add(k) = read_volatile(gathered.add(k));
         }
-        // SAFETY: `args.sums` holds row `b` (this function's contract).
-        unsafe { *args.sums.as_mut_ptr().add(b as usize) = sums };
+        (*state).arrivals = 0;
+        // Insertion sort of at most MAX_TOP_LOGPROBS entries, by key then index.
+        let before = |x: usize, y: usize| {
+            let (ex, ey) = (*sorted.add(x), *sorted.add(y));
+            let (kx, ky) = (order_key(ex.logit), order_key(ey.logit));
+            kx > ky || (kx == ky && ex.token < ey.token)
+        };
+        for k in 1..found {
+            let mut j = k;
+            while j > 0 && before(j, j - 1) {
+                core::ptr::swap(sorted.add(j), sorted.add(j - 1));
+                j -= 1;
+            }
+        }
+        let out = args.top.as_mut_ptr().add(slice.b as usize * MAX_TOP_LOGPROBS as usize);
+        for k in 0..MAX_TOP_LOGPROBS as usize {
+            *out.add(k) = if k < found { *sorted.add(k) } else { RawTop { token: NO_TOKEN, logit: f32::NEG_INFINITY } };
+        }
     }
 }
 

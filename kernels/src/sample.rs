@@ -367,25 +367,25 @@ unsafe fn shard_winner(args: &ReduceArgs, b: u32, best: Candidate) -> ShardWinne
 /// Merges row `b`'s per-tile log-sum-exp terms in tile order into `args.sums[b]`.
 ///
 /// # Safety
-/// Every thread of the block calls it together; `args.tile_sums` holds row `b`'s `tiles`
+/// Every thread of the block calls it together; `args.part_sums` holds row `b`'s `sum_parts`
 /// terms, `args.sums` and `args.row_params` row `b`; `staging` is the block's shared terms.
 #[inline(always)]
-unsafe fn merge_tile_sums(args: &ReduceArgs, b: u32, staging: *mut RowSums) {
+unsafe fn merge_part_sums(args: &ReduceArgs, b: u32, staging: *mut RowSums) {
     let thread = arch::thread_index();
     // SAFETY: `b < batch` (this function's contract).
     let temperature = unsafe { (*args.row_params.as_ptr().add(b as usize)).temperature };
-    let terms = args.tile_sums.as_ptr().wrapping_add((b * args.tiles) as usize);
-    // Each thread merges a contiguous run of tiles, so that lane order, then warp order, is tile
+    let terms = args.part_sums.as_ptr().wrapping_add((b * args.sum_parts) as usize);
+    // Each thread merges a contiguous run of parts, so that lane order, then warp order, is part
     // order.
-    let per_thread = args.tiles.div_ceil(REDUCE_THREADS);
+    let per_thread = args.sum_parts.div_ceil(REDUCE_THREADS);
     let mut sums = RowSums { raw: LogSumExp::EMPTY, kept: LogSumExp::EMPTY };
-    let mut tile = thread * per_thread;
-    while tile < ((thread + 1) * per_thread).min(args.tiles) {
-        // SAFETY: `tile < tiles`: one of row `b`'s terms.
-        let part = unsafe { *terms.add(tile as usize) };
+    let mut k = thread * per_thread;
+    while k < ((thread + 1) * per_thread).min(args.sum_parts) {
+        // SAFETY: `k < sum_parts`: one of row `b`'s terms.
+        let part = unsafe { *terms.add(k as usize) };
         sums.raw.merge_with(part.raw, 1.0);
         sums.kept.merge_with(part.kept, temperature);
-        tile += 1;
+        k += 1;
     }
     // SAFETY: every lane reaches it (this function's contract).
     unsafe {
@@ -425,11 +425,11 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
     while item < args.batch * args.samples {
         let b = item / args.samples;
         let j = item % args.samples;
-        if j == 0 && args.tile_sums.address() != 0 {
+        if j == 0 && args.part_sums.address() != 0 {
             let sums_staging = staging.wrapping_add((REDUCE_THREADS / 32) as usize).cast::<RowSums>();
             // SAFETY: every thread of the block together (`j` is the block's); the terms and sums
             // hold row `b` (the launcher's contract).
-            unsafe { merge_tile_sums(args, b, sums_staging) };
+            unsafe { merge_part_sums(args, b, sums_staging) };
         }
         let base = args.candidates.as_ptr().wrapping_add(candidate_slot(item as u64, args.tiles, 0) as usize);
         let mut best = Candidate::NONE;

@@ -149,7 +149,8 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
 /// The workload of the bundle's `sanitizer` stage: every kernel variant the module has (the
 /// unfused pipeline too) on a prime vocabulary, D not a multiple of 8 for the SIMT tile, and
 /// B = 1, 37 and 1023, each checked against the CPU; then processed sampling with every
-/// processing mode in one batch, with log-probabilities (and top ones) and in place without them, and the
+/// processing mode in one batch, with log-probabilities (and top ones; also over a vocabulary
+/// whose rows the processing pipeline splits into slices) and in place without them, and the
 /// per-entry modes in the fused tile of every variant.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -186,6 +187,24 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
         .sample_processed(&head, &h.row_range(0, modes.len()), &params, &processing, flashsample::Draws::first(3))
         .unwrap();
     assert!(sampled.tokens.iter().all(|&t| t < 1009), "{:?}", sampled.tokens);
+    // A vocabulary the processing pipeline splits into several slices per row.
+    let long_vocab = 4099;
+    let long_head = sampler.upload_lm_head(&random_matrix(long_vocab, 136, DType::F16, 0.3, 58)).unwrap();
+    let long_processing: Vec<flashsample::Processing> = flashsample_tests::processing::each_mode(long_vocab)
+        .into_iter()
+        .enumerate()
+        .map(|(r, m)| flashsample::Processing { top_logprobs: [20, 0, 3][r % 3], ..m.1 })
+        .collect();
+    let long_sampled = sampler
+        .sample_processed(
+            &long_head,
+            &h.row_range(0, modes.len()),
+            &params,
+            &long_processing,
+            flashsample::Draws::first(3),
+        )
+        .unwrap();
+    assert!(long_sampled.tokens.iter().all(|&t| t < long_vocab as u32), "{:?}", long_sampled.tokens);
     // In place, without log-probabilities (so without top ones).
     let without_top: Vec<flashsample::Processing> =
         processing.iter().map(|p| flashsample::Processing { top_logprobs: 0, ..p.clone() }).collect();

@@ -119,7 +119,9 @@ pub(crate) struct WinnerTarget {
     pub raw: DevicePtr<f32>,
     pub processed: DevicePtr<f32>,
     pub processing: DevicePtr<RowProcessing>,
-    pub tile_sums: DevicePtr<RowSums>,
+    /// `[B, sum_parts]` log-sum-exp terms the merge kernel merges per row into `sums`.
+    pub part_sums: DevicePtr<RowSums>,
+    pub sum_parts: u32,
     pub sums: DevicePtr<RowSums>,
     pub logits_stride: u32,
     pub vocab_offset: u32,
@@ -135,7 +137,8 @@ impl WinnerTarget {
             raw: null,
             processed: null,
             processing: DevicePtr::NULL,
-            tile_sums: DevicePtr::NULL,
+            part_sums: DevicePtr::NULL,
+            sum_parts: 0,
             sums: DevicePtr::NULL,
             logits_stride: 0,
             vocab_offset,
@@ -673,7 +676,7 @@ impl StreamSampler {
                 processed: DevicePtr::NULL,
                 processing: DevicePtr::NULL,
                 row_params: launch.row_params,
-                tile_sums: DevicePtr::NULL,
+                part_sums: DevicePtr::NULL,
                 sums: DevicePtr::NULL,
                 batch: launch.batch,
                 samples: pass.samples as u32,
@@ -683,6 +686,8 @@ impl StreamSampler {
                 logits_stride: 0,
                 vocab_offset: 0,
                 vocab: 0,
+                sum_parts: 0,
+                padding: 0,
             };
             match target {
                 ReduceTarget::Tokens(tokens) => reduce.tokens = tokens.add(first_slot),
@@ -695,7 +700,8 @@ impl StreamSampler {
                     reduce.processing = target.processing.add_unless_null(first_row);
                     // The terms are merged once per row, in the pass of its first draws.
                     if pass.first_sample == 0 {
-                        reduce.tile_sums = target.tile_sums.add_unless_null(first_row * tiles as u64);
+                        reduce.part_sums = target.part_sums.add_unless_null(first_row * target.sum_parts as u64);
+                        reduce.sum_parts = target.sum_parts;
                         reduce.sums = target.sums.add_unless_null(first_row);
                     }
                     (reduce.logits_stride, reduce.vocab_offset, reduce.vocab) =

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use flashsample_core::abi::{DevicePtr, RowProcessing, ShardPartLayout};
+use flashsample_core::abi::{DevicePtr, RowProcessing, Selection, ShardPartLayout};
 use flashsample_core::process::{SPARSE_BLOCK, SparseEntry};
 
 use super::CudaSampler;
@@ -50,6 +50,24 @@ pub struct DeviceProcessing {
     /// Whether any row has a per-entry step (soft-cap, bias, mask, penalties): without one the
     /// fused tiles are launched without processing.
     per_entry: bool,
+    /// [`Selection::bit`]s of the selections some row needs.
+    selections: u32,
+}
+
+/// The [`Selection::bit`]s of the order statistics the processing pipeline finds for a row
+/// with `processing`.
+fn selections(processing: &Processing) -> u32 {
+    let mut bits = 0;
+    if processing.top_k.is_some() {
+        bits |= Selection::TopK.bit();
+    }
+    if processing.top_p < 1.0 {
+        bits |= Selection::TopP.bit() | Selection::TopPTie.bit();
+    }
+    if processing.top_logprobs > 0 {
+        bits |= Selection::TopRaw.bit() | Selection::TopRawTie.bit();
+    }
+    bits
 }
 
 /// What a processed call writes on the device: `[B, N]` tokens and, when asked for, their raw
@@ -233,7 +251,17 @@ impl DeviceProcessing {
             .iter()
             .zip(&sparse)
             .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty());
-        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, whole_row, truncating, top_logprobs, per_entry })
+        let selections = processing.iter().fold(0, |bits, p| bits | selections(p));
+        Ok(DeviceProcessing {
+            buffer,
+            rows: processing.len(),
+            vocab,
+            whole_row,
+            truncating,
+            top_logprobs,
+            per_entry,
+            selections,
+        })
     }
 
     /// The per-entry processing the fused tiles apply
@@ -256,6 +284,7 @@ impl DeviceProcessing {
             truncating: self.truncating,
             top_logprobs: self.top_logprobs,
             per_entry: self.per_entry,
+            selections: self.selections,
         }
     }
 }

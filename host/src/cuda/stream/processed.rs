@@ -5,9 +5,10 @@
 //!   log-probabilities go through the tile kernels of plain sampling, which apply the steps to
 //!   each logits quad;
 //! - materialised: the unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice
-//!   with truncations or top entries and log-probabilities: raw and processed), one block per
-//!   row processes them (`process_rows`) when a row needs its whole row, and the logits sampler
-//!   and the merge kernel draw from them with the plain path's noise; stage 1 of a shard ends
+//!   with truncations or top entries and log-probabilities: raw and processed), the processing
+//!   pipeline (`process_rows` launches over slices of the rows) processes them when a row needs
+//!   its whole row, and the logits sampler and the merge kernel draw from them with the plain
+//!   path's noise; stage 1 of a shard ends
 //!   there (its winners, log-sum-exp terms and top raw entries in its part), the unsharded call
 //!   goes on to the shard merge of its one part.
 
@@ -15,8 +16,9 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 use flashsample_core::abi::{
-    DevicePtr, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, ProcessArgs, RawTop, RowProcessing, RowSums,
-    ShardMergeArgs, ShardPartLayout, ShardWinner, TmaArgs, TopLogprob,
+    DevicePtr, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, PROCESS_THREADS, ProcessArgs, ProcessRowState,
+    ProcessStep, RawTop, RowProcessing, RowSums, SELECT_DIGITS, Selection, ShardMergeArgs, ShardPartLayout,
+    ShardWinner, TmaArgs, TopLogprob,
 };
 use flashsample_core::process::MAX_TOP_LOGPROBS;
 use flashsample_core::registry::Kernel;
@@ -50,6 +52,8 @@ pub struct ProcessingRef {
     pub(crate) top_logprobs: bool,
     /// Whether a row has a per-entry step (soft-cap, bias, mask, penalties).
     pub(crate) per_entry: bool,
+    /// [`Selection::bit`]s of the selections some row needs.
+    pub(crate) selections: u32,
 }
 
 impl ProcessingRef {
@@ -256,13 +260,18 @@ pub(crate) struct MaterialisedPlan {
     /// The logits sampler's tiles and passes.
     tiles: usize,
     passes: Plan,
-    /// Copies of the logits: 2 when the processing kernel writes processed logits beside raw
+    /// Copies of the logits: 2 when the processing pipeline writes processed logits beside raw
     /// ones that log-probabilities still need.
     copies: usize,
-    /// Whether the processing kernel runs (a row needs its whole row).
-    process_rows: bool,
+    /// The processing pipeline's slices per row, when it runs (a row needs its whole row).
+    process_slices: Option<usize>,
+    /// Log-sum-exp terms per row with log-probabilities: the processing pipeline's slices, or
+    /// the logits sampler's tiles.
+    sum_parts: usize,
     logits_at: usize,
-    tile_sums_at: usize,
+    part_sums_at: usize,
+    /// The processing pipeline's `[B]` row states.
+    states_at: usize,
     /// The unsharded call's one part.
     part_at: usize,
     pub workspace_bytes: usize,
@@ -358,12 +367,20 @@ impl StreamSampler {
                 ),
             ));
         }
+        let process_slices = match processing.whole_row {
+            Some(_) => {
+                let kernel = self.loaded().kernel(Kernel::ProcessRows)?;
+                let resident = kernel.blocks_per_multiprocessor as usize * self.multiprocessors() as usize;
+                Some(process_slices(resident, batch, lm_head.rows))
+            }
+            None => None,
+        };
         Ok(ProcessedPlan::Materialised(materialised_plan(
             variant,
             lm_head.rows,
             batch,
             samples,
-            processing.whole_row.is_some(),
+            process_slices,
             request.logprobs(),
             matches!(request.target, ProcessedTarget::Tokens { .. }),
         )))
@@ -496,23 +513,39 @@ impl StreamSampler {
         let row_params = DevicePtr::<RowParams>::new(request.row_params);
         let mut target = WinnerTarget::bare(part.cast::<ShardWinner>(), vocab_offset, vocab);
         target.logits_stride = plan.stride as u32;
-        let (sampled, steps, tile_sums) = if plan.process_rows {
+        let part_sums = match request.logprobs() {
+            true => base.byte_add(plan.part_sums_at as u64).cast::<RowSums>(),
+            false => DevicePtr::NULL,
+        };
+        (target.part_sums, target.sum_parts, target.sums) = (part_sums, plan.sum_parts as u32, sums);
+        let (sampled, steps, tile_sums) = if let Some(slices) = plan.process_slices {
+            let states = base.byte_add(plan.states_at as u64).cast::<ProcessRowState>();
             let args = ProcessArgs {
                 raw,
                 processed,
                 row_params,
                 processing: request.processing.blocks(),
-                sums,
+                state: states,
+                slice_sums: part_sums,
                 top,
                 vocab,
                 logits_stride: plan.stride as u32,
                 batch: batch as u32,
                 vocab_offset,
+                slices: slices as u32,
+                step: ProcessStep::Entries as u32,
+                selection: 0,
+                digit: 0,
             };
-            // SAFETY: both logits hold `B × stride` floats; the processing holds `B` row blocks
-            // for the whole vocabulary (checked against the request), and only whole-vocabulary
-            // shards reach here with truncations; the part holds `B` sums and top slots.
-            unsafe { self.launch(stream, Kernel::ProcessRows, batch as u64, &args)? };
+            let selections = match request.logprobs() {
+                true => request.processing.selections,
+                false => request.processing.selections & !(Selection::TopRaw.bit() | Selection::TopRawTie.bit()),
+            };
+            // SAFETY: both logits hold `B × stride` floats, the workspace `B` states and
+            // `B × slices` terms (the plan); the processing holds `B` row blocks for the whole
+            // vocabulary (checked against the request), and only whole-vocabulary shards reach
+            // here with truncations; the part holds `B` sums and top slots.
+            unsafe { self.queue_process_rows(stream, args, selections)? };
             // Without log-probabilities the winners need no logits.
             if request.logprobs() {
                 (target.raw, target.processed) = (raw, processed);
@@ -524,9 +557,8 @@ impl StreamSampler {
             // tile's log-sum-exp terms, and the merge kernel merges the terms per row and
             // takes the winners' logits from the raw ones.
             let steps = request.processing.per_entry_blocks();
-            let tile_sums = base.byte_add(plan.tile_sums_at as u64).cast::<RowSums>();
-            (target.raw, target.processing, target.tile_sums, target.sums) = (raw, steps, tile_sums, sums);
-            (raw, steps, tile_sums)
+            (target.raw, target.processing) = (raw, steps);
+            (raw, steps, part_sums)
         };
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
         let sampling = LogitsSampling { logits: sampled, stride: plan.stride, vocab, vocab_offset, steps, tile_sums };
@@ -557,6 +589,33 @@ impl StreamSampler {
         };
         // SAFETY: stage 1 just wrote the one part on this stream.
         unsafe { self.queue_merge(stream, &part_layout, &merge) }
+    }
+
+    /// Queues the processing pipeline of `args` (its `Entries` step): the row states cleared,
+    /// the per-entry steps, each of `selections` (bits of [`Selection`]) digit by digit, the
+    /// keep rule.
+    ///
+    /// # Safety
+    /// The context is current; `args` describes valid buffers as `process_rows` needs them,
+    /// its states `B` [`ProcessRowState`]s.
+    unsafe fn queue_process_rows(&self, stream: sys::CUstream, mut args: ProcessArgs, selections: u32) -> Result<()> {
+        let items = args.batch as u64 * args.slices as u64;
+        let state_words = args.batch as usize * size_of::<ProcessRowState>() / 4;
+        // SAFETY: the states hold `B` rows (this function's contract); the steps run in order on
+        // `stream`, after the clearing.
+        unsafe {
+            driver::fill_words_async("process states", args.state.cast(), 0, state_words, stream)?;
+            self.launch(stream, Kernel::ProcessRows, items, &args)?;
+            for selection in Selection::ALL.into_iter().filter(|s| selections & s.bit() != 0) {
+                (args.step, args.selection) = (ProcessStep::Select as u32, selection as u32);
+                for digit in 0..SELECT_DIGITS {
+                    args.digit = digit;
+                    self.launch(stream, Kernel::ProcessRows, items, &args)?;
+                }
+            }
+            args.step = ProcessStep::Apply as u32;
+            self.launch(stream, Kernel::ProcessRows, items, &args)
+        }
     }
 
     /// The unfused pipeline on a request without processing: the GEMM of `variant` (an mma
@@ -610,7 +669,7 @@ impl StreamSampler {
         if variant.logits_kernel(request.lm_head.dtype).is_none() {
             return Err(invalid("variant", "the unfused pipeline has mma and TMA GEMMs only (BF16/F16, D % 8 == 0)"));
         }
-        Ok(materialised_plan(variant, request.lm_head.rows, request.hidden.rows, samples, false, false, false))
+        Ok(materialised_plan(variant, request.lm_head.rows, request.hidden.rows, samples, None, false, false))
     }
 
     /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`).
@@ -777,27 +836,42 @@ struct LogitsSampling {
     tile_sums: DevicePtr<RowSums>,
 }
 
+/// The fewest quads of a row one slice of the processing pipeline takes (one per thread).
+const MIN_SLICE_QUADS: usize = PROCESS_THREADS as usize;
+
+/// Slices per row of the processing pipeline: as many as `resident` blocks (one wave of the
+/// kernel) hold when the batch is small, none shorter than [`MIN_SLICE_QUADS`]; one per row
+/// from `resident` rows on.
+fn process_slices(resident: usize, batch: usize, vocab: usize) -> usize {
+    let longest = vocab.div_ceil(4).div_ceil(MIN_SLICE_QUADS).max(1);
+    (resident / batch.max(1)).clamp(1, longest)
+}
+
 /// The materialised path's plan for `batch × samples` draws over `vocab` rows: logits
-/// (`copies` of them), candidates of the logits sampler's passes, per-tile terms when the
-/// logits sampler sums them (log-probabilities without a whole-row step), and the unsharded
-/// call's one part (`own_part`).
+/// (`copies` of them), candidates of the logits sampler's passes, log-sum-exp terms per row
+/// part with log-probabilities (the processing pipeline's slices when it runs, else the logits
+/// sampler's tiles), the processing pipeline's row states, and the unsharded call's one part
+/// (`own_part`).
 fn materialised_plan(
     variant: Variant,
     vocab: usize,
     batch: usize,
     samples: u32,
-    process_rows: bool,
+    process_slices: Option<usize>,
     logprobs: bool,
     own_part: bool,
 ) -> MaterialisedPlan {
     let stride = vocab.next_multiple_of(4);
     let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
     let passes = Plan::new(batch, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
-    let copies = if process_rows && logprobs { 2 } else { 1 };
+    let copies = if process_slices.is_some() && logprobs { 2 } else { 1 };
+    let sum_parts = process_slices.unwrap_or(tiles);
     let logits_at = align(WORKSPACE_MAPS_BYTES + passes.candidate_pairs() * tiles * size_of::<Candidate>());
-    let tile_sums_at = align(logits_at + copies * batch * stride * 4);
-    let tile_sums = if logprobs && !process_rows { batch * tiles * size_of::<RowSums>() } else { 0 };
-    let part_at = align(tile_sums_at + tile_sums);
+    let part_sums_at = align(logits_at + copies * batch * stride * 4);
+    let part_sums = if logprobs { batch * sum_parts * size_of::<RowSums>() } else { 0 };
+    let states_at = align(part_sums_at + part_sums);
+    let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
+    let part_at = align(states_at + states);
     let part = match own_part {
         true => ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize,
         false => 0,
@@ -808,9 +882,11 @@ fn materialised_plan(
         tiles,
         passes,
         copies,
-        process_rows,
+        process_slices,
+        sum_parts,
         logits_at,
-        tile_sums_at,
+        part_sums_at,
+        states_at,
         part_at,
         workspace_bytes: part_at + part,
     }
@@ -836,37 +912,64 @@ fn check_outputs(tokens: u64, logprobs: u64, top_logprobs: u64, top_asked: bool)
 mod tests {
     use super::*;
 
-    /// The materialised plan's regions (maps, candidates, logits, per-tile terms, the one
+    /// The materialised plan's regions (maps, candidates, logits, terms, row states, the one
     /// part) follow each other without overlap, each 64-byte aligned, and hold what the
-    /// kernels write: two logits copies only with a whole-row row and log-probabilities, terms
-    /// only with log-probabilities and no whole-row row, a part only for an unsharded call.
+    /// kernels write: two logits copies only with the processing pipeline and
+    /// log-probabilities, terms per slice (with the pipeline) or per tile only with
+    /// log-probabilities, row states only with the pipeline, a part only for an unsharded call.
     #[test]
     fn materialised_regions_are_aligned_and_disjoint() {
         let variant = Variant::Mma { columns: 8 };
         for (vocab, batch, samples) in [(1usize, 1usize, 1u32), (5003, 9, 3), (151_936, 64, 1), (128_257, 256, 2)] {
-            for (process_rows, logprobs, own_part) in [
-                (false, false, false),
-                (true, false, true),
-                (true, true, true),
-                (false, true, true),
-                (false, true, false),
+            let slices = process_slices(132, batch, vocab);
+            for (process_slices, logprobs, own_part) in [
+                (None, false, false),
+                (Some(slices), false, true),
+                (Some(slices), true, true),
+                (None, true, true),
+                (None, true, false),
             ] {
-                let plan = materialised_plan(variant, vocab, batch, samples, process_rows, logprobs, own_part);
+                let plan = materialised_plan(variant, vocab, batch, samples, process_slices, logprobs, own_part);
                 let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
                 let candidates = plan.passes.candidate_pairs() * tiles * size_of::<Candidate>();
-                let copies = if process_rows && logprobs { 2 } else { 1 };
-                let terms = if logprobs && !process_rows { batch * tiles * size_of::<RowSums>() } else { 0 };
+                let copies = if process_slices.is_some() && logprobs { 2 } else { 1 };
+                let parts = process_slices.unwrap_or(tiles);
+                let terms = if logprobs { batch * parts * size_of::<RowSums>() } else { 0 };
+                let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
                 let part =
                     if own_part { ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize } else { 0 };
                 assert_eq!((plan.stride % 4, plan.stride >= vocab, plan.copies), (0, true, copies));
-                for at in [plan.logits_at, plan.tile_sums_at, plan.part_at] {
+                assert_eq!(plan.sum_parts, parts);
+                for at in [plan.logits_at, plan.part_sums_at, plan.states_at, plan.part_at] {
                     assert_eq!(at % 64, 0);
                 }
                 assert!(WORKSPACE_MAPS_BYTES + candidates <= plan.logits_at);
-                assert!(plan.logits_at + copies * batch * plan.stride * 4 <= plan.tile_sums_at);
-                assert!(plan.tile_sums_at + terms <= plan.part_at);
+                assert!(plan.logits_at + copies * batch * plan.stride * 4 <= plan.part_sums_at);
+                assert!(plan.part_sums_at + terms <= plan.states_at);
+                assert!(plan.states_at + states <= plan.part_at);
                 assert_eq!(plan.workspace_bytes, plan.part_at + part);
             }
+        }
+    }
+
+    /// The processing pipeline's slicing: the (row, slice) items fill one wave of resident
+    /// blocks at small batches and never exceed it, one slice per row from a wave's rows on,
+    /// never a slice shorter than `MIN_SLICE_QUADS` quads (beyond the one a short row has),
+    /// never more slices than quads.
+    #[test]
+    fn process_slices_fill_one_wave_with_whole_slices() {
+        assert_eq!(process_slices(264, 1, 151_936), 149);
+        assert_eq!(process_slices(264, 16, 151_936), 16);
+        assert_eq!(process_slices(264, 64, 151_936), 4);
+        assert_eq!(process_slices(264, 264, 151_936), 1);
+        assert_eq!(process_slices(264, 1000, 151_936), 1);
+        assert_eq!(process_slices(264, 1, 1), 1);
+        assert_eq!(process_slices(264, 1, 5000), 5);
+        for (batch, vocab) in [(1usize, 7usize), (3, 4096), (1, 262_144), (100, 151_936)] {
+            let slices = process_slices(264, batch, vocab);
+            assert!(batch * slices <= 264 || slices == 1);
+            assert!(slices >= 1 && slices <= vocab.div_ceil(4));
+            assert!(slices == 1 || vocab.div_ceil(4).div_ceil(slices) >= MIN_SLICE_QUADS / 2);
         }
     }
 

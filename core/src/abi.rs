@@ -701,10 +701,10 @@ const _: () = assert!(core::mem::size_of::<ProcessRowState>().is_multiple_of(128
 pub const PROCESS_THREADS: u32 = 256;
 /// Buckets of one radix digit in the processing kernel's selections (8 bits).
 pub const SELECT_BUCKETS: u32 = 256;
-/// Dynamic shared memory of the processing kernel: a `u64` per bucket, then a log-sum-exp
-/// pair, a maximum and a flag word per warp for the block's reductions, then the
+/// Dynamic shared memory of the processing kernel: per warp a `u64` per bucket, then a
+/// log-sum-exp pair, a maximum and a flag word per warp for the block's reductions, then the
 /// last-to-arrive flag and its padding, then a digit's decision (five words).
-pub const PROCESS_SHARED_BYTES: u32 = SELECT_BUCKETS * 8 + (PROCESS_THREADS / 32) * 16 + 8 + 5 * 8;
+pub const PROCESS_SHARED_BYTES: u32 = (PROCESS_THREADS / 32) * (SELECT_BUCKETS * 8 + 16) + 8 + 5 * 8;
 
 const _: () = assert!(PROCESS_THREADS >= SELECT_BUCKETS);
 

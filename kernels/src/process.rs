@@ -33,7 +33,8 @@ const WARPS: usize = (PROCESS_THREADS / 32) as usize;
 /// The processing kernel's shared memory (`PROCESS_SHARED_BYTES`).
 #[repr(C)]
 pub struct ProcessShared {
-    buckets: [u64; SELECT_BUCKETS as usize],
+    /// A histogram per warp (the first also a digit's prefix sums and the top entries' sort).
+    buckets: [[u64; SELECT_BUCKETS as usize]; WARPS],
     warp_lse: [LogSumExp; WARPS],
     warp_max: [f32; WARPS],
     warp_non_finite: [u32; WARPS],
@@ -146,6 +147,65 @@ unsafe fn for_each_entry(row: *const f32, vocab: u32, quads: (u32, u32), thread:
     }
 }
 
+/// Rewrites this thread's quads of a row as [`for_each_entry`] visits them, from the row at
+/// `from` to the row at `to` (which may be the same): `f(i, logit)` gives entry `i`'s new
+/// value and whether it changed, and a quad with a changed entry is stored whole (entries
+/// past `vocab` as −∞) in one 16-byte access.
+///
+/// # Safety
+/// As [`for_each_entry`] for `from`; `to` is 16-byte aligned and writable where `from` is
+/// readable, and no other thread accesses this thread's quads meanwhile.
+#[inline(always)]
+unsafe fn map_entries(
+    from: *const f32,
+    to: *mut f32,
+    vocab: u32,
+    quads: (u32, u32),
+    thread: u32,
+    mut f: impl FnMut(u32, f32) -> (f32, bool),
+) {
+    let (start, end) = quads;
+    let load = |q: u32| {
+        if q < end {
+            // SAFETY: `q < end ≤ ⌈vocab / 4⌉`: a whole aligned quad of the row (this function's
+            // contract).
+            unsafe { *(from.add(4 * q as usize) as *const Quad) }
+        } else {
+            Quad([f32::NEG_INFINITY; 4])
+        }
+    };
+    let mut rewrite = |q: u32, Quad([l0, l1, l2, l3]): Quad| {
+        let i = 4 * q;
+        let mut changed = false;
+        let mut entry = |k: u32, l: f32| {
+            if i + k < vocab {
+                let (value, change) = f(i + k, l);
+                changed |= change;
+                value
+            } else {
+                f32::NEG_INFINITY
+            }
+        };
+        let quad = Quad([entry(0, l0), entry(1, l1), entry(2, l2), entry(3, l3)]);
+        if changed {
+            // SAFETY: `q < end`: a whole aligned quad of the row at `to`, this thread's (this
+            // function's contract).
+            unsafe { *(to.add(i as usize) as *mut Quad) = quad };
+        }
+    };
+    let mut first = start + thread;
+    while first < end {
+        let second = first + PROCESS_THREADS;
+        let (a, b) = (load(first), load(second));
+        rewrite(first, a);
+        // A quad past the slice may still lie inside the row: it is another slice's.
+        if second < end {
+            rewrite(second, b);
+        }
+        first += 2 * PROCESS_THREADS;
+    }
+}
+
 /// One (row, slice) item of a launch: the block's part of row `b`.
 struct Slice {
     shared: *mut ProcessShared,
@@ -188,6 +248,16 @@ impl Slice {
         unsafe { for_each_entry(row, self.vocab, self.quads, self.thread, f) }
     }
 
+    /// [`map_entries`] over this slice, from the row at `from` to the row at `to`.
+    ///
+    /// # Safety
+    /// As [`map_entries`]; the slice is this block's alone.
+    #[inline(always)]
+    unsafe fn map(&self, from: *const f32, to: *mut f32, f: impl FnMut(u32, f32) -> (f32, bool)) {
+        // SAFETY: as above.
+        unsafe { map_entries(from, to, self.vocab, self.quads, self.thread, f) }
+    }
+
     /// Adds the weights of the slice's entries `i` of `row` with `member(i, logit) =
     /// Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
     /// the histogram to `row_histogram`.
@@ -206,19 +276,24 @@ impl Slice {
     ) {
         // SAFETY: the buckets lie inside the block's shared memory (`PROCESS_SHARED_BYTES`).
         let buckets = unsafe { addr_of_mut!((*self.shared).buckets) } as *mut u64;
-        if self.thread < SELECT_BUCKETS {
-            // SAFETY: `thread < SELECT_BUCKETS`: one bucket.
-            unsafe { *buckets.add(self.thread as usize) = 0 };
+        let words = WARPS * SELECT_BUCKETS as usize;
+        let mut k = self.thread as usize;
+        while k < words {
+            // SAFETY: `k < words`: a bucket of one warp's histogram.
+            unsafe { *buckets.add(k) = 0 };
+            k += PROCESS_THREADS as usize;
         }
         // SAFETY: every thread of the block reaches it (this function's contract).
         unsafe { arch::sync_threads() };
-        // A thread's consecutive members mostly share a bucket (the leading digits most of
-        // all): it adds runs, not entries, to keep the shared atomics uncontended.
+        // Each warp adds to a histogram of its own, and each thread adds runs of members in
+        // one bucket, not single entries: the leading digit puts most of a row in a few
+        // buckets, whose shared atomics would otherwise queue.
+        let own = buckets.wrapping_add((self.thread / 32) as usize * SELECT_BUCKETS as usize);
         let add = |bucket: u32, weight: u64| {
             if weight > 0 {
-                // SAFETY: a bucket of the shared histogram, only accessed atomically until the
+                // SAFETY: a bucket of the warp's histogram, only accessed atomically until the
                 // barrier below.
-                unsafe { AtomicU64::from_ptr(buckets.add(bucket as usize)) }.fetch_add(weight, Ordering::Relaxed);
+                unsafe { AtomicU64::from_ptr(own.add(bucket as usize)) }.fetch_add(weight, Ordering::Relaxed);
             }
         };
         let (mut run_bucket, mut run_weight) = (0u32, 0u64);
@@ -239,13 +314,17 @@ impl Slice {
         // SAFETY: as above.
         unsafe { arch::sync_threads() };
         if self.thread < SELECT_BUCKETS {
-            // SAFETY: written before the barrier above; a word of the row's histogram, only
-            // accessed atomically (this function's contract).
-            unsafe {
-                let weight = *buckets.add(self.thread as usize);
-                if weight > 0 {
-                    AtomicU64::from_ptr(row_histogram.add(self.thread as usize)).fetch_add(weight, Ordering::Relaxed);
-                }
+            let mut weight = 0u64;
+            for w in 0..WARPS {
+                // SAFETY: bucket `thread` of warp `w`'s histogram, written before the barrier
+                // above.
+                weight += unsafe { *buckets.add(w * SELECT_BUCKETS as usize + self.thread as usize) };
+            }
+            if weight > 0 {
+                // SAFETY: a word of the row's histogram, only accessed atomically (this
+                // function's contract).
+                unsafe { AtomicU64::from_ptr(row_histogram.add(self.thread as usize)) }
+                    .fetch_add(weight, Ordering::Relaxed);
             }
         }
     }
@@ -498,18 +577,18 @@ unsafe fn entries(
     let mut raw_lse = LogSumExp::EMPTY;
     let dense = |i: u32, l: f32| {
         let index = args.vocab_offset + i;
-        // SAFETY: `i < vocab`: inside the mask's words and row `b` of the processed logits.
+        // SAFETY: `i < vocab`: inside the mask's words.
         let allowed = mask.is_null() || unsafe { *mask.add(index as usize / 32) >> (index % 32) } & 1 == 1;
         if log_sums {
             raw_lse.add(l, 1.0);
         }
-        // SAFETY: as above.
-        unsafe { *processed.add(i as usize) = dense_step(l, p.softcap, allowed) };
+        (dense_step(l, p.softcap, allowed), true)
     };
     // In place, a row without soft-cap or mask is already what the dense steps make.
     if log_sums || !in_place || p.softcap > 0.0 || !mask.is_null() {
-        // SAFETY: row `b` of the raw logits, padded to the stride (a multiple of 4).
-        unsafe { slice.for_each(raw, dense) };
+        // SAFETY: row `b` of the raw and processed logits, padded to the stride (a multiple of
+        // 4); the slice is this block's.
+        unsafe { slice.map(raw, processed, dense) };
     }
     // The row's padding up to the stride: the logits sampler loads whole quads.
     if slice.index + 1 == slice.slices && slice.thread < args.logits_stride - args.vocab {
@@ -783,15 +862,16 @@ unsafe fn apply(args: &ProcessArgs, slice: &Slice, params: &RowParams, p: &RowPr
     let mut kept = LogSumExp::EMPTY;
     let drop = |i: u32, l: f32| {
         if !rule.keeps(l, i) {
-            // SAFETY: `i < vocab`: inside the row; only this thread touches entry `i`.
-            unsafe { *processed.add(i as usize) = f32::NEG_INFINITY };
-        } else if sampling && log_sums {
+            return (f32::NEG_INFINITY, true);
+        }
+        if sampling && log_sums {
             kept.add(l, params.temperature);
         }
+        (l, false)
     };
     if log_sums || rule != KeepRule::ALL {
-        // SAFETY: the row's processed logits, padded to the stride.
-        unsafe { slice.for_each(processed, drop) };
+        // SAFETY: the row's processed logits, padded to the stride; the slice is this block's.
+        unsafe { slice.map(processed, processed, drop) };
     }
     if top_asked && p.top_logprobs > 0 {
         // SAFETY: the row's state, as above.

@@ -285,9 +285,9 @@ impl Slice {
         }
         // SAFETY: every thread of the block reaches it (this function's contract).
         unsafe { arch::sync_threads() };
-        // Each warp adds to a histogram of its own, and each thread adds runs of members in
-        // one bucket, not single entries: the leading digit puts most of a row in a few
-        // buckets, whose shared atomics would otherwise queue.
+        // Each warp adds to a histogram of its own, and each thread adds the weights it
+        // gathered in its two most recent buckets, not single entries: the leading digit puts
+        // most of a row in a few buckets, whose shared atomics would otherwise queue.
         let own = buckets.wrapping_add((self.thread / 32) as usize * SELECT_BUCKETS as usize);
         let add = |bucket: u32, weight: u64| {
             if weight > 0 {
@@ -296,21 +296,27 @@ impl Slice {
                 unsafe { AtomicU64::from_ptr(own.add(bucket as usize)) }.fetch_add(weight, Ordering::Relaxed);
             }
         };
-        let (mut run_bucket, mut run_weight) = (0u32, 0u64);
+        let (mut recent_bucket, mut recent_weight, mut older_bucket, mut older_weight) = (0u32, 0u64, 0u32, 0u64);
         // SAFETY: per this function's contract.
         unsafe {
             self.for_each(row, |i, l| {
                 if let Some(key) = member(i, l) {
                     let bucket = (key >> shift) & (SELECT_BUCKETS - 1);
-                    if bucket != run_bucket {
-                        add(run_bucket, run_weight);
-                        (run_bucket, run_weight) = (bucket, 0);
+                    let w = weight(l);
+                    if bucket == recent_bucket {
+                        recent_weight += w;
+                    } else if bucket == older_bucket {
+                        older_weight += w;
+                    } else {
+                        add(older_bucket, older_weight);
+                        (older_bucket, older_weight) = (recent_bucket, recent_weight);
+                        (recent_bucket, recent_weight) = (bucket, w);
                     }
-                    run_weight += weight(l);
                 }
             })
         };
-        add(run_bucket, run_weight);
+        add(recent_bucket, recent_weight);
+        add(older_bucket, older_weight);
         // SAFETY: as above.
         unsafe { arch::sync_threads() };
         if self.thread < SELECT_BUCKETS {

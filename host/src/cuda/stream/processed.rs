@@ -839,12 +839,24 @@ struct LogitsSampling {
 /// The fewest quads of a row one slice of the processing pipeline takes (one per thread).
 const MIN_SLICE_QUADS: usize = PROCESS_THREADS as usize;
 
-/// Slices per row of the processing pipeline: as many as `resident` blocks (one wave of the
-/// kernel) hold when the batch is small, none shorter than [`MIN_SLICE_QUADS`]; one per row
-/// from `resident` rows on.
+/// A block's fixed cost per (row, slice) item (clearing and adding its histograms, the
+/// arrival), as a share of one pass over a whole row: an estimate, `1 / ITEM_COST_SHARE`.
+const ITEM_COST_SHARE: usize = 16;
+
+/// Slices per row of the processing pipeline: the count whose (row, slice) items take the
+/// least time in waves of `resident` blocks, each item costing its share of a row plus the
+/// fixed [`ITEM_COST_SHARE`] (the fewer slices at equal time), none shorter than
+/// [`MIN_SLICE_QUADS`]: one wave of many slices when the batch is small, a row per item when
+/// it fills the waves.
 fn process_slices(resident: usize, batch: usize, vocab: usize) -> usize {
+    let (resident, batch) = (resident.max(1), batch.max(1));
     let longest = vocab.div_ceil(4).div_ceil(MIN_SLICE_QUADS).max(1);
-    (resident / batch.max(1)).clamp(1, longest)
+    // `waves × (1 / slices + 1 / ITEM_COST_SHARE)`, scaled by `ITEM_COST_SHARE · slices`.
+    let cost = |slices: usize| (batch * slices).div_ceil(resident) * (ITEM_COST_SHARE + slices);
+    (1..=longest.min(resident)).fold(1, |best, slices| match cost(slices) * best < cost(best) * slices {
+        true => slices,
+        false => best,
+    })
 }
 
 /// The materialised path's plan for `batch × samples` draws over `vocab` rows: logits
@@ -952,24 +964,25 @@ mod tests {
         }
     }
 
-    /// The processing pipeline's slicing: the (row, slice) items fill one wave of resident
-    /// blocks at small batches and never exceed it, one slice per row from a wave's rows on,
-    /// never a slice shorter than `MIN_SLICE_QUADS` quads (beyond the one a short row has),
-    /// never more slices than quads.
+    /// The processing pipeline's slicing: a small batch splits its rows until the items fill
+    /// a wave, a large one takes the count that wastes least of its last wave, never a slice
+    /// shorter than `MIN_SLICE_QUADS` quads (beyond the one a short row has), never more
+    /// slices than quads or resident blocks.
     #[test]
-    fn process_slices_fill_one_wave_with_whole_slices() {
-        assert_eq!(process_slices(264, 1, 151_936), 149);
-        assert_eq!(process_slices(264, 16, 151_936), 16);
-        assert_eq!(process_slices(264, 64, 151_936), 4);
-        assert_eq!(process_slices(264, 264, 151_936), 1);
-        assert_eq!(process_slices(264, 1000, 151_936), 1);
-        assert_eq!(process_slices(264, 1, 1), 1);
-        assert_eq!(process_slices(264, 1, 5000), 5);
-        for (batch, vocab) in [(1usize, 7usize), (3, 4096), (1, 262_144), (100, 151_936)] {
-            let slices = process_slices(264, batch, vocab);
-            assert!(batch * slices <= 264 || slices == 1);
-            assert!(slices >= 1 && slices <= vocab.div_ceil(4));
+    fn process_slices_fill_the_waves_with_whole_slices() {
+        assert_eq!(process_slices(396, 1, 151_936), 149);
+        assert_eq!(process_slices(396, 16, 151_936), 24);
+        assert_eq!(process_slices(396, 64, 151_936), 6);
+        assert_eq!(process_slices(396, 256, 151_936), 3);
+        assert_eq!(process_slices(396, 396, 151_936), 1);
+        assert_eq!(process_slices(396, 1, 1), 1);
+        assert_eq!(process_slices(396, 1, 5000), 5);
+        for (batch, vocab) in [(1usize, 7usize), (3, 4096), (1, 262_144), (100, 151_936), (1000, 128_256)] {
+            let slices = process_slices(396, batch, vocab);
+            assert!(slices >= 1 && slices <= vocab.div_ceil(4) && slices <= 396);
             assert!(slices == 1 || vocab.div_ceil(4).div_ceil(slices) >= MIN_SLICE_QUADS / 2);
+            let cost = |s: usize| (batch * s).div_ceil(396) as f64 * (1.0 / s as f64 + 1.0 / 16.0);
+            assert!(cost(slices) <= cost(1), "{batch} x {vocab}: {slices}");
         }
     }
 

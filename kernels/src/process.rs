@@ -98,28 +98,47 @@ pub unsafe fn fused_quad(
 #[derive(Clone, Copy)]
 struct Quad([f32; 4]);
 
+/// Calls `f(q, quad)` for this thread's quads `q` of the row at `row` among the quads
+/// `quads.0 .. quads.1`: `quads.0 + thread`, then every `PROCESS_THREADS`-th, two of them
+/// loaded before either is used, so that each block keeps enough loads in flight.
+///
+/// # Safety
+/// `row` is 16-byte aligned and readable up to its quad `quads.1`.
+#[inline(always)]
+unsafe fn for_each_quad(row: *const f32, quads: (u32, u32), thread: u32, mut f: impl FnMut(u32, Quad)) {
+    let (start, end) = quads;
+    let load = |q: u32| {
+        if q < end {
+            // SAFETY: `q < end`: a whole aligned quad of the row (this function's contract).
+            unsafe { *(row.add(4 * q as usize) as *const Quad) }
+        } else {
+            Quad([f32::NEG_INFINITY; 4])
+        }
+    };
+    let mut first = start + thread;
+    while first < end {
+        let second = first + PROCESS_THREADS;
+        let (a, b) = (load(first), load(second));
+        f(first, a);
+        // A quad past the slice may still lie inside the row: it is another slice's.
+        if second < end {
+            f(second, b);
+        }
+        first += 2 * PROCESS_THREADS;
+    }
+}
+
 /// Calls `f(i, logit)` for this thread's entries `i < vocab` of the row at `row` among its
-/// quads `quads.0 .. quads.1`: `quads.0 + thread`, then every `PROCESS_THREADS`-th, two of
-/// them loaded before either is used, so that each block keeps enough loads in flight.
+/// quads `quads.0 .. quads.1`, as [`for_each_quad`] visits them.
 ///
 /// # Safety
 /// `row` is 16-byte aligned and readable up to `vocab` rounded up to a multiple of 4, and
 /// `quads.1 ≤ ⌈vocab / 4⌉`.
 #[inline(always)]
 unsafe fn for_each_entry(row: *const f32, vocab: u32, quads: (u32, u32), thread: u32, mut f: impl FnMut(u32, f32)) {
-    let (start, end) = quads;
-    let load = |q: u32| {
-        if q < end {
-            // SAFETY: `q < end ≤ ⌈vocab / 4⌉`: a whole aligned quad of the row (this function's
-            // contract).
-            unsafe { *(row.add(4 * q as usize) as *const Quad) }
-        } else {
-            Quad([f32::NEG_INFINITY; 4])
-        }
-    };
     // Scalars, not an indexed array: an array indexed in a loop the compiler leaves rolled
     // goes to the stack.
-    let mut visit = |q: u32, Quad([l0, l1, l2, l3]): Quad| {
+    let visit = |q: u32, Quad([l0, l1, l2, l3]): Quad| {
         let i = 4 * q;
         if i < vocab {
             f(i, l0);
@@ -134,20 +153,11 @@ unsafe fn for_each_entry(row: *const f32, vocab: u32, quads: (u32, u32), thread:
             f(i + 3, l3);
         }
     };
-    let mut first = start + thread;
-    while first < end {
-        let second = first + PROCESS_THREADS;
-        let (a, b) = (load(first), load(second));
-        visit(first, a);
-        // A quad past the slice may still lie inside the row: it is another slice's.
-        if second < end {
-            visit(second, b);
-        }
-        first += 2 * PROCESS_THREADS;
-    }
+    // SAFETY: the quads lie inside the row (this function's contract).
+    unsafe { for_each_quad(row, quads, thread, visit) }
 }
 
-/// Rewrites this thread's quads of a row as [`for_each_entry`] visits them, from the row at
+/// Rewrites this thread's quads of a row as [`for_each_quad`] visits them, from the row at
 /// `from` to the row at `to` (which may be the same): `f(i, logit)` gives entry `i`'s new
 /// value and whether it changed, and a quad with a changed entry is stored whole (entries
 /// past `vocab` as −∞) in one 16-byte access.
@@ -164,17 +174,7 @@ unsafe fn map_entries(
     thread: u32,
     mut f: impl FnMut(u32, f32) -> (f32, bool),
 ) {
-    let (start, end) = quads;
-    let load = |q: u32| {
-        if q < end {
-            // SAFETY: `q < end ≤ ⌈vocab / 4⌉`: a whole aligned quad of the row (this function's
-            // contract).
-            unsafe { *(from.add(4 * q as usize) as *const Quad) }
-        } else {
-            Quad([f32::NEG_INFINITY; 4])
-        }
-    };
-    let mut rewrite = |q: u32, Quad([l0, l1, l2, l3]): Quad| {
+    let rewrite = |q: u32, Quad([l0, l1, l2, l3]): Quad| {
         let i = 4 * q;
         let mut changed = false;
         let mut entry = |k: u32, l: f32| {
@@ -188,22 +188,13 @@ unsafe fn map_entries(
         };
         let quad = Quad([entry(0, l0), entry(1, l1), entry(2, l2), entry(3, l3)]);
         if changed {
-            // SAFETY: `q < end`: a whole aligned quad of the row at `to`, this thread's (this
-            // function's contract).
+            // SAFETY: a quad this thread visits: whole, aligned and this thread's in the row
+            // at `to` (this function's contract).
             unsafe { *(to.add(i as usize) as *mut Quad) = quad };
         }
     };
-    let mut first = start + thread;
-    while first < end {
-        let second = first + PROCESS_THREADS;
-        let (a, b) = (load(first), load(second));
-        rewrite(first, a);
-        // A quad past the slice may still lie inside the row: it is another slice's.
-        if second < end {
-            rewrite(second, b);
-        }
-        first += 2 * PROCESS_THREADS;
-    }
+    // SAFETY: the quads lie inside the row (this function's contract).
+    unsafe { for_each_quad(from, quads, thread, rewrite) }
 }
 
 /// One (row, slice) item of a launch: the block's part of row `b`.

@@ -523,46 +523,58 @@ unsafe fn keep_rule(
 #[inline(always)]
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
     let items = args.batch * args.slices;
-    let mut item = arch::block_index();
-    while item < items {
-        let slice = Slice::of(args, shared, item);
+    let mut index = arch::block_index();
+    while index < items {
+        let slice = Slice::of(args, shared, index);
         let b = slice.b as usize;
         // SAFETY: `b < batch`: a row of the `[batch]` parameters, processing and states.
-        let (params, p, state) = unsafe {
-            (*args.row_params.as_ptr().add(b), *args.processing.as_ptr().add(b), args.state.as_mut_ptr().add(b))
+        let item = unsafe {
+            Item {
+                args,
+                slice,
+                params: *args.row_params.as_ptr().add(b),
+                p: *args.processing.as_ptr().add(b),
+                state: args.state.as_mut_ptr().add(b),
+            }
         };
         // SAFETY: every thread of the block together (the step and the item are the block's),
         // per this function's contract.
         unsafe {
             if args.step == ProcessStep::Entries as u32 {
-                entries(args, &slice, &params, &p, state);
+                entries(&item);
             } else if args.step == ProcessStep::Select as u32 {
                 if let Some(selection) = Selection::from_u32(args.selection) {
-                    select_digit(args, &slice, &params, &p, state, selection);
+                    select_digit(&item, selection);
                 }
             } else {
-                apply(args, &slice, &params, &p, state);
+                apply(&item);
             }
             // The next item reuses the shared memory.
             arch::sync_threads();
         }
-        item += arch::grid_size();
+        index += arch::grid_size();
     }
+}
+
+/// What a step of the pipeline knows of its (row, slice) item: the launch's arguments, the
+/// block's slice, and the row's parameters, processing and state.
+struct Item<'a> {
+    args: &'a ProcessArgs,
+    slice: Slice,
+    params: RowParams,
+    p: RowProcessing,
+    state: *mut ProcessRowState,
 }
 
 /// [`ProcessStep::Entries`] on one slice: the dense and sparse steps, the slice's raw terms,
 /// and for a truncating row its largest processed logit, merged into the row's state.
 ///
 /// # Safety
-/// As [`process_rows`], for `slice` of row `slice.b` with its parameters, processing and state.
+/// As [`process_rows`], for `item`.
 #[inline(always)]
-unsafe fn entries(
-    args: &ProcessArgs,
-    slice: &Slice,
-    params: &RowParams,
-    p: &RowProcessing,
-    state: *mut ProcessRowState,
-) {
+unsafe fn entries(item: &Item) {
+    let Item { args, slice, params, p, state } = item;
+    let state = *state;
     // Without log-probabilities no log-sum-exp is summed; in place (`raw == processed`) the
     // raw logits are overwritten.
     let log_sums = args.slice_sums.address() != 0;
@@ -645,17 +657,11 @@ fn slice_slot(slice: &Slice) -> usize {
 /// runs it (and whose members still reach its target); the row's last slice picks the digit.
 ///
 /// # Safety
-/// As [`process_rows`], for `slice` of row `slice.b` with its parameters, processing and
-/// state, after the row's earlier steps.
+/// As [`process_rows`], for `item`, after the row's earlier steps.
 #[inline(always)]
-unsafe fn select_digit(
-    args: &ProcessArgs,
-    slice: &Slice,
-    params: &RowParams,
-    p: &RowProcessing,
-    state: *mut ProcessRowState,
-    selection: Selection,
-) {
+unsafe fn select_digit(item: &Item, selection: Selection) {
+    let Item { args, slice, params, p, state } = item;
+    let state = *state;
     // SAFETY: the row's state, written by earlier launches only while this one reads it.
     let (found, ended, prefix, keys) = unsafe { ((*state).found, (*state).ended, (*state).prefix, (*state).keys) };
     // SAFETY: as above.
@@ -712,7 +718,7 @@ unsafe fn select_digit(
     // SAFETY: every thread together, once in this launch for this item.
     if unsafe { slice.arrive(state) } {
         // SAFETY: the last slice of the row: every other slice has added its histogram.
-        unsafe { decide_digit(args, slice, params, p, state, selection, max) };
+        unsafe { decide_digit(item, selection, max) };
     }
 }
 
@@ -726,15 +732,9 @@ unsafe fn select_digit(
 /// # Safety
 /// Every thread of the block calls it together, after [`Slice::arrive`] said it is the last.
 #[inline(always)]
-unsafe fn decide_digit(
-    args: &ProcessArgs,
-    slice: &Slice,
-    params: &RowParams,
-    p: &RowProcessing,
-    state: *mut ProcessRowState,
-    selection: Selection,
-    max: f32,
-) {
+unsafe fn decide_digit(item: &Item, selection: Selection, max: f32) {
+    let Item { args, slice, params, p, state } = item;
+    let state = *state;
     let t = slice.thread as usize;
     let top = SELECT_BUCKETS as usize - 1;
     // SAFETY: the fields lie inside the block's shared memory and the row's state.
@@ -844,10 +844,11 @@ unsafe fn decide_digit(
 /// row's top entries in order.
 ///
 /// # Safety
-/// As [`process_rows`], for `slice` of row `slice.b` with its parameters, processing and
-/// state, after the row's selections.
+/// As [`process_rows`], for `item`, after the row's selections.
 #[inline(always)]
-unsafe fn apply(args: &ProcessArgs, slice: &Slice, params: &RowParams, p: &RowProcessing, state: *mut ProcessRowState) {
+unsafe fn apply(item: &Item) {
+    let Item { args, slice, params, p, state } = item;
+    let state = *state;
     let log_sums = args.slice_sums.address() != 0;
     let top_asked = log_sums && args.top.address() != 0;
     let sampling = params.greedy == 0;
@@ -911,17 +912,20 @@ unsafe fn apply(args: &ProcessArgs, slice: &Slice, params: &RowParams, p: &RowPr
     // SAFETY: every thread together, once in this launch for this item.
     if top_asked && unsafe { slice.arrive(state) } && slice.thread == 0 {
         // SAFETY: the last slice of the row: every slice's entries are visible.
-        unsafe { write_top(args, slice, p.top_logprobs, state) };
+        unsafe { write_top(item) };
     }
 }
 
-/// Writes `args.top[b]`: the row's `n` gathered raw entries by (`order_key`, then increasing
-/// index), then `NO_TOKEN` slots up to `MAX_TOP_LOGPROBS`; clears the arrivals.
+/// Writes `args.top[b]`: the row's `n` gathered raw entries (its `top_logprobs`) by
+/// (`order_key`, then increasing index), then `NO_TOKEN` slots up to `MAX_TOP_LOGPROBS`;
+/// clears the arrivals.
 ///
 /// # Safety
 /// Thread 0 of the row's last slice in [`ProcessStep::Apply`]; `args.top` holds row `b`'s slots.
 #[inline(always)]
-unsafe fn write_top(args: &ProcessArgs, slice: &Slice, n: u32, state: *mut ProcessRowState) {
+unsafe fn write_top(item: &Item) {
+    let Item { args, slice, p, state, .. } = item;
+    let (n, state) = (p.top_logprobs, *state);
     // The block's buckets are free: the entries are sorted there.
     // SAFETY: the buckets hold `SELECT_BUCKETS · 8` bytes, more than `MAX_TOP_LOGPROBS`
     // entries.

@@ -43,7 +43,8 @@ pub enum Kernel {
     SampleLogits,
     /// The merge kernel: candidates → tokens, or a shard's winners (`ReduceArgs`).
     ReduceCandidates,
-    /// Logit processing of materialised rows, one block per row (`ProcessArgs`).
+    /// Logit processing of materialised rows, one step of the processing pipeline per launch
+    /// over (row, slice) items (`ProcessArgs`).
     ProcessRows,
     /// The shard merge: shards' winners and log-sum-exp terms → tokens and their
     /// log-probabilities (`ShardMergeArgs`).

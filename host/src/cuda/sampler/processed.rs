@@ -3,9 +3,9 @@
 //!   log-probabilities go through the tile kernels of plain sampling, which apply the steps to
 //!   each logits quad (`SampleRequest::processing`);
 //! - materialised: the unfused GEMM writes the logits (`[B, V]` f32, twice with
-//!   log-probabilities: raw and processed), one block per row processes them
-//!   (`process_rows`), and the logits sampler and the merge kernel draw from them with the
-//!   plain path's noise.
+//!   log-probabilities: raw and processed), the processing pipeline (`process_rows` launches
+//!   over slices of each row) processes them, and the logits sampler and the merge kernel draw
+//!   from them with the plain path's noise.
 //!
 //! Either path can run over a vocabulary shard of the LM head (its rows with their global
 //! offset): stage 1 writes the shard's winners per (row, draw) with the tokens' logits and,

@@ -39,8 +39,6 @@ pub struct DeviceProcessing {
     buffer: DeviceBuffer<u8>,
     rows: usize,
     vocab: usize,
-    /// Whether a row asks for its top raw log-probabilities.
-    top_logprobs: bool,
     /// The first row that needs its whole row (min-p, top-k, top-p or top log-probabilities),
     /// if any: the fused tiles cannot process it.
     whole_row: Option<usize>,
@@ -246,22 +244,12 @@ impl DeviceProcessing {
         unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, stream.cu_stream())? };
         let whole_row = processing.iter().position(Processing::needs_whole_row);
         let truncating = processing.iter().position(Processing::truncates);
-        let top_logprobs = processing.iter().any(|p| p.top_logprobs > 0);
         let per_entry = processing
             .iter()
             .zip(&sparse)
             .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty());
         let selections = processing.iter().fold(0, |bits, p| bits | selections(p));
-        Ok(DeviceProcessing {
-            buffer,
-            rows: processing.len(),
-            vocab,
-            whole_row,
-            truncating,
-            top_logprobs,
-            per_entry,
-            selections,
-        })
+        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, whole_row, truncating, per_entry, selections })
     }
 
     /// The per-entry processing the fused tiles apply
@@ -282,7 +270,6 @@ impl DeviceProcessing {
             vocab: self.vocab,
             whole_row: self.whole_row,
             truncating: self.truncating,
-            top_logprobs: self.top_logprobs,
             per_entry: self.per_entry,
             selections: self.selections,
         }

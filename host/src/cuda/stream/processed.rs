@@ -48,8 +48,6 @@ pub struct ProcessingRef {
     pub(crate) whole_row: Option<usize>,
     /// The first row with min-p, top-k or top-p.
     pub(crate) truncating: Option<usize>,
-    /// Whether a row asks for its top raw log-probabilities.
-    pub(crate) top_logprobs: bool,
     /// Whether a row has a per-entry step (soft-cap, bias, mask, penalties).
     pub(crate) per_entry: bool,
     /// [`Selection::bit`]s of the selections some row needs.
@@ -57,6 +55,11 @@ pub struct ProcessingRef {
 }
 
 impl ProcessingRef {
+    /// Whether a row asks for its top raw log-probabilities.
+    fn top_logprobs(&self) -> bool {
+        self.selections & Selection::TopRaw.bit() != 0
+    }
+
     fn blocks(&self) -> DevicePtr<RowProcessing> {
         DevicePtr::new(self.address)
     }
@@ -340,7 +343,7 @@ impl StreamSampler {
         }
         match request.target {
             ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } => {
-                check_outputs(tokens, logprobs, top_logprobs, processing.top_logprobs)?
+                check_outputs(tokens, logprobs, top_logprobs, processing.top_logprobs())?
             }
             ProcessedTarget::Shard { part, .. } => check_address("part", part, 16)?,
         }
@@ -454,7 +457,12 @@ impl StreamSampler {
         }
         check_address("parts", request.parts, 16)?;
         check_address("row_params", request.row_params, align_of::<RowParams>())?;
-        check_outputs(request.tokens, request.out_logprobs, request.out_top_logprobs, request.processing.top_logprobs)?;
+        check_outputs(
+            request.tokens,
+            request.out_logprobs,
+            request.out_top_logprobs,
+            request.processing.top_logprobs(),
+        )?;
         if request.out_logprobs != 0 && !request.logprobs {
             return Err(invalid("out_logprobs", "has room for log-probabilities; the parts were made without them"));
         }
@@ -537,6 +545,8 @@ impl StreamSampler {
                 selection: 0,
                 digit: 0,
             };
+            // Without log-probabilities no row gathers top entries: their selections would only
+            // launch to return.
             let selections = match request.logprobs() {
                 true => request.processing.selections,
                 false => request.processing.selections & !(Selection::TopRaw.bit() | Selection::TopRawTie.bit()),

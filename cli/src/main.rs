@@ -18,7 +18,7 @@ use flashsample::cpu::{draw, logits_row};
 use flashsample::io::{NpyType, NpyWriter, load_matrix};
 use flashsample::params::{Draws, check_head_shape, check_request, check_request_shape, row_params};
 use flashsample::{
-    CpuLmHead, CpuSampler, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module, Processing,
+    CpuLmHead, CpuSampler, CudaLmHead, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module,
     Result, Sampled, SamplingParams, Variant, VocabShard, cuda_device_count,
 };
 use flashsample_tests::{chi_square, exact_probabilities};
@@ -388,9 +388,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
         let processing = args.processing.rows(h.rows(), vocab)?;
         let shard_count = args.processing.shard_count(vocab)?;
         // The GPU processes BF16/F16 heads with D % 8 == 0, in shards of whole Philox blocks
-        // (4 tokens) without truncations; `auto` takes the CPU for the rest, `cuda` reports
-        // why not.
-        let truncates = processing.iter().any(Processing::truncates);
+        // (4 tokens); `auto` takes the CPU for the rest, `cuda` reports why not.
         let gpu_refusal = if common == DType::F32 || w.cols() % 8 != 0 {
             Some((
                 "--lm-head",
@@ -402,13 +400,6 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                 format!(
                     "{shard_count}: GPU shards are whole blocks of 4 tokens, at most ⌈V/4⌉ = {}",
                     vocab.div_ceil(4)
-                ),
-            ))
-        } else if shard_count > 1 && truncates {
-            Some((
-                "--shards",
-                format!(
-                    "{shard_count} with --min-p, --top-k or --top-p: the GPU decides truncations over one shard; use --device cpu"
                 ),
             ))
         } else {
@@ -472,13 +463,13 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                     } else {
                         let count = draws.count as usize;
                         let mut parts = sampler.shard_parts(heads.len(), h.rows(), count, wants_logprobs)?;
-                        for (s, head) in heads.iter().enumerate() {
-                            let shard = VocabShard { vocab_offset: bounds[s], vocab };
-                            let processing = &device_processing;
-                            let (parts, variant) = (&mut parts, Variant::Auto);
-                            sampler
-                                .sample_shard_into(head, shard, &hidden, &rows, processing, draws, variant, parts, s)?;
-                        }
+                        let shards: Vec<(&CudaLmHead, VocabShard)> = heads
+                            .iter()
+                            .zip(&bounds)
+                            .map(|(head, &vocab_offset)| (head, VocabShard { vocab_offset, vocab }))
+                            .collect();
+                        let processing = &device_processing;
+                        sampler.sample_shards_into(&shards, &hidden, &rows, processing, draws, Variant::Auto, &mut parts)?;
                         sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
                     }
                     write(draws.first, sampler.processed_to_host(&out)?)?;

@@ -483,7 +483,7 @@ fn shards_give_the_unsharded_tokens() {
 /// The processing flags on the GPU: a mask leaves one token per row, the log-probabilities are
 /// written, integer inputs (exact logits on both backends) give the CPU's tokens under every
 /// truncation, `--shards 3` gives the CPU's tokens and log-probabilities with soft-cap and
-/// the mask, and `--shards` with a truncation or more shards than blocks of 4 tokens is refused
+/// the mask, and with every truncation, and more shards than blocks of 4 tokens are refused
 /// naming the flag.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -534,9 +534,10 @@ fn processing_flags_on_the_gpu_give_the_cpu_tokens() {
     let (gpu_lp, cpu_lp) = (read_f32_npy(&lp).1, read_f32_npy(&cpu_lp).1);
     assert!(gpu_lp.iter().zip(&cpu_lp).all(|(a, b)| (a - b).abs() <= 1e-5), "{gpu_lp:?} vs {cpu_lp:?}");
 
-    assert_clean_failure(
-        &run("cuda", &out, &["--top-k", "5", "--shards", "2"]),
-        "--shards: 2 with --min-p, --top-k or --top-p: the GPU decides truncations over one shard",
-    );
+    let sharded_truncations = [&truncations[..], &["--shards", "3"]].concat();
+    let output = run("cuda", &out, &sharded_truncations);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(run("cpu", &cpu, &truncations).status.success());
+    assert_eq!(read_npy_i64(Path::new(&out)).unwrap(), read_npy_i64(Path::new(&cpu)).unwrap());
     assert_clean_failure(&run("cuda", &out, &["--shards", "19"]), "--shards: 19: GPU shards are whole blocks of 4");
 }

@@ -600,9 +600,19 @@ pub struct ProcessArgs {
     pub slices: u32,
     /// The launch's [`ProcessStep`].
     pub step: u32,
-    /// With [`ProcessStep::Select`]: the [`Selection`] and its digit (0 = most significant).
+    /// With [`ProcessStep::Select`] and [`ProcessStep::Decide`]: the [`Selection`] and its
+    /// digit (0 = most significant).
     pub selection: u32,
     pub digit: u32,
+    /// A vocabulary shard's exchange with the other shards ([`ShardExchangeLayout`]): its
+    /// `[2, batch]` extrema (each row's largest `order_key`, then its non-finite flag), which
+    /// [`ProcessStep::Entries`] merges in and every later step reads instead of the row
+    /// state's; null when the logits are the whole row (the selections decide alone).
+    pub exchange_extrema: DevicePtr<u32>,
+    /// With an exchange and a [`Selection::exchanged`] selection: the `[batch,
+    /// SELECT_BUCKETS]` histograms of this launch's digit, which [`ProcessStep::Select`] adds
+    /// to and [`ProcessStep::Decide`] reads once every shard's adds are in.
+    pub exchange_histogram: DevicePtr<u64>,
 }
 
 /// What one launch of the processing kernel does ([`ProcessArgs::step`]). A pipeline runs
@@ -614,10 +624,14 @@ pub enum ProcessStep {
     /// The per-entry steps, the raw log-sum-exp terms, the row's largest processed logit.
     Entries = 0,
     /// One 8-bit digit of one selection: a histogram of the slice's members added to the
-    /// row's, and the last slice to finish picks the digit.
+    /// row's, and the last slice to finish picks the digit (with an exchange, a truncation's
+    /// digit is picked by [`ProcessStep::Decide`] instead).
     Select = 1,
     /// The keep rule: dropped entries set to −∞, the kept terms, the top raw entries.
     Apply = 2,
+    /// With an exchange: one block per row picks a digit of a [`Selection::exchanged`]
+    /// selection from the histograms every shard added to.
+    Decide = 3,
 }
 
 /// The order statistics a row may need, each found by a radix selection over
@@ -657,6 +671,54 @@ impl Selection {
     /// The selection's bit in [`ProcessRowState::found`] and [`ProcessRowState::ended`].
     pub const fn bit(self) -> u32 {
         1 << self as u32
+    }
+
+    /// Whether vocabulary shards decide the selection together (a truncation: its cut is a
+    /// property of the whole row) rather than each over its own entries (the top raw entries,
+    /// which the shard merge merges).
+    pub const fn exchanged(self) -> bool {
+        matches!(self, Selection::TopK | Selection::TopP | Selection::TopPTie)
+    }
+}
+
+/// Where a vocabulary shard's exchange buffer holds what the shards of a row share before
+/// they can apply its truncations (byte offsets): the `[2, batch]` `u32` extrema (largest
+/// `order_key`, non-finite flag) at 0, then one `[batch, SELECT_BUCKETS]` `u64` histogram per
+/// exchanged digit, each reduced once (so that the buffer is cleared once per call). Shards
+/// reduce the extrema by maximum and the histograms by sum; integer sums make the decisions
+/// independent of the order of the shards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardExchangeLayout {
+    pub batch: u32,
+    /// Exchanged digits: [`SELECT_DIGITS`] per exchanged selection some row needs.
+    pub digits: u32,
+    /// Byte offset of the first histogram (the extrema rounded up to 16 bytes).
+    pub histograms: u64,
+    /// Bytes of the whole buffer.
+    pub bytes: u64,
+}
+
+impl ShardExchangeLayout {
+    /// The layout for `batch` rows and the selections of `selections` ([`Selection::bit`]s).
+    pub const fn of(batch: u32, selections: u32) -> ShardExchangeLayout {
+        let mut digits = 0;
+        let mut k = 0;
+        while k < Selection::ALL.len() {
+            let s = Selection::ALL[k];
+            if s.exchanged() && selections & s.bit() != 0 {
+                digits += SELECT_DIGITS;
+            }
+            k += 1;
+        }
+        let histograms = (2 * batch as u64 * 4).next_multiple_of(16);
+        let histogram_bytes = batch as u64 * SELECT_BUCKETS as u64 * 8;
+        ShardExchangeLayout { batch, digits, histograms, bytes: histograms + digits as u64 * histogram_bytes }
+    }
+
+    /// Byte offset of the histogram of the `k`-th exchanged digit (in [`Selection`] order,
+    /// then digit order).
+    pub const fn histogram(&self, k: u32) -> u64 {
+        self.histograms + k as u64 * self.batch as u64 * SELECT_BUCKETS as u64 * 8
     }
 }
 

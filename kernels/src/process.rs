@@ -467,18 +467,42 @@ fn truncates(params: &RowParams, p: &RowProcessing) -> bool {
     params.greedy == 0 && (p.min_p > 0.0 || p.top_k > 0 || p.top_p < 1.0)
 }
 
+/// Where a row's largest processed logit (its `order_key`) and non-finite flag are merged:
+/// the exchange's words, which every shard of the row merges into, or the row's state.
+///
+/// # Safety
+/// `item.state` is the row's; an exchange holds `[2, batch]` words.
+#[inline(always)]
+unsafe fn extrema(item: &Item) -> (*mut u32, *mut u32) {
+    let (args, b) = (item.args, item.slice.b as usize);
+    match args.exchange_extrema.address() {
+        0 => {
+            // SAFETY: the row's state (this function's contract).
+            unsafe { (addr_of_mut!((*item.state).max_key), addr_of_mut!((*item.state).non_finite)) }
+        }
+        _ => {
+            let words = args.exchange_extrema.as_mut_ptr();
+            (words.wrapping_add(b), words.wrapping_add(args.batch as usize + b))
+        }
+    }
+}
+
 /// The largest processed logit of a row whose truncations apply (it [`truncates`] and its
 /// processed logits are finite or −∞, not all −∞); `None`: the row keeps every entry.
 ///
 /// # Safety
-/// `state` is the row's, after its [`ProcessStep::Entries`] launch.
+/// As [`extrema`], after the row's [`ProcessStep::Entries`] launch (with an exchange, every
+/// shard's, merged).
 #[inline(always)]
-unsafe fn truncation_max(params: &RowParams, p: &RowProcessing, state: *const ProcessRowState) -> Option<f32> {
-    if !truncates(params, p) {
+unsafe fn truncation_max(item: &Item) -> Option<f32> {
+    if !truncates(&item.params, &item.p) {
         return None;
     }
-    // SAFETY: the row's state (this function's contract).
-    let (max_key, non_finite) = unsafe { ((*state).max_key, (*state).non_finite) };
+    // SAFETY: the row's words (this function's contract), not written during this launch.
+    let (max_key, non_finite) = unsafe {
+        let (max_key, non_finite) = extrema(item);
+        (*max_key, *non_finite)
+    };
     let max = key_logit(max_key);
     (non_finite == 0 && max > f32::NEG_INFINITY).then_some(max)
 }
@@ -511,21 +535,24 @@ unsafe fn keep_rule(
 }
 
 /// The processing kernel (see `ProcessArgs`): one step of the pipeline for each (row, slice)
-/// item.
+/// item, or with [`ProcessStep::Decide`] for each row.
 ///
 /// # Safety
 /// Launched with `PROCESS_THREADS` threads and `PROCESS_SHARED_BYTES` of shared memory, the
 /// steps of one pipeline in order on one stream; `args` describes valid buffers; each row's
 /// sparse tokens are distinct, its mask (if any) holds a word for each of the global indices
 /// `vocab_offset .. vocab_offset + vocab`; rows with truncations only when the logits are the
-/// whole vocabulary (`vocab_offset = 0`); `1 ≤ slices ≤ ⌈vocab / 4⌉` and `batch · slices <
-/// 2³²`.
+/// whole vocabulary or with an exchange, whose extrema every shard merged (and reduced) after
+/// `Entries` and whose histogram of a digit every shard added to (and reduced) between its
+/// `Select` and `Decide`; `1 ≤ slices ≤ ⌈vocab / 4⌉` and `batch · slices < 2³²`.
 #[inline(always)]
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
-    let items = args.batch * args.slices;
+    let per_row = args.step == ProcessStep::Decide as u32;
+    let items = if per_row { args.batch } else { args.batch * args.slices };
     let mut index = arch::block_index();
     while index < items {
-        let slice = Slice::of(args, shared, index);
+        // A row's decision is its first slice's.
+        let slice = Slice::of(args, shared, if per_row { index * args.slices } else { index });
         let b = slice.b as usize;
         // SAFETY: `b < batch`: a row of the `[batch]` parameters, processing and states.
         let item = unsafe {
@@ -542,12 +569,10 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
         unsafe {
             if args.step == ProcessStep::Entries as u32 {
                 entries(&item);
-            } else if args.step == ProcessStep::Select as u32 {
-                if let Some(selection) = Selection::from_u32(args.selection) {
-                    select_digit(&item, selection);
-                }
-            } else {
+            } else if args.step == ProcessStep::Apply as u32 {
                 apply(&item);
+            } else if let Some(selection) = Selection::from_u32(args.selection) {
+                select_digit(&item, selection);
             }
             // The next item reuses the shared memory.
             arch::sync_threads();
@@ -573,8 +598,7 @@ struct Item<'a> {
 /// As [`process_rows`], for `item`.
 #[inline(always)]
 unsafe fn entries(item: &Item) {
-    let Item { args, slice, params, p, state } = item;
-    let state = *state;
+    let Item { args, slice, params, p, .. } = item;
     // Without log-probabilities no log-sum-exp is summed; in place (`raw == processed`) the
     // raw logits are overwritten.
     let log_sums = args.slice_sums.address() != 0;
@@ -629,11 +653,12 @@ unsafe fn entries(item: &Item) {
         // SAFETY: every thread together (uniform condition); the slice's processed logits.
         let (max, non_finite) = unsafe { slice.max_and_non_finite(processed) };
         if slice.thread == 0 {
-            // SAFETY: the row's state words, only accessed atomically during the launch.
+            // SAFETY: the row's words, only accessed atomically during the launch.
             unsafe {
-                AtomicU32::from_ptr(addr_of_mut!((*state).max_key)).fetch_max(order_key(max), Ordering::Relaxed);
+                let (max_key, flag) = extrema(item);
+                AtomicU32::from_ptr(max_key).fetch_max(order_key(max), Ordering::Relaxed);
                 if non_finite {
-                    AtomicU32::from_ptr(addr_of_mut!((*state).non_finite)).fetch_or(1, Ordering::Relaxed);
+                    AtomicU32::from_ptr(flag).fetch_or(1, Ordering::Relaxed);
                 }
             }
         }
@@ -653,8 +678,11 @@ fn slice_slot(slice: &Slice) -> usize {
     (slice.b * slice.slices + slice.index) as usize
 }
 
-/// [`ProcessStep::Select`] on one slice: digit `args.digit` of `selection`, for a row that
-/// runs it (and whose members still reach its target); the row's last slice picks the digit.
+/// Digit `args.digit` of `selection` for a row that runs it (and whose members still reach
+/// its target). [`ProcessStep::Select`] on one slice adds the slice's histogram: to the row
+/// state's, whose last slice to arrive then picks the digit, or for an exchanged selection
+/// with an exchange to the exchange's, from which [`ProcessStep::Decide`] picks it once every
+/// shard's histograms are in.
 ///
 /// # Safety
 /// As [`process_rows`], for `item`, after the row's earlier steps.
@@ -665,7 +693,7 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
     // SAFETY: the row's state, written by earlier launches only while this one reads it.
     let (found, ended, prefix, keys) = unsafe { ((*state).found, (*state).ended, (*state).prefix, (*state).keys) };
     // SAFETY: as above.
-    let max = unsafe { truncation_max(params, p, state) };
+    let max = unsafe { truncation_max(item) };
     let top_asked = args.slice_sums.address() != 0 && args.top.address() != 0 && p.top_logprobs > 0;
     let runs = match selection {
         Selection::TopK => max.is_some() && p.top_k > 0,
@@ -677,17 +705,32 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
     if !runs || ended & selection.bit() != 0 {
         return;
     }
+    let exchanged = args.exchange_extrema.address() != 0 && selection.exchanged();
+    // The row's histogram: only accessed atomically while the slices add to it.
+    let histogram = match exchanged {
+        true => args.exchange_histogram.as_mut_ptr().wrapping_add(slice.b as usize * SELECT_BUCKETS as usize),
+        // SAFETY: a field of the row's state.
+        false => unsafe { addr_of_mut!((*state).histogram).cast::<u64>() },
+    };
+    let max = max.unwrap_or(f32::NEG_INFINITY);
+    if args.step == ProcessStep::Decide as u32 {
+        if exchanged {
+            // SAFETY: every thread of the block together; every shard's adds are in (this
+            // function's contract), and other shards' decisions still read them.
+            unsafe { decide_digit(item, selection, max, histogram, false) };
+        }
+        return;
+    }
     let shift = 24 - 8 * args.digit;
     let in_prefix = |key: &u32| args.digit == 0 || (key ^ prefix) >> (shift + 8) == 0;
     let offset = slice.b as usize * args.logits_stride as usize;
     let raw = args.raw.as_ptr().wrapping_add(offset);
     let processed = args.processed.as_ptr().wrapping_add(offset);
-    // SAFETY: the row's histogram, only accessed atomically during the launch.
-    let histogram = unsafe { addr_of_mut!((*state).histogram) } as *mut u64;
-    let max = max.unwrap_or(f32::NEG_INFINITY);
     // SAFETY: the row's state, as above.
     let rule = unsafe { keep_rule(max, params, p, state, Some(selection)) };
-    let kept = move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, i)).then(|| order_key(l));
+    // Cuts and ties compare global indices: every shard of a row applies the same rule.
+    let global = |i: u32| args.vocab_offset + i;
+    let kept = move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, global(i))).then(|| order_key(l));
     let one = |_: f32| 1u64;
     // SAFETY: in every arm, every thread of the block together (uniform conditions); the
     // rows' logits, padded to the stride; the row's histogram.
@@ -702,7 +745,7 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
             }
             Selection::TopPTie => {
                 let last = keys[Selection::TopP as usize];
-                let tie = |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !i).filter(in_prefix);
+                let tie = |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !global(i)).filter(in_prefix);
                 slice.add_histogram(processed, shift, tie, one, histogram)
             }
             Selection::TopRaw => {
@@ -716,42 +759,43 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
         }
     }
     // SAFETY: every thread together, once in this launch for this item.
-    if unsafe { slice.arrive(state) } {
-        // SAFETY: the last slice of the row: every other slice has added its histogram.
-        unsafe { decide_digit(item, selection, max) };
+    if !exchanged && unsafe { slice.arrive(state) } {
+        // SAFETY: the last slice of the row: every other slice has added its histogram, which
+        // no one reads after this decision.
+        unsafe { decide_digit(item, selection, max, histogram, true) };
     }
 }
 
-/// The digit the row's histogram picks for `selection`, by the row's last slice to arrive:
-/// the largest bucket whose entries at or above it reach the target (computed from the total
-/// at digit 0; a selection whose total falls short ends there); after the last digit the
-/// selection's outcome. The block loads the buckets at once (clearing them for the next
-/// launch) and finds the bucket by a prefix sum over them from the top, so that the decision
-/// costs one round trip to memory, not one per bucket.
+/// The digit the row's `histogram` picks for `selection` (by the row's last slice to arrive,
+/// or by the row's block of [`ProcessStep::Decide`]): the largest bucket whose entries at or
+/// above it reach the target (computed from the total at digit 0; a selection whose total
+/// falls short ends there); after the last digit the selection's outcome. The block loads the
+/// buckets at once (clearing them for the next launch if `clear`) and finds the bucket by a
+/// prefix sum over them from the top, so that the decision costs one round trip to memory,
+/// not one per bucket.
 ///
 /// # Safety
-/// Every thread of the block calls it together, after [`Slice::arrive`] said it is the last.
+/// Every thread of the block calls it together, once every add to the row's `histogram`
+/// (`SELECT_BUCKETS` words) is visible to the block.
 #[inline(always)]
-unsafe fn decide_digit(item: &Item, selection: Selection, max: f32) {
+unsafe fn decide_digit(item: &Item, selection: Selection, max: f32, histogram: *mut u64, clear: bool) {
     let Item { args, slice, params, p, state } = item;
     let state = *state;
     let t = slice.thread as usize;
     let top = SELECT_BUCKETS as usize - 1;
-    // SAFETY: the fields lie inside the block's shared memory and the row's state.
-    let (sums, decision, histogram) = unsafe {
-        (
-            addr_of_mut!((*slice.shared).buckets) as *mut u64,
-            addr_of_mut!((*slice.shared).decision) as *mut u64,
-            addr_of_mut!((*state).histogram) as *mut u64,
-        )
+    // SAFETY: the fields lie inside the block's shared memory.
+    let (sums, decision) = unsafe {
+        (addr_of_mut!((*slice.shared).buckets) as *mut u64, addr_of_mut!((*slice.shared).decision) as *mut u64)
     };
     if t <= top {
         // SAFETY: bucket `top - t` of the row's histogram, this thread's alone: the other
-        // slices' adds are visible (`Slice::arrive`) and read from where they were made, not
-        // from this multiprocessor's cache; cleared for the next launch.
+        // slices' adds are visible (this function's contract) and read from where they were
+        // made, not from this multiprocessor's cache.
         unsafe {
             *sums.add(t) = read_volatile(histogram.add(top - t));
-            *histogram.add(top - t) = 0;
+            if clear {
+                *histogram.add(top - t) = 0;
+            }
         }
     }
     // `sums[t]` becomes the weight of buckets `top - t ..= top` (an inclusive prefix sum).
@@ -852,14 +896,13 @@ unsafe fn apply(item: &Item) {
     let log_sums = args.slice_sums.address() != 0;
     let top_asked = log_sums && args.top.address() != 0;
     let sampling = params.greedy == 0;
-    // SAFETY: the row's state, written by earlier launches only.
-    let rule =
-        unsafe { truncation_max(params, p, state).map_or(KeepRule::ALL, |max| keep_rule(max, params, p, state, None)) };
+    // SAFETY: the row's state and extrema, written by earlier launches only.
+    let rule = unsafe { truncation_max(item).map_or(KeepRule::ALL, |max| keep_rule(max, params, p, state, None)) };
     let offset = slice.b as usize * args.logits_stride as usize;
     let processed = args.processed.as_mut_ptr().wrapping_add(offset);
     let mut kept = LogSumExp::EMPTY;
     let drop = |i: u32, l: f32| {
-        if !rule.keeps(l, i) {
+        if !rule.keeps(l, args.vocab_offset + i) {
             return (f32::NEG_INFINITY, true);
         }
         if sampling && log_sums {

@@ -269,11 +269,16 @@ impl ProcessedBackend for Borrowed {
         let batch = hidden.rows();
         let layout = ShardPartLayout::of(batch as u32, samples, true);
         let parts = self.poisoned(shards.len() * layout.bytes as usize);
+        // The shards share one exchange buffer, zeroed: their kernels merge into it, so there
+        // is nothing to reduce between the segments.
+        let exchange_bytes = StreamSampler::shard_exchange_bytes(&device_processing.on_device());
+        let exchange = self.stream.alloc_zeros::<u32>(exchange_bytes.div_ceil(4).max(1)).unwrap();
         let mut vocab_offset = 0;
-        let mut spaces = Vec::new();
+        let mut calls = Vec::new();
         for (s, head) in heads.iter().enumerate() {
             let part = self.address(&parts) + s as u64 * layout.bytes;
-            let target = ProcessedTarget::Shard { vocab_offset, vocab, part, logprobs: true };
+            let exchange = self.address(&exchange);
+            let target = ProcessedTarget::Shard { vocab_offset, vocab, part, logprobs: true, exchange };
             let request = ProcessedRequest::on_buffers(
                 head,
                 &on_device,
@@ -282,8 +287,21 @@ impl ProcessedBackend for Borrowed {
                 Draws::first(samples),
                 target,
             );
-            spaces.push(self.queue(&request)?);
+            let workspace = self.poisoned(self.kernels.processed_workspace_bytes(&request)?.next_multiple_of(64));
+            calls.push((request, workspace));
             vocab_offset += head.shape().vocab;
+        }
+        let segments = self.kernels.processed_segments(&calls[0].0)?;
+        for segment in 0..segments {
+            for (s, (request, workspace)) in calls.iter().enumerate() {
+                let space = DeviceWorkspace { address: self.address(workspace), bytes: workspace.len() * 4 };
+                // SAFETY: the request's buffers, the workspace and the exchange hold their
+                // extents and live until `read` has waited for the stream.
+                let reduction = unsafe {
+                    self.kernels.sample_processed_segment(self.stream.cu_stream().cast(), request, space, segment)?
+                };
+                assert_eq!(reduction.is_none(), segment + 1 == segments, "shard {s}, segment {segment}");
+            }
         }
         let outputs = self.outputs(batch, samples);
         let merge = ShardMergeRequest {

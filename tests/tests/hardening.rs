@@ -150,8 +150,8 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
 /// unfused pipeline too) on a prime vocabulary, D not a multiple of 8 for the SIMT tile, and
 /// B = 1, 37 and 1023, each checked against the CPU; then processed sampling with every
 /// processing mode in one batch, with log-probabilities (and top ones; also over a vocabulary
-/// whose rows the processing pipeline splits into slices) and in place without them, and the
-/// per-entry modes in the fused tile of every variant.
+/// whose rows the processing pipeline splits into slices, and over three vocabulary shards)
+/// and in place without them, and the per-entry modes in the fused tile of every variant.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sanitizer_workload_every_variant_on_odd_shapes() {
@@ -225,20 +225,14 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     // Log-probabilities without truncations or top entries: the logits sampler's per-tile terms.
     let per_tile = fused.sample(&sampler, 3, Variant::Auto, true).unwrap();
     assert!(per_tile.tokens.iter().all(|&t| t < 1009), "{:?}", per_tile.tokens);
-    // Three vocabulary shards: materialised with log-probabilities (every row's truncations
-    // dropped, its top count kept), then fused per variant into parts without them.
-    let decomposing: Vec<flashsample::Processing> = processing
-        .iter()
-        .map(|p| match p.truncates() {
-            true => flashsample::Processing { top_logprobs: p.top_logprobs, ..Default::default() },
-            false => p.clone(),
-        })
-        .collect();
+    // Three vocabulary shards: materialised with log-probabilities, every mode (the
+    // truncations decided by the shards together, in segments), then fused per variant into
+    // parts without them.
     let bounds = flashsample::VocabShard::bounds(1009, 3).unwrap();
     let heads: Vec<_> = bounds.windows(2).map(|b| sampler.upload_lm_head(&w.row_range(b[0], b[1])).unwrap()).collect();
     let draws = flashsample::Draws::first(3);
-    let sharded = sampler.sample_sharded(&heads, &batch, &params, &decomposing, draws).unwrap();
-    assert!(sharded.tokens.iter().all(|&t| t < 1009), "{:?}", sharded.tokens);
+    let sharded = sampler.sample_sharded(&heads, &batch, &params, &processing, draws).unwrap();
+    assert_eq!(sharded.tokens, sampled.tokens);
     for &variant in &variants {
         let mut parts = sampler.shard_parts(heads.len(), modes.len(), 3, false).unwrap();
         for (s, head) in heads.iter().enumerate() {

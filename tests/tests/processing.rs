@@ -69,7 +69,8 @@ fn every_row_of_a_mixed_batch_gets_what_it_gets_alone() {
 }
 
 /// W split by vocabulary into 2, 3 and 8 uneven shards, bounds inside Philox blocks: every
-/// mode in one batch gives the unsharded tokens and log-probabilities.
+/// mode in one batch gives the unsharded tokens and log-probabilities, also on integer logits,
+/// where top-k and top-p cut through values tied across shards.
 #[test]
 fn shards_give_the_unsharded_tokens_and_log_probabilities() {
     let (vocab, dim) = (5003, 16);
@@ -77,6 +78,8 @@ fn shards_give_the_unsharded_tokens_and_log_probabilities() {
     let modes = each_mode(vocab);
     let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 52);
     check_shards(&Cpu, &w, &h, &modes, 1, true);
+    let (w, h) = (integer_matrix(vocab, dim, 53), integer_matrix(modes.len(), dim, 54));
+    check_shards(&Cpu, &w.to_dtype(DType::BF16), &h.to_dtype(DType::BF16), &modes, 1, true);
 }
 
 /// The GPU's materialised path (each test once per module, `FLASHSAMPLE_MODULE`): the same
@@ -349,23 +352,25 @@ mod gpu {
         check_processing_edges(&borrowed, &edges_w, &edges_h);
         check_log_probabilities(&borrowed, &w, &h, 1e-4);
         check_mixed_batch(&borrowed, &w, &h);
-        let per_shard: Vec<_> = modes.into_iter().filter(|m| !m.1.truncates()).collect();
-        check_shards(&borrowed, &w, &h.row_range(0, per_shard.len()), &per_shard, 4, true);
+        check_shards(&borrowed, &w, &h, &modes, 4, true);
     }
 
-    /// Vocabulary shards on the GPU (bounds multiples of 4, the Philox block): the modes that
-    /// decompose over shards (per-entry steps, log-probabilities, top raw log-probabilities)
-    /// in one batch give the unsharded tokens and log-probabilities, through the processing
-    /// kernel (rows with top entries) and through the logits sampler's per-tile terms (none).
+    /// Vocabulary shards on the GPU (bounds multiples of 4, the Philox block): every mode in
+    /// one batch gives the unsharded tokens and log-probabilities, with top raw entries
+    /// (through the processing kernel) and without (the logits sampler's per-tile terms for
+    /// the rows that do not truncate), the truncations decided by the shards together; on
+    /// integer logits too, where top-k and top-p cut through values tied across shards.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn shards_give_the_unsharded_tokens_and_log_probabilities() {
         let (vocab, dim) = (5003, 16);
         let w = random_matrix(vocab, dim, DType::BF16, 1.0, 51);
-        let modes: Vec<_> = each_mode(vocab).into_iter().filter(|m| !m.1.truncates()).collect();
+        let modes = each_mode(vocab);
         let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 52);
         check_shards(&cuda(), &w, &h, &modes, 4, true);
         check_shards(&cuda(), &w, &h, &modes, 4, false);
+        let (w, h) = (integer_matrix(vocab, dim, 53), integer_matrix(modes.len(), dim, 54));
+        check_shards(&cuda(), &w.to_dtype(DType::BF16), &h.to_dtype(DType::BF16), &modes, 4, true);
     }
 
     /// Log-probabilities without truncations or top entries (per-tile log-sum-exp terms in the
@@ -386,11 +391,13 @@ mod gpu {
         gpu_matches_cpu(&w, &h, &params, &processing, 128);
     }
 
-    /// A row with top-k over a shard that is not the whole vocabulary is refused, naming the
-    /// row; so is a shard offset that splits a Philox block.
+    /// A shard that is not the whole vocabulary, sampled on its own (no exchange with the
+    /// other shards), refuses a row with top-k, naming the row; a shard offset that splits a
+    /// Philox block is refused.
     #[test]
     #[ignore = "needs a CUDA GPU"]
-    fn shards_refuse_truncations_and_unaligned_offsets() {
+    fn shards_refuse_lone_truncations_and_unaligned_offsets() {
+        use flashsample::{CudaSampler, Draws, VocabShard};
         use flashsample_tests::processing::ProcessedBackend;
         let (vocab, dim) = (1000, 16);
         let w = random_matrix(vocab, dim, DType::BF16, 1.0, 63);
@@ -398,7 +405,24 @@ mod gpu {
         let params = vec![flashsample::SamplingParams::new(0.9, 1, 0, 0); 2];
         let mut processing = vec![flashsample::Processing::default(); 2];
         processing[1].top_k = Some(5);
-        let refused = cuda().sample_sharded(&split_rows(&w, &[0, 500, 1000]), &h, &params, &processing, 4);
+        let sampler = CudaSampler::new().unwrap();
+        let head = sampler.upload_lm_head(&w.row_range(0, 500)).unwrap();
+        let (hidden, rows) = (sampler.upload_hidden(&h).unwrap(), sampler.upload_rows(&params).unwrap());
+        let device_processing = sampler.upload_processing(&processing, vocab).unwrap();
+        let mut parts = sampler.shard_parts(2, 2, 4, true).unwrap();
+        let shard = VocabShard { vocab_offset: 0, vocab };
+        let draws = Draws::first(4);
+        let refused = sampler.sample_shard_into(
+            &head,
+            shard,
+            &hidden,
+            &rows,
+            &device_processing,
+            draws,
+            Variant::Auto,
+            &mut parts,
+            0,
+        );
         let refused = refused.unwrap_err().to_string();
         assert!(refused.contains("processing[1]") && refused.contains("whole vocabulary"), "{refused}");
         let plain = vec![flashsample::Processing::default(); 2];

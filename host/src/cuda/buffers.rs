@@ -261,6 +261,9 @@ pub(crate) struct Workspace {
     pub scratch: Option<DeviceBuffer<u8>>,
     /// The read probe's one-word sink.
     pub probe_sink: Option<DeviceBuffer<u32>>,
+    /// The exchange buffer of vocabulary shards whose rows truncate
+    /// (`StreamSampler::shard_exchange_bytes`).
+    pub exchange: Option<DeviceBuffer<u8>>,
 }
 
 /// The buffer in `slot`, grown to at least `len` values first (contents not kept).

@@ -24,6 +24,8 @@ use crate::tensor::{DType, Elements, Matrix, MatrixShape};
 
 mod processed;
 
+#[cfg(feature = "nccl")]
+pub(crate) use processed::{ShardHead, ShardsStage};
 pub use processed::{DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard};
 
 /// The number of CUDA devices; [`Error::NoCudaDevice`] without a driver or a device.

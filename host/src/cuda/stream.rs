@@ -37,7 +37,7 @@ use crate::tensor::{DType, MatrixShape};
 
 mod processed;
 
-pub use processed::{ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest};
+pub use processed::{ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, ShardReduction};
 
 /// A matrix in device memory: `rows × cols` elements of `dtype` at `address`, row `r` starting
 /// `r · row_stride` elements after it.

@@ -9,7 +9,10 @@
 //! process (or thread) per GPU, in borrowed mode on the engine's stream and memory, with a
 //! communicator joined from a shared [`NcclId`] or the engine's own. Both queue the same
 //! three steps: stage 1 into the rank's part of a gather buffer, NCCL's in-place all-gather
-//! (one function for both), the shard merge.
+//! (one function for both), the shard merge. Rows with min-p, top-k or top-p run stage 1 in
+//! segments, between which NCCL's all-reduces hand every rank each row's largest logit and
+//! its histograms over the whole vocabulary, so that every rank decides the truncations as
+//! the unsharded row does (`StreamSampler::sample_processed_segment`).
 //!
 //! NCCL is opened at run time (cudarc's loader, by the names `cudarc::get_lib_name_candidates`
 //! gives: `libnccl.so` and the like); a machine without it gets [`Error::Nccl`], never a
@@ -25,9 +28,10 @@ use cudarc::nccl::sys as nccl_sys;
 
 use super::buffers::{CudaHidden, CudaLmHead, DeviceRows};
 use super::driver;
-use super::sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard};
+use super::sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardHead, ShardParts, ShardsStage, VocabShard};
 use super::stream::{
-    DeviceMatrix, DeviceWorkspace, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, StreamSampler,
+    DeviceMatrix, DeviceWorkspace, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, ShardReduction,
+    StreamSampler,
 };
 use crate::Variant;
 use crate::cpu::Sampled;
@@ -35,7 +39,7 @@ use crate::error::{Error, Result, invalid};
 use crate::params::{Draws, HeadShape, SamplingParams, check_processing_rows, check_request};
 use crate::process::Processing;
 use crate::tensor::Matrix;
-use flashsample_core::abi::ShardPartLayout;
+use flashsample_core::abi::{DevicePtr, ShardPartLayout};
 
 /// How long a call waits for its collective and merge before it aborts the communicators.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -156,10 +160,10 @@ impl TensorParallelSampler {
     }
 
     /// The draws `draws` of each row of `hidden` (replicated to every GPU) with the row's
-    /// processing and log-probabilities: stage 1 on every GPU over its shard, the all-gather of
-    /// the parts, and the shard merge on every GPU. Returns each rank's result (all the same:
-    /// every rank merges the same parts in the same order). min-p, top-k and top-p need one
-    /// shard, as [`CudaSampler::sample_sharded`].
+    /// processing and log-probabilities: stage 1 on every GPU over its shard (with the
+    /// all-reduces of the truncations), the all-gather of the parts, and the shard merge on
+    /// every GPU. Returns each rank's result (all the same: every rank merges the same parts in
+    /// the same order).
     pub fn sample(
         &mut self,
         hidden: &Matrix,
@@ -206,13 +210,53 @@ impl TensorParallelSampler {
     }
 
     /// Stage 1 on every rank: its shard's winners and terms into its own part of
-    /// `inputs[r].parts`.
+    /// `inputs[r].parts`; with truncations, segment by segment, each ended by NCCL's in-place
+    /// all-reduce of every rank's exchange buffer, in one group.
     pub fn stage_one_into(&mut self, inputs: &mut [RankInputs], draws: Draws) -> Result<()> {
         self.check_inputs(inputs)?;
-        for (r, (rank, step)) in self.ranks.iter().zip(inputs.iter_mut()).enumerate() {
-            let (variant, shard) = (Variant::Auto, rank.shard);
-            let RankInputs { hidden, rows, processing, parts, .. } = step;
-            rank.sampler.sample_shard_into(&rank.head, shard, hidden, rows, processing, draws, variant, parts, r)?;
+        let heads: Vec<[ShardHead; 1]> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, rank)| [ShardHead { head: &rank.head, shard: rank.shard, part: r }])
+            .collect();
+        let stages: Vec<ShardsStage> = heads
+            .iter()
+            .zip(inputs.iter())
+            .map(|(heads, step)| ShardsStage {
+                heads,
+                hidden: step.hidden,
+                rows: step.rows,
+                processing: step.processing,
+                draws,
+                variant: Variant::Auto,
+                parts: step.parts,
+            })
+            .collect();
+        for segment in 0.. {
+            let mut reductions = Vec::with_capacity(stages.len());
+            for (rank, stage) in self.ranks.iter().zip(&stages) {
+                reductions.push(rank.sampler.queue_shards_segment(stage, segment)?);
+            }
+            if reductions.iter().all(Option::is_none) {
+                return Ok(());
+            }
+            let Some(reductions) = reductions.into_iter().collect::<Option<Vec<ShardReduction>>>() else {
+                return Err(invalid("inputs", "the ranks' stage 1 runs in different segments: give every rank the same processing"));
+            };
+            nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
+            for (r, (rank, reduction)) in self.ranks.iter().zip(reductions).enumerate() {
+                let stream = rank.sampler.stream().cu_stream();
+                // SAFETY: the reduction's words lie in the rank's exchange buffer on its device,
+                // used on this rank's stream.
+                let queued = unsafe { queue_all_reduce(rank.comm, stream.cast(), reduction, r) };
+                if let Err(e) = queued {
+                    // Leave the group before reporting, so that NCCL's state stays consistent.
+                    let _ = nccl::group_end();
+                    return Err(e);
+                }
+            }
+            nccl::group_end().map_err(|e| nccl_error(None, "ncclGroupEnd", e))?;
         }
         Ok(())
     }
@@ -402,6 +446,33 @@ unsafe fn queue_all_gather(
     .map_err(|e| nccl_error(Some(rank), "ncclAllGather", e))
 }
 
+/// Queues NCCL's in-place all-reduce of `reduction`'s words, rank `rank`'s, on `stream`.
+///
+/// # Safety
+/// `comm` is a live communicator of the stream's device; the words lie in that device's
+/// memory, used on `stream` until the all-reduce has run.
+unsafe fn queue_all_reduce(
+    comm: nccl_sys::ncclComm_t,
+    stream: *mut c_void,
+    reduction: ShardReduction,
+    rank: usize,
+) -> Result<()> {
+    let (address, count, datatype, op) = match reduction {
+        ShardReduction::MaxU32 { address, count } => {
+            (address, count, nccl_sys::ncclDataType_t::ncclUint32, nccl_sys::ncclRedOp_t::ncclMax)
+        }
+        ShardReduction::SumU64 { address, count } => {
+            (address, count, nccl_sys::ncclDataType_t::ncclUint64, nccl_sys::ncclRedOp_t::ncclSum)
+        }
+    };
+    // SAFETY: per this function's contract; in place (send and receive buffers the same).
+    unsafe {
+        nccl::all_reduce(address as *const _, address as *mut _, count, datatype, op, comm, stream as nccl_sys::cudaStream_t)
+    }
+    .map(|_| ())
+    .map_err(|e| nccl_error(Some(rank), "ncclAllReduce", e))
+}
+
 /// NCCL's unique id of a communicator: one rank makes it ([`NcclId::new`]) and the engine
 /// hands its bytes to every other rank ([`NcclId::from_bytes`]), as it hands its own.
 #[derive(Clone, Copy)]
@@ -513,17 +584,24 @@ impl TensorParallelRank {
     }
 
     /// Workspace bytes `step` needs (its stage 1: the materialised logits with
-    /// log-probabilities, `B · V/N` floats or twice that, else the fused tiles' candidates).
+    /// log-probabilities, `B · V/N` floats or twice that, else the fused tiles' candidates;
+    /// with truncations the exchange with the other ranks first).
     pub fn workspace_bytes(&self, kernels: &StreamSampler, step: &RankStep) -> Result<usize> {
         let part_bytes = self.parts_bytes(step.hidden.rows, step.draws.count, step.logprobs)? / self.ranks;
-        kernels.processed_workspace_bytes(&self.stage_one(step, part_bytes))
+        let exchange = exchange_bytes(&step.processing);
+        // The stage-1 request with its exchange where `sample` puts it (the plan needs only
+        // whether there is one).
+        let request = self.stage_one(step, part_bytes, exchange.map_or(0, |_| EXCHANGE_PLACEHOLDER));
+        Ok(exchange.unwrap_or(0) + kernels.processed_workspace_bytes(&request)?)
     }
 
     /// Queues one step on `stream` (a stream of `kernels`' context): stage 1 of this rank's
-    /// shard into its part of `step.parts`, the all-gather of every rank's part, and the shard
-    /// merge into the outputs. Every rank calls it for the same step (NCCL's collective
-    /// order). Nothing is allocated and nothing waits; NCCL lets a CUDA graph capture it.
-    /// A failed collective shows in [`TensorParallelRank::check`] or as the stream's error.
+    /// shard into its part of `step.parts` (with min-p, top-k or top-p, in segments between
+    /// all-reduces of the rank's exchange, which lies at the workspace's start), the
+    /// all-gather of every rank's part, and the shard merge into the outputs. Every rank calls
+    /// it for the same step (NCCL's collective order). Nothing is allocated and nothing waits;
+    /// NCCL lets a CUDA graph capture it. A failed collective shows in
+    /// [`TensorParallelRank::check`] or as the stream's error.
     ///
     /// # Safety
     /// As [`StreamSampler::sample_processed`] and [`StreamSampler::merge_shards`] for the
@@ -537,7 +615,13 @@ impl TensorParallelRank {
         workspace: DeviceWorkspace,
     ) -> Result<()> {
         let part_bytes = self.parts_bytes(step.hidden.rows, step.draws.count, step.logprobs)? / self.ranks;
-        let request = self.stage_one(step, part_bytes);
+        let exchange = exchange_bytes(&step.processing).unwrap_or(0);
+        let request = self.stage_one(step, part_bytes, if exchange > 0 { workspace.address } else { 0 });
+        if workspace.bytes < exchange {
+            return Err(invalid("workspace", format!("{} bytes: the exchange alone takes {exchange}", workspace.bytes)));
+        }
+        let stage_workspace =
+            DeviceWorkspace { address: workspace.address + exchange as u64, bytes: workspace.bytes - exchange };
         let merge = ShardMergeRequest {
             parts: step.parts,
             shards: self.ranks,
@@ -550,9 +634,28 @@ impl TensorParallelRank {
             out_logprobs: step.out_logprobs,
             out_top_logprobs: step.out_top_logprobs,
         };
-        // SAFETY: per this function's contract.
+        // SAFETY: per this function's contract: the workspace holds the exchange, then the
+        // stage's workspace; the exchange is cleared on `stream` before segment 0, and each
+        // all-reduce is queued on `stream` between two segments.
         unsafe {
-            kernels.sample_processed(stream, &request, workspace)?;
+            if exchange > 0 {
+                driver::in_context(kernels.context().cast(), || {
+                    driver::fill_words_async(
+                        "shard exchange",
+                        DevicePtr::new(workspace.address),
+                        0,
+                        exchange / 4,
+                        stream.cast(),
+                    )
+                })?;
+            }
+            let mut segment = 0;
+            while let Some(reduction) = kernels.sample_processed_segment(stream, &request, stage_workspace, segment)? {
+                driver::in_context(kernels.context().cast(), || {
+                    queue_all_reduce(self.comm, stream, reduction, self.rank)
+                })?;
+                segment += 1;
+            }
             driver::in_context(kernels.context().cast(), || {
                 queue_all_gather(self.comm, stream, step.parts, part_bytes, self.rank)
             })?;
@@ -560,8 +663,9 @@ impl TensorParallelRank {
         }
     }
 
-    /// The stage-1 request of `step`: this rank's shard into its part.
-    fn stage_one(&self, step: &RankStep, part_bytes: usize) -> ProcessedRequest {
+    /// The stage-1 request of `step`: this rank's shard into its part, with the exchange at
+    /// `exchange` (0 for none).
+    fn stage_one(&self, step: &RankStep, part_bytes: usize, exchange: u64) -> ProcessedRequest {
         ProcessedRequest {
             lm_head: step.lm_head,
             hidden: step.hidden,
@@ -574,6 +678,7 @@ impl TensorParallelRank {
                 vocab: step.vocab,
                 part: step.parts + (self.rank * part_bytes) as u64,
                 logprobs: step.logprobs,
+                exchange,
             },
         }
     }
@@ -620,6 +725,16 @@ impl Drop for TensorParallelRank {
         }
     }
 }
+
+/// Bytes of a rank's exchange buffer for `processing` (a multiple of 256, so that the stage's
+/// workspace after it stays aligned), or `None` when no row truncates.
+fn exchange_bytes(processing: &ProcessingRef) -> Option<usize> {
+    processing.truncates().then(|| StreamSampler::shard_exchange_bytes(processing).next_multiple_of(256))
+}
+
+/// An aligned, non-null exchange address for planning only: a plan reads whether there is an
+/// exchange, never its memory.
+const EXCHANGE_PLACEHOLDER: u64 = 256;
 
 /// [`Error::Nccl`] unless NCCL can be opened.
 fn check_nccl_library() -> Result<()> {

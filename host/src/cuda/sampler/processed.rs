@@ -20,12 +20,15 @@ use cudarc::driver::CudaStream;
 use flashsample_core::abi::{DevicePtr, RowProcessing, Selection, ShardPartLayout};
 use flashsample_core::process::{SPARSE_BLOCK, SparseEntry};
 
-use super::CudaSampler;
+use super::{CudaSampler, resident_maps};
 use crate::cpu::Sampled;
-use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens};
+use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, DeviceTokens, ensure};
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
-use crate::cuda::stream::{FusedProcessing, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest};
+use crate::cuda::stream::{
+    DeviceWorkspace, FusedProcessing, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest,
+    ShardReduction, StreamSampler,
+};
 use crate::error::{Result, invalid};
 use crate::params::{Draws, SamplingParams, check_sharded_request};
 use crate::process::Processing;
@@ -43,7 +46,7 @@ pub struct DeviceProcessing {
     /// if any: the fused tiles cannot process it.
     whole_row: Option<usize>,
     /// The first row with min-p, top-k or top-p, if any: its keep rule needs the whole
-    /// vocabulary in one shard.
+    /// vocabulary in one shard, or shards that decide it together.
     truncating: Option<usize>,
     /// Whether any row has a per-entry step (soft-cap, bias, mask, penalties): without one the
     /// fused tiles are launched without processing.
@@ -335,9 +338,10 @@ impl CudaSampler {
 
     /// As [`CudaSampler::sample_processed`] over an LM head split by vocabulary into `shards`
     /// on this device (shard `s` holds the rows after those of shards `0 .. s`; every shard but
-    /// the last a multiple of 4 rows): each shard runs stage 1 with its global offset, the
-    /// shard merge gives the unsharded tokens (identical) and log-probabilities (equal up to
-    /// the order of the log-sum-exp sums). min-p, top-k and top-p need one shard.
+    /// the last a multiple of 4 rows): each shard runs stage 1 with its global offset (the
+    /// shards decide min-p, top-k and top-p together, [`CudaSampler::sample_shards_into`]),
+    /// the shard merge gives the unsharded tokens (identical) and log-probabilities (equal up
+    /// to the order of the log-sum-exp sums).
     pub fn sample_sharded(
         &self,
         shards: &[CudaLmHead],
@@ -358,11 +362,10 @@ impl CudaSampler {
         let hidden = self.upload_hidden(hidden)?;
         let rows = self.upload_rows(params)?;
         let mut parts = self.shard_parts(shards.len(), params.len(), draws.count as usize, true)?;
-        for (s, (shard, &vocab_offset)) in shards.iter().zip(&offsets).enumerate() {
-            let at = VocabShard { vocab_offset, vocab };
-            let (processing, variant) = (&device_processing, Variant::Auto);
-            self.sample_shard_into(shard, at, &hidden, &rows, processing, draws, variant, &mut parts, s)?;
-        }
+        let heads: Vec<(&CudaLmHead, VocabShard)> =
+            shards.iter().zip(&offsets).map(|(shard, &vocab_offset)| (shard, VocabShard { vocab_offset, vocab })).collect();
+        let processing = &device_processing;
+        self.sample_shards_into(&heads, &hidden, &rows, processing, draws, Variant::Auto, &mut parts)?;
         let mut out = self.processed_outputs(params.len(), draws.count as usize, true)?;
         self.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
         self.processed_to_host(&out)
@@ -405,8 +408,9 @@ impl CudaSampler {
     /// row of `hidden` with the rows' processing (made for the whole vocabulary) into part
     /// `part` of `parts`. Fused (soft-cap, bias, mask, penalties in the tile) when `parts` has
     /// no log-probabilities and no row needs its whole row; materialised otherwise (BF16 or F16
-    /// with `D % 8 == 0`). min-p, top-k and top-p need the whole vocabulary in the shard: their
-    /// keep rule is a property of the whole row. Never waits for the device.
+    /// with `D % 8 == 0`). min-p, top-k and top-p need the whole vocabulary in the shard (their
+    /// keep rule is a property of the whole row): shards of one device decide them together in
+    /// [`CudaSampler::sample_shards_into`]. Never waits for the device.
     #[allow(clippy::too_many_arguments)]
     pub fn sample_shard_into(
         &self,
@@ -439,6 +443,7 @@ impl CudaSampler {
             vocab: shard.vocab,
             part: parts.part_address(part)?,
             logprobs: parts.logprobs,
+            exchange: 0,
         };
         let request = ProcessedRequest {
             variant,
@@ -447,6 +452,119 @@ impl CudaSampler {
         // SAFETY: every address comes from a live buffer of this sampler holding the request's
         // extents (the part checked above, the rest by the plan).
         unsafe { self.enqueue_processed(lm_head, hidden, &request) }
+    }
+
+    /// Stage 1 over the vocabulary shards `heads` of one LM head on this device, shard `s`
+    /// into part `s` of `parts`, as [`CudaSampler::sample_shard_into`] for each, but for the
+    /// truncations: the shards run segment by segment and share one exchange buffer, into
+    /// which their processing kernels merge each row's largest logit and histograms, so that
+    /// every shard decides min-p, top-k and top-p over the whole row, as the unsharded call
+    /// does. The shards together need not cover the vocabulary, but rows that truncate draw
+    /// from the shards given only. Never waits for the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sample_shards_into(
+        &self,
+        heads: &[(&CudaLmHead, VocabShard)],
+        hidden: &CudaHidden,
+        rows: &DeviceRows,
+        processing: &DeviceProcessing,
+        draws: Draws,
+        variant: Variant,
+        parts: &mut ShardParts,
+    ) -> Result<()> {
+        let heads: Vec<ShardHead> =
+            heads.iter().enumerate().map(|(part, &(head, shard))| ShardHead { head, shard, part }).collect();
+        let stage = ShardsStage { heads: &heads, hidden, rows, processing, draws, variant, parts };
+        // One device, one exchange buffer: nothing is left to reduce between the segments.
+        let mut segment = 0;
+        while self.queue_shards_segment(&stage, segment)?.is_some() {
+            segment += 1;
+        }
+        Ok(())
+    }
+
+    /// Queues segment `segment` of `stage` (every shard's, in order) and returns the
+    /// reduction that ends it, over this sampler's exchange buffer, or `None` after the last
+    /// segment (see [`StreamSampler::sample_processed_segment`]). Segment 0 clears the
+    /// exchange buffer first.
+    pub(crate) fn queue_shards_segment(&self, stage: &ShardsStage, segment: usize) -> Result<Option<ShardReduction>> {
+        let ShardsStage { heads, hidden, rows, processing, variant, parts, .. } = *stage;
+        let draws = stage.draws.check()?;
+        if heads.is_empty() {
+            return Err(invalid("heads", "no shard: give at least one"));
+        }
+        if (parts.rows, parts.samples) != (hidden.rows(), draws.count as usize) {
+            return Err(invalid(
+                "parts",
+                format!(
+                    "room for [{}, {}] draws, the request makes [{}, {}]",
+                    parts.rows,
+                    parts.samples,
+                    hidden.rows(),
+                    draws.count
+                ),
+            ));
+        }
+        let on_device = processing.on_device();
+        let exchange_bytes = StreamSampler::shard_exchange_bytes(&on_device);
+        let exchange = match on_device.truncates() {
+            true => ensure(&self.stream, &mut self.workspace.borrow_mut().exchange, exchange_bytes, "shard exchange")?
+                .address(),
+            false => 0,
+        };
+        let mut calls = Vec::with_capacity(heads.len());
+        let mut workspace_bytes = 0;
+        for &ShardHead { head, shard, part } in heads {
+            self.check_device_rows(head, hidden, rows, draws.count)?;
+            let target = ProcessedTarget::Shard {
+                vocab_offset: shard.vocab_offset,
+                vocab: shard.vocab,
+                part: parts.part_address(part)?,
+                logprobs: parts.logprobs,
+                exchange,
+            };
+            let request =
+                ProcessedRequest { variant, ..ProcessedRequest::on_buffers(head, hidden, rows, processing, draws, target) };
+            let plan = self.kernels().plan_processed(&request)?;
+            // Each shard's scratch starts on a 256-byte boundary, as an allocation does.
+            let at = workspace_bytes;
+            workspace_bytes = (at + plan.workspace_bytes()).next_multiple_of(256);
+            calls.push((head, request, plan, at));
+        }
+        let segments = calls[0].2.segments();
+        if let Some(s) = calls.iter().position(|call| call.2.segments() != segments) {
+            return Err(invalid(
+                format!("heads[{s}]"),
+                "its stage 1 runs in other segments than shard 0's: the shards must share B, draws and processing",
+            ));
+        }
+        let scratch = self.scratch(workspace_bytes)?;
+        if segment == 0 && exchange != 0 {
+            // SAFETY: the exchange buffer holds `exchange_bytes` (a multiple of 16) on our stream.
+            unsafe {
+                driver::fill_words_async("shard exchange", DevicePtr::new(exchange), 0, exchange_bytes / 4, self.stream.cu_stream())?
+            };
+        }
+        let mut reduction = None;
+        for (head, request, plan, at) in &calls {
+            let maps = resident_maps(head, hidden, plan.variant())?;
+            let workspace = DeviceWorkspace { address: scratch.address + *at as u64, bytes: plan.workspace_bytes() };
+            // SAFETY: every address comes from a live buffer of this sampler holding the
+            // request's extents (checked by the plan); each shard has its own part of the
+            // scratch; the shards share the exchange buffer, cleared above before segment 0;
+            // the resident maps live as long as the buffers.
+            reduction = unsafe {
+                self.kernels().enqueue_processed_segment(
+                    self.stream.cu_stream(),
+                    request,
+                    plan,
+                    maps,
+                    workspace,
+                    segment,
+                )?
+            };
+        }
+        Ok(reduction)
     }
 
     /// Stage 2, the shard merge: queues the tokens of every (row, draw) from all parts of
@@ -497,6 +615,28 @@ impl CudaSampler {
         let top: Vec<u32> = top.iter().map(|v| v.to_bits()).collect();
         Sampled::from_processed_outputs(out.tokens.samples, tokens, Some(logprobs), Some(&top))
     }
+}
+
+/// One vocabulary shard of a stage 1 on one device: its head, its place in the vocabulary and
+/// its part of the call's [`ShardParts`].
+#[derive(Clone, Copy)]
+pub(crate) struct ShardHead<'a> {
+    pub head: &'a CudaLmHead,
+    pub shard: VocabShard,
+    pub part: usize,
+}
+
+/// A stage 1 of one or more vocabulary shards on one device that runs segment by segment
+/// ([`CudaSampler::queue_shards_segment`]): the shards and what they share.
+#[derive(Clone, Copy)]
+pub(crate) struct ShardsStage<'a> {
+    pub heads: &'a [ShardHead<'a>],
+    pub hidden: &'a CudaHidden,
+    pub rows: &'a DeviceRows,
+    pub processing: &'a DeviceProcessing,
+    pub draws: Draws,
+    pub variant: Variant,
+    pub parts: &'a ShardParts,
 }
 
 /// The part layout of `shards` parts of `rows × samples` draws, checked against 32-bit extents.

@@ -11,14 +11,20 @@
 //!   path's noise; stage 1 of a shard ends
 //!   there (its winners, log-sum-exp terms and top raw entries in its part), the unsharded call
 //!   goes on to the shard merge of its one part.
+//!
+//! The truncations of a row split over vocabulary shards are decided by the shards together:
+//! such a call runs in segments ([`StreamSampler::sample_processed_segment`]), between which
+//! the shards reduce what their processing kernels merged into their exchange buffers (each
+//! row's largest logit, then per digit of each selection the row's histogram). Every shard
+//! then picks the same digits, and applies the same keep rule as the unsharded row.
 
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
 use flashsample_core::abi::{
     DevicePtr, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, PROCESS_THREADS, ProcessArgs, ProcessRowState,
-    ProcessStep, RawTop, RowProcessing, RowSums, SELECT_DIGITS, Selection, ShardMergeArgs, ShardPartLayout,
-    ShardWinner, TmaArgs, TopLogprob,
+    ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardExchangeLayout,
+    ShardMergeArgs, ShardPartLayout, ShardWinner, TmaArgs, TopLogprob,
 };
 use flashsample_core::process::MAX_TOP_LOGPROBS;
 use flashsample_core::registry::Kernel;
@@ -55,6 +61,11 @@ pub struct ProcessingRef {
 }
 
 impl ProcessingRef {
+    /// Whether a row has min-p, top-k or top-p.
+    pub(crate) fn truncates(&self) -> bool {
+        self.truncating.is_some()
+    }
+
     /// Whether a row asks for its top raw log-probabilities.
     fn top_logprobs(&self) -> bool {
         self.selections & Selection::TopRaw.bit() != 0
@@ -97,8 +108,23 @@ pub enum ProcessedTarget {
     Tokens { tokens: u64, logprobs: u64, top_logprobs: u64 },
     /// `W` is a vocabulary shard, its row `r` the token `vocab_offset + r` of a vocabulary of
     /// `vocab`: the call writes the shard's part for the shard merge at `part` (16-byte
-    /// aligned, `ShardPartLayout::of(B, N, logprobs).bytes`).
-    Shard { vocab_offset: usize, vocab: usize, part: u64, logprobs: bool },
+    /// aligned, `ShardPartLayout::of(B, N, logprobs).bytes`). A shard that is not the whole
+    /// vocabulary takes rows with min-p, top-k or top-p only with an `exchange` buffer (16-byte
+    /// aligned, [`StreamSampler::shard_exchange_bytes`], zeroed before the call; 0 for none):
+    /// the call then runs in segments ([`StreamSampler::sample_processed_segment`]).
+    Shard { vocab_offset: usize, vocab: usize, part: u64, logprobs: bool, exchange: u64 },
+}
+
+/// What the vocabulary shards of a call reduce between two of its segments, each shard over
+/// the same words of its own exchange buffer, in place, every shard receiving the result (an
+/// all-reduce). Shards on one device may share one exchange buffer: their kernels merge into
+/// it atomically, and there is nothing left to reduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardReduction {
+    /// The maximum over the shards of `count` `u32` words at `address`.
+    MaxU32 { address: u64, count: usize },
+    /// The sum over the shards of `count` `u64` words at `address` (no sum overflows).
+    SumU64 { address: u64, count: usize },
 }
 
 /// One processed sampling call in device memory: `draws` of each row of `H` from the row's
@@ -275,6 +301,9 @@ pub(crate) struct MaterialisedPlan {
     part_sums_at: usize,
     /// The processing pipeline's `[B]` row states.
     states_at: usize,
+    /// A shard's exchange with the other shards (in the target's buffer), when its rows
+    /// truncate.
+    exchange: Option<ShardExchangeLayout>,
     /// The unsharded call's one part.
     part_at: usize,
     pub workspace_bytes: usize,
@@ -302,6 +331,17 @@ impl ProcessedPlan {
             ProcessedPlan::Materialised(plan) => plan.variant,
         }
     }
+
+    /// The call's segments: 1, or with an exchange 2 plus its exchanged digits (the logits
+    /// and per-entry steps; then each digit's histograms; then the rest).
+    pub fn segments(&self) -> usize {
+        match self {
+            ProcessedPlan::Materialised(MaterialisedPlan { exchange: Some(exchange), .. }) => {
+                2 + exchange.digits as usize
+            }
+            _ => 1,
+        }
+    }
 }
 
 /// Offsets in a workspace are 64-byte aligned.
@@ -314,6 +354,19 @@ impl StreamSampler {
     /// twice that, plus candidates and terms).
     pub fn processed_workspace_bytes(&self, request: &ProcessedRequest) -> Result<usize> {
         Ok(self.plan_processed(request)?.workspace_bytes())
+    }
+
+    /// Bytes of a shard's exchange buffer ([`ProcessedTarget::Shard`]) for `processing`
+    /// (`B` rows): the rows' largest logits, and a `[B, 256]` histogram of 8-byte counts per
+    /// digit of each truncation some row needs (4 per top-k, 8 for top-p).
+    pub fn shard_exchange_bytes(processing: &ProcessingRef) -> usize {
+        ShardExchangeLayout::of(processing.rows as u32, processing.selections).bytes as usize
+    }
+
+    /// How many segments `request` runs in ([`StreamSampler::sample_processed_segment`]): 1
+    /// unless it is a shard with an exchange and a row truncates.
+    pub fn processed_segments(&self, request: &ProcessedRequest) -> Result<usize> {
+        Ok(self.plan_processed(request)?.segments())
     }
 
     /// Checks `request` and plans it.
@@ -330,13 +383,18 @@ impl StreamSampler {
                 ),
             ));
         }
+        let exchange_at = match request.target {
+            ProcessedTarget::Shard { exchange, .. } => exchange,
+            ProcessedTarget::Tokens { .. } => 0,
+        };
         if let Some(row) = processing.truncating
             && request.lm_head.rows != vocab
+            && exchange_at == 0
         {
             return Err(invalid(
                 format!("processing[{row}]"),
                 format!(
-                    "min-p, top-k and top-p need the whole vocabulary in one shard (this one holds {} of V = {vocab})",
+                    "min-p, top-k and top-p need the whole vocabulary in one shard (this one holds {} of V = {vocab}) or an exchange with the other shards",
                     request.lm_head.rows
                 ),
             ));
@@ -345,7 +403,12 @@ impl StreamSampler {
             ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } => {
                 check_outputs(tokens, logprobs, top_logprobs, processing.top_logprobs())?
             }
-            ProcessedTarget::Shard { part, .. } => check_address("part", part, 16)?,
+            ProcessedTarget::Shard { part, exchange, .. } => {
+                check_address("part", part, 16)?;
+                if exchange != 0 {
+                    check_address("exchange", exchange, 16)?;
+                }
+            }
         }
         if let Some(fused) = request.fused() {
             return Ok(ProcessedPlan::Fused(fused, self.plan_call(&fused)?));
@@ -378,7 +441,7 @@ impl StreamSampler {
             }
             None => None,
         };
-        Ok(ProcessedPlan::Materialised(materialised_plan(
+        let mut plan = materialised_plan(
             variant,
             lm_head.rows,
             batch,
@@ -386,7 +449,11 @@ impl StreamSampler {
             process_slices,
             request.logprobs(),
             matches!(request.target, ProcessedTarget::Tokens { .. }),
-        )))
+        );
+        if exchange_at != 0 && processing.truncating.is_some() {
+            plan.exchange = Some(ShardExchangeLayout::of(batch as u32, processing.selections));
+        }
+        Ok(ProcessedPlan::Materialised(plan))
     }
 
     /// Queues one processed sampling call on the caller's `stream` (see [`ProcessedRequest`]
@@ -407,6 +474,36 @@ impl StreamSampler {
         let plan = self.plan_processed(request)?;
         // SAFETY: per this function's contract.
         unsafe { self.sample_processed_planned(stream.cast(), request, &plan, workspace) }
+    }
+
+    /// Queues segment `segment` of `request` on `stream`, a shard with an exchange (see
+    /// [`ProcessedTarget::Shard`]); returns the reduction every shard of the call makes
+    /// before its next segment, or `None` after the last ([`StreamSampler::processed_segments`]).
+    /// Every shard runs the same segments in order with the same row parameters and
+    /// processing; segment `k + 1` of any shard is queued after the reduction of every
+    /// shard's segment `k` (on one device sharing one exchange buffer: after every shard's
+    /// segment `k`). A request without an exchange has one segment, which is
+    /// [`StreamSampler::sample_processed`].
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample_processed`], the workspace untouched by others between the
+    /// segments; the exchange buffer holds [`StreamSampler::shard_exchange_bytes`], zeroed on
+    /// `stream` before any shard's segment 0, and stays allocated until the last segment has
+    /// run; each reduction completes on `stream` before the next segment runs.
+    pub unsafe fn sample_processed_segment(
+        &self,
+        stream: *mut c_void,
+        request: &ProcessedRequest,
+        workspace: DeviceWorkspace,
+        segment: usize,
+    ) -> Result<Option<ShardReduction>> {
+        let plan = self.plan_processed(request)?;
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(self.context, || {
+                self.enqueue_processed_segment(stream.cast(), request, &plan, TensorMaps::Store, workspace, segment)
+            })
+        }
     }
 
     /// [`StreamSampler::sample_processed`] of a request already planned by
@@ -471,7 +568,7 @@ impl StreamSampler {
         unsafe { driver::in_context(self.context, || self.queue_merge(stream.cast(), &layout, request)) }
     }
 
-    /// Queues a planned processed request; the context is current.
+    /// Queues a planned processed request of one segment; the context is current.
     ///
     /// # Safety
     /// As [`StreamSampler::sample_processed`]; `plan` is `request`'s; resident `maps` describe
@@ -484,9 +581,39 @@ impl StreamSampler {
         maps: TensorMaps,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
+        if plan.segments() > 1 {
+            return Err(invalid(
+                "target",
+                "a shard with an exchange whose rows truncate runs segment by segment, between the shards' reductions (sample_processed_segment)",
+            ));
+        }
+        // SAFETY: per this function's contract.
+        unsafe { self.enqueue_processed_segment(stream, request, plan, maps, workspace, 0) }.map(|_| ())
+    }
+
+    /// Queues segment `segment` of a planned processed request (see
+    /// [`StreamSampler::sample_processed_segment`]); the context is current.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::sample_processed_segment`]; `plan` is `request`'s; resident `maps`
+    /// describe `W` and `H` for the plan's variant.
+    pub(crate) unsafe fn enqueue_processed_segment(
+        &self,
+        stream: sys::CUstream,
+        request: &ProcessedRequest,
+        plan: &ProcessedPlan,
+        maps: TensorMaps,
+        workspace: DeviceWorkspace,
+        segment: usize,
+    ) -> Result<Option<ShardReduction>> {
+        if segment >= plan.segments() {
+            return Err(invalid("segment", format!("{segment}: the call has {} segments", plan.segments())));
+        }
         let plan = match plan {
             // SAFETY: per this function's contract.
-            ProcessedPlan::Fused(fused, plan) => return unsafe { self.enqueue(stream, fused, plan, maps, workspace) },
+            ProcessedPlan::Fused(fused, plan) => {
+                return unsafe { self.enqueue(stream, fused, plan, maps, workspace) }.map(|_| None);
+            }
             ProcessedPlan::Materialised(plan) => plan,
         };
         self.check_workspace(workspace, plan.workspace_bytes)?;
@@ -506,11 +633,14 @@ impl StreamSampler {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let logits_len = (batch * plan.stride) as u64;
         let (raw, processed) = (logits, logits.add((plan.copies as u64 - 1) * logits_len));
-        // SAFETY: the workspace holds the plan's extents (checked above); the request's
-        // buffers hold theirs (this function's contract).
-        unsafe {
-            let maps = self.tensor_maps(stream, plan.variant, &request.lm_head, &request.hidden, maps, workspace)?;
-            self.queue_logits(stream, plan.variant, &request.lm_head, &request.hidden, maps, raw, plan.stride)?;
+        if segment == 0 {
+            // SAFETY: the workspace holds the plan's extents (checked above); the request's
+            // buffers hold theirs (this function's contract).
+            unsafe {
+                let maps =
+                    self.tensor_maps(stream, plan.variant, &request.lm_head, &request.hidden, maps, workspace)?;
+                self.queue_logits(stream, plan.variant, &request.lm_head, &request.hidden, maps, raw, plan.stride)?;
+            }
         }
         let (sums, top) = match request.logprobs() {
             true => {
@@ -528,6 +658,10 @@ impl StreamSampler {
         (target.part_sums, target.sum_parts, target.sums) = (part_sums, plan.sum_parts as u32, sums);
         let (sampled, steps, tile_sums) = if let Some(slices) = plan.process_slices {
             let states = base.byte_add(plan.states_at as u64).cast::<ProcessRowState>();
+            let exchange = match (plan.exchange, request.target) {
+                (Some(layout), ProcessedTarget::Shard { exchange, .. }) => Some((layout, DevicePtr::<u8>::new(exchange))),
+                _ => None,
+            };
             let args = ProcessArgs {
                 raw,
                 processed,
@@ -544,6 +678,8 @@ impl StreamSampler {
                 step: ProcessStep::Entries as u32,
                 selection: 0,
                 digit: 0,
+                exchange_extrema: exchange.map_or(DevicePtr::NULL, |(_, at)| at.cast()),
+                exchange_histogram: DevicePtr::NULL,
             };
             // Without log-probabilities no row gathers top entries: their selections would only
             // launch to return.
@@ -553,9 +689,13 @@ impl StreamSampler {
             };
             // SAFETY: both logits hold `B × stride` floats, the workspace `B` states and
             // `B × slices` terms (the plan); the processing holds `B` row blocks for the whole
-            // vocabulary (checked against the request), and only whole-vocabulary shards reach
-            // here with truncations; the part holds `B` sums and top slots.
-            unsafe { self.queue_process_rows(stream, args, selections)? };
+            // vocabulary (checked against the request), and only whole-vocabulary shards or
+            // shards with an exchange (reduced between the segments) reach here with
+            // truncations; the part holds `B` sums and top slots.
+            let reduction = unsafe { self.queue_process_segment(stream, args, selections, exchange, segment)? };
+            if reduction.is_some() {
+                return Ok(reduction);
+            }
             // Without log-probabilities the winners need no logits.
             if request.logprobs() {
                 (target.raw, target.processed) = (raw, processed);
@@ -584,7 +724,7 @@ impl StreamSampler {
                 ReduceTarget::Winners(target),
             )?
         };
-        let ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } = request.target else { return Ok(()) };
+        let ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } = request.target else { return Ok(None) };
         let merge = ShardMergeRequest {
             parts: part.address(),
             shards: 1,
@@ -598,34 +738,66 @@ impl StreamSampler {
             out_top_logprobs: top_logprobs,
         };
         // SAFETY: stage 1 just wrote the one part on this stream.
-        unsafe { self.queue_merge(stream, &part_layout, &merge) }
+        unsafe { self.queue_merge(stream, &part_layout, &merge) }.map(|_| None)
     }
 
-    /// Queues the processing pipeline of `args` (its `Entries` step): the row states cleared,
-    /// the per-entry steps, each of `selections` (bits of [`Selection`]) digit by digit, the
-    /// keep rule.
+    /// Queues segment `segment` of the processing pipeline of `args` (its `Entries` step), as
+    /// [`process_segment`] schedules it, and returns the reduction that ends it (`None` for
+    /// the last).
     ///
     /// # Safety
     /// The context is current; `args` describes valid buffers as `process_rows` needs them,
-    /// its states `B` [`ProcessRowState`]s.
-    unsafe fn queue_process_rows(&self, stream: sys::CUstream, mut args: ProcessArgs, selections: u32) -> Result<()> {
-        let items = args.batch as u64 * args.slices as u64;
-        let state_words = args.batch as usize * size_of::<ProcessRowState>() / 4;
-        // SAFETY: the states hold `B` rows (this function's contract); the steps run in order on
-        // `stream`, after the clearing.
-        unsafe {
-            driver::fill_words_async("process states", args.state.cast(), 0, state_words, stream)?;
-            self.launch(stream, Kernel::ProcessRows, items, &args)?;
-            for selection in Selection::ALL.into_iter().filter(|s| selections & s.bit() != 0) {
-                (args.step, args.selection) = (ProcessStep::Select as u32, selection as u32);
-                for digit in 0..SELECT_DIGITS {
-                    args.digit = digit;
-                    self.launch(stream, Kernel::ProcessRows, items, &args)?;
+    /// its states `B` [`ProcessRowState`]s; the exchange buffer holds its layout's bytes,
+    /// zeroed before any shard's segment 0 and reduced between the segments.
+    unsafe fn queue_process_segment(
+        &self,
+        stream: sys::CUstream,
+        mut args: ProcessArgs,
+        selections: u32,
+        exchange: Option<(ShardExchangeLayout, DevicePtr<u8>)>,
+        segment: usize,
+    ) -> Result<Option<ShardReduction>> {
+        let histogram = |k: usize| match exchange {
+            Some((layout, at)) => at.byte_add(layout.histogram(k as u32)).cast::<u64>(),
+            None => DevicePtr::NULL,
+        };
+        let (launches, end) = process_segment(selections, exchange.is_some(), segment);
+        for launch in launches {
+            let mut items = args.batch as u64 * args.slices as u64;
+            match launch {
+                ProcessLaunch::Entries => {
+                    let state_words = args.batch as usize * size_of::<ProcessRowState>() / 4;
+                    // SAFETY: the states hold `B` rows (this function's contract).
+                    unsafe { driver::fill_words_async("process states", args.state.cast(), 0, state_words, stream)? };
+                    args.step = ProcessStep::Entries as u32;
+                }
+                ProcessLaunch::Select { selection, digit, histogram: k } => {
+                    (args.step, args.selection, args.digit) = (ProcessStep::Select as u32, selection as u32, digit);
+                    args.exchange_histogram = k.map_or(DevicePtr::NULL, histogram);
+                }
+                ProcessLaunch::Decide { selection, digit, histogram: k } => {
+                    (args.step, args.selection, args.digit) = (ProcessStep::Decide as u32, selection as u32, digit);
+                    args.exchange_histogram = histogram(k);
+                    items = args.batch as u64;
+                }
+                ProcessLaunch::Apply => {
+                    (args.step, args.exchange_histogram) = (ProcessStep::Apply as u32, DevicePtr::NULL);
                 }
             }
-            args.step = ProcessStep::Apply as u32;
-            self.launch(stream, Kernel::ProcessRows, items, &args)
+            // SAFETY: `args` and the exchange per this function's contract; the steps run in
+            // order on `stream`, each segment after the reductions before it.
+            unsafe { self.launch(stream, Kernel::ProcessRows, items, &args)? };
         }
+        let histogram_words = args.batch as usize * SELECT_BUCKETS as usize;
+        Ok(match (end, exchange) {
+            (SegmentEnd::Extrema, Some((_, at))) => {
+                Some(ShardReduction::MaxU32 { address: at.address(), count: 2 * args.batch as usize })
+            }
+            (SegmentEnd::Histogram(k), Some(_)) => {
+                Some(ShardReduction::SumU64 { address: histogram(k).address(), count: histogram_words })
+            }
+            _ => None,
+        })
     }
 
     /// The unfused pipeline on a request without processing: the GEMM of `variant` (an mma
@@ -846,6 +1018,76 @@ struct LogitsSampling {
     tile_sums: DevicePtr<RowSums>,
 }
 
+/// One launch of the processing kernel in a pipeline's schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ProcessLaunch {
+    /// After clearing the row states.
+    Entries,
+    /// Adds a digit's histograms: to the row states (deciding there), or to the `k`-th
+    /// histogram of the exchange (`histogram: Some(k)`).
+    Select { selection: Selection, digit: u32, histogram: Option<usize> },
+    /// Decides a digit from the `k`-th histogram of the exchange (one block per row).
+    Decide { selection: Selection, digit: u32, histogram: usize },
+    Apply,
+}
+
+/// What a segment of the processing pipeline ends with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SegmentEnd {
+    /// The reduction of the exchange's extrema.
+    Extrema,
+    /// The reduction of the exchange's `k`-th histogram.
+    Histogram(usize),
+    /// Nothing: the pipeline is done.
+    Last,
+}
+
+/// The launches of segment `segment` of the processing pipeline of rows that need
+/// `selections` ([`Selection::bit`]s) and what ends it. Without an exchange, one segment: the
+/// per-entry steps, each selection digit by digit (each deciding in its last slice), the
+/// keep rule. With one: the per-entry steps, ended by the extrema's reduction; per exchanged
+/// digit a segment that decides the digit before (from its reduced histograms) and adds this
+/// one's, ended by its reduction; last, the last decision, the other selections' digits and
+/// the keep rule. Past the last segment: nothing.
+fn process_segment(selections: u32, exchange: bool, segment: usize) -> (Vec<ProcessLaunch>, SegmentEnd) {
+    let exchanged = |s: &Selection| exchange && s.exchanged();
+    // The digits of the selections the rows need, exchanged ones or the others, in order.
+    let digits = |of_exchanged: bool| -> Vec<(Selection, u32)> {
+        Selection::ALL
+            .into_iter()
+            .filter(|s| selections & s.bit() != 0 && exchanged(s) == of_exchanged)
+            .flat_map(|s| (0..SELECT_DIGITS).map(move |digit| (s, digit)))
+            .collect()
+    };
+    let shared = digits(true);
+    let last = if exchange { shared.len() + 1 } else { 0 };
+    let mut launches = Vec::new();
+    if segment > last {
+        return (launches, SegmentEnd::Last);
+    }
+    if segment == 0 {
+        launches.push(ProcessLaunch::Entries);
+        if exchange {
+            return (launches, SegmentEnd::Extrema);
+        }
+    }
+    if segment >= 2 {
+        let (selection, digit) = shared[segment - 2];
+        launches.push(ProcessLaunch::Decide { selection, digit, histogram: segment - 2 });
+    }
+    if segment >= 1
+        && let Some(&(selection, digit)) = shared.get(segment - 1)
+    {
+        launches.push(ProcessLaunch::Select { selection, digit, histogram: Some(segment - 1) });
+        return (launches, SegmentEnd::Histogram(segment - 1));
+    }
+    for (selection, digit) in digits(false) {
+        launches.push(ProcessLaunch::Select { selection, digit, histogram: None });
+    }
+    launches.push(ProcessLaunch::Apply);
+    (launches, SegmentEnd::Last)
+}
+
 /// The fewest quads of a row one slice of the processing pipeline takes (one per thread).
 const MIN_SLICE_QUADS: usize = PROCESS_THREADS as usize;
 
@@ -899,6 +1141,7 @@ fn materialised_plan(
         false => 0,
     };
     MaterialisedPlan {
+        exchange: None,
         variant,
         stride,
         tiles,
@@ -993,6 +1236,64 @@ mod tests {
             assert!(slices == 1 || vocab.div_ceil(4).div_ceil(slices) >= MIN_SLICE_QUADS / 2);
             let cost = |s: usize| (batch * s).div_ceil(396) as f64 * (1.0 / s as f64 + 1.0 / 16.0);
             assert!(cost(slices) <= cost(1), "{batch} x {vocab}: {slices}");
+        }
+    }
+
+    /// The processing pipeline's schedule: without an exchange one segment of the per-entry
+    /// steps, every digit of every selection in order and the keep rule; with one the same
+    /// launches but for the exchanged digits, each added in the segment the reduction of its
+    /// histogram ends and decided at the start of the next, the extrema reduced before any
+    /// digit, as many segments as the plan counts, and nothing past them.
+    #[test]
+    fn the_pipeline_runs_in_segments_around_the_reductions() {
+        let all = Selection::ALL.iter().fold(0, |bits, s| bits | s.bit());
+        for selections in [0, Selection::TopK.bit(), Selection::TopP.bit() | Selection::TopPTie.bit(), all] {
+            let digits = |keep: &dyn Fn(Selection) -> bool| -> Vec<(Selection, u32)> {
+                Selection::ALL
+                    .into_iter()
+                    .filter(|&s| selections & s.bit() != 0 && keep(s))
+                    .flat_map(|s| (0..SELECT_DIGITS).map(move |d| (s, d)))
+                    .collect()
+            };
+            let (alone, end) = process_segment(selections, false, 0);
+            let mut want = vec![ProcessLaunch::Entries];
+            want.extend(
+                digits(&|_| true)
+                    .into_iter()
+                    .map(|(selection, digit)| ProcessLaunch::Select { selection, digit, histogram: None }),
+            );
+            want.push(ProcessLaunch::Apply);
+            assert_eq!((alone, end), (want, SegmentEnd::Last), "{selections:#b}");
+            assert_eq!(process_segment(selections, false, 1), (Vec::new(), SegmentEnd::Last));
+
+            let shared = digits(&|s| s.exchanged());
+            let layout = ShardExchangeLayout::of(3, selections);
+            assert_eq!(layout.digits as usize, shared.len(), "{selections:#b}");
+            let segments = 2 + shared.len();
+            let mut ends = Vec::new();
+            let mut launches = Vec::new();
+            for segment in 0..segments {
+                let (mut some, end) = process_segment(selections, true, segment);
+                launches.append(&mut some);
+                ends.push(end);
+            }
+            let mut want_ends = vec![SegmentEnd::Extrema];
+            want_ends.extend((0..shared.len()).map(SegmentEnd::Histogram));
+            want_ends.push(SegmentEnd::Last);
+            assert_eq!(ends, want_ends, "{selections:#b}");
+            let mut want = vec![ProcessLaunch::Entries];
+            for (k, &(selection, digit)) in shared.iter().enumerate() {
+                want.push(ProcessLaunch::Select { selection, digit, histogram: Some(k) });
+                want.push(ProcessLaunch::Decide { selection, digit, histogram: k });
+            }
+            want.extend(
+                digits(&|s| !s.exchanged())
+                    .into_iter()
+                    .map(|(selection, digit)| ProcessLaunch::Select { selection, digit, histogram: None }),
+            );
+            want.push(ProcessLaunch::Apply);
+            assert_eq!(launches, want, "{selections:#b}");
+            assert_eq!(process_segment(selections, true, segments), (Vec::new(), SegmentEnd::Last));
         }
     }
 

@@ -469,7 +469,15 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                             .map(|(head, &vocab_offset)| (head, VocabShard { vocab_offset, vocab }))
                             .collect();
                         let processing = &device_processing;
-                        sampler.sample_shards_into(&shards, &hidden, &rows, processing, draws, Variant::Auto, &mut parts)?;
+                        sampler.sample_shards_into(
+                            &shards,
+                            &hidden,
+                            &rows,
+                            processing,
+                            draws,
+                            Variant::Auto,
+                            &mut parts,
+                        )?;
                         sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
                     }
                     write(draws.first, sampler.processed_to_host(&out)?)?;

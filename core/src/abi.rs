@@ -852,6 +852,32 @@ mod tests {
         }
     }
 
+    /// A shard exchange holds the `[2, B]` extrema, then one `[B, 256]` `u64` histogram per
+    /// digit of each exchanged selection asked for (top-k, top-p and its tie; never the top
+    /// raw entries), 16-byte aligned and side by side.
+    #[test]
+    fn shard_exchanges_hold_a_histogram_per_exchanged_digit() {
+        let bits = |s: &[Selection]| s.iter().fold(0, |b, s| b | s.bit());
+        for batch in [1u32, 3, 256] {
+            for (selections, digits) in [
+                (0, 0),
+                (bits(&[Selection::TopK]), 4),
+                (bits(&[Selection::TopP, Selection::TopPTie]), 8),
+                (bits(&[Selection::TopRaw, Selection::TopRawTie]), 0),
+                (bits(&Selection::ALL), 12),
+            ] {
+                let layout = ShardExchangeLayout::of(batch, selections);
+                assert_eq!(layout.digits, digits);
+                assert!(layout.histograms >= 8 * batch as u64 && layout.histograms.is_multiple_of(16));
+                let histogram = batch as u64 * 256 * 8;
+                for k in 0..digits {
+                    assert_eq!(layout.histogram(k), layout.histograms + k as u64 * histogram);
+                }
+                assert_eq!(layout.bytes, layout.histograms + digits as u64 * histogram);
+            }
+        }
+    }
+
     /// The parts are whole multiples of 16 bytes, with the sums after the winners and the top
     /// entries after the sums; without log-probabilities only the winners.
     #[test]

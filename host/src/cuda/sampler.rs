@@ -24,9 +24,9 @@ use crate::tensor::{DType, Elements, Matrix, MatrixShape};
 
 mod processed;
 
+pub use processed::{DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard};
 #[cfg(feature = "nccl")]
 pub(crate) use processed::{ShardHead, ShardsStage};
-pub use processed::{DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard};
 
 /// The number of CUDA devices; [`Error::NoCudaDevice`] without a driver or a device.
 pub fn cuda_device_count() -> Result<usize> {

@@ -242,7 +242,10 @@ impl TensorParallelSampler {
                 return Ok(());
             }
             let Some(reductions) = reductions.into_iter().collect::<Option<Vec<ShardReduction>>>() else {
-                return Err(invalid("inputs", "the ranks' stage 1 runs in different segments: give every rank the same processing"));
+                return Err(invalid(
+                    "inputs",
+                    "the ranks' stage 1 runs in different segments: give every rank the same processing",
+                ));
             };
             nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
             for (r, (rank, reduction)) in self.ranks.iter().zip(reductions).enumerate() {
@@ -467,7 +470,15 @@ unsafe fn queue_all_reduce(
     };
     // SAFETY: per this function's contract; in place (send and receive buffers the same).
     unsafe {
-        nccl::all_reduce(address as *const _, address as *mut _, count, datatype, op, comm, stream as nccl_sys::cudaStream_t)
+        nccl::all_reduce(
+            address as *const _,
+            address as *mut _,
+            count,
+            datatype,
+            op,
+            comm,
+            stream as nccl_sys::cudaStream_t,
+        )
     }
     .map(|_| ())
     .map_err(|e| nccl_error(Some(rank), "ncclAllReduce", e))
@@ -618,7 +629,10 @@ impl TensorParallelRank {
         let exchange = exchange_bytes(&step.processing).unwrap_or(0);
         let request = self.stage_one(step, part_bytes, if exchange > 0 { workspace.address } else { 0 });
         if workspace.bytes < exchange {
-            return Err(invalid("workspace", format!("{} bytes: the exchange alone takes {exchange}", workspace.bytes)));
+            return Err(invalid(
+                "workspace",
+                format!("{} bytes: the exchange alone takes {exchange}", workspace.bytes),
+            ));
         }
         let stage_workspace =
             DeviceWorkspace { address: workspace.address + exchange as u64, bytes: workspace.bytes - exchange };

@@ -362,8 +362,11 @@ impl CudaSampler {
         let hidden = self.upload_hidden(hidden)?;
         let rows = self.upload_rows(params)?;
         let mut parts = self.shard_parts(shards.len(), params.len(), draws.count as usize, true)?;
-        let heads: Vec<(&CudaLmHead, VocabShard)> =
-            shards.iter().zip(&offsets).map(|(shard, &vocab_offset)| (shard, VocabShard { vocab_offset, vocab })).collect();
+        let heads: Vec<(&CudaLmHead, VocabShard)> = shards
+            .iter()
+            .zip(&offsets)
+            .map(|(shard, &vocab_offset)| (shard, VocabShard { vocab_offset, vocab }))
+            .collect();
         let processing = &device_processing;
         self.sample_shards_into(&heads, &hidden, &rows, processing, draws, Variant::Auto, &mut parts)?;
         let mut out = self.processed_outputs(params.len(), draws.count as usize, true)?;
@@ -523,8 +526,10 @@ impl CudaSampler {
                 logprobs: parts.logprobs,
                 exchange,
             };
-            let request =
-                ProcessedRequest { variant, ..ProcessedRequest::on_buffers(head, hidden, rows, processing, draws, target) };
+            let request = ProcessedRequest {
+                variant,
+                ..ProcessedRequest::on_buffers(head, hidden, rows, processing, draws, target)
+            };
             let plan = self.kernels().plan_processed(&request)?;
             // Each shard's scratch starts on a 256-byte boundary, as an allocation does.
             let at = workspace_bytes;
@@ -542,7 +547,13 @@ impl CudaSampler {
         if segment == 0 && exchange != 0 {
             // SAFETY: the exchange buffer holds `exchange_bytes` (a multiple of 16) on our stream.
             unsafe {
-                driver::fill_words_async("shard exchange", DevicePtr::new(exchange), 0, exchange_bytes / 4, self.stream.cu_stream())?
+                driver::fill_words_async(
+                    "shard exchange",
+                    DevicePtr::new(exchange),
+                    0,
+                    exchange_bytes / 4,
+                    self.stream.cu_stream(),
+                )?
             };
         }
         let mut reduction = None;

@@ -659,7 +659,9 @@ impl StreamSampler {
         let (sampled, steps, tile_sums) = if let Some(slices) = plan.process_slices {
             let states = base.byte_add(plan.states_at as u64).cast::<ProcessRowState>();
             let exchange = match (plan.exchange, request.target) {
-                (Some(layout), ProcessedTarget::Shard { exchange, .. }) => Some((layout, DevicePtr::<u8>::new(exchange))),
+                (Some(layout), ProcessedTarget::Shard { exchange, .. }) => {
+                    Some((layout, DevicePtr::<u8>::new(exchange)))
+                }
                 _ => None,
             };
             let args = ProcessArgs {
@@ -1025,9 +1027,17 @@ enum ProcessLaunch {
     Entries,
     /// Adds a digit's histograms: to the row states (deciding there), or to the `k`-th
     /// histogram of the exchange (`histogram: Some(k)`).
-    Select { selection: Selection, digit: u32, histogram: Option<usize> },
+    Select {
+        selection: Selection,
+        digit: u32,
+        histogram: Option<usize>,
+    },
     /// Decides a digit from the `k`-th histogram of the exchange (one block per row).
-    Decide { selection: Selection, digit: u32, histogram: usize },
+    Decide {
+        selection: Selection,
+        digit: u32,
+        histogram: usize,
+    },
     Apply,
 }
 
@@ -1257,11 +1267,11 @@ mod tests {
             };
             let (alone, end) = process_segment(selections, false, 0);
             let mut want = vec![ProcessLaunch::Entries];
-            want.extend(
-                digits(&|_| true)
-                    .into_iter()
-                    .map(|(selection, digit)| ProcessLaunch::Select { selection, digit, histogram: None }),
-            );
+            want.extend(digits(&|_| true).into_iter().map(|(selection, digit)| ProcessLaunch::Select {
+                selection,
+                digit,
+                histogram: None,
+            }));
             want.push(ProcessLaunch::Apply);
             assert_eq!((alone, end), (want, SegmentEnd::Last), "{selections:#b}");
             assert_eq!(process_segment(selections, false, 1), (Vec::new(), SegmentEnd::Last));
@@ -1286,11 +1296,11 @@ mod tests {
                 want.push(ProcessLaunch::Select { selection, digit, histogram: Some(k) });
                 want.push(ProcessLaunch::Decide { selection, digit, histogram: k });
             }
-            want.extend(
-                digits(&|s| !s.exchanged())
-                    .into_iter()
-                    .map(|(selection, digit)| ProcessLaunch::Select { selection, digit, histogram: None }),
-            );
+            want.extend(digits(&|s| !s.exchanged()).into_iter().map(|(selection, digit)| ProcessLaunch::Select {
+                selection,
+                digit,
+                histogram: None,
+            }));
             want.push(ProcessLaunch::Apply);
             assert_eq!(launches, want, "{selections:#b}");
             assert_eq!(process_segment(selections, true, segments), (Vec::new(), SegmentEnd::Last));

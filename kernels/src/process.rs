@@ -417,27 +417,45 @@ impl Slice {
     /// Every thread of the block calls it together.
     #[inline(always)]
     unsafe fn merge_lse(&self, lse: LogSumExp, temperature: f32) -> LogSumExp {
-        // SAFETY: all lanes together (this function's contract).
-        let lse = unsafe { merge_lse_over_warp(lse, temperature) };
         // SAFETY: per-warp slots of the block's shared memory.
         let slots = unsafe { addr_of_mut!((*self.shared).warp_lse) } as *mut LogSumExp;
-        if self.thread.is_multiple_of(32) {
-            // SAFETY: `thread / 32 < WARPS`.
-            unsafe { *slots.add((self.thread / 32) as usize) = lse };
-        }
-        // SAFETY: every thread of the block reaches it.
-        unsafe { arch::sync_threads() };
-        let mut total = LogSumExp::EMPTY;
-        if self.thread == 0 {
-            for w in 0..WARPS {
-                // SAFETY: written before the barrier above.
-                total.merge_with(unsafe { *slots.add(w) }, temperature);
-            }
-        }
-        // SAFETY: every thread of the block reaches it; the slots are free again after it.
-        unsafe { arch::sync_threads() };
-        total
+        // SAFETY: every thread of the block together (this function's contract).
+        unsafe { merge_lse_over_block(lse, temperature, slots, WARPS) }
     }
+}
+
+/// A block's log-sum-exp terms (one per thread) merged in lane, then warp order, through a
+/// slot per warp at `slots`; meaningful in thread 0.
+///
+/// # Safety
+/// Every thread of the block (`warps` warps) calls it together; `slots` holds `warps`
+/// [`LogSumExp`]s of shared memory, free again once the call returns.
+#[inline(always)]
+pub(crate) unsafe fn merge_lse_over_block(
+    lse: LogSumExp,
+    temperature: f32,
+    slots: *mut LogSumExp,
+    warps: usize,
+) -> LogSumExp {
+    let thread = arch::thread_index();
+    // SAFETY: all lanes together (this function's contract).
+    let lse = unsafe { merge_lse_over_warp(lse, temperature) };
+    if thread.is_multiple_of(32) {
+        // SAFETY: the warp's slot.
+        unsafe { *slots.add((thread / 32) as usize) = lse };
+    }
+    // SAFETY: every thread of the block reaches it.
+    unsafe { arch::sync_threads() };
+    let mut total = LogSumExp::EMPTY;
+    if thread == 0 {
+        for w in 0..warps {
+            // SAFETY: written before the barrier above.
+            total.merge_with(unsafe { *slots.add(w) }, temperature);
+        }
+    }
+    // SAFETY: every thread of the block reaches it; the slots are free again after it.
+    unsafe { arch::sync_threads() };
+    total
 }
 
 /// Merges a log-sum-exp pair over the warp's lanes.
@@ -445,7 +463,7 @@ impl Slice {
 /// # Safety
 /// All 32 lanes call it together.
 #[inline(always)]
-pub(crate) unsafe fn merge_lse_over_warp(mut lse: LogSumExp, temperature: f32) -> LogSumExp {
+unsafe fn merge_lse_over_warp(mut lse: LogSumExp, temperature: f32) -> LogSumExp {
     let mut mask = 1;
     while mask < 32 {
         // SAFETY: all 32 lanes together (this function's contract).
@@ -910,7 +928,8 @@ unsafe fn apply(item: &Item) {
         }
         (l, false)
     };
-    if log_sums || rule != KeepRule::ALL {
+    // A greedy row keeps every entry and sums no kept terms: its slice is left as it is.
+    if (sampling && log_sums) || rule != KeepRule::ALL {
         // SAFETY: the row's processed logits, padded to the stride; the slice is this block's.
         unsafe { slice.map(processed, processed, drop) };
     }

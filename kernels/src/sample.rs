@@ -387,24 +387,19 @@ unsafe fn merge_part_sums(args: &ReduceArgs, b: u32, staging: *mut RowSums) {
         sums.kept.merge_with(part.kept, temperature);
         k += 1;
     }
-    // SAFETY: every lane reaches it (this function's contract).
-    unsafe {
-        sums.raw = process::merge_lse_over_warp(sums.raw, 1.0);
-        sums.kept = process::merge_lse_over_warp(sums.kept, temperature);
-        if thread & 31 == 0 {
-            *staging.add((thread / 32) as usize) = sums;
+    // The staging's `RowSums` per warp: a slot per warp for either sum.
+    let (warps, slots) = ((REDUCE_THREADS / 32) as usize, staging.cast::<LogSumExp>());
+    // SAFETY: every thread of the block together (this function's contract), each merge with
+    // its own slots.
+    let row = unsafe {
+        RowSums {
+            raw: process::merge_lse_over_block(sums.raw, 1.0, slots, warps),
+            kept: process::merge_lse_over_block(sums.kept, temperature, slots.add(warps), warps),
         }
-        arch::sync_threads();
-        if thread == 0 {
-            let mut row = *staging;
-            for w in 1..(REDUCE_THREADS / 32) as usize {
-                let part = *staging.add(w);
-                row.raw.merge_with(part.raw, 1.0);
-                row.kept.merge_with(part.kept, temperature);
-            }
-            *args.sums.as_mut_ptr().add(b as usize) = row;
-        }
-        arch::sync_threads();
+    };
+    if thread == 0 {
+        // SAFETY: `b < batch`: row `b` of the sums.
+        unsafe { *args.sums.as_mut_ptr().add(b as usize) = row };
     }
 }
 

@@ -135,6 +135,17 @@ impl ShardParts {
         self.shards
     }
 
+    /// Refuses parts without room for `[rows, samples]` draws, naming `parts`.
+    fn check_room(&self, rows: usize, samples: u32) -> Result<()> {
+        if (self.rows, self.samples) != (rows, samples as usize) {
+            return Err(invalid(
+                "parts",
+                format!("room for [{}, {}] draws, the request makes [{rows}, {samples}]", self.rows, self.samples),
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes of one shard's part.
     pub fn part_bytes(&self) -> usize {
         self.layout.bytes as usize
@@ -429,18 +440,7 @@ impl CudaSampler {
     ) -> Result<()> {
         let draws = draws.check()?;
         self.check_device_rows(lm_head, hidden, rows, draws.count)?;
-        if (parts.rows, parts.samples) != (hidden.rows(), draws.count as usize) {
-            return Err(invalid(
-                "parts",
-                format!(
-                    "room for [{}, {}] draws, the request makes [{}, {}]",
-                    parts.rows,
-                    parts.samples,
-                    hidden.rows(),
-                    draws.count
-                ),
-            ));
-        }
+        parts.check_room(hidden.rows(), draws.count)?;
         let target = ProcessedTarget::Shard {
             vocab_offset: shard.vocab_offset,
             vocab: shard.vocab,
@@ -496,18 +496,7 @@ impl CudaSampler {
         if heads.is_empty() {
             return Err(invalid("heads", "no shard: give at least one"));
         }
-        if (parts.rows, parts.samples) != (hidden.rows(), draws.count as usize) {
-            return Err(invalid(
-                "parts",
-                format!(
-                    "room for [{}, {}] draws, the request makes [{}, {}]",
-                    parts.rows,
-                    parts.samples,
-                    hidden.rows(),
-                    draws.count
-                ),
-            ));
-        }
+        parts.check_room(hidden.rows(), draws.count)?;
         let on_device = processing.on_device();
         let exchange_bytes = StreamSampler::shard_exchange_bytes(&on_device);
         let exchange = match on_device.truncates() {

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle] [tp]
+#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [processing] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle] [tp]
 # (none named = tests portable demo bench ncu). `tests` runs every test binary with the
 # device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
-# the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100. `quick`
+# the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100.
+# `processing` runs the logit-processing tests (processing, borrowed mode, tensor parallelism
+# over the GPUs the machine has, the CLI) with each module, then times every processing mode
+# beside torch's unfused pipeline (scripts/peers.py --processing) on the Hopper module. `quick`
 # runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
 # tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
 # `sanitizer` runs compute-sanitizer's memcheck, racecheck, synccheck and initcheck over every
@@ -66,6 +69,15 @@ for stage in $stages; do
     case $stage in
     tests) run_tests "$out/gpu-tests.log" "$here"/tests/* ;;
     portable) FLASHSAMPLE_MODULE=portable run_tests "$out/gpu-tests-portable.log" "$here/tests/tests-gpu" "$here/tests/tests-borrowed" "$here/tests/cli-cli" ;;
+    processing)
+        for module in hopper portable; do
+            FLASHSAMPLE_MODULE=$module run_tests "$out/gpu-processing.log" "$here/tests/tests-processing" "$here/tests/tests-borrowed" "$here/tests/tests-tensor_parallel" "$here/tests/cli-cli"
+        done
+        libs=$(cublas_path)
+        step processing-peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers-processing.csv' --shapes 4096x151936,8192x128256 --batches 1,16,64,256 --processing --runs 30 > '$out/peers-processing.log' 2>&1"
+        step processing-bench timeout 300 bash -c "LD_LIBRARY_PATH='$libs' '$here/flashsample' bench --out '$out/bench-processing' --modules hopper --shapes 4096x151936,8192x128256 --batches 1,16,64,256 ${libs:+--cublas} --processing --runs 30 --peers '$out/peers-processing.csv' > '$out/bench-processing.log' 2>&1"
+        tail -40 "$out/bench-processing.log"
+        ;;
     quick|smoke)
         step quick-tests timeout 120 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused tile_width >> "$out/smoke.log" 2>&1
         grep -E "test result|FAILED|panicked" "$out/smoke.log" | tail -10

@@ -37,6 +37,7 @@ use crate::tensor::{DType, MatrixShape};
 
 mod processed;
 
+pub(crate) use processed::ProcessedPlan;
 pub use processed::{ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, ShardReduction};
 
 /// A matrix in device memory: `rows × cols` elements of `dtype` at `address`, row `r` starting

@@ -31,7 +31,7 @@ use super::driver;
 use super::sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardHead, ShardParts, ShardsStage, VocabShard};
 use super::stream::{
     DeviceMatrix, DeviceWorkspace, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, ShardReduction,
-    StreamSampler,
+    StreamSampler, TensorMaps,
 };
 use crate::Variant;
 use crate::cpu::Sampled;
@@ -220,10 +220,9 @@ impl TensorParallelSampler {
             .enumerate()
             .map(|(r, rank)| [ShardHead { head: &rank.head, shard: rank.shard, part: r }])
             .collect();
-        let stages: Vec<ShardsStage> = heads
-            .iter()
-            .zip(inputs.iter())
-            .map(|(heads, step)| ShardsStage {
+        let mut planned = Vec::with_capacity(self.ranks.len());
+        for ((rank, heads), step) in self.ranks.iter().zip(&heads).zip(inputs.iter()) {
+            let stage = ShardsStage {
                 heads,
                 hidden: step.hidden,
                 rows: step.rows,
@@ -231,21 +230,24 @@ impl TensorParallelSampler {
                 draws,
                 variant: Variant::Auto,
                 parts: step.parts,
-            })
-            .collect();
-        for segment in 0.. {
-            let mut reductions = Vec::with_capacity(stages.len());
-            for (rank, stage) in self.ranks.iter().zip(&stages) {
-                reductions.push(rank.sampler.queue_shards_segment(stage, segment)?);
+            };
+            planned.push(rank.sampler.plan_shards(&stage)?);
+        }
+        let segments = planned[0].segments;
+        if planned.iter().any(|p| p.segments != segments) {
+            return Err(invalid(
+                "inputs",
+                "the ranks' stage 1 runs in different segments: give every rank the same processing",
+            ));
+        }
+        for segment in 0..segments {
+            let mut reductions = Vec::with_capacity(planned.len());
+            for (rank, planned) in self.ranks.iter().zip(&planned) {
+                reductions.push(rank.sampler.queue_shards_segment(planned, segment)?);
             }
-            if reductions.iter().all(Option::is_none) {
-                return Ok(());
-            }
+            // Every rank ends a segment alike (same segments, same schedule): the last with none.
             let Some(reductions) = reductions.into_iter().collect::<Option<Vec<ShardReduction>>>() else {
-                return Err(invalid(
-                    "inputs",
-                    "the ranks' stage 1 runs in different segments: give every rank the same processing",
-                ));
+                break;
             };
             nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
             for (r, (rank, reduction)) in self.ranks.iter().zip(reductions).enumerate() {
@@ -648,29 +650,37 @@ impl TensorParallelRank {
             out_logprobs: step.out_logprobs,
             out_top_logprobs: step.out_top_logprobs,
         };
+        // Planned once for all the segments.
+        let plan = kernels.plan_processed(&request)?;
         // SAFETY: per this function's contract: the workspace holds the exchange, then the
         // stage's workspace; the exchange is cleared on `stream` before segment 0, and each
         // all-reduce is queued on `stream` between two segments.
         unsafe {
-            if exchange > 0 {
-                driver::in_context(kernels.context().cast(), || {
+            driver::in_context(kernels.context().cast(), || {
+                if exchange > 0 {
+                    let words = exchange / 4;
                     driver::fill_words_async(
                         "shard exchange",
                         DevicePtr::new(workspace.address),
                         0,
-                        exchange / 4,
+                        words,
                         stream.cast(),
-                    )
-                })?;
-            }
-            let mut segment = 0;
-            while let Some(reduction) = kernels.sample_processed_segment(stream, &request, stage_workspace, segment)? {
-                driver::in_context(kernels.context().cast(), || {
-                    queue_all_reduce(self.comm, stream, reduction, self.rank)
-                })?;
-                segment += 1;
-            }
-            driver::in_context(kernels.context().cast(), || {
+                    )?;
+                }
+                for segment in 0..plan.segments() {
+                    let maps = TensorMaps::Store;
+                    let queued = kernels.enqueue_processed_segment(
+                        stream.cast(),
+                        &request,
+                        &plan,
+                        maps,
+                        stage_workspace,
+                        segment,
+                    )?;
+                    if let Some(reduction) = queued {
+                        queue_all_reduce(self.comm, stream, reduction, self.rank)?;
+                    }
+                }
                 queue_all_gather(self.comm, stream, step.parts, part_bytes, self.rank)
             })?;
             kernels.merge_shards(stream, &merge)

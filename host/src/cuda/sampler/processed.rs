@@ -26,8 +26,8 @@ use crate::cuda::buffers::{CudaHidden, CudaLmHead, DeviceBuffer, DeviceRows, Dev
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::stream::{
-    DeviceWorkspace, FusedProcessing, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest,
-    ShardReduction, StreamSampler,
+    DeviceWorkspace, FusedProcessing, ProcessedPlan, ProcessedRequest, ProcessedTarget, ProcessingRef,
+    ShardMergeRequest, ShardReduction, StreamSampler, TensorMaps,
 };
 use crate::error::{Result, invalid};
 use crate::params::{Draws, SamplingParams, check_sharded_request};
@@ -478,19 +478,17 @@ impl CudaSampler {
         let heads: Vec<ShardHead> =
             heads.iter().enumerate().map(|(part, &(head, shard))| ShardHead { head, shard, part }).collect();
         let stage = ShardsStage { heads: &heads, hidden, rows, processing, draws, variant, parts };
+        let planned = self.plan_shards(&stage)?;
         // One device, one exchange buffer: nothing is left to reduce between the segments.
-        let mut segment = 0;
-        while self.queue_shards_segment(&stage, segment)?.is_some() {
-            segment += 1;
+        for segment in 0..planned.segments {
+            self.queue_shards_segment(&planned, segment)?;
         }
         Ok(())
     }
 
-    /// Queues segment `segment` of `stage` (every shard's, in order) and returns the
-    /// reduction that ends it, over this sampler's exchange buffer, or `None` after the last
-    /// segment (see [`StreamSampler::sample_processed_segment`]). Segment 0 clears the
-    /// exchange buffer first.
-    pub(crate) fn queue_shards_segment(&self, stage: &ShardsStage, segment: usize) -> Result<Option<ShardReduction>> {
+    /// Checks and plans `stage`: each shard's request and its part of the scratch (grown here,
+    /// so that the segments only queue), the exchange buffer they share when a row truncates.
+    pub(crate) fn plan_shards<'a>(&self, stage: &ShardsStage<'a>) -> Result<PlannedShards<'a>> {
         let ShardsStage { heads, hidden, rows, processing, variant, parts, .. } = *stage;
         let draws = stage.draws.check()?;
         if heads.is_empty() {
@@ -504,7 +502,7 @@ impl CudaSampler {
                 .address(),
             false => 0,
         };
-        let mut calls = Vec::with_capacity(heads.len());
+        let mut shards = Vec::with_capacity(heads.len());
         let mut workspace_bytes = 0;
         for &ShardHead { head, shard, part } in heads {
             self.check_device_rows(head, hidden, rows, draws.count)?;
@@ -520,46 +518,64 @@ impl CudaSampler {
                 ..ProcessedRequest::on_buffers(head, hidden, rows, processing, draws, target)
             };
             let plan = self.kernels().plan_processed(&request)?;
+            let maps = resident_maps(head, hidden, plan.variant())?;
             // Each shard's scratch starts on a 256-byte boundary, as an allocation does.
             let at = workspace_bytes;
             workspace_bytes = (at + plan.workspace_bytes()).next_multiple_of(256);
-            calls.push((head, request, plan, at));
+            let workspace = DeviceWorkspace { address: at as u64, bytes: plan.workspace_bytes() };
+            shards.push(PlannedShard { request, plan, maps, workspace });
         }
-        let segments = calls[0].2.segments();
-        if let Some(s) = calls.iter().position(|call| call.2.segments() != segments) {
+        let segments = shards[0].plan.segments();
+        if let Some(s) = shards.iter().position(|shard| shard.plan.segments() != segments) {
             return Err(invalid(
                 format!("heads[{s}]"),
                 "its stage 1 runs in other segments than shard 0's: the shards must share B, draws and processing",
             ));
         }
         let scratch = self.scratch(workspace_bytes)?;
-        if segment == 0 && exchange != 0 {
+        for shard in &mut shards {
+            shard.workspace.address += scratch.address;
+        }
+        Ok(PlannedShards { shards, exchange, exchange_bytes, segments, _buffers: std::marker::PhantomData })
+    }
+
+    /// Queues segment `segment` of `planned` (every shard's, in order) and returns the
+    /// reduction that ends it, over this sampler's exchange buffer, or `None` after the last
+    /// segment (see [`StreamSampler::sample_processed_segment`]). Segment 0 clears the
+    /// exchange buffer first. Nothing else may use this sampler's scratch between the plan
+    /// and the last segment.
+    pub(crate) fn queue_shards_segment(
+        &self,
+        planned: &PlannedShards,
+        segment: usize,
+    ) -> Result<Option<ShardReduction>> {
+        self.make_current()?;
+        if segment == 0 && planned.exchange != 0 {
             // SAFETY: the exchange buffer holds `exchange_bytes` (a multiple of 16) on our stream.
             unsafe {
                 driver::fill_words_async(
                     "shard exchange",
-                    DevicePtr::new(exchange),
+                    DevicePtr::new(planned.exchange),
                     0,
-                    exchange_bytes / 4,
+                    planned.exchange_bytes / 4,
                     self.stream.cu_stream(),
                 )?
             };
         }
         let mut reduction = None;
-        for (head, request, plan, at) in &calls {
-            let maps = resident_maps(head, hidden, plan.variant())?;
-            let workspace = DeviceWorkspace { address: scratch.address + *at as u64, bytes: plan.workspace_bytes() };
+        for PlannedShard { request, plan, maps, workspace } in &planned.shards {
             // SAFETY: every address comes from a live buffer of this sampler holding the
             // request's extents (checked by the plan); each shard has its own part of the
-            // scratch; the shards share the exchange buffer, cleared above before segment 0;
-            // the resident maps live as long as the buffers.
+            // scratch, untouched by other calls until the last segment; the shards share the
+            // exchange buffer, cleared above before segment 0; the resident maps live as long
+            // as the buffers.
             reduction = unsafe {
                 self.kernels().enqueue_processed_segment(
                     self.stream.cu_stream(),
                     request,
                     plan,
-                    maps,
-                    workspace,
+                    *maps,
+                    *workspace,
                     segment,
                 )?
             };
@@ -627,7 +643,7 @@ pub(crate) struct ShardHead<'a> {
 }
 
 /// A stage 1 of one or more vocabulary shards on one device that runs segment by segment
-/// ([`CudaSampler::queue_shards_segment`]): the shards and what they share.
+/// ([`CudaSampler::plan_shards`]): the shards and what they share.
 #[derive(Clone, Copy)]
 pub(crate) struct ShardsStage<'a> {
     pub heads: &'a [ShardHead<'a>],
@@ -637,6 +653,26 @@ pub(crate) struct ShardsStage<'a> {
     pub draws: Draws,
     pub variant: Variant,
     pub parts: &'a ShardParts,
+}
+
+/// One shard of [`PlannedShards`]: its request, plan, tensor maps and part of the scratch.
+pub(crate) struct PlannedShard {
+    request: ProcessedRequest,
+    plan: ProcessedPlan,
+    maps: TensorMaps,
+    workspace: DeviceWorkspace,
+}
+
+/// A [`ShardsStage`] checked and planned once for all its segments
+/// ([`CudaSampler::queue_shards_segment`]).
+pub(crate) struct PlannedShards<'a> {
+    shards: Vec<PlannedShard>,
+    /// The shared exchange buffer (0 when no row truncates) and its bytes.
+    exchange: u64,
+    exchange_bytes: usize,
+    pub segments: usize,
+    /// The requests name the stage's buffers: the plan may not outlive them.
+    _buffers: std::marker::PhantomData<&'a CudaLmHead>,
 }
 
 /// The part layout of `shards` parts of `rows × samples` draws, checked against 32-bit extents.

@@ -331,7 +331,7 @@ fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
     let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
     let torch = ["torch_sample", "torch_top_k", "torch_top_p", "torch_min_p"];
     let mut out = String::from(
-        "\nProcessed sampling, µs (per-entry modes fused; log-probabilities and truncations on materialised logits):\n\n| D | V | B | fused sample |",
+        "\nProcessed sampling, µs (per-entry modes and log-probabilities fused; truncations on materialised logits):\n\n| D | V | B | fused sample |",
     );
     for (label, _) in PROCESSING_MODES {
         write!(out, " {label} |").unwrap();

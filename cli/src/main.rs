@@ -387,12 +387,17 @@ fn sample_command(args: SampleArgs) -> Result<()> {
         let vocab = w.rows();
         let processing = args.processing.rows(h.rows(), vocab)?;
         let shard_count = args.processing.shard_count(vocab)?;
-        // The GPU processes BF16/F16 heads with D % 8 == 0, in shards of whole Philox blocks
-        // (4 tokens); `auto` takes the CPU for the rest, `cuda` reports why not.
-        let gpu_refusal = if common == DType::F32 || w.cols() % 8 != 0 {
+        // The GPU truncates (on materialised logits) BF16/F16 heads with D % 8 == 0 (every
+        // head takes the per-entry steps and log-probabilities in the fused tiles), in shards of
+        // whole Philox blocks (4 tokens); `auto` takes the CPU for the rest, `cuda` reports why
+        // not.
+        let gpu_refusal = if args.processing.truncates() && (common == DType::F32 || w.cols() % 8 != 0) {
             Some((
                 "--lm-head",
-                format!("{common}, D = {}: processing on the GPU needs BF16 or F16 with D % 8 == 0", w.cols()),
+                format!(
+                    "{common}, D = {}: min-p, top-k and top-p on the GPU need BF16 or F16 with D % 8 == 0",
+                    w.cols()
+                ),
             ))
         } else if shard_count > vocab.div_ceil(4) {
             Some((

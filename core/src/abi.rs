@@ -149,10 +149,8 @@ pub const fn fused_simt_shared_bytes() -> u32 {
 
 /// Bytes of one row's pair of log-sum-exp terms ([`RowSums`]).
 const ROW_SUMS_BYTES: u32 = core::mem::size_of::<RowSums>() as u32;
-/// Dynamic shared memory of the unfused logits sampler: its candidate staging, then a pair of
-/// log-sum-exp terms per warp.
-pub const LOGITS_SAMPLER_SHARED_BYTES: u32 =
-    SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * CANDIDATE_BYTES + TILE_KERNEL_WARPS * ROW_SUMS_BYTES;
+/// Dynamic shared memory of the unfused logits sampler: its candidate staging.
+pub const LOGITS_SAMPLER_SHARED_BYTES: u32 = SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * CANDIDATE_BYTES;
 /// Dynamic shared memory of the merge kernel: a candidate, then a pair of log-sum-exp terms,
 /// per warp.
 pub const REDUCE_SHARED_BYTES: u32 = REDUCE_THREADS / 32 * (CANDIDATE_BYTES + ROW_SUMS_BYTES);
@@ -273,6 +271,9 @@ pub struct TmaArgs {
     pub out: DevicePtr<TmaOutput>,
     /// `[batch]` rows' per-entry processing (fused kernels), or null for none.
     pub processing: DevicePtr<RowProcessing>,
+    /// `[batch, tiles]` log-sum-exp terms of each (row, tile) (fused kernels that
+    /// [write them](crate::registry::Kernel::writes_tile_sums); see [`FusedArgs::tile_sums`]), or null.
+    pub tile_sums: DevicePtr<RowSums>,
     pub vocab: u32,
     pub dim: u32,
     /// Rows of `H` this launch covers, starting at `hidden_row0`.
@@ -320,6 +321,10 @@ pub struct FusedArgs {
     pub candidates: DevicePtr<Candidate>,
     /// `[batch]` rows' per-entry processing, or null for none.
     pub processing: DevicePtr<RowProcessing>,
+    /// `[batch, tiles]` log-sum-exp terms of each (row, tile): over the tile's raw logits at
+    /// T = 1 and over its processed ones at the row's temperature (empty for a greedy row); null
+    /// for none. A call asks for them in the launch of its first draws only.
+    pub tile_sums: DevicePtr<RowSums>,
     pub vocab: u32,
     pub dim: u32,
     pub batch: u32,
@@ -368,12 +373,6 @@ pub struct LogitsSamplerArgs {
     pub logits: DevicePtr<f32>,
     pub row_params: DevicePtr<RowParams>,
     pub candidates: DevicePtr<Candidate>,
-    /// `[batch]` rows' per-entry processing applied to each quad before the race (the logits
-    /// are then raw), or null for none.
-    pub processing: DevicePtr<RowProcessing>,
-    /// `[batch, tiles]` log-sum-exp terms of each (row, tile): over the raw logits at T = 1 and
-    /// over the processed ones at the row's temperature (empty for a greedy row); null: none.
-    pub tile_sums: DevicePtr<RowSums>,
     pub vocab: u32,
     pub logits_stride: u32,
     pub batch: u32,
@@ -400,16 +399,14 @@ pub struct ReduceArgs {
     /// `[batch, logits_stride]` raw and processed logits of the shard (its column 0 at global
     /// index `vocab_offset`), from which the winners take their logits; null: NaN logits.
     pub raw: DevicePtr<f32>,
-    /// Null with `raw` not null: the processed logit is `raw`'s after `processing`'s
-    /// per-entry steps, as the logits sampler applied them.
+    /// Null with `raw` not null: the processed logit is the raw one.
     pub processed: DevicePtr<f32>,
-    pub processing: DevicePtr<RowProcessing>,
     /// `[batch]` row parameters (their temperatures merge the per-tile terms).
     pub row_params: DevicePtr<RowParams>,
-    /// `[batch, sum_parts]` log-sum-exp terms of the parts of each row (the logits sampler's
-    /// tiles, [`LogitsSamplerArgs::tile_sums`], or the processing pipeline's slices,
-    /// [`ProcessArgs::slice_sums`]), merged in part order into `sums[b]` by the block of each
-    /// row's draw 0; null: none.
+    /// `[batch, sum_parts]` log-sum-exp terms of the parts of each row (the fused tiles'
+    /// tiles, [`FusedArgs::tile_sums`] and [`TmaArgs::tile_sums`], or the processing
+    /// pipeline's slices, [`ProcessArgs::slice_sums`]), merged in part order into `sums[b]` by
+    /// the block of each row's draw 0; null: none.
     pub part_sums: DevicePtr<RowSums>,
     pub sums: DevicePtr<RowSums>,
     pub batch: u32,
@@ -419,11 +416,7 @@ pub struct ReduceArgs {
     pub token_stride: u32,
     pub logits_stride: u32,
     pub vocab_offset: u32,
-    /// Entries of the shard's logits (for `processing`'s bounds).
-    pub vocab: u32,
     pub sum_parts: u32,
-    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
-    pub padding: u32,
 }
 
 /// A vocabulary shard's winner of one (row, draw) with the token's raw and processed logits
@@ -447,6 +440,33 @@ impl ShardWinner {
     pub fn merge(self, other: ShardWinner) -> ShardWinner {
         if self.candidate.merge(other.candidate) == self.candidate { self } else { other }
     }
+}
+
+/// The winners' logits of a fused call with log-probabilities: for each of `[batch · samples]`
+/// [`ShardWinner`]s whose index is a token of the shard, `raw = H[b]·W[index − vocab_offset]`
+/// (one f32 dot product per winner) and `processed` = that logit after the row's per-entry
+/// steps (`processing`, or the raw one when null). The fused tiles keep no logits, so the
+/// shard merge's log-probabilities take the winners' logits from here.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct WinnerLogitsArgs {
+    /// The shard's `W[vocab, dim]`, rows `lm_head_stride` elements apart.
+    pub lm_head: DevicePtr<Element>,
+    /// `H[batch, dim]`, rows `hidden_stride` elements apart, same element type.
+    pub hidden: DevicePtr<Element>,
+    pub winners: DevicePtr<ShardWinner>,
+    pub processing: DevicePtr<RowProcessing>,
+    pub vocab: u32,
+    pub dim: u32,
+    pub batch: u32,
+    pub samples: u32,
+    pub lm_head_stride: u32,
+    pub hidden_stride: u32,
+    /// The global index of `W`'s row 0 (see [`FusedArgs`]).
+    pub vocab_offset: u32,
+    /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
+    pub padding: u32,
 }
 
 /// One of a shard's top raw entries: a global token index and its raw logit (`token =

@@ -43,6 +43,8 @@ pub enum Kernel {
     SampleLogits,
     /// The merge kernel: candidates → tokens, or a shard's winners (`ReduceArgs`).
     ReduceCandidates,
+    /// The logits of a fused call's winners, one dot product each (`WinnerLogitsArgs`).
+    WinnerLogits { element: ElementType },
     /// Logit processing of materialised rows, one step of the processing pipeline per launch
     /// over (row, slice) items (`ProcessArgs`).
     ProcessRows,
@@ -90,7 +92,8 @@ impl Kernel {
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
-            | Kernel::MergeShards => UTILITY_THREADS,
+            | Kernel::MergeShards
+            | Kernel::WinnerLogits { .. } => UTILITY_THREADS,
             Kernel::StoreTensorMaps => STORE_TENSOR_MAPS_THREADS,
         }
     }
@@ -109,6 +112,7 @@ impl Kernel {
             Kernel::ProcessRows => PROCESS_SHARED_BYTES,
             Kernel::LogitsMma { .. }
             | Kernel::MergeShards
+            | Kernel::WinnerLogits { .. }
             | Kernel::FillUniform { .. }
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
@@ -136,6 +140,13 @@ impl Kernel {
             Kernel::FusedTma { rows, columns, .. } => tma_tile_applies_processing(rows, columns),
             _ => false,
         }
+    }
+
+    /// Whether the kernel is a tile kernel that writes each (row, tile)'s log-sum-exp terms
+    /// when asked (`tile_sums` in `FusedArgs` and `TmaArgs`): every tile kernel that applies
+    /// the per-entry processing, whose processed logits the terms sum.
+    pub const fn writes_tile_sums(self) -> bool {
+        self.applies_processing()
     }
 
     /// Whether the kernel is a TMA + `wgmma` tile kernel.
@@ -327,6 +338,9 @@ macro_rules! for_each_kernel {
             logits_tma_f16_m128_n128 => LogitsTma { element: F16, rows: 128, columns: 128 };
             sample_logits => SampleLogits {};
             reduce_candidates => ReduceCandidates {};
+            winner_logits_bf16 => WinnerLogits { element: Bf16 };
+            winner_logits_f16 => WinnerLogits { element: F16 };
+            winner_logits_f32 => WinnerLogits { element: F32 };
             process_rows => ProcessRows {};
             merge_shards => MergeShards {};
             fill_uniform_bf16 => FillUniform { element: Bf16 };

@@ -2,7 +2,9 @@
 //!
 //! The tile kernel (`fused_*`) computes a tile of `H·Wᵀ` on chip and keeps, per batch row and draw,
 //! the best Gumbel-perturbed (score, index) of the tile; the merge kernel (`reduce_candidates`) merges
-//! the tiles into tokens. The logits never reach device memory. `logits_gemm_*` and
+//! the tiles into tokens. The logits never reach device memory; for log-probabilities the tile
+//! kernel also writes each (row, tile)'s log-sum-exp terms, the merge kernel merges them, and
+//! `winner_logits_*` recomputes the winners' logits (one dot product each). `logits_gemm_*` and
 //! `sample_logits` form the unfused pipeline the benchmarks compare against, and with
 //! `process_rows` (logit processing of materialised rows) the path of processed sampling that
 //! needs whole rows; `merge_shards` merges vocabulary shards' winners and log-sum-exp terms
@@ -14,8 +16,8 @@
 //! # Safety (all kernels)
 //! The launcher must pass device addresses that are valid for the extents in the argument
 //! block, launch `TILE_KERNEL_WARPS · 32` threads per block for tile kernels
-//! (`REDUCE_THREADS` for `reduce_candidates`, any multiple of 32 for `fill_uniform_*` and
-//! `read_probe`) and the dynamic shared memory the host's launcher computes for the kernel.
+//! (`REDUCE_THREADS` for `reduce_candidates`, any multiple of 32 for `fill_uniform_*`,
+//! `read_probe` and `winner_logits_*`) and the dynamic shared memory the host's launcher computes for the kernel.
 //! The mma kernels further need `dim % 8 == 0` and 16-byte aligned matrices.
 #![no_std]
 #![feature(
@@ -44,7 +46,8 @@ mod tma;
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
     AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ProcessArgs,
-    ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs, TILE_ROWS, WARP_ROWS, fused_mma_shared_bytes,
+    ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs, TILE_ROWS, WARP_ROWS, WinnerLogitsArgs,
+    fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -292,6 +295,18 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
+        }
+    };
+    ($name:ident, WinnerLogits { element: $element:ident }) => {
+        /// The logits of a fused call's winners: one dot product each.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: WinnerLogitsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
+            unsafe { sample::winner_logits::<element::$element>(&args) }
         }
     };
     ($name:ident, ProcessRows {}) => {

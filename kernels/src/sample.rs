@@ -1,15 +1,21 @@
-//! The fused tile kernels' sampling epilogue, the unfused logits sampler, and the merge kernel.
+//! The fused tile kernels' sampling epilogue and their log-sum-exp terms per (row, tile), the
+//! unfused logits sampler, the merge kernel, and the winners' logits of a fused call.
 
 use flashsample_core::abi::{
     FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, RowSums, SAMPLES_PER_MERGE, ShardWinner,
-    TILE_KERNEL_WARPS, candidate_pair, candidate_slot,
+    TILE_KERNEL_WARPS, WinnerLogitsArgs, candidate_pair, candidate_slot, fused_mma_shared_bytes,
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::process::LogSumExp;
 use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
+use crate::element::Element;
 use crate::tile::ThreadLogits;
 use crate::{arch, process};
+
+// The tiles' column sums stage in their candidate staging.
+const _: () = assert!(SumsStaging::bytes(TILE_KERNEL_WARPS, 32) <= fused_mma_shared_bytes(32));
+const _: () = assert!(SumsStaging::bytes(TILE_KERNEL_WARPS, N_TILE) <= fused_mma_shared_bytes(N_TILE));
 
 /// `logits[slot / 2][slot % 2]` through a chain of selects, so the array stays in registers.
 // Indexing by the loop variables gives constant indices once unrolled, which keeps the
@@ -26,6 +32,21 @@ fn pick<const NT: usize>(logits: &ThreadLogits<NT>, slot: usize) -> [f32; 4] {
         }
     }
     picked
+}
+
+/// Quad `slot` of the `count` quads `quad(0) .. quad(count − 1)` (`count` a constant once
+/// inlined), gathered with bit masks. A chain of selects here became an indexed load from local
+/// memory (LLVM moved the whole array there, and a `wgmma` accumulator array with it, which
+/// serialised the multiplies); masks keep the quads in registers.
+#[inline(always)]
+pub fn masked_quad(count: usize, slot: usize, quad: impl Fn(usize) -> [f32; 4]) -> [f32; 4] {
+    let mut picked = [0u32; 4];
+    for i in 0..count {
+        let mask = 0u32.wrapping_sub((slot == i) as u32);
+        let [q0, q1, q2, q3] = quad(i).map(f32::to_bits);
+        picked = [picked[0] | (q0 & mask), picked[1] | (q1 & mask), picked[2] | (q2 & mask), picked[3] | (q3 & mask)];
+    }
+    picked.map(f32::from_bits)
 }
 
 /// Merges a candidate over the lanes that differ in the bits `mask ..= last_mask` (a butterfly).
@@ -58,8 +79,9 @@ unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
     best.merge(Candidate { score, word, index })
 }
 
-/// The epilogue of the fused tile kernels: for every draw, the best candidate of this block's
-/// tile for each batch column, written to `candidates`.
+/// The epilogue of the fused tile kernels: with `tile_sums`, first the tile's log-sum-exp terms
+/// of each batch column ([`tile_column_sums`]); then for every draw, the best candidate of this
+/// block's tile for each batch column, written to `candidates`.
 ///
 /// Each thread scores its four rows per column with [`block_scores`]; lanes with the same
 /// `t` (same columns) merge over `g`; warps merge through `staging` in batches of
@@ -87,6 +109,39 @@ pub unsafe fn sample_tile<const NT: usize>(
     let index0 = args.vocab_offset + row0;
     let philox_block = index0 / 4;
     let rows_valid = args.vocab.saturating_sub(row0).min(4);
+    let vocab_end = args.vocab_offset + args.vocab;
+    if args.tile_sums.address() != 0 {
+        let quad = |column_slot: usize| {
+            let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
+            let b = col0 + column;
+            let raw = masked_quad(2 * NT, column_slot, |i| logits[i / 2][i % 2]);
+            let mut quad = ColumnQuad { raw, processed: raw, rows_valid, sampling: false, temperature: 1.0 };
+            if b < args.batch {
+                // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
+                let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
+                (quad.sampling, quad.temperature) = (row.greedy == 0, row.temperature);
+                if args.processing.address() != 0 {
+                    // SAFETY: `b < batch`: the launch's processing holds the row.
+                    quad.processed = unsafe { process::fused_quad(args.processing, b, index0, vocab_end, raw) };
+                }
+            }
+            (column, quad)
+        };
+        let write = |column: u32, sums: RowSums| {
+            let b = col0 + column;
+            if b < args.batch {
+                // SAFETY: `b < batch`, `tile < tiles`: inside the `[batch, tiles]` terms.
+                unsafe { *args.tile_sums.as_mut_ptr().add((b * args.tiles + tile) as usize) = sums };
+            }
+        };
+        let place = SumsPlace { thread, warp, lane, first_mask: 4 };
+        let sums_staging = SumsStaging { base: staging.cast(), warps: TILE_KERNEL_WARPS, columns };
+        // SAFETY: `tile_column_sums` has every thread of the block reach it together.
+        let sync = || unsafe { arch::sync_threads() };
+        // SAFETY: every thread of the block runs it together (the item loop is per block), with
+        // `2·NT` slots each; the staging (`fused_mma_shared_bytes`) holds the sums' staging.
+        unsafe { tile_column_sums(2 * NT, quad, place, sums_staging, sync, write) };
+    }
     let mut first = 0;
     while first < args.samples {
         for slot in 0..SAMPLES_PER_MERGE {
@@ -108,15 +163,7 @@ pub unsafe fn sample_tile<const NT: usize>(
                     let mut quad = pick(logits, column_slot);
                     if args.processing.address() != 0 {
                         // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
-                        quad = unsafe {
-                            process::fused_quad(
-                                args.processing,
-                                col0 + column,
-                                index0,
-                                args.vocab_offset + args.vocab,
-                                quad,
-                            )
-                        };
+                        quad = unsafe { process::fused_quad(args.processing, col0 + column, index0, vocab_end, quad) };
                     }
                     best = block_candidate(&row, args.draw_offset + j, philox_block, quad, rows_valid);
                 }
@@ -161,88 +208,197 @@ pub unsafe fn sample_tile<const NT: usize>(
     }
 }
 
-/// The block's log-sum-exp terms of its `rows_valid`-masked quads, raw at T = 1 and processed
-/// at `temperature` (empty unless `sampling`), in two passes: the block's maxima, then the sums
-/// of `LogSumExp::term`, which add no rescaling per entry. Every thread returns the terms.
-///
-/// # Safety
-/// Every thread of the block calls it together; `staging` holds a `RowSums` per warp of shared
-/// memory, which the threads may rewrite once every thread has passed the block's next
-/// barrier after this call.
-#[inline(always)]
-unsafe fn block_sums(
-    raw: [f32; 4],
-    processed: [f32; 4],
-    rows_valid: u32,
-    sampling: bool,
-    temperature: f32,
-    staging: *mut RowSums,
-) -> RowSums {
-    let thread = arch::thread_index();
-    let (lane, warp) = (thread % 32, (thread / 32) as usize);
-    // Scalars, not indexed arrays: an array indexed in a loop goes to the stack.
-    let ([r0, r1, r2, r3], [p0, p1, p2, p3]) = (raw, processed);
-    let valid = |r: u32, x: f32| if r < rows_valid { x } else { f32::NEG_INFINITY };
-    let (r0, r1, r2, r3) = (valid(0, r0), valid(1, r1), valid(2, r2), valid(3, r3));
-    let kept = |r: u32, x: f32| if sampling { valid(r, x) } else { f32::NEG_INFINITY };
-    let (p0, p1, p2, p3) = (kept(0, p0), kept(1, p1), kept(2, p2), kept(3, p3));
-    let mut raw_max = maximum(maximum(r0, r1), maximum(r2, r3));
-    let mut kept_max = maximum(maximum(p0, p1), maximum(p2, p3));
-    let mut mask = 1;
-    while mask < 32 {
-        // SAFETY: all lanes together (this function's contract).
-        unsafe {
-            raw_max = maximum(raw_max, f32::from_bits(arch::shuffle_xor(raw_max.to_bits(), mask)));
-            kept_max = maximum(kept_max, f32::from_bits(arch::shuffle_xor(kept_max.to_bits(), mask)));
-        }
-        mask <<= 1;
-    }
-    if lane == 0 {
-        // SAFETY: warp `warp`'s slot.
-        unsafe { ((*staging.add(warp)).raw.max, (*staging.add(warp)).kept.max) = (raw_max, kept_max) };
-    }
-    // SAFETY: every thread of the block (this function's contract).
-    unsafe { arch::sync_threads() };
-    for w in 0..TILE_KERNEL_WARPS as usize {
-        // SAFETY: written before the barrier above.
-        let slot = unsafe { *staging.add(w) };
-        (raw_max, kept_max) = (maximum(raw_max, slot.raw.max), maximum(kept_max, slot.kept.max));
-    }
-    let t = |l: f32, max: f32, temperature: f32| LogSumExp::term(l, max, temperature);
-    let mut raw_sum = t(r0, raw_max, 1.0) + t(r1, raw_max, 1.0) + t(r2, raw_max, 1.0) + t(r3, raw_max, 1.0);
-    let mut kept_sum = t(p0, kept_max, temperature)
-        + t(p1, kept_max, temperature)
-        + t(p2, kept_max, temperature)
-        + t(p3, kept_max, temperature);
-    let mut mask = 1;
-    while mask < 32 {
-        // SAFETY: all lanes together; `a + b` and `b + a` are the same float, so both lanes of
-        // a pair hold the same sum.
-        unsafe {
-            raw_sum += f32::from_bits(arch::shuffle_xor(raw_sum.to_bits(), mask));
-            kept_sum += f32::from_bits(arch::shuffle_xor(kept_sum.to_bits(), mask));
-        }
-        mask <<= 1;
-    }
-    if lane == 0 {
-        // SAFETY: warp `warp`'s slot; the maxima read above are other fields.
-        unsafe { ((*staging.add(warp)).raw.sum, (*staging.add(warp)).kept.sum) = (raw_sum, kept_sum) };
-    }
-    // SAFETY: every thread of the block.
-    unsafe { arch::sync_threads() };
-    let (mut raw_total, mut kept_total) = (0.0, 0.0);
-    for w in 0..TILE_KERNEL_WARPS as usize {
-        // SAFETY: written before the barrier above.
-        let slot = unsafe { *staging.add(w) };
-        (raw_total, kept_total) = (raw_total + slot.raw.sum, kept_total + slot.kept.sum);
-    }
-    let lse = |max: f32, sum: f32| if max == f32::NEG_INFINITY { LogSumExp::EMPTY } else { LogSumExp { max, sum } };
-    RowSums { raw: lse(raw_max, raw_total), kept: lse(kept_max, kept_total) }
+/// A thread's share of one batch column's log-sum-exp terms: four consecutive vocabulary rows,
+/// raw and processed, of which the first `rows_valid` lie in the vocabulary.
+#[derive(Clone, Copy)]
+pub struct ColumnQuad {
+    pub raw: [f32; 4],
+    pub processed: [f32; 4],
+    pub rows_valid: u32,
+    /// Whether the column's row samples (the processed terms are empty for a greedy row or a
+    /// column past the batch).
+    pub sampling: bool,
+    pub temperature: f32,
 }
 
-/// The unfused sampler: reads materialised logits, four per thread, applies the row's
-/// per-entry processing if asked, and writes one candidate per (row, draw, 512-entry tile)
-/// exactly as the fused epilogue would; with `tile_sums`, also the tile's log-sum-exp terms.
+impl ColumnQuad {
+    /// The quad's entries that add terms, `[raw, processed]`, the rest −∞. Scalars through
+    /// selects, not indexed arrays: an array indexed in a loop goes to the stack.
+    #[inline(always)]
+    fn entries(&self) -> [[f32; 4]; 2] {
+        let valid = |r: u32, x: f32| if r < self.rows_valid { x } else { f32::NEG_INFINITY };
+        let kept = |r: u32, x: f32| if self.sampling { valid(r, x) } else { f32::NEG_INFINITY };
+        let ([r0, r1, r2, r3], [p0, p1, p2, p3]) = (self.raw, self.processed);
+        [[valid(0, r0), valid(1, r1), valid(2, r2), valid(3, r3)], [kept(0, p0), kept(1, p1), kept(2, p2), kept(3, p3)]]
+    }
+
+    /// The largest raw and processed entries (−∞ for none).
+    #[inline(always)]
+    pub fn maxima(&self) -> [f32; 2] {
+        let [[r0, r1, r2, r3], [p0, p1, p2, p3]] = self.entries();
+        [maximum(maximum(r0, r1), maximum(r2, r3)), maximum(maximum(p0, p1), maximum(p2, p3))]
+    }
+
+    /// The sums of the entries' terms against the column's maxima (`LogSumExp::term`: raw at
+    /// T = 1, processed at the row's temperature), which add no rescaling per entry.
+    #[inline(always)]
+    pub fn terms(&self, maxima: [f32; 2]) -> [f32; 2] {
+        let [[r0, r1, r2, r3], [p0, p1, p2, p3]] = self.entries();
+        let [raw_max, kept_max] = maxima;
+        let raw = |l: f32| LogSumExp::term(l, raw_max, 1.0);
+        let kept = |l: f32| LogSumExp::term(l, kept_max, self.temperature);
+        [raw(r0) + raw(r1) + raw(r2) + raw(r3), kept(p0) + kept(p1) + kept(p2) + kept(p3)]
+    }
+}
+
+/// A column's terms from its maxima and its sums of terms: empty where the maximum is −∞.
+#[inline(always)]
+pub fn column_sums(maxima: [f32; 2], sums: [f32; 2]) -> RowSums {
+    let lse = |max: f32, sum: f32| if max == f32::NEG_INFINITY { LogSumExp::EMPTY } else { LogSumExp { max, sum } };
+    RowSums { raw: lse(maxima[0], sums[0]), kept: lse(maxima[1], sums[1]) }
+}
+
+/// `[raw, processed]` pairs combined by `combine` over the lanes that differ in the bits
+/// `mask ..= last_mask` (a butterfly; `combine` commutes, so every lane ends with the same
+/// values).
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+pub unsafe fn combine_over_lanes(
+    mut pair: [f32; 2],
+    mut mask: u32,
+    last_mask: u32,
+    combine: impl Fn(f32, f32) -> f32,
+) -> [f32; 2] {
+    while mask <= last_mask {
+        // SAFETY: per this function's contract all 32 lanes are here together (the loop bounds are
+        // uniform).
+        let other = unsafe {
+            [
+                f32::from_bits(arch::shuffle_xor(pair[0].to_bits(), mask)),
+                f32::from_bits(arch::shuffle_xor(pair[1].to_bits(), mask)),
+            ]
+        };
+        pair = [combine(pair[0], other[0]), combine(pair[1], other[1])];
+        mask <<= 1;
+    }
+    pair
+}
+
+/// Shared memory of [`tile_column_sums`] inside a tile's candidate staging: a `[raw, processed]`
+/// pair per (warp, column), then one per column.
+#[derive(Clone, Copy)]
+pub struct SumsStaging {
+    pub base: *mut [f32; 2],
+    pub warps: u32,
+    pub columns: u32,
+}
+
+impl SumsStaging {
+    /// Bytes of the staging for `warps × columns`.
+    pub const fn bytes(warps: u32, columns: u32) -> u32 {
+        (warps + 1) * columns * 8
+    }
+
+    #[inline(always)]
+    fn warp_pair(&self, warp: u32, column: u32) -> *mut [f32; 2] {
+        self.base.wrapping_add((warp * self.columns + column) as usize)
+    }
+
+    #[inline(always)]
+    fn column_pair(&self, column: u32) -> *mut [f32; 2] {
+        self.base.wrapping_add((self.warps * self.columns + column) as usize)
+    }
+}
+
+/// Where a thread of a tile spread over warps sits for [`tile_column_sums`].
+#[derive(Clone, Copy)]
+pub struct SumsPlace {
+    /// Thread index in the block or team; threads `0 .. columns` write one column each.
+    pub thread: u32,
+    pub warp: u32,
+    pub lane: u32,
+    /// Lanes that differ in the bits `first_mask ..= 16` hold other rows of the same columns;
+    /// lanes below `first_mask` hold distinct columns.
+    pub first_mask: u32,
+}
+
+/// The log-sum-exp terms of every batch column of a tile whose rows are spread over the lanes
+/// and warps of a block or team: `quad(slot)` gives this thread's column and quad of each of
+/// its `slots`, and thread `c < columns` hands column `c`'s terms to `write`. Two passes: the
+/// columns' maxima (per warp, then over warps), then the sums of terms (per warp, then over
+/// warps in warp order, so the terms do not depend on timing).
+///
+/// # Safety
+/// Every thread of the block or team calls it together, with the same `slots`; `sync` is
+/// their barrier; `staging` is theirs, with room for [`SumsStaging::bytes`], and no thread
+/// reads or writes it until every thread has returned from this call and passed `sync` once.
+#[inline(always)]
+pub unsafe fn tile_column_sums(
+    slots: usize,
+    quad: impl Fn(usize) -> (u32, ColumnQuad),
+    place: SumsPlace,
+    staging: SumsStaging,
+    sync: impl Fn(),
+    write: impl Fn(u32, RowSums),
+) {
+    let writes_pair = place.lane < place.first_mask;
+    let mut slot = 0;
+    while slot < slots {
+        let (column, q) = quad(slot);
+        // SAFETY: every lane of the warp reaches it (uniform loop bounds).
+        let maxima = unsafe { combine_over_lanes(q.maxima(), place.first_mask, 16, maximum) };
+        if writes_pair {
+            // SAFETY: `warp < warps`, `column < columns`: inside the staging (this function's
+            // contract).
+            unsafe { *staging.warp_pair(place.warp, column) = maxima };
+        }
+        slot += 1;
+    }
+    sync();
+    if place.thread < staging.columns {
+        let mut maxima = [f32::NEG_INFINITY; 2];
+        for w in 0..staging.warps {
+            // SAFETY: written by warp `w` before the barrier above.
+            let [raw, kept] = unsafe { *staging.warp_pair(w, place.thread) };
+            maxima = [maximum(maxima[0], raw), maximum(maxima[1], kept)];
+        }
+        // SAFETY: column `thread < columns`'s pair, read by no thread before the next barrier.
+        unsafe { *staging.column_pair(place.thread) = maxima };
+    }
+    sync();
+    let mut slot = 0;
+    while slot < slots {
+        let (column, q) = quad(slot);
+        // SAFETY: written before the barrier above.
+        let maxima = unsafe { *staging.column_pair(column) };
+        // SAFETY: every lane of the warp reaches it (uniform loop bounds).
+        let terms = unsafe { combine_over_lanes(q.terms(maxima), place.first_mask, 16, |a, b| a + b) };
+        if writes_pair {
+            // SAFETY: as in the first pass; every thread read the per-warp maxima before the
+            // barrier above.
+            unsafe { *staging.warp_pair(place.warp, column) = terms };
+        }
+        slot += 1;
+    }
+    sync();
+    if place.thread < staging.columns {
+        let mut sums = [0.0f32; 2];
+        for w in 0..staging.warps {
+            // SAFETY: written by warp `w` before the barrier above.
+            let [raw, kept] = unsafe { *staging.warp_pair(w, place.thread) };
+            sums = [sums[0] + raw, sums[1] + kept];
+        }
+        // SAFETY: written before the second barrier.
+        let maxima = unsafe { *staging.column_pair(place.thread) };
+        write(place.thread, column_sums(maxima, sums));
+    }
+    sync();
+}
+
+/// The unfused sampler: reads materialised logits, four per thread, and writes one candidate
+/// per (row, draw, 512-entry tile) exactly as the fused epilogue would.
 ///
 /// # Safety
 /// Launched with `TILE_KERNEL_WARPS · 32` threads and `LOGITS_SAMPLER_SHARED_BYTES` of shared
@@ -252,7 +408,6 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
     let thread = arch::thread_index();
     let lane = thread % 32;
     let warp = thread / 32;
-    let sums_staging = staging.wrapping_add((SAMPLES_PER_MERGE * TILE_KERNEL_WARPS) as usize).cast::<RowSums>();
     let mut item = arch::block_index();
     let items = args.tiles * args.batch;
     while item < items {
@@ -261,7 +416,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
         let row0 = (tile * TILE_KERNEL_WARPS * 32 + thread) * 4;
         let index0 = args.vocab_offset + row0;
         let rows_valid = args.vocab.saturating_sub(row0).min(4);
-        let raw = if rows_valid > 0 {
+        let logits = if rows_valid > 0 {
             let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
             // SAFETY: `rows_valid > 0`: `row0 < vocab`, so the four floats lie in row `b` of the
             // logits (stride a multiple of 4, so 16-byte aligned).
@@ -271,21 +426,6 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
         };
         // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
         let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
-        let mut logits = raw;
-        if args.processing.address() != 0 {
-            // SAFETY: `b < batch`: the launch's processing holds the row.
-            logits = unsafe { process::fused_quad(args.processing, b, index0, args.vocab_offset + args.vocab, raw) };
-        }
-        if args.tile_sums.address() != 0 {
-            let sampling = row.greedy == 0;
-            // SAFETY: every thread of the block together (uniform loops); `b < batch`, `tile <
-            // tiles`.
-            let sums = unsafe { block_sums(raw, logits, rows_valid, sampling, row.temperature, sums_staging) };
-            if thread == 0 {
-                // SAFETY: row `b`'s term of tile `tile`.
-                unsafe { *args.tile_sums.as_mut_ptr().add((b * args.tiles + tile) as usize) = sums };
-            }
-        }
         let mut first = 0;
         while first < args.samples {
             for slot in 0..SAMPLES_PER_MERGE {
@@ -324,41 +464,24 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
 }
 
 /// `best` of row `b` with the token's logits, where the shard has them: the raw logit, and the
-/// processed one from `processed` or, without it, the raw quad after `processing`'s steps (as
-/// the logits sampler applied them).
+/// processed one from `processed` (the raw one without it).
 ///
 /// # Safety
 /// `args.raw` and `args.processed` are null or hold `batch` rows of `logits_stride` floats whose
-/// column `i` is the global token `vocab_offset + i`; `args.processing`, if not null, holds
-/// `batch` rows; `best` is a winner of row `b` of this shard.
+/// column `i` is the global token `vocab_offset + i`; `best` is a winner of row `b` of this
+/// shard.
 #[inline(always)]
 unsafe fn shard_winner(args: &ReduceArgs, b: u32, best: Candidate) -> ShardWinner {
     let column = best.index.wrapping_sub(args.vocab_offset);
     let mut winner = ShardWinner { candidate: best, ..ShardWinner::NONE };
     if args.raw.address() != 0 && best.index < NON_FINITE_TOKEN && column < args.logits_stride {
-        let row = b as usize * args.logits_stride as usize;
+        let at = b as usize * args.logits_stride as usize + column as usize;
         // SAFETY: `column < logits_stride`: inside row `b` of the logits (this function's contract).
-        winner.raw = unsafe { *args.raw.as_ptr().add(row + column as usize) };
-        winner.processed = if args.processed.address() != 0 {
+        winner.raw = unsafe { *args.raw.as_ptr().add(at) };
+        winner.processed = match args.processed.address() {
+            0 => winner.raw,
             // SAFETY: as above.
-            unsafe { *args.processed.as_ptr().add(row + column as usize) }
-        } else if args.processing.address() != 0 {
-            let first = column & !3;
-            // SAFETY: the quad `first .. first + 4` lies in row `b` (the stride is a multiple of 4).
-            let quad: [f32; 4] = core::array::from_fn(|r| unsafe { *args.raw.as_ptr().add(row + first as usize + r) });
-            let vocab_end = args.vocab_offset + args.vocab;
-            // SAFETY: row `b` of the processing (this function's contract).
-            let [q0, q1, q2, q3] =
-                unsafe { process::fused_quad(args.processing, b, args.vocab_offset + first, vocab_end, quad) };
-            // Selects, not an index: an array indexed at run time goes to the stack.
-            match column & 3 {
-                0 => q0,
-                1 => q1,
-                2 => q2,
-                _ => q3,
-            }
-        } else {
-            winner.raw
+            _ => unsafe { *args.processed.as_ptr().add(at) },
         };
     }
     winner
@@ -462,5 +585,78 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
         // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };
         item += arch::grid_size();
+    }
+}
+
+/// The winners' logits of a fused call (see [`WinnerLogitsArgs`]): one warp per winner, its
+/// lanes taking every 32nd element of the dot product, then a butterfly sum; lane 0 applies
+/// the row's per-entry steps and writes both logits. The product of two elements (bf16, f16 or
+/// f32) is exact in f64 and their sum nearly so: the raw logit is the dot product rounded once
+/// to f32, whatever the order (the tiles' own f32 sums round at every step).
+///
+/// # Safety
+/// Launched with a multiple of 32 threads per block; `args` describes valid device buffers:
+/// `winners` holds `batch · samples` winners of this shard, `W` `vocab` rows and `H` `batch`
+/// rows of `dim` elements at their strides, the processing (if not null) `batch` rows for the
+/// global vocabulary up to `vocab_offset + vocab`.
+#[inline(always)]
+pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
+    let (thread, threads) = arch::global_thread();
+    let lane = (thread % 32) as u32;
+    let slots = args.batch as u64 * args.samples as u64;
+    let mut k = thread / 32;
+    // `k` is the warp's: the loop and the branch below are uniform over the warp.
+    while k < slots {
+        let b = (k / args.samples as u64) as u32;
+        // SAFETY: `k < batch · samples`: one of the winners.
+        let winner = unsafe { *args.winners.as_ptr().add(k as usize) };
+        let column = winner.candidate.index.wrapping_sub(args.vocab_offset);
+        if winner.candidate.index < NON_FINITE_TOKEN && column < args.vocab {
+            let lm_head_row = args.lm_head.address() + column as u64 * args.lm_head_stride as u64 * T::BYTES;
+            let hidden_row = args.hidden.address() + b as u64 * args.hidden_stride as u64 * T::BYTES;
+            let mut sum = 0.0f64;
+            let mut i = lane;
+            while i < args.dim {
+                // SAFETY: `column < vocab`, `b < batch` and `i < dim`: elements of the matrices,
+                // aligned to their type.
+                let (w, h) =
+                    unsafe { (T::load(lm_head_row + i as u64 * T::BYTES), T::load(hidden_row + i as u64 * T::BYTES)) };
+                sum += w as f64 * h as f64;
+                i += 32;
+            }
+            let mut mask = 1;
+            while mask < 32 {
+                let bits = sum.to_bits();
+                // SAFETY: all 32 lanes of the warp (uniform over the warp, see above); `a + b` and
+                // `b + a` are the same float, so both lanes of a pair hold the same sum.
+                let (low, high) = unsafe {
+                    (arch::shuffle_xor(bits as u32, mask) as u64, arch::shuffle_xor((bits >> 32) as u32, mask) as u64)
+                };
+                sum += f64::from_bits(low | high << 32);
+                mask <<= 1;
+            }
+            let dot = sum as f32;
+            if lane == 0 {
+                let processed = if args.processing.address() == 0 {
+                    dot
+                } else {
+                    let first = args.vocab_offset + (column & !3);
+                    let vocab_end = args.vocab_offset + args.vocab;
+                    // SAFETY: `b < batch`: row `b` of the processing (this function's contract).
+                    let [q0, q1, q2, q3] =
+                        unsafe { process::fused_quad(args.processing, b, first, vocab_end, [dot; 4]) };
+                    // Selects, not an index: an array indexed at run time goes to the stack.
+                    match column & 3 {
+                        0 => q0,
+                        1 => q1,
+                        2 => q2,
+                        _ => q3,
+                    }
+                };
+                // SAFETY: as above, one winner per warp.
+                unsafe { *args.winners.as_mut_ptr().add(k as usize) = ShardWinner { raw: dot, processed, ..winner } };
+            }
+        }
+        k += threads / 32;
     }
 }

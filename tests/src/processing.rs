@@ -610,27 +610,50 @@ pub fn check_log_probabilities(backend: &dyn ProcessedBackend, lm_head: &Matrix,
     let hidden = hidden.row_range(0, rows);
     let n = 16u32;
     let got = backend.sample_processed(lm_head, &hidden, &params, &processing, n).expect("log-probabilities");
+    let names: Vec<&str> = modes[..rows].iter().map(|m| m.0).collect();
+    let worst =
+        assert_log_probabilities(&backend.name(), lm_head, &hidden, &params, &processing, &names, &got, tolerance);
+    println!("{}: log-probabilities within {worst:.2e} of f64", backend.name());
+}
+
+/// Asserts `got`'s log-probabilities (of `hidden`'s rows with `params` and `processing`,
+/// named `names`) against f64 within `tolerance`, as [`check_log_probabilities`] states them
+/// (a greedy row's processed one is 0), and returns the largest error.
+#[allow(clippy::too_many_arguments)]
+pub fn assert_log_probabilities(
+    backend: &str,
+    lm_head: &Matrix,
+    hidden: &Matrix,
+    params: &[SamplingParams],
+    processing: &[Processing],
+    names: &[&str],
+    got: &Sampled,
+    tolerance: f64,
+) -> f64 {
+    let n = got.draws;
     let mut worst: f64 = 0.0;
-    for r in 0..rows {
-        let raw = logits_row(lm_head, &hidden, r);
+    for r in 0..hidden.rows() {
+        let raw = logits_row(lm_head, hidden, r);
         let max = raw.iter().map(|&x| x as f64).fold(f64::NEG_INFINITY, f64::max);
         let log_z = max + raw.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
         let mut order: Vec<usize> = (0..raw.len()).collect();
         order.sort_by(|&i, &j| raw[j].total_cmp(&raw[i]).then(i.cmp(&j)));
         let top = &got.top_logprobs[r];
-        assert_eq!(top.len(), processing[r].top_logprobs as usize, "{}: row {r}", backend.name());
+        assert_eq!(top.len(), processing[r].top_logprobs as usize, "{backend}: row {r}");
         for (k, &(token, lp)) in top.iter().enumerate() {
-            assert_eq!(token as usize, order[k], "{}: row {r}, top {k}", backend.name());
+            assert_eq!(token as usize, order[k], "{backend}: row {r}, top {k}");
             let error = (lp as f64 - (raw[order[k]] as f64 - log_z)).abs();
             worst = worst.max(error);
-            assert!(error <= tolerance, "{}: row {r} top {k}: {lp} vs f64", backend.name());
+            assert!(error <= tolerance, "{backend}: row {r} top {k}: {lp} vs f64");
         }
-        let q = reference_distribution(&raw, params[r].temperature, &processing[r]);
-        for j in 0..n as usize {
-            let k = r * n as usize + j;
+        // A greedy row's token has all of its distribution's mass.
+        let greedy = params[r].temperature == 0.0;
+        let q = if greedy { Vec::new() } else { reference_distribution(&raw, params[r].temperature, &processing[r]) };
+        for j in 0..n {
+            let k = r * n + j;
             let token = got.tokens[k] as usize;
             let raw_lp = raw[token] as f64 - log_z;
-            let processed_lp = q[token].ln();
+            let processed_lp = if greedy { 0.0 } else { q[token].ln() };
             for (name, got, want) in
                 [("raw", got.logprobs[k] as f64, raw_lp), ("processed", got.processed_logprobs[k] as f64, processed_lp)]
             {
@@ -638,20 +661,20 @@ pub fn check_log_probabilities(backend: &dyn ProcessedBackend, lm_head: &Matrix,
                 worst = worst.max(error);
                 assert!(
                     error <= tolerance,
-                    "{}: row {r} ({}) token {token}: {name} log-probability {got} vs f64 {want}",
-                    backend.name(),
-                    modes[r].0
+                    "{backend}: row {r} ({}) token {token}: {name} log-probability {got} vs f64 {want}",
+                    names[r]
                 );
             }
         }
     }
-    println!("{}: log-probabilities within {worst:.2e} of f64", backend.name());
+    worst
 }
 
 /// Every mode in one batch: each row gets the tokens it gets alone, and its log-probabilities
 /// to within 10⁻⁶ (relative above 1): on the GPU a batch with a row that needs its whole row
 /// sums every row's log-sum-exp terms in the processing kernel, a row alone without one in
-/// the logits sampler's tiles, and the two orders may differ in the last bit.
+/// the fused tiles (whose winners' logits are dot products rounded once), and the two may
+/// differ in the last bits.
 pub fn check_mixed_batch(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix) {
     let modes = each_mode(lm_head.rows());
     let rows = hidden.rows().min(modes.len());

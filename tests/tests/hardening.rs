@@ -211,30 +211,30 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let batch = h.row_range(0, modes.len());
     let in_place = OnDevice::new(&sampler, &w, &batch, &params, &without_top);
     assert_eq!(in_place.sample(&sampler, 3, Variant::Auto, false).unwrap().tokens, sampled.tokens);
-    // The per-entry modes alone run in the fused tile of every variant.
+    // The per-entry modes alone run in the fused tile of every variant, with log-probabilities
+    // (the tiles' per-tile terms and the winners' dot products) and without.
     let per_entry: Vec<flashsample::Processing> = (0..modes.len()).map(|r| without_top[r % 4].clone()).collect();
     let fused = OnDevice::new(&sampler, &w, &batch, &params, &per_entry);
     let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
     variants.push(Variant::Simt);
     for &variant in &variants {
-        match fused.sample(&sampler, 3, variant, false) {
-            Ok(sampled) => assert!(sampled.tokens.iter().all(|&t| t < 1009)),
-            Err(e) => assert!(e.to_string().contains("does not apply per-row processing"), "{variant:?}: {e}"),
+        for logprobs in [false, true] {
+            match fused.sample(&sampler, 3, variant, logprobs) {
+                Ok(sampled) => assert!(sampled.tokens.iter().all(|&t| t < 1009)),
+                Err(e) => assert!(e.to_string().contains("does not apply per-row processing"), "{variant:?}: {e}"),
+            }
         }
     }
-    // Log-probabilities without truncations or top entries: the logits sampler's per-tile terms.
-    let per_tile = fused.sample(&sampler, 3, Variant::Auto, true).unwrap();
-    assert!(per_tile.tokens.iter().all(|&t| t < 1009), "{:?}", per_tile.tokens);
     // Three vocabulary shards: materialised with log-probabilities, every mode (the
     // truncations decided by the shards together, in segments), then fused per variant into
-    // parts without them.
+    // parts with and without them.
     let bounds = flashsample::VocabShard::bounds(1009, 3).unwrap();
     let heads: Vec<_> = bounds.windows(2).map(|b| sampler.upload_lm_head(&w.row_range(b[0], b[1])).unwrap()).collect();
     let draws = flashsample::Draws::first(3);
     let sharded = sampler.sample_sharded(&heads, &batch, &params, &processing, draws).unwrap();
     assert_eq!(sharded.tokens, sampled.tokens);
-    for &variant in &variants {
-        let mut parts = sampler.shard_parts(heads.len(), modes.len(), 3, false).unwrap();
+    for (&variant, logprobs) in variants.iter().flat_map(|v| [(v, false), (v, true)]) {
+        let mut parts = sampler.shard_parts(heads.len(), modes.len(), 3, logprobs).unwrap();
         for (s, head) in heads.iter().enumerate() {
             let shard = flashsample::VocabShard { vocab_offset: bounds[s], vocab: 1009 };
             let (hidden, rows, p) = (&fused.hidden, &fused.rows, &fused.processing);

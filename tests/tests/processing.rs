@@ -6,8 +6,9 @@
 use flashsample::DType;
 use flashsample::Variant;
 use flashsample_tests::processing::{
-    OnDevice, check_every_mode, check_log_probabilities, check_mixed_batch, check_processing_edges, check_shards,
-    check_top_k_keeps_ties, each_mode, integer_matrix, largest_log_probability_difference, split_rows, uneven_bounds,
+    OnDevice, assert_log_probabilities, check_every_mode, check_log_probabilities, check_mixed_batch,
+    check_processing_edges, check_shards, check_top_k_keeps_ties, each_mode, integer_matrix,
+    largest_log_probability_difference, split_rows, uneven_bounds,
 };
 use flashsample_tests::{Cpu, Cuda, matrix_of, random_matrix};
 
@@ -221,8 +222,12 @@ mod gpu {
     }
 
     /// Soft-cap, bias, mask and penalties applied in the fused tile (no logits in memory) give
-    /// the materialised path's tokens with the same tile, whose logits are the same bits:
-    /// every tensor-core variant of the module, 37 rows, V = 2053 (tiles that end past V).
+    /// the materialised path's tokens with the same tile, whose logits are the same bits (rows
+    /// that also ask for a top raw log-probability take the processing pipeline); the fused
+    /// tile's log-probabilities (its per-tile log-sum-exp terms, the winners' dot products)
+    /// leave the tokens as they are and match f64 within 10⁻⁴: every tensor-core variant of the
+    /// module and the SIMT tile, 37 rows (greedy ones among them), V = 2053 (tiles that end
+    /// past V).
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn fused_per_entry_steps_give_the_materialised_tokens() {
@@ -233,21 +238,38 @@ mod gpu {
             .map(|r| flashsample::SamplingParams::new(if r % 7 == 3 { 0.0 } else { 0.8 }, 5, r as u32, 0))
             .collect();
         let processing = per_entry_modes(vocab, batch);
+        let with_top: Vec<flashsample::Processing> =
+            processing.iter().map(|p| flashsample::Processing { top_logprobs: 1, ..p.clone() }).collect();
         let sampler = &cuda().sampler;
-        let on_device = OnDevice::new(sampler, &w, &h, &params, &processing);
-        for variant in Variant::tensor_core(sampler.module()) {
-            let run = |logprobs: bool| on_device.sample(sampler, n, variant, logprobs).map(|sampled| sampled.tokens);
+        let fused = OnDevice::new(sampler, &w, &h, &params, &processing);
+        let materialised = OnDevice::new(sampler, &w, &h, &params, &with_top);
+        let names = vec!["per-entry"; batch];
+        let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
+        variants.push(Variant::Simt);
+        let mut worst: f64 = 0.0;
+        for variant in variants {
+            let run = |logprobs: bool| fused.sample(sampler, n, variant, logprobs);
             if let Variant::Tma { rows, columns } = variant
                 && !flashsample_core::registry::tma_tile_applies_processing(rows, columns)
             {
-                let refused = run(false).unwrap_err().to_string();
-                assert!(refused.contains("does not apply per-row processing"), "{refused}");
+                for logprobs in [false, true] {
+                    let refused = run(logprobs).unwrap_err().to_string();
+                    assert!(refused.contains("does not apply per-row processing"), "{refused}");
+                }
                 continue;
             }
-            let (materialised, fused) = (run(true).unwrap(), run(false).unwrap());
-            assert!(fused.iter().all(|&t| (t as usize) < vocab), "{variant:?}: {fused:?}");
-            assert_eq!(fused, materialised, "{variant:?}");
+            let (plain, with_logprobs) = (run(false).unwrap(), run(true).unwrap());
+            assert!(plain.tokens.iter().all(|&t| (t as usize) < vocab), "{variant:?}: {:?}", plain.tokens);
+            assert_eq!(with_logprobs.tokens, plain.tokens, "{variant:?}");
+            let name = format!("{variant:?}");
+            let error = assert_log_probabilities(&name, &w, &h, &params, &processing, &names, &with_logprobs, 1e-4);
+            worst = worst.max(error);
+            if variant != Variant::Simt {
+                let materialised = materialised.sample(sampler, n, variant, true).unwrap();
+                assert_eq!(plain.tokens, materialised.tokens, "{variant:?}");
+            }
         }
+        println!("fused log-probabilities within {worst:.2e} of f64");
     }
 
     /// The SIMT tile (F32, D not a multiple of 8) applies the per-entry steps as the CPU does:
@@ -356,10 +378,9 @@ mod gpu {
     }
 
     /// Vocabulary shards on the GPU (bounds multiples of 4, the Philox block): every mode in
-    /// one batch gives the unsharded tokens and log-probabilities, with top raw entries
-    /// (through the processing kernel) and without (the logits sampler's per-tile terms for
-    /// the rows that do not truncate), the truncations decided by the shards together; on
-    /// integer logits too, where top-k and top-p cut through values tied across shards.
+    /// one batch gives the unsharded tokens and log-probabilities, with top raw entries and
+    /// without, the truncations decided by the shards together; on integer logits too, where
+    /// top-k and top-p cut through values tied across shards.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn shards_give_the_unsharded_tokens_and_log_probabilities() {
@@ -373,10 +394,10 @@ mod gpu {
         check_shards(&cuda(), &w.to_dtype(DType::BF16), &h.to_dtype(DType::BF16), &modes, 4, true);
     }
 
-    /// Log-probabilities without truncations or top entries (per-tile log-sum-exp terms in the
-    /// logits sampler, per-entry steps applied as it races): on integer inputs (exact logits on
-    /// both backends) the per-entry modes, plain rows and a greedy row give the CPU's tokens,
-    /// and log-probabilities within 10⁻⁵ (relative above 1).
+    /// Log-probabilities without truncations or top entries (the fused tiles' per-tile
+    /// log-sum-exp terms, the winners' dot products): on integer inputs (exact logits on both
+    /// backends) the per-entry modes, plain rows and a greedy row give the CPU's tokens, and
+    /// log-probabilities within 10⁻⁵ (relative above 1).
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn per_tile_log_sum_exp_gives_the_cpu_log_probabilities() {

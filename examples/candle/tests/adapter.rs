@@ -131,8 +131,9 @@ fn cpu_tensors_are_sampled_on_the_cpu() {
 }
 
 /// Per-row processing in the adapter on candle's stream gives the owned API's results: every
-/// mode (soft-cap alone stays in the fused tiles; bias with top-k, the mask with top-p and top
-/// raw log-probabilities, penalties with min-p take the materialised path), tokens from
+/// mode (soft-cap alone stays in the fused tiles, with log-probabilities too; bias with top-k,
+/// the mask with top-p and top raw log-probabilities, penalties with min-p take the
+/// materialised path), tokens from
 /// `sample`, and tokens, both log-probabilities (bit for bit) and the top entries from
 /// `sample_with_logprobs`, against `CudaSampler::sample_processed_into`.
 #[test]

@@ -112,38 +112,34 @@ pub(crate) enum ReduceTarget {
 
 /// A shard's winners and what the merge kernel adds to them: the tokens' logits from `[B,
 /// logits_stride]` raw logits (column 0 the global token `vocab_offset`; null: none) and
-/// processed ones (null: `processing`'s steps on the raw quad), and each row's log-sum-exp
-/// terms merged from `[B, tiles]` per-tile ones into `sums` (null: none).
+/// processed ones (null: the raw ones), and each row's log-sum-exp terms merged from `[B,
+/// sum_parts]` per-part ones into `sums` (null: none).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct WinnerTarget {
     pub winners: DevicePtr<ShardWinner>,
     pub raw: DevicePtr<f32>,
     pub processed: DevicePtr<f32>,
-    pub processing: DevicePtr<RowProcessing>,
     /// `[B, sum_parts]` log-sum-exp terms the merge kernel merges per row into `sums`.
     pub part_sums: DevicePtr<RowSums>,
     pub sum_parts: u32,
     pub sums: DevicePtr<RowSums>,
     pub logits_stride: u32,
     pub vocab_offset: u32,
-    pub vocab: u32,
 }
 
 impl WinnerTarget {
     /// Winners alone, without logits or terms.
-    pub fn bare(winners: DevicePtr<ShardWinner>, vocab_offset: u32, vocab: u32) -> WinnerTarget {
+    pub fn bare(winners: DevicePtr<ShardWinner>, vocab_offset: u32) -> WinnerTarget {
         let null = DevicePtr::NULL;
         WinnerTarget {
             winners,
             raw: null,
             processed: null,
-            processing: DevicePtr::NULL,
             part_sums: DevicePtr::NULL,
             sum_parts: 0,
             sums: DevicePtr::NULL,
             logits_stride: 0,
             vocab_offset,
-            vocab,
         }
     }
 }
@@ -155,9 +151,7 @@ impl ReduceTarget {
             None => (ReduceTarget::Tokens(DevicePtr::new(request.tokens)), 0),
             Some(shard) => {
                 let vocab_offset = shard.vocab_offset as u32;
-                let target =
-                    WinnerTarget::bare(DevicePtr::new(shard.winners), vocab_offset, request.lm_head.rows as u32);
-                (ReduceTarget::Winners(target), vocab_offset)
+                (ReduceTarget::Winners(WinnerTarget::bare(DevicePtr::new(shard.winners), vocab_offset)), vocab_offset)
             }
         }
     }
@@ -535,6 +529,31 @@ impl StreamSampler {
         maps: TensorMaps,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
+        let (target, vocab_offset) = ReduceTarget::of(request);
+        // SAFETY: per this function's contract.
+        unsafe { self.enqueue_tiles(stream, request, plan, maps, workspace, target, vocab_offset, DevicePtr::NULL) }
+    }
+
+    /// Queues the tile kernel and the merge kernel of a planned request, the merge kernel
+    /// writing into `target`; with `tile_sums` (`[B, tiles]` terms) not null, the tile kernel
+    /// writes each (row, tile)'s log-sum-exp terms there in the pass of the row's first draws.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::enqueue`]; `target` holds `B · draws.count` slots (and its terms `B`
+    /// rows), `tile_sums` (if not null) `B · tiles` terms and the plan's variant writes them
+    /// (`Kernel::writes_tile_sums`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn enqueue_tiles(
+        &self,
+        stream: sys::CUstream,
+        request: &SampleRequest,
+        plan: &CallPlan,
+        maps: TensorMaps,
+        workspace: DeviceWorkspace,
+        target: ReduceTarget,
+        vocab_offset: u32,
+        tile_sums: DevicePtr<RowSums>,
+    ) -> Result<()> {
         let CallPlan { variant, tiles, samples, workspace_bytes: needed, .. } = *plan;
         let (lm_head, hidden) = (&request.lm_head, &request.hidden);
         self.check_workspace(workspace, needed)?;
@@ -544,7 +563,6 @@ impl StreamSampler {
         let candidates = DevicePtr::<Candidate>::new(workspace.address + WORKSPACE_MAPS_BYTES as u64);
         let element_bytes = lm_head.dtype.bytes() as u64;
         let row_params = DevicePtr::<RowParams>::new(request.row_params);
-        let (target, vocab_offset) = ReduceTarget::of(request);
         let processing = DevicePtr::<RowProcessing>::new(request.processing.map_or(0, |p| p.address));
         // SAFETY: the candidates of the largest pass fit the workspace (checked above); the row
         // parameters and tokens hold the request's extents (`sample`'s contract).
@@ -553,6 +571,11 @@ impl StreamSampler {
                 // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
                 let draw_offset = request.draws.first + pass.first_sample as u32;
                 let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
+                // The terms are written once per row, in the pass of its first draws.
+                let tile_sums = match pass.first_sample {
+                    0 => tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
+                    _ => DevicePtr::NULL,
+                };
                 if let Some((lm_head_map, hidden_map)) = maps {
                     let args = TmaArgs {
                         lm_head_map,
@@ -562,6 +585,7 @@ impl StreamSampler {
                         // A pass's rows start at its first row, in the processing blocks as in
                         // the row parameters.
                         processing: processing.add_unless_null(pass.first_row as u64),
+                        tile_sums,
                         vocab: lm_head.rows as u32,
                         dim: lm_head.cols as u32,
                         batch: launch.batch,
@@ -583,6 +607,7 @@ impl StreamSampler {
                     row_params: launch.row_params,
                     candidates,
                     processing: processing.add_unless_null(pass.first_row as u64),
+                    tile_sums,
                     vocab: lm_head.rows as u32,
                     dim: lm_head.cols as u32,
                     batch: launch.batch,
@@ -675,7 +700,6 @@ impl StreamSampler {
                 winners: DevicePtr::NULL,
                 raw: DevicePtr::NULL,
                 processed: DevicePtr::NULL,
-                processing: DevicePtr::NULL,
                 row_params: launch.row_params,
                 part_sums: DevicePtr::NULL,
                 sums: DevicePtr::NULL,
@@ -686,9 +710,7 @@ impl StreamSampler {
                 token_stride: samples,
                 logits_stride: 0,
                 vocab_offset: 0,
-                vocab: 0,
                 sum_parts: 0,
-                padding: 0,
             };
             match target {
                 ReduceTarget::Tokens(tokens) => reduce.tokens = tokens.add(first_slot),
@@ -698,15 +720,13 @@ impl StreamSampler {
                     reduce.winners = target.winners.add(first_slot);
                     reduce.raw = target.raw.add_unless_null(first_logit);
                     reduce.processed = target.processed.add_unless_null(first_logit);
-                    reduce.processing = target.processing.add_unless_null(first_row);
                     // The terms are merged once per row, in the pass of its first draws.
                     if pass.first_sample == 0 {
                         reduce.part_sums = target.part_sums.add_unless_null(first_row * target.sum_parts as u64);
                         reduce.sum_parts = target.sum_parts;
                         reduce.sums = target.sums.add_unless_null(first_row);
                     }
-                    (reduce.logits_stride, reduce.vocab_offset, reduce.vocab) =
-                        (target.logits_stride, target.vocab_offset, target.vocab);
+                    (reduce.logits_stride, reduce.vocab_offset) = (target.logits_stride, target.vocab_offset);
                 }
             }
             // SAFETY: the tile kernel just wrote `rows × samples × tiles` candidates; the tokens

@@ -596,8 +596,8 @@ impl TensorParallelRank {
         Ok(self.ranks * ShardPartLayout::of(rows, samples, logprobs).bytes as usize)
     }
 
-    /// Workspace bytes `step` needs (its stage 1: the materialised logits with
-    /// log-probabilities, `B · V/N` floats or twice that, else the fused tiles' candidates;
+    /// Workspace bytes `step` needs (its stage 1: the materialised logits when a row needs its
+    /// whole row, `B · V/N` floats or twice that, else the fused tiles' candidates and terms;
     /// with truncations the exchange with the other ranks first).
     pub fn workspace_bytes(&self, kernels: &StreamSampler, step: &RankStep) -> Result<usize> {
         let part_bytes = self.parts_bytes(step.hidden.rows, step.draws.count, step.logprobs)? / self.ranks;

@@ -1,13 +1,18 @@
 //! What an item's accumulators become: the consumers' sampling epilogue (one candidate per
 //! column, draw and tile) and the unfused GEMM's logits epilogue; the row parameters they read.
 
-use flashsample_core::abi::{TmaArgs, candidate_pair, candidate_slot};
+use flashsample_core::abi::{CANDIDATE_BYTES, RowSums, TMA_CONSUMER_WARPS, TmaArgs, candidate_pair, candidate_slot};
 use flashsample_core::{Candidate, RowParams};
 
 use super::fragments::{Placement, for_each_quad, pick_quad, transpose_quad};
 use super::race::{FIRST_COLUMN_LANE_MASK, race_round};
 use super::unrolled;
+use crate::sample::{ColumnQuad, SumsPlace, SumsStaging, masked_quad, tile_column_sums};
 use crate::{arch, process, sample};
+
+// A team's sums staging fits its candidate staging: teams of 4 or 8 warps, up to 128 columns.
+const _: () = assert!(SumsStaging::bytes(4, 128) <= 4 * 128 * CANDIDATE_BYTES);
+const _: () = assert!(SumsStaging::bytes(TMA_CONSUMER_WARPS, 128) <= TMA_CONSUMER_WARPS * 128 * CANDIDATE_BYTES);
 
 /// Stands in for the row parameters of columns past the batch: greedy, so it draws no noise.
 pub(super) const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, temperature: 0.0, greedy: 1 };
@@ -34,7 +39,8 @@ pub(super) unsafe fn load_row_words(row_params: *const u64, b: u32) -> [u64; ROW
 /// merge, the team's warps merge through `staging`, and one candidate per (column, draw) is
 /// written for this tile. With `PROCESSING` (the registry's
 /// `tma_tile_applies_processing`) each quad first takes its row's per-entry processing, if
-/// the launch has any.
+/// the launch has any, and before the draws the tile's log-sum-exp terms of each column are
+/// written, if the launch asks for them ([`tile_column_sums`]).
 ///
 /// # Safety
 /// All threads of one team call it together; `row_params` holds the `N` row parameters of the item
@@ -55,6 +61,42 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
     let rows_valid = args.vocab.saturating_sub(place.row0).min(4);
     let index0 = args.vocab_offset + place.row0;
     let philox_block = index0 / 4;
+    let vocab_end = args.vocab_offset + args.vocab;
+    if PROCESSING && args.tile_sums.address() != 0 {
+        let quad = |slot: usize| {
+            let quad = masked_quad(R / 4, slot, |i| [acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]]);
+            // SAFETY: all 32 lanes run the slots together (`tile_column_sums` runs them in uniform
+            // loops).
+            let raw = unsafe { transpose_quad(quad, place.lane) };
+            let column = 8 * slot as u32 + place.column;
+            // SAFETY: `column < N`: one of the team's row slots, stored before the barrier above.
+            let row = unsafe { *row_params.add(column as usize) };
+            let b = place.col0 + column;
+            let mut processed = raw;
+            if args.processing.address() != 0 && b < args.batch {
+                // SAFETY: a column of the batch: the launch's processing holds its row.
+                processed = unsafe { process::fused_quad(args.processing, b, index0, vocab_end, raw) };
+            }
+            let sampling = b < args.batch && row.greedy == 0;
+            (column, ColumnQuad { raw, processed, rows_valid, sampling, temperature: row.temperature })
+        };
+        let write = |column: u32, sums: RowSums| {
+            let b = place.col0 + column;
+            if b < args.batch {
+                // SAFETY: `b < batch`, `tile < tiles`: inside the `[batch, tiles]` terms.
+                unsafe { *args.tile_sums.as_mut_ptr().add((b * args.tiles + place.tile) as usize) = sums };
+            }
+        };
+        let sums_place =
+            SumsPlace { thread: place.thread, warp: place.warp, lane: place.lane, first_mask: FIRST_COLUMN_LANE_MASK };
+        let sums_staging = SumsStaging { base: staging.cast(), warps: threads / 32, columns: N as u32 };
+        // SAFETY: `tile_column_sums` has every thread of the team reach it together.
+        let sync = || unsafe { arch::sync_named(barrier, threads) };
+        // SAFETY: every thread of the team runs it together with `N / 8` slots, `sync` is the
+        // team's barrier; `staging` is the team's `warps · N` candidates, which hold the sums'
+        // staging (the assertions above).
+        unsafe { tile_column_sums(N / 8, quad, sums_place, sums_staging, sync, write) };
+    }
     for j in 0..args.samples {
         // A run-time loop over rounds keeps one copy of the Philox and log code.
         let mut round = 0;
@@ -74,7 +116,6 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
                 if PROCESSING && args.processing.address() != 0 && in_batch[k] {
                     // SAFETY: a column of the batch: the launch's processing holds its row.
                     logits[k] = unsafe {
-                        let vocab_end = args.vocab_offset + args.vocab;
                         process::fused_quad(args.processing, place.col0 + column[k], index0, vocab_end, logits[k])
                     };
                 }

@@ -26,6 +26,7 @@ use flashsample_core::abi::{
     HANDOFF_COLUMN_STRIDE, HANDOFF_COLUMNS, HANDOFF_EPILOGUE_WARPS, HANDOFF_ROWS, TMA_CONSUMER_WARPS, TMA_K_BLOCK,
     TmaArgs, WARPGROUP_ROWS, handoff_logits_bytes, tma_handoff_stages,
 };
+use flashsample_core::candidate::maximum;
 use flashsample_core::estimate::exact_entry;
 
 use super::WARPGROUP_THREADS;
@@ -36,6 +37,7 @@ use super::race::estimate_column;
 use super::scheduler::Items;
 use super::unrolled;
 use crate::hopper::WgmmaElement;
+use crate::sample::ColumnQuad;
 use crate::{arch, hopper, process, sample};
 
 /// Four consecutive logits of one column, read from the buffer with one 16-byte load.
@@ -170,14 +172,17 @@ unsafe fn consume<T: WgmmaElement, const N: usize, const R: usize>(
     }
 }
 
-/// The per-entry processing, in place in the buffer, of the quads epilogue warp `warp`'s lane
-/// `lane` races: column `8 · group + lane / 8` of each of the warp's groups, quads
-/// `lane % 8 + 8i` (a loop apart from the race's, which keeps its registers free).
+/// What an item's logits take before its draws, for the quads epilogue warp `warp`'s lane
+/// `lane` races (column `8 · group + lane / 8` of each of the warp's groups, quads
+/// `lane % 8 + 8i`; a loop apart from the race's, which keeps its registers free): the
+/// per-entry processing, in place in the buffer, if the launch has any, and the tile's
+/// log-sum-exp terms of each column, if the launch asks for them (a column's eight lanes hold
+/// all its rows).
 ///
 /// # Safety
 /// As [`score`], after `logits_full`; the processing holds the batch's rows.
 #[inline(always)]
-unsafe fn process_columns<const N: usize>(
+unsafe fn prepare_columns<const N: usize>(
     args: &TmaArgs,
     layout: &HandoffLayout,
     warp: u32,
@@ -186,23 +191,62 @@ unsafe fn process_columns<const N: usize>(
     col0: u32,
 ) {
     let (slot, part) = (lane % COLUMN_LANES, lane / COLUMN_LANES);
+    let (processing, sums) = (args.processing.address() != 0, args.tile_sums.address() != 0);
+    let vocab_end = args.vocab_offset + args.vocab;
     let mut group = warp;
     while group * GROUP_COLUMNS < N as u32 {
         let column = group * GROUP_COLUMNS + part;
         let b = col0 + column;
-        if b < args.batch {
-            for i in 0..LANE_QUADS as u32 {
-                let quad = slot + COLUMN_LANES * i;
-                let at =
-                    layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize).cast::<Quad>();
-                // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte aligned;
-                // only this lane touches the quad until the race reads it; `b < batch`.
+        let in_batch = b < args.batch;
+        // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
+        let row = if in_batch && sums { unsafe { *args.row_params.as_ptr().add(b as usize) } } else { PAD_ROW };
+        let mut quads = [ColumnQuad {
+            raw: [0.0; 4],
+            processed: [0.0; 4],
+            rows_valid: 0,
+            sampling: in_batch && row.greedy == 0,
+            temperature: row.temperature,
+        }; LANE_QUADS];
+        unrolled!(i < LANE_QUADS, {
+            let quad = slot + COLUMN_LANES * i as u32;
+            let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize).cast::<Quad>();
+            // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte aligned;
+            // only this lane touches the quad until the race reads it.
+            let raw = unsafe { (*at).0 };
+            let mut processed = raw;
+            if processing && in_batch {
+                let index0 = args.vocab_offset + tile * HANDOFF_ROWS + 4 * quad;
+                // SAFETY: `b < batch`: the launch's processing holds the row; the quad as above.
                 unsafe {
-                    let index0 = args.vocab_offset + tile * HANDOFF_ROWS + 4 * quad;
-                    let vocab_end = args.vocab_offset + args.vocab;
-                    let processed = process::fused_quad(args.processing, b, index0, vocab_end, (*at).0);
+                    processed = process::fused_quad(args.processing, b, index0, vocab_end, raw);
                     *at = Quad(processed);
                 }
+            }
+            let rows_valid = args.vocab.saturating_sub(tile * HANDOFF_ROWS + 4 * quad).min(4);
+            quads[i] = ColumnQuad { raw, processed, rows_valid, ..quads[i] };
+        });
+        if sums {
+            let mut maxima = [f32::NEG_INFINITY; 2];
+            unrolled!(i < LANE_QUADS, {
+                let [raw, kept] = quads[i].maxima();
+                maxima = [maximum(maxima[0], raw), maximum(maxima[1], kept)];
+            });
+            // SAFETY: all 32 lanes (`sums` and the group loop are uniform over the warp); a
+            // column's lanes differ in the bits below `COLUMN_LANES`.
+            maxima = unsafe { sample::combine_over_lanes(maxima, 1, COLUMN_LANES / 2, maximum) };
+            let mut terms = [0.0f32; 2];
+            unrolled!(i < LANE_QUADS, {
+                let [raw, kept] = quads[i].terms(maxima);
+                terms = [terms[0] + raw, terms[1] + kept];
+            });
+            // SAFETY: as above.
+            terms = unsafe { sample::combine_over_lanes(terms, 1, COLUMN_LANES / 2, |x, y| x + y) };
+            if slot == 0 && in_batch {
+                // SAFETY: `b < batch`, `tile < tiles`: inside the `[batch, tiles]` terms.
+                unsafe {
+                    *args.tile_sums.as_mut_ptr().add((b * args.tiles + tile) as usize) =
+                        sample::column_sums(maxima, terms)
+                };
             }
         }
         group += HANDOFF_EPILOGUE_WARPS;
@@ -274,10 +318,10 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
         let vocab_end = args.vocab_offset + args.vocab;
         // SAFETY: `logits_full` is initialised; the whole warp waits on the same phase.
         unsafe { hopper::barrier_wait(layout.logits_full, handoffs & 1) };
-        if args.processing.address() != 0 {
+        if args.processing.address() != 0 || args.tile_sums.address() != 0 {
             // SAFETY: as the draw loop below: the lanes process in place the quads of the columns
-            // they race, once per item.
-            unsafe { process_columns::<N>(args, layout, warp, lane, tile, col0) };
+            // they race and sum their columns, once per item.
+            unsafe { prepare_columns::<N>(args, layout, warp, lane, tile, col0) };
         }
         for j in 0..args.samples {
             let draw = args.draw_offset + j;

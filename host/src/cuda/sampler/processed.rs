@@ -1,17 +1,19 @@
 //! Processed sampling on the GPU, by one of two paths with the same tokens for the same logits:
-//! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) and no
-//!   log-probabilities go through the tile kernels of plain sampling, which apply the steps to
-//!   each logits quad (`SampleRequest::processing`);
-//! - materialised: the unfused GEMM writes the logits (`[B, V]` f32, twice with
-//!   log-probabilities: raw and processed), the processing pipeline (`process_rows` launches
-//!   over slices of each row) processes them, and the logits sampler and the merge kernel draw
-//!   from them with the plain path's noise.
+//! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) go through the
+//!   tile kernels of plain sampling, which apply the steps to each logits quad
+//!   (`SampleRequest::processing`) and, with log-probabilities, sum each tile's log-sum-exp
+//!   terms; the winners' logits are recomputed, one dot product each;
+//! - materialised, when a row needs its whole row (min-p, top-k, top-p, top entries): the
+//!   unfused GEMM writes the logits (`[B, V]` f32, twice with log-probabilities: raw and
+//!   processed), the processing pipeline (`process_rows` launches over slices of each row)
+//!   processes them, and the logits sampler and the merge kernel draw from them with the plain
+//!   path's noise.
 //!
 //! Either path can run over a vocabulary shard of the LM head (its rows with their global
 //! offset): stage 1 writes the shard's winners per (row, draw) with the tokens' logits and,
 //! with log-probabilities, the shard's log-sum-exp terms and top raw entries into the shard's
 //! part of a [`ShardParts`]; stage 2, the shard merge, turns all parts into tokens and
-//! log-probabilities. The unsharded materialised path is the one-shard case; the parts are
+//! log-probabilities. The unsharded call is the one-shard case; the parts are
 //! laid out so that a collective can gather them across devices.
 
 use std::sync::Arc;
@@ -387,10 +389,10 @@ impl CudaSampler {
 
     /// Queues processed sampling into `out` (`[B, draws.count]`) with the tile of `variant`:
     /// the owned form of [`StreamSampler::sample_processed`](crate::StreamSampler::sample_processed).
-    /// Without log-probabilities and truncations (soft-cap, bias, mask and penalties only) the
-    /// fused tile applies the steps to each logits tile on chip: no logits in memory. Otherwise
-    /// the logits are materialised in the workspace (`B · V` floats; twice that when a row
-    /// needs its whole row and log-probabilities keep the raw logits beside the processed
+    /// Unless a row needs its whole row (soft-cap, bias, mask and penalties only, with or
+    /// without log-probabilities) the fused tile applies the steps to each logits tile on chip:
+    /// no logits in memory. Otherwise the logits are materialised in the workspace (`B · V`
+    /// floats; twice that when log-probabilities keep the raw logits beside the processed
     /// ones), which needs a BF16 or F16 head with `D % 8 == 0`. Both give the same tokens for
     /// the same logits. Never waits for the device.
     #[allow(clippy::too_many_arguments)]
@@ -420,9 +422,8 @@ impl CudaSampler {
 
     /// Stage 1 over a vocabulary shard `lm_head` at `shard`: queues the draws `draws` of each
     /// row of `hidden` with the rows' processing (made for the whole vocabulary) into part
-    /// `part` of `parts`. Fused (soft-cap, bias, mask, penalties in the tile) when `parts` has
-    /// no log-probabilities and no row needs its whole row; materialised otherwise (BF16 or F16
-    /// with `D % 8 == 0`). min-p, top-k and top-p need the whole vocabulary in the shard (their
+    /// `part` of `parts`. Fused (soft-cap, bias, mask, penalties in the tile) when no row needs
+    /// its whole row; materialised otherwise (BF16 or F16 with `D % 8 == 0`). min-p, top-k and top-p need the whole vocabulary in the shard (their
     /// keep rule is a property of the whole row): shards of one device decide them together in
     /// [`CudaSampler::sample_shards_into`]. Never waits for the device.
     #[allow(clippy::too_many_arguments)]

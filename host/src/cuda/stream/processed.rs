@@ -1,14 +1,17 @@
 //! Processed sampling through [`StreamSampler`]: every processing mode, log-probabilities and
 //! vocabulary shards on a stream and workspace the caller gives, by one of two paths with the
 //! same tokens for the same logits:
-//! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) and no
-//!   log-probabilities go through the tile kernels of plain sampling, which apply the steps to
-//!   each logits quad;
-//! - materialised: the unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice
-//!   with truncations or top entries and log-probabilities: raw and processed), the processing
-//!   pipeline (`process_rows` launches over slices of the rows) processes them when a row needs
-//!   its whole row, and the logits sampler and the merge kernel draw from them with the plain
-//!   path's noise; stage 1 of a shard ends
+//! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) go through the
+//!   tile kernels of plain sampling, which apply the steps to each logits quad; with
+//!   log-probabilities the tiles also write each (row, tile)'s log-sum-exp terms, the merge
+//!   kernel merges them per row beside the winners, and `winner_logits` recomputes the winners'
+//!   logits (the tiles keep none); stage 1 of a shard ends there, the unsharded call goes on to
+//!   the shard merge of its one part;
+//! - materialised, for rows that need their whole row (min-p, top-k, top-p, top entries): the
+//!   unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice with
+//!   log-probabilities: raw and processed), the processing pipeline (`process_rows` launches
+//!   over slices of the rows) processes them, and the logits sampler and the merge kernel draw
+//!   from them with the plain path's noise; stage 1 of a shard ends
 //!   there (its winners, log-sum-exp terms and top raw entries in its part), the unsharded call
 //!   goes on to the shard merge of its one part.
 //!
@@ -24,7 +27,7 @@ use cudarc::driver::sys;
 use flashsample_core::abi::{
     DevicePtr, LOGITS_SAMPLER_TILE, LogitsArgs, LogitsSamplerArgs, PROCESS_THREADS, ProcessArgs, ProcessRowState,
     ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardExchangeLayout,
-    ShardMergeArgs, ShardPartLayout, ShardWinner, TmaArgs, TopLogprob,
+    ShardMergeArgs, ShardPartLayout, ShardWinner, TmaArgs, TopLogprob, WinnerLogitsArgs,
 };
 use flashsample_core::process::MAX_TOP_LOGPROBS;
 use flashsample_core::registry::Kernel;
@@ -35,7 +38,7 @@ use super::{
     WORKSPACE_MAPS_BYTES, WinnerTarget, check_address, check_request, check_shard,
 };
 use crate::cpu::Sampled;
-use crate::cuda::dispatch::Variant;
+use crate::cuda::dispatch::{Variant, element_type};
 use crate::cuda::driver;
 use crate::cuda::passes::{CANDIDATE_BUDGET_BYTES, Plan};
 use crate::error::{Result, invalid};
@@ -86,7 +89,7 @@ impl ProcessingRef {
         Ok(super::FusedProcessing { address: self.address, rows: self.rows, vocab: self.vocab })
     }
 
-    /// The blocks the fused tiles or the logits sampler apply, or null when no row has a
+    /// The blocks the fused tiles and the winners' logits apply, or null when no row has a
     /// per-entry step.
     fn per_entry_blocks(&self) -> DevicePtr<RowProcessing> {
         if self.per_entry { self.blocks() } else { DevicePtr::NULL }
@@ -185,10 +188,10 @@ impl ProcessedRequest {
         }
     }
 
-    /// The request's fused form, when no row needs its whole row and no log-probabilities are
-    /// asked for: the tile kernels apply the per-entry steps.
+    /// The request's fused form, when no row needs its whole row: the tile kernels apply the
+    /// per-entry steps (and, with log-probabilities, sum each tile's terms).
     fn fused(&self) -> Option<SampleRequest> {
-        if self.logprobs() || self.processing.whole_row.is_some() {
+        if self.processing.whole_row.is_some() {
             return None;
         }
         let processing = match self.processing.per_entry {
@@ -294,8 +297,7 @@ pub(crate) struct MaterialisedPlan {
     copies: usize,
     /// The processing pipeline's slices per row, when it runs (a row needs its whole row).
     process_slices: Option<usize>,
-    /// Log-sum-exp terms per row with log-probabilities: the processing pipeline's slices, or
-    /// the logits sampler's tiles.
+    /// Log-sum-exp terms per row with log-probabilities: the processing pipeline's slices.
     sum_parts: usize,
     logits_at: usize,
     part_sums_at: usize,
@@ -309,17 +311,40 @@ pub(crate) struct MaterialisedPlan {
     pub workspace_bytes: usize,
 }
 
-/// A processed request's plan: the fused tiles' or the materialised pipeline's.
+/// What a fused call with log-probabilities adds to its tiles' workspace (byte offsets after
+/// the candidates): each (row, tile)'s log-sum-exp terms, and the unsharded call's one part,
+/// which the shard merge turns into tokens and log-probabilities.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FusedSums {
+    tile_sums_at: usize,
+    part_at: usize,
+    workspace_bytes: usize,
+}
+
+impl FusedSums {
+    fn new(plan: &CallPlan, batch: usize, samples: u32, own_part: bool) -> FusedSums {
+        let tile_sums_at = align(plan.workspace_bytes);
+        let part_at = align(tile_sums_at + batch * plan.tiles * size_of::<RowSums>());
+        let part = match own_part {
+            true => ShardPartLayout::of(batch as u32, samples, true).bytes as usize,
+            false => 0,
+        };
+        FusedSums { tile_sums_at, part_at, workspace_bytes: part_at + part }
+    }
+}
+
+/// A processed request's plan: the fused tiles' (with their terms when the call has
+/// log-probabilities) or the materialised pipeline's.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum ProcessedPlan {
-    Fused(SampleRequest, CallPlan),
+    Fused(SampleRequest, CallPlan, Option<FusedSums>),
     Materialised(MaterialisedPlan),
 }
 
 impl ProcessedPlan {
     pub fn workspace_bytes(&self) -> usize {
         match self {
-            ProcessedPlan::Fused(_, plan) => plan.workspace_bytes,
+            ProcessedPlan::Fused(_, plan, sums) => sums.map_or(plan.workspace_bytes, |sums| sums.workspace_bytes),
             ProcessedPlan::Materialised(plan) => plan.workspace_bytes,
         }
     }
@@ -327,7 +352,7 @@ impl ProcessedPlan {
     /// The tile variant whose tensor maps the call reads (if TMA).
     pub fn variant(&self) -> Variant {
         match self {
-            ProcessedPlan::Fused(_, plan) => plan.variant,
+            ProcessedPlan::Fused(_, plan, _) => plan.variant,
             ProcessedPlan::Materialised(plan) => plan.variant,
         }
     }
@@ -411,7 +436,19 @@ impl StreamSampler {
             }
         }
         if let Some(fused) = request.fused() {
-            return Ok(ProcessedPlan::Fused(fused, self.plan_call(&fused)?));
+            let plan = self.plan_call(&fused)?;
+            if !request.logprobs() {
+                return Ok(ProcessedPlan::Fused(fused, plan, None));
+            }
+            if !plan.variant.fused_kernel(fused.lm_head.dtype).writes_tile_sums() {
+                return Err(invalid(
+                    "variant",
+                    format!("{:?} does not sum log-sum-exp terms for log-probabilities; use another", plan.variant),
+                ));
+            }
+            let own_part = matches!(request.target, ProcessedTarget::Tokens { .. });
+            let sums = FusedSums::new(&plan, batch, plan.samples, own_part);
+            return Ok(ProcessedPlan::Fused(fused, plan, Some(sums)));
         }
         // The materialised path: the shape rules of plain sampling, then its own.
         let output = match request.target {
@@ -428,7 +465,7 @@ impl StreamSampler {
             return Err(invalid(
                 "lm_head",
                 format!(
-                    "{}, D = {}: processing on the GPU needs BF16 or F16 with D % 8 == 0",
+                    "{}, D = {}: min-p, top-k, top-p and top log-probabilities on the GPU need BF16 or F16 with D % 8 == 0",
                     lm_head.dtype, lm_head.cols
                 ),
             ));
@@ -611,8 +648,13 @@ impl StreamSampler {
         }
         let plan = match plan {
             // SAFETY: per this function's contract.
-            ProcessedPlan::Fused(fused, plan) => {
+            ProcessedPlan::Fused(fused, plan, None) => {
                 return unsafe { self.enqueue(stream, fused, plan, maps, workspace) }.map(|_| None);
+            }
+            // SAFETY: per this function's contract.
+            ProcessedPlan::Fused(fused, plan, Some(sums)) => {
+                return unsafe { self.enqueue_fused_logprobs(stream, request, fused, plan, sums, maps, workspace) }
+                    .map(|_| None);
             }
             ProcessedPlan::Materialised(plan) => plan,
         };
@@ -649,71 +691,59 @@ impl StreamSampler {
             false => (DevicePtr::NULL, DevicePtr::NULL),
         };
         let row_params = DevicePtr::<RowParams>::new(request.row_params);
-        let mut target = WinnerTarget::bare(part.cast::<ShardWinner>(), vocab_offset, vocab);
+        let mut target = WinnerTarget::bare(part.cast::<ShardWinner>(), vocab_offset);
         target.logits_stride = plan.stride as u32;
         let part_sums = match request.logprobs() {
             true => base.byte_add(plan.part_sums_at as u64).cast::<RowSums>(),
             false => DevicePtr::NULL,
         };
         (target.part_sums, target.sum_parts, target.sums) = (part_sums, plan.sum_parts as u32, sums);
-        let (sampled, steps, tile_sums) = if let Some(slices) = plan.process_slices {
-            let states = base.byte_add(plan.states_at as u64).cast::<ProcessRowState>();
-            let exchange = match (plan.exchange, request.target) {
-                (Some(layout), ProcessedTarget::Shard { exchange, .. }) => {
-                    Some((layout, DevicePtr::<u8>::new(exchange)))
-                }
-                _ => None,
-            };
-            let args = ProcessArgs {
-                raw,
-                processed,
-                row_params,
-                processing: request.processing.blocks(),
-                state: states,
-                slice_sums: part_sums,
-                top,
-                vocab,
-                logits_stride: plan.stride as u32,
-                batch: batch as u32,
-                vocab_offset,
-                slices: slices as u32,
-                step: ProcessStep::Entries as u32,
-                selection: 0,
-                digit: 0,
-                exchange_extrema: exchange.map_or(DevicePtr::NULL, |(_, at)| at.cast()),
-                exchange_histogram: DevicePtr::NULL,
-            };
-            // Without log-probabilities no row gathers top entries: their selections would only
-            // launch to return.
-            let selections = match request.logprobs() {
-                true => request.processing.selections,
-                false => request.processing.selections & !(Selection::TopRaw.bit() | Selection::TopRawTie.bit()),
-            };
-            // SAFETY: both logits hold `B × stride` floats, the workspace `B` states and
-            // `B × slices` terms (the plan); the processing holds `B` row blocks for the whole
-            // vocabulary (checked against the request), and only whole-vocabulary shards or
-            // shards with an exchange (reduced between the segments) reach here with
-            // truncations; the part holds `B` sums and top slots.
-            let reduction = unsafe { self.queue_process_segment(stream, args, selections, exchange, segment)? };
-            if reduction.is_some() {
-                return Ok(reduction);
-            }
-            // Without log-probabilities the winners need no logits.
-            if request.logprobs() {
-                (target.raw, target.processed) = (raw, processed);
-            }
-            (processed, DevicePtr::NULL, DevicePtr::NULL)
-        } else {
-            // Log-probabilities without truncations or top entries keep only the raw logits:
-            // the logits sampler applies the per-entry steps as it races them and sums each
-            // tile's log-sum-exp terms, and the merge kernel merges the terms per row and
-            // takes the winners' logits from the raw ones.
-            let steps = request.processing.per_entry_blocks();
-            (target.raw, target.processing) = (raw, steps);
-            (raw, steps, part_sums)
+        let slices = plan.process_slices.expect("a processed call's materialised plan runs the processing pipeline");
+        let states = base.byte_add(plan.states_at as u64).cast::<ProcessRowState>();
+        let exchange = match (plan.exchange, request.target) {
+            (Some(layout), ProcessedTarget::Shard { exchange, .. }) => Some((layout, DevicePtr::<u8>::new(exchange))),
+            _ => None,
         };
+        let args = ProcessArgs {
+            raw,
+            processed,
+            row_params,
+            processing: request.processing.blocks(),
+            state: states,
+            slice_sums: part_sums,
+            top,
+            vocab,
+            logits_stride: plan.stride as u32,
+            batch: batch as u32,
+            vocab_offset,
+            slices: slices as u32,
+            step: ProcessStep::Entries as u32,
+            selection: 0,
+            digit: 0,
+            exchange_extrema: exchange.map_or(DevicePtr::NULL, |(_, at)| at.cast()),
+            exchange_histogram: DevicePtr::NULL,
+        };
+        // Without log-probabilities no row gathers top entries: their selections would only
+        // launch to return.
+        let selections = match request.logprobs() {
+            true => request.processing.selections,
+            false => request.processing.selections & !(Selection::TopRaw.bit() | Selection::TopRawTie.bit()),
+        };
+        // SAFETY: both logits hold `B × stride` floats, the workspace `B` states and
+        // `B × slices` terms (the plan); the processing holds `B` row blocks for the whole
+        // vocabulary (checked against the request), and only whole-vocabulary shards or
+        // shards with an exchange (reduced between the segments) reach here with
+        // truncations; the part holds `B` sums and top slots.
+        let reduction = unsafe { self.queue_process_segment(stream, args, selections, exchange, segment)? };
+        if reduction.is_some() {
+            return Ok(reduction);
+        }
+        // Without log-probabilities the winners need no logits.
+        if request.logprobs() {
+            (target.raw, target.processed) = (raw, processed);
+        }
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
-        let sampling = LogitsSampling { logits: sampled, stride: plan.stride, vocab, vocab_offset, steps, tile_sums };
+        let sampling = LogitsSampling { logits: processed, stride: plan.stride, vocab, vocab_offset };
         // SAFETY: as above; the candidates of the largest pass fit the workspace.
         unsafe {
             self.queue_logits_sampling(
@@ -741,6 +771,89 @@ impl StreamSampler {
         };
         // SAFETY: stage 1 just wrote the one part on this stream.
         unsafe { self.queue_merge(stream, &part_layout, &merge) }.map(|_| None)
+    }
+
+    /// A fused call with log-probabilities: the tiles write each (row, tile)'s terms beside
+    /// their candidates, the merge kernel merges the terms per row into the part and writes the
+    /// winners there, `winner_logits` gives the winners their raw and processed logits (one dot
+    /// product each: the tiles keep no logits), and an unsharded call ends in the shard merge
+    /// of its one part.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::enqueue_processed_segment`], with `fused` and `plan` the request's
+    /// fused form and its plan, `sums` their terms' plan.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_fused_logprobs(
+        &self,
+        stream: sys::CUstream,
+        request: &ProcessedRequest,
+        fused: &SampleRequest,
+        plan: &CallPlan,
+        sums: &FusedSums,
+        maps: TensorMaps,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        self.check_workspace(workspace, sums.workspace_bytes)?;
+        let base = DevicePtr::<u8>::new(workspace.address);
+        let batch = request.hidden.rows;
+        let (vocab_offset, part) = match request.target {
+            ProcessedTarget::Tokens { .. } => (0, base.byte_add(sums.part_at as u64)),
+            ProcessedTarget::Shard { vocab_offset, part, .. } => (vocab_offset as u32, DevicePtr::new(part)),
+        };
+        let layout = ShardPartLayout::of(batch as u32, request.draws.count, true);
+        let tile_sums = base.byte_add(sums.tile_sums_at as u64).cast::<RowSums>();
+        let mut target = WinnerTarget::bare(part.cast::<ShardWinner>(), vocab_offset);
+        (target.part_sums, target.sum_parts) = (tile_sums, plan.tiles as u32);
+        target.sums = part.byte_add(layout.sums).cast::<RowSums>();
+        let (lm_head, hidden) = (&request.lm_head, &request.hidden);
+        let args = WinnerLogitsArgs {
+            lm_head: DevicePtr::new(lm_head.address),
+            hidden: DevicePtr::new(hidden.address),
+            winners: target.winners,
+            processing: request.processing.per_entry_blocks(),
+            vocab: lm_head.rows as u32,
+            dim: lm_head.cols as u32,
+            batch: batch as u32,
+            samples: request.draws.count,
+            lm_head_stride: lm_head.row_stride as u32,
+            hidden_stride: hidden.row_stride as u32,
+            vocab_offset,
+            padding: 0,
+        };
+        let winners = batch as u64 * request.draws.count as u64;
+        let warps_per_block = (Kernel::WinnerLogits { element: element_type(lm_head.dtype) }.threads() / 32) as u64;
+        // SAFETY: the workspace holds the terms and the part past the candidates (checked
+        // above), the fused variant writes the terms (the plan); then the winners are in the
+        // part, and `W`, `H` and the processing hold their extents (this function's contract).
+        unsafe {
+            self.enqueue_tiles(
+                stream,
+                fused,
+                plan,
+                maps,
+                workspace,
+                ReduceTarget::Winners(target),
+                vocab_offset,
+                tile_sums,
+            )?;
+            let kernel = Kernel::WinnerLogits { element: element_type(lm_head.dtype) };
+            self.launch(stream, kernel, winners.div_ceil(warps_per_block), &args)?;
+        }
+        let ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } = request.target else { return Ok(()) };
+        let merge = ShardMergeRequest {
+            parts: part.address(),
+            shards: 1,
+            rows: batch,
+            samples: request.draws.count,
+            logprobs: true,
+            row_params: request.row_params,
+            processing: request.processing,
+            tokens,
+            out_logprobs: logprobs,
+            out_top_logprobs: top_logprobs,
+        };
+        // SAFETY: stage 1 just wrote the one part on this stream.
+        unsafe { self.queue_merge(stream, &layout, &merge) }
     }
 
     /// Queues segment `segment` of the processing pipeline of `args` (its `Entries` step), as
@@ -822,14 +935,7 @@ impl StreamSampler {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
         let vocab = request.lm_head.rows as u32;
-        let sampling = LogitsSampling {
-            logits,
-            stride: plan.stride,
-            vocab,
-            vocab_offset: 0,
-            steps: DevicePtr::NULL,
-            tile_sums: DevicePtr::NULL,
-        };
+        let sampling = LogitsSampling { logits, stride: plan.stride, vocab, vocab_offset: 0 };
         // SAFETY: per this function's contract.
         unsafe {
             let maps = self.tensor_maps(stream, plan.variant, &request.lm_head, &request.hidden, maps, workspace)?;
@@ -882,6 +988,7 @@ impl StreamSampler {
                 row_params: DevicePtr::NULL,
                 out: logits.cast(),
                 processing: DevicePtr::NULL,
+                tile_sums: DevicePtr::NULL,
                 vocab: lm_head.rows as u32,
                 dim: lm_head.cols as u32,
                 batch: hidden.rows as u32,
@@ -946,12 +1053,6 @@ impl StreamSampler {
                         logits: sampling.logits.add(first_row * stride),
                         row_params: launch.row_params,
                         candidates,
-                        processing: sampling.steps.add_unless_null(first_row),
-                        // The terms are written once per row, in the pass of its first draws.
-                        tile_sums: match pass.first_sample {
-                            0 => sampling.tile_sums.add_unless_null(first_row * tiles as u64),
-                            _ => DevicePtr::NULL,
-                        },
                         vocab: sampling.vocab,
                         logits_stride: stride as u32,
                         batch: launch.batch,
@@ -1008,16 +1109,12 @@ impl StreamSampler {
 /// The tensor maps' pair (`W`'s, `H`'s).
 pub(crate) type MapPair = (DevicePtr<flashsample_core::abi::TensorMap>, DevicePtr<flashsample_core::abi::TensorMap>);
 
-/// Materialised logits and what the logits sampler applies to them.
+/// Materialised logits the logits sampler draws from.
 struct LogitsSampling {
     logits: DevicePtr<f32>,
     stride: usize,
     vocab: u32,
     vocab_offset: u32,
-    /// Per-entry steps applied before the race (null: none).
-    steps: DevicePtr<RowProcessing>,
-    /// `[batch, tiles]` per-tile terms written (null: none).
-    tile_sums: DevicePtr<RowSums>,
 }
 
 /// One launch of the processing kernel in a pipeline's schedule.
@@ -1122,10 +1219,10 @@ fn process_slices(resident: usize, batch: usize, vocab: usize) -> usize {
 }
 
 /// The materialised path's plan for `batch × samples` draws over `vocab` rows: logits
-/// (`copies` of them), candidates of the logits sampler's passes, log-sum-exp terms per row
-/// part with log-probabilities (the processing pipeline's slices when it runs, else the logits
-/// sampler's tiles), the processing pipeline's row states, and the unsharded call's one part
-/// (`own_part`).
+/// (`copies` of them), candidates of the logits sampler's passes, log-sum-exp terms per slice
+/// of the processing pipeline with log-probabilities, the pipeline's row states, and the
+/// unsharded call's one part (`own_part`). Without `process_slices` (the unfused comparison)
+/// there are neither terms nor states.
 fn materialised_plan(
     variant: Variant,
     vocab: usize,
@@ -1139,7 +1236,7 @@ fn materialised_plan(
     let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
     let passes = Plan::new(batch, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
     let copies = if process_slices.is_some() && logprobs { 2 } else { 1 };
-    let sum_parts = process_slices.unwrap_or(tiles);
+    let sum_parts = process_slices.unwrap_or(0);
     let logits_at = align(WORKSPACE_MAPS_BYTES + passes.candidate_pairs() * tiles * size_of::<Candidate>());
     let part_sums_at = align(logits_at + copies * batch * stride * 4);
     let part_sums = if logprobs { batch * sum_parts * size_of::<RowSums>() } else { 0 };
@@ -1190,8 +1287,8 @@ mod tests {
     /// The materialised plan's regions (maps, candidates, logits, terms, row states, the one
     /// part) follow each other without overlap, each 64-byte aligned, and hold what the
     /// kernels write: two logits copies only with the processing pipeline and
-    /// log-probabilities, terms per slice (with the pipeline) or per tile only with
-    /// log-probabilities, row states only with the pipeline, a part only for an unsharded call.
+    /// log-probabilities, terms per slice only with log-probabilities (which take the pipeline),
+    /// row states only with the pipeline, a part only for an unsharded call.
     #[test]
     fn materialised_regions_are_aligned_and_disjoint() {
         let variant = Variant::Mma { columns: 8 };
@@ -1201,14 +1298,13 @@ mod tests {
                 (None, false, false),
                 (Some(slices), false, true),
                 (Some(slices), true, true),
-                (None, true, true),
-                (None, true, false),
+                (Some(slices), true, false),
             ] {
                 let plan = materialised_plan(variant, vocab, batch, samples, process_slices, logprobs, own_part);
                 let tiles = vocab.div_ceil(LOGITS_SAMPLER_TILE as usize);
                 let candidates = plan.passes.candidate_pairs() * tiles * size_of::<Candidate>();
                 let copies = if process_slices.is_some() && logprobs { 2 } else { 1 };
-                let parts = process_slices.unwrap_or(tiles);
+                let parts = process_slices.unwrap_or(0);
                 let terms = if logprobs { batch * parts * size_of::<RowSums>() } else { 0 };
                 let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
                 let part =
@@ -1223,6 +1319,27 @@ mod tests {
                 assert!(plan.part_sums_at + terms <= plan.states_at);
                 assert!(plan.states_at + states <= plan.part_at);
                 assert_eq!(plan.workspace_bytes, plan.part_at + part);
+            }
+        }
+    }
+
+    /// A fused call's terms and part follow its candidates without overlap, 64-byte aligned:
+    /// `[B, tiles]` terms, then the one part of an unsharded call.
+    #[test]
+    fn fused_sums_follow_the_candidates() {
+        for (vocab, batch, samples) in [(1usize, 1usize, 1u32), (5003, 9, 3), (151_936, 64, 1), (128_257, 256, 2)] {
+            let tiles = vocab.div_ceil(128);
+            let passes = Plan::new(batch, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
+            let workspace_bytes = WORKSPACE_MAPS_BYTES + passes.candidate_pairs() * tiles * size_of::<Candidate>();
+            let variant = Variant::Tma { rows: 128, columns: 8 };
+            let plan = CallPlan { variant, tiles, passes, samples, workspace_bytes };
+            for own_part in [false, true] {
+                let sums = FusedSums::new(&plan, batch, samples, own_part);
+                let part = if own_part { ShardPartLayout::of(batch as u32, samples, true).bytes as usize } else { 0 };
+                assert_eq!((sums.tile_sums_at % 64, sums.part_at % 64), (0, 0));
+                assert!(plan.workspace_bytes <= sums.tile_sums_at);
+                assert!(sums.tile_sums_at + batch * tiles * size_of::<RowSums>() <= sums.part_at);
+                assert_eq!(sums.workspace_bytes, sums.part_at + part);
             }
         }
     }

@@ -344,57 +344,52 @@ pub unsafe fn tile_column_sums(
     write: impl Fn(u32, RowSums),
 ) {
     let writes_pair = place.lane < place.first_mask;
-    let mut slot = 0;
-    while slot < slots {
-        let (column, q) = quad(slot);
-        // SAFETY: every lane of the warp reaches it (uniform loop bounds).
-        let maxima = unsafe { combine_over_lanes(q.maxima(), place.first_mask, 16, maximum) };
-        if writes_pair {
-            // SAFETY: `warp < warps`, `column < columns`: inside the staging (this function's
-            // contract).
-            unsafe { *staging.warp_pair(place.warp, column) = maxima };
+    // Pass 0 stages the columns' maxima, pass 1 their sums of terms against them: one loop, so
+    // that `quad` (the per-entry steps among it) is written once.
+    let mut pass = 0;
+    while pass < 2 {
+        let mut slot = 0;
+        while slot < slots {
+            let (column, q) = quad(slot);
+            // SAFETY: every lane of the warp reaches the shuffles (uniform loop bounds and
+            // pass); pass 1 reads the column's maxima, written before the barriers of pass 0.
+            let pair = unsafe {
+                match pass {
+                    0 => combine_over_lanes(q.maxima(), place.first_mask, 16, maximum),
+                    _ => combine_over_lanes(q.terms(*staging.column_pair(column)), place.first_mask, 16, |a, b| a + b),
+                }
+            };
+            if writes_pair {
+                // SAFETY: `warp < warps`, `column < columns`: inside the staging (this function's
+                // contract); in pass 1 every thread read pass 0's pairs before its last barrier.
+                unsafe { *staging.warp_pair(place.warp, column) = pair };
+            }
+            slot += 1;
         }
-        slot += 1;
-    }
-    sync();
-    if place.thread < staging.columns {
-        let mut maxima = [f32::NEG_INFINITY; 2];
-        for w in 0..staging.warps {
-            // SAFETY: written by warp `w` before the barrier above.
-            let [raw, kept] = unsafe { *staging.warp_pair(w, place.thread) };
-            maxima = [maximum(maxima[0], raw), maximum(maxima[1], kept)];
+        sync();
+        if place.thread < staging.columns {
+            // The column's maxima over the warps, or its sums in warp order.
+            let mut merged = if pass == 0 { [f32::NEG_INFINITY; 2] } else { [0.0; 2] };
+            for w in 0..staging.warps {
+                // SAFETY: written by warp `w` before the barrier above.
+                let [raw, kept] = unsafe { *staging.warp_pair(w, place.thread) };
+                merged = match pass {
+                    0 => [maximum(merged[0], raw), maximum(merged[1], kept)],
+                    _ => [merged[0] + raw, merged[1] + kept],
+                };
+            }
+            let at = staging.column_pair(place.thread);
+            match pass {
+                // SAFETY: column `thread < columns`'s pair, read by no thread before the barrier
+                // below.
+                0 => unsafe { *at = merged },
+                // SAFETY: written in pass 0.
+                _ => write(place.thread, column_sums(unsafe { *at }, merged)),
+            }
         }
-        // SAFETY: column `thread < columns`'s pair, read by no thread before the next barrier.
-        unsafe { *staging.column_pair(place.thread) = maxima };
+        sync();
+        pass += 1;
     }
-    sync();
-    let mut slot = 0;
-    while slot < slots {
-        let (column, q) = quad(slot);
-        // SAFETY: written before the barrier above.
-        let maxima = unsafe { *staging.column_pair(column) };
-        // SAFETY: every lane of the warp reaches it (uniform loop bounds).
-        let terms = unsafe { combine_over_lanes(q.terms(maxima), place.first_mask, 16, |a, b| a + b) };
-        if writes_pair {
-            // SAFETY: as in the first pass; every thread read the per-warp maxima before the
-            // barrier above.
-            unsafe { *staging.warp_pair(place.warp, column) = terms };
-        }
-        slot += 1;
-    }
-    sync();
-    if place.thread < staging.columns {
-        let mut sums = [0.0f32; 2];
-        for w in 0..staging.warps {
-            // SAFETY: written by warp `w` before the barrier above.
-            let [raw, kept] = unsafe { *staging.warp_pair(w, place.thread) };
-            sums = [sums[0] + raw, sums[1] + kept];
-        }
-        // SAFETY: written before the second barrier.
-        let maxima = unsafe { *staging.column_pair(place.thread) };
-        write(place.thread, column_sums(maxima, sums));
-    }
-    sync();
 }
 
 /// The unfused sampler: reads materialised logits, four per thread, and writes one candidate

@@ -246,9 +246,16 @@ impl TensorParallelSampler {
                 reductions.push(rank.sampler.queue_shards_segment(planned, segment)?);
             }
             // Every rank ends a segment alike (same segments, same schedule): the last with none.
-            let Some(reductions) = reductions.into_iter().collect::<Option<Vec<ShardReduction>>>() else {
+            let reductions: Vec<ShardReduction> = reductions.into_iter().flatten().collect();
+            if reductions.is_empty() {
                 break;
-            };
+            }
+            if reductions.len() != self.ranks.len() {
+                return Err(invalid(
+                    "inputs",
+                    "the ranks' stage-1 segments end differently: give every rank the same processing",
+                ));
+            }
             nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
             for (r, (rank, reduction)) in self.ranks.iter().zip(reductions).enumerate() {
                 let stream = rank.sampler.stream().cu_stream();
@@ -612,7 +619,11 @@ impl TensorParallelRank {
     /// shard into its part of `step.parts` (with min-p, top-k or top-p, in segments between
     /// all-reduces of the rank's exchange, which lies at the workspace's start), the
     /// all-gather of every rank's part, and the shard merge into the outputs. Every rank calls
-    /// it for the same step (NCCL's collective order). Nothing is allocated and nothing waits;
+    /// it for the same step (NCCL's collective order) with the same rows' processing: the
+    /// processing decides how many all-reduces the step queues and their sizes, and ranks given
+    /// different ones would queue mismatched collectives, which hang (no rank can see another's
+    /// processing; [`TensorParallelRank::abort`] is the way out). Nothing is allocated and
+    /// nothing waits;
     /// NCCL lets a CUDA graph capture it. A failed collective shows in
     /// [`TensorParallelRank::check`] or as the stream's error.
     ///

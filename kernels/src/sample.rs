@@ -586,8 +586,9 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
 /// The winners' logits of a fused call (see [`WinnerLogitsArgs`]): one warp per winner, its
 /// lanes taking every 32nd element of the dot product, then a butterfly sum; lane 0 applies
 /// the row's per-entry steps and writes both logits. The product of two elements (bf16, f16 or
-/// f32) is exact in f64 and their sum nearly so: the raw logit is the dot product rounded once
-/// to f32, whatever the order (the tiles' own f32 sums round at every step).
+/// f32) is exact in f64, and their f64 sum rounds 29 bits below f32's: the raw logit is the
+/// dot product rounded once to f32 unless its terms cancel by more than that (the tiles' own
+/// f32 sums round at every step).
 ///
 /// # Safety
 /// Launched with a multiple of 32 threads per block; `args` describes valid device buffers:

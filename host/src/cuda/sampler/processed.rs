@@ -337,7 +337,8 @@ impl CudaSampler {
     /// log-probabilities, returned to the host: what
     /// [`CpuSampler::sample_processed`](crate::CpuSampler::sample_processed) draws, with the
     /// same processing order, keep rule, noise and statuses (see
-    /// [`CudaSampler::sample_processed_into`]).
+    /// [`CudaSampler::sample_processed_into`], which it runs: the whole vocabulary in one call,
+    /// so truncating rows decide their cuts without the shards' exchange).
     pub fn sample_processed(
         &self,
         lm_head: &CudaLmHead,
@@ -346,7 +347,14 @@ impl CudaSampler {
         processing: &[Processing],
         draws: Draws,
     ) -> Result<Sampled> {
-        self.sample_sharded(std::slice::from_ref(lm_head), hidden, params, processing, draws)
+        let shapes = std::iter::once(lm_head.shape);
+        let (head, _, draws, _) = check_sharded_request(shapes, hidden.shape(), params, processing.len(), draws)?;
+        let device_processing = self.upload_processing(processing, head.vocab)?;
+        let hidden = self.upload_hidden(hidden)?;
+        let rows = self.upload_rows(params)?;
+        let mut out = self.processed_outputs(params.len(), draws.count as usize, true)?;
+        self.sample_processed_into(lm_head, &hidden, &rows, &device_processing, draws, Variant::Auto, &mut out)?;
+        self.processed_to_host(&out)
     }
 
     /// As [`CudaSampler::sample_processed`] over an LM head split by vocabulary into `shards`

@@ -444,9 +444,10 @@ impl ShardWinner {
 
 /// The winners' logits of a fused call with log-probabilities: for each of `[batch · samples]`
 /// [`ShardWinner`]s whose index is a token of the shard, `raw = H[b]·W[index − vocab_offset]`
-/// (one f32 dot product per winner) and `processed` = that logit after the row's per-entry
-/// steps (`processing`, or the raw one when null). The fused tiles keep no logits, so the
-/// shard merge's log-probabilities take the winners' logits from here.
+/// (one dot product per winner, in f64) and `processed` = that logit after the row's
+/// per-entry steps (`processing`, or the raw one when null). The fused tiles keep no logits:
+/// a shard's winners take theirs here for the shard merge, and an unsharded call (`tokens`
+/// not null) ends here, writing what the shard merge of its one part would.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -457,6 +458,16 @@ pub struct WinnerLogitsArgs {
     pub hidden: DevicePtr<Element>,
     pub winners: DevicePtr<ShardWinner>,
     pub processing: DevicePtr<RowProcessing>,
+    /// Null for a shard (the winners get their logits). Otherwise the unsharded call's `[batch,
+    /// samples]` tokens and log-probabilities (raw, processed) from each row's merged terms
+    /// `sums` (`[batch]`) and `row_params`, and, unless `top` is null, its `[batch,
+    /// MAX_TOP_LOGPROBS]` top entries, all empty (a fused call has none).
+    pub tokens: DevicePtr<u32>,
+    pub logprobs: DevicePtr<f32>,
+    pub processed_logprobs: DevicePtr<f32>,
+    pub top: DevicePtr<TopLogprob>,
+    pub sums: DevicePtr<RowSums>,
+    pub row_params: DevicePtr<RowParams>,
     pub vocab: u32,
     pub dim: u32,
     pub batch: u32,
@@ -574,6 +585,11 @@ pub struct RowProcessing {
 pub struct TopLogprob {
     pub token: u32,
     pub logprob: f32,
+}
+
+impl TopLogprob {
+    /// An unused slot.
+    pub const NONE: TopLogprob = TopLogprob { token: crate::NO_TOKEN, logprob: f32::NEG_INFINITY };
 }
 
 /// The log-sum-exp terms of one processed row: over the raw logits at T = 1 and over the kept

@@ -1055,24 +1055,46 @@ pub unsafe fn merge_shards(args: &ShardMergeArgs) {
             }
         }
         let token = best.candidate.index;
-        // SAFETY: `k < batch · samples`: inside the tokens.
-        unsafe { *args.tokens.as_mut_ptr().add(k as usize) = token };
-        if logprobs {
-            let logits = (token < NON_FINITE_TOKEN).then_some((best.raw, best.processed));
-            let greedy = params.greedy != 0;
-            let (raw_lp, processed_lp) =
-                token_log_probabilities(token, logits, &sums.raw, &sums.kept, greedy, params.temperature);
-            // SAFETY: `k < batch · samples`: inside both outputs.
-            unsafe {
-                *args.logprobs.as_mut_ptr().add(k as usize) = raw_lp;
-                *args.processed_logprobs.as_mut_ptr().add(k as usize) = processed_lp;
-            }
-            if k % args.samples as u64 == 0 && args.top.address() != 0 {
-                // SAFETY: as this function's contract, for row `b`.
-                unsafe { merge_top(args, b, &sums.raw) };
-            }
+        let logits = (token < NON_FINITE_TOKEN).then_some((best.raw, best.processed));
+        let outputs = TokenOutputs { tokens: args.tokens, logprobs: args.logprobs, processed: args.processed_logprobs };
+        // SAFETY: `k < batch · samples`: inside the outputs.
+        unsafe { outputs.write(k as usize, token, logits, &sums, &params) };
+        if logprobs && k % args.samples as u64 == 0 && args.top.address() != 0 {
+            // SAFETY: as this function's contract, for row `b`.
+            unsafe { merge_top(args, b, &sums.raw) };
         }
         k += step;
+    }
+}
+
+/// Where a call's tokens and their log-probabilities go (`[batch, samples]` each; the
+/// log-probabilities null for none).
+pub struct TokenOutputs {
+    pub tokens: DevicePtr<u32>,
+    pub logprobs: DevicePtr<f32>,
+    pub processed: DevicePtr<f32>,
+}
+
+impl TokenOutputs {
+    /// Writes slot `k`'s token and, with log-probabilities, both of them from the token's
+    /// (raw, processed) logits (`None` for no token) and its row's merged terms.
+    ///
+    /// # Safety
+    /// `k` is a slot of the outputs.
+    #[inline(always)]
+    pub unsafe fn write(&self, k: usize, token: u32, logits: Option<(f32, f32)>, sums: &RowSums, row: &RowParams) {
+        // SAFETY: slot `k` of the tokens (this function's contract).
+        unsafe { *self.tokens.as_mut_ptr().add(k) = token };
+        if self.logprobs.address() != 0 {
+            let greedy = row.greedy != 0;
+            let (raw, processed) =
+                token_log_probabilities(token, logits, &sums.raw, &sums.kept, greedy, row.temperature);
+            // SAFETY: slot `k` of both log-probabilities.
+            unsafe {
+                *self.logprobs.as_mut_ptr().add(k) = raw;
+                *self.processed.as_mut_ptr().add(k) = processed;
+            }
+        }
     }
 }
 
@@ -1115,7 +1137,7 @@ unsafe fn merge_top(args: &ShardMergeArgs, b: usize, raw: &LogSumExp) {
                 previous = Some(r);
                 TopLogprob { token: entry.token, logprob: raw.log_probability(entry.logit, 1.0) }
             }
-            None => TopLogprob { token: NO_TOKEN, logprob: f32::NEG_INFINITY },
+            None => TopLogprob::NONE,
         };
         // SAFETY: row `b`'s slots.
         unsafe { *out.add(slot) = written };

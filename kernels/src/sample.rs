@@ -3,13 +3,14 @@
 
 use flashsample_core::abi::{
     FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, RowSums, SAMPLES_PER_MERGE, ShardWinner,
-    TILE_KERNEL_WARPS, WinnerLogitsArgs, candidate_pair, candidate_slot, fused_mma_shared_bytes,
+    TILE_KERNEL_WARPS, TopLogprob, WinnerLogitsArgs, candidate_pair, candidate_slot, fused_mma_shared_bytes,
 };
 use flashsample_core::candidate::maximum;
-use flashsample_core::process::LogSumExp;
+use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS};
 use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::element::Element;
+use crate::process::TokenOutputs;
 use crate::tile::ThreadLogits;
 use crate::{arch, process};
 
@@ -585,16 +586,18 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
 
 /// The winners' logits of a fused call (see [`WinnerLogitsArgs`]): one warp per winner, its
 /// lanes taking every 32nd element of the dot product, then a butterfly sum; lane 0 applies
-/// the row's per-entry steps and writes both logits. The product of two elements (bf16, f16 or
-/// f32) is exact in f64, and their f64 sum rounds 29 bits below f32's: the raw logit is the
-/// dot product rounded once to f32 unless its terms cancel by more than that (the tiles' own
-/// f32 sums round at every step).
+/// the row's per-entry steps and writes both logits into the winner, or, for an unsharded
+/// call, the token and its log-probabilities (and the row's empty top entries). The product of
+/// two elements (bf16, f16 or f32) is exact in f64, and their f64 sum rounds 29 bits below
+/// f32's: the raw logit is the dot product rounded once to f32 unless its terms cancel by more
+/// than that (the tiles' own f32 sums round at every step).
 ///
 /// # Safety
 /// Launched with a multiple of 32 threads per block; `args` describes valid device buffers:
 /// `winners` holds `batch · samples` winners of this shard, `W` `vocab` rows and `H` `batch`
 /// rows of `dim` elements at their strides, the processing (if not null) `batch` rows for the
-/// global vocabulary up to `vocab_offset + vocab`.
+/// global vocabulary up to `vocab_offset + vocab`; with `tokens`, the outputs hold `batch ·
+/// samples` slots (and `top` `batch` rows), `sums` and `row_params` `batch` rows.
 #[inline(always)]
 pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
     let (thread, threads) = arch::global_thread();
@@ -606,8 +609,10 @@ pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
         let b = (k / args.samples as u64) as u32;
         // SAFETY: `k < batch · samples`: one of the winners.
         let winner = unsafe { *args.winners.as_ptr().add(k as usize) };
-        let column = winner.candidate.index.wrapping_sub(args.vocab_offset);
-        if winner.candidate.index < NON_FINITE_TOKEN && column < args.vocab {
+        let token = winner.candidate.index;
+        let column = token.wrapping_sub(args.vocab_offset);
+        let mut logits = None;
+        if token < NON_FINITE_TOKEN && column < args.vocab {
             let lm_head_row = args.lm_head.address() + column as u64 * args.lm_head_stride as u64 * T::BYTES;
             let hidden_row = args.hidden.address() + b as u64 * args.hidden_stride as u64 * T::BYTES;
             let mut sum = 0.0f64;
@@ -631,26 +636,46 @@ pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
                 sum += f64::from_bits(low | high << 32);
                 mask <<= 1;
             }
-            let dot = sum as f32;
-            if lane == 0 {
-                let processed = if args.processing.address() == 0 {
-                    dot
-                } else {
-                    let first = args.vocab_offset + (column & !3);
-                    let vocab_end = args.vocab_offset + args.vocab;
-                    // SAFETY: `b < batch`: row `b` of the processing (this function's contract).
-                    let [q0, q1, q2, q3] =
-                        unsafe { process::fused_quad(args.processing, b, first, vocab_end, [dot; 4]) };
-                    // Selects, not an index: an array indexed at run time goes to the stack.
-                    match column & 3 {
-                        0 => q0,
-                        1 => q1,
-                        2 => q2,
-                        _ => q3,
+            let raw = sum as f32;
+            let processed = if args.processing.address() == 0 {
+                raw
+            } else {
+                let first = args.vocab_offset + (column & !3);
+                let vocab_end = args.vocab_offset + args.vocab;
+                // SAFETY: `b < batch`: row `b` of the processing (this function's contract).
+                let [q0, q1, q2, q3] = unsafe { process::fused_quad(args.processing, b, first, vocab_end, [raw; 4]) };
+                // Selects, not an index: an array indexed at run time goes to the stack.
+                match column & 3 {
+                    0 => q0,
+                    1 => q1,
+                    2 => q2,
+                    _ => q3,
+                }
+            };
+            logits = Some((raw, processed));
+        }
+        if lane == 0 {
+            if args.tokens.address() == 0 {
+                if let Some((raw, processed)) = logits {
+                    // SAFETY: as above, one winner per warp.
+                    unsafe { *args.winners.as_mut_ptr().add(k as usize) = ShardWinner { raw, processed, ..winner } };
+                }
+            } else {
+                let outputs =
+                    TokenOutputs { tokens: args.tokens, logprobs: args.logprobs, processed: args.processed_logprobs };
+                // SAFETY: `b < batch`: row `b` of the terms and row parameters; `k` a slot of the
+                // outputs (this function's contract).
+                unsafe {
+                    let (sums, row) = (*args.sums.as_ptr().add(b as usize), *args.row_params.as_ptr().add(b as usize));
+                    outputs.write(k as usize, token, logits, &sums, &row);
+                }
+                if k % args.samples as u64 == 0 && args.top.address() != 0 {
+                    let top = args.top.as_mut_ptr().wrapping_add(b as usize * MAX_TOP_LOGPROBS as usize);
+                    for slot in 0..MAX_TOP_LOGPROBS as usize {
+                        // SAFETY: row `b`'s top slots (this function's contract).
+                        unsafe { *top.add(slot) = TopLogprob::NONE };
                     }
-                };
-                // SAFETY: as above, one winner per warp.
-                unsafe { *args.winners.as_mut_ptr().add(k as usize) = ShardWinner { raw: dot, processed, ..winner } };
+                }
             }
         }
         k += threads / 32;

@@ -5,8 +5,8 @@
 //!   tile kernels of plain sampling, which apply the steps to each logits quad; with
 //!   log-probabilities the tiles also write each (row, tile)'s log-sum-exp terms, the merge
 //!   kernel merges them per row beside the winners, and `winner_logits` recomputes the winners'
-//!   logits (the tiles keep none); stage 1 of a shard ends there, the unsharded call goes on to
-//!   the shard merge of its one part;
+//!   logits (the tiles keep none): stage 1 of a shard ends there; for an unsharded call it
+//!   also writes the tokens and log-probabilities, as the shard merge of its one part would;
 //! - materialised, for rows that need their whole row (min-p, top-k, top-p, top entries): the
 //!   unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice with
 //!   log-probabilities: raw and processed), the processing pipeline (`process_rows` launches
@@ -775,9 +775,9 @@ impl StreamSampler {
 
     /// A fused call with log-probabilities: the tiles write each (row, tile)'s terms beside
     /// their candidates, the merge kernel merges the terms per row into the part and writes the
-    /// winners there, `winner_logits` gives the winners their raw and processed logits (one dot
-    /// product each: the tiles keep no logits), and an unsharded call ends in the shard merge
-    /// of its one part.
+    /// winners there, and `winner_logits` gives the winners their raw and processed logits (one
+    /// dot product each: the tiles keep no logits) or, for an unsharded call, writes its tokens
+    /// and log-probabilities (what the shard merge of its one part would).
     ///
     /// # Safety
     /// As [`StreamSampler::enqueue_processed_segment`], with `fused` and `plan` the request's
@@ -806,11 +806,17 @@ impl StreamSampler {
         (target.part_sums, target.sum_parts) = (tile_sums, plan.tiles as u32);
         target.sums = part.byte_add(layout.sums).cast::<RowSums>();
         let (lm_head, hidden) = (&request.lm_head, &request.hidden);
-        let args = WinnerLogitsArgs {
+        let mut args = WinnerLogitsArgs {
             lm_head: DevicePtr::new(lm_head.address),
             hidden: DevicePtr::new(hidden.address),
             winners: target.winners,
             processing: request.processing.per_entry_blocks(),
+            tokens: DevicePtr::NULL,
+            logprobs: DevicePtr::NULL,
+            processed_logprobs: DevicePtr::NULL,
+            top: DevicePtr::NULL,
+            sums: target.sums,
+            row_params: DevicePtr::new(request.row_params),
             vocab: lm_head.rows as u32,
             dim: lm_head.cols as u32,
             batch: batch as u32,
@@ -820,11 +826,19 @@ impl StreamSampler {
             vocab_offset,
             padding: 0,
         };
+        if let ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } = request.target {
+            let slots = (batch * request.draws.count as usize) as u64;
+            let raw = DevicePtr::<f32>::new(logprobs);
+            (args.tokens, args.logprobs, args.processed_logprobs) = (DevicePtr::new(tokens), raw, raw.add(slots));
+            args.top = DevicePtr::new(top_logprobs);
+        }
+        let kernel = Kernel::WinnerLogits { element: element_type(lm_head.dtype) };
         let winners = batch as u64 * request.draws.count as u64;
-        let warps_per_block = (Kernel::WinnerLogits { element: element_type(lm_head.dtype) }.threads() / 32) as u64;
+        let warps_per_block = (kernel.threads() / 32) as u64;
         // SAFETY: the workspace holds the terms and the part past the candidates (checked
         // above), the fused variant writes the terms (the plan); then the winners are in the
-        // part, and `W`, `H` and the processing hold their extents (this function's contract).
+        // part, and `W`, `H`, the processing and the outputs hold their extents (this
+        // function's contract).
         unsafe {
             self.enqueue_tiles(
                 stream,
@@ -836,24 +850,8 @@ impl StreamSampler {
                 vocab_offset,
                 tile_sums,
             )?;
-            let kernel = Kernel::WinnerLogits { element: element_type(lm_head.dtype) };
-            self.launch(stream, kernel, winners.div_ceil(warps_per_block), &args)?;
+            self.launch(stream, kernel, winners.div_ceil(warps_per_block), &args)
         }
-        let ProcessedTarget::Tokens { tokens, logprobs, top_logprobs } = request.target else { return Ok(()) };
-        let merge = ShardMergeRequest {
-            parts: part.address(),
-            shards: 1,
-            rows: batch,
-            samples: request.draws.count,
-            logprobs: true,
-            row_params: request.row_params,
-            processing: request.processing,
-            tokens,
-            out_logprobs: logprobs,
-            out_top_logprobs: top_logprobs,
-        };
-        // SAFETY: stage 1 just wrote the one part on this stream.
-        unsafe { self.queue_merge(stream, &layout, &merge) }
     }
 
     /// Queues segment `segment` of the processing pipeline of `args` (its `Entries` step), as

@@ -146,12 +146,11 @@ impl WinnerTarget {
 
 impl ReduceTarget {
     /// The target of a request: its tokens, or its shard's winners without logits.
-    fn of(request: &SampleRequest) -> (ReduceTarget, u32) {
+    fn of(request: &SampleRequest) -> ReduceTarget {
         match request.shard {
-            None => (ReduceTarget::Tokens(DevicePtr::new(request.tokens)), 0),
+            None => ReduceTarget::Tokens(DevicePtr::new(request.tokens)),
             Some(shard) => {
-                let vocab_offset = shard.vocab_offset as u32;
-                (ReduceTarget::Winners(WinnerTarget::bare(DevicePtr::new(shard.winners), vocab_offset)), vocab_offset)
+                ReduceTarget::Winners(WinnerTarget::bare(DevicePtr::new(shard.winners), shard.vocab_offset as u32))
             }
         }
     }
@@ -529,9 +528,10 @@ impl StreamSampler {
         maps: TensorMaps,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
-        let (target, vocab_offset) = ReduceTarget::of(request);
         // SAFETY: per this function's contract.
-        unsafe { self.enqueue_tiles(stream, request, plan, maps, workspace, target, vocab_offset, DevicePtr::NULL) }
+        unsafe {
+            self.enqueue_tiles(stream, request, plan, maps, workspace, ReduceTarget::of(request), DevicePtr::NULL)
+        }
     }
 
     /// Queues the tile kernel and the merge kernel of a planned request, the merge kernel
@@ -551,9 +551,9 @@ impl StreamSampler {
         maps: TensorMaps,
         workspace: DeviceWorkspace,
         target: ReduceTarget,
-        vocab_offset: u32,
         tile_sums: DevicePtr<RowSums>,
     ) -> Result<()> {
+        let vocab_offset = request.shard.map_or(0, |shard| shard.vocab_offset as u32);
         let CallPlan { variant, tiles, samples, workspace_bytes: needed, .. } = *plan;
         let (lm_head, hidden) = (&request.lm_head, &request.hidden);
         self.check_workspace(workspace, needed)?;

@@ -840,16 +840,7 @@ impl StreamSampler {
         // part, and `W`, `H`, the processing and the outputs hold their extents (this
         // function's contract).
         unsafe {
-            self.enqueue_tiles(
-                stream,
-                fused,
-                plan,
-                maps,
-                workspace,
-                ReduceTarget::Winners(target),
-                vocab_offset,
-                tile_sums,
-            )?;
+            self.enqueue_tiles(stream, fused, plan, maps, workspace, ReduceTarget::Winners(target), tile_sums)?;
             self.launch(stream, kernel, winners.div_ceil(warps_per_block), &args)
         }
     }

@@ -94,8 +94,9 @@ impl ProcessedBackend for crate::Cuda {
         Ok(got)
     }
 
-    /// Stage 1 per shard into poisoned parts, then the shard merge: a part left unwritten
-    /// shows as a winner that is no token.
+    /// Stage 1 of every shard into poisoned parts (the truncations decided by the shards
+    /// together), then the shard merge: a part left unwritten shows as a winner that is no
+    /// token.
     fn sample_sharded(
         &self,
         shards: &[Matrix],
@@ -113,13 +114,14 @@ impl ProcessedBackend for crate::Cuda {
         let mut parts = sampler.shard_parts(shards.len(), hidden.rows(), samples as usize, logprobs)?;
         sampler.poison_parts(&parts)?;
         let mut vocab_offset = 0;
-        for (s, head) in heads.iter().enumerate() {
-            let shard = VocabShard { vocab_offset, vocab };
-            let draws = Draws::first(samples);
-            let (hidden, processing) = (&on_device, &device_processing);
-            sampler.sample_shard_into(head, shard, hidden, &rows, processing, draws, self.variant, &mut parts, s)?;
+        let mut shard_heads = Vec::with_capacity(heads.len());
+        for head in &heads {
+            shard_heads.push((head, VocabShard { vocab_offset, vocab }));
             vocab_offset += head.shape().vocab;
         }
+        let (hidden_rows, processing) = (&on_device, &device_processing);
+        let draws = Draws::first(samples);
+        sampler.sample_shards_into(&shard_heads, hidden_rows, &rows, processing, draws, self.variant, &mut parts)?;
         let mut out = sampler.processed_outputs(hidden.rows(), samples as usize, logprobs)?;
         sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
         let got = sampler.processed_to_host(&out)?;

@@ -637,7 +637,8 @@ pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
                 mask <<= 1;
             }
             let raw = sum as f32;
-            let processed = if args.processing.address() == 0 {
+            // Lane 0 alone writes, so it alone processes.
+            let processed = if lane != 0 || args.processing.address() == 0 {
                 raw
             } else {
                 let first = args.vocab_offset + (column & !3);

@@ -166,6 +166,16 @@ impl ProcessedRequest {
         }
     }
 
+    /// `W`'s row 0 as a global index, where the call's part lies (the shard's, or `own_part`
+    /// in the workspace for an unsharded call) and its layout.
+    fn part(&self, own_part: DevicePtr<u8>) -> (u32, DevicePtr<u8>, ShardPartLayout) {
+        let layout = ShardPartLayout::of(self.hidden.rows as u32, self.draws.count, self.logprobs());
+        match self.target {
+            ProcessedTarget::Tokens { .. } => (0, own_part, layout),
+            ProcessedTarget::Shard { vocab_offset, part, .. } => (vocab_offset as u32, DevicePtr::new(part), layout),
+        }
+    }
+
     /// The vocabulary the processing and the noise are keyed over.
     fn vocab(&self) -> usize {
         match self.target {
@@ -662,16 +672,7 @@ impl StreamSampler {
         let base = DevicePtr::<u8>::new(workspace.address);
         let batch = request.hidden.rows;
         let vocab = request.lm_head.rows as u32;
-        let (vocab_offset, part, part_layout) = match request.target {
-            ProcessedTarget::Tokens { .. } => {
-                let layout = ShardPartLayout::of(batch as u32, request.draws.count, request.logprobs());
-                (0, base.byte_add(plan.part_at as u64), layout)
-            }
-            ProcessedTarget::Shard { vocab_offset, part, logprobs, .. } => {
-                let layout = ShardPartLayout::of(batch as u32, request.draws.count, logprobs);
-                (vocab_offset as u32, DevicePtr::new(part), layout)
-            }
-        };
+        let (vocab_offset, part, part_layout) = request.part(base.byte_add(plan.part_at as u64));
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let logits_len = (batch * plan.stride) as u64;
         let (raw, processed) = (logits, logits.add((plan.copies as u64 - 1) * logits_len));
@@ -796,11 +797,7 @@ impl StreamSampler {
         self.check_workspace(workspace, sums.workspace_bytes)?;
         let base = DevicePtr::<u8>::new(workspace.address);
         let batch = request.hidden.rows;
-        let (vocab_offset, part) = match request.target {
-            ProcessedTarget::Tokens { .. } => (0, base.byte_add(sums.part_at as u64)),
-            ProcessedTarget::Shard { vocab_offset, part, .. } => (vocab_offset as u32, DevicePtr::new(part)),
-        };
-        let layout = ShardPartLayout::of(batch as u32, request.draws.count, true);
+        let (vocab_offset, part, layout) = request.part(base.byte_add(sums.part_at as u64));
         let tile_sums = base.byte_add(sums.tile_sums_at as u64).cast::<RowSums>();
         let mut target = WinnerTarget::bare(part.cast::<ShardWinner>(), vocab_offset);
         (target.part_sums, target.sum_parts) = (tile_sums, plan.tiles as u32);

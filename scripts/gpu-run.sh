@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [quick] [smoke] [tests] [portable] [processing] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle] [tp]
-# (none named = tests portable demo bench ncu). `tests` runs every test binary with the
-# device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
+#   bash bundle/run.sh OUT [unpack] [quick] [smoke] [tests] [portable] [processing] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle] [tp]
+# (none named = tests portable demo bench ncu). The bundle's binaries travel compressed
+# (`NAME.xz`, so the whole bundle fits what a device call carries): every run first unpacks
+# those not unpacked yet beside them; `unpack` does only that. `tests` runs every test binary
+# with the device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
 # the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100.
 # `processing` runs the logit-processing tests (processing, borrowed mode, tensor parallelism
 # over the GPUs the machine has, the CLI) with each module, then times every processing mode
@@ -29,6 +31,11 @@ step() { # name, command...
     "$@"; local rc=$?
     summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
 }
+# Python's lzma, since the GPU machine need not have xz.
+for packed in "$here"/*.xz "$here"/tests/*.xz; do
+    [ -f "$packed" ] && [ ! -f "${packed%.xz}" ] || continue
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$packed" "${packed%.xz}" && chmod +x "${packed%.xz}"
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 # The cuBLAS torch ships, for the bench's in-process reference: cudarc opens it by name through
 # the loader's path, so its folder goes on LD_LIBRARY_PATH with a `libcublas.so` link to it.
@@ -67,7 +74,8 @@ run_tests() { # log, binaries...
 }
 for stage in $stages; do
     case $stage in
-    tests) run_tests "$out/gpu-tests.log" "$here"/tests/* ;;
+    unpack) ;;
+    tests) run_tests "$out/gpu-tests.log" $(ls "$here"/tests/* | grep -v '\.xz$') ;;
     portable) FLASHSAMPLE_MODULE=portable run_tests "$out/gpu-tests-portable.log" "$here/tests/tests-gpu" "$here/tests/tests-borrowed" "$here/tests/cli-cli" ;;
     processing)
         for module in hopper portable; do
@@ -111,7 +119,7 @@ for stage in $stages; do
         # CUDA runtime, cuBLAS and cuRAND, which torch's wheels carry.
         libs=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)) + "/nvidia/cu13/lib")')
         candle=/tmp/flashsample-candle && mkdir -p $candle
-        for packed in "$here"/*.xz "$here"/../bundle-candle/*.xz; do
+        for packed in "$here"/*adapter*.xz "$here"/candle-example.xz "$here"/../bundle-candle/*.xz; do
             [ -f "$packed" ] || continue
             python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$packed" "$candle/$(basename "$packed" .xz)"
             chmod +x "$candle/$(basename "$packed" .xz)"

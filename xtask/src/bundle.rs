@@ -1,6 +1,8 @@
 //! `cargo xtask bundle`: one folder with everything a GPU run needs (the GPU machine has no
 //! Rust): the release CLI, the release test binaries (the PTX is embedded in both), the
-//! `nvptx-builder` example, `run.sh`, `peers.py` and `tp_peers.py`.
+//! `nvptx-builder` example, `run.sh`, `peers.py` and `tp_peers.py`. The binaries are packed by
+//! `xz` (the embedded PTX shrinks about tenfold, so the whole folder travels to a device run
+//! with the working tree); `run.sh` unpacks them.
 
 use std::path::{Path, PathBuf};
 
@@ -49,12 +51,12 @@ pub fn build(out: Option<&str>) -> Result<(), String> {
     }
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    copy(&root.join("target/release/flashsample"), &out.join("flashsample"))?;
+    compress(&root.join("target/release/flashsample"), &out.join("flashsample.xz"))?;
     for (name, path) in &tests {
-        copy(path, &out.join("tests").join(name))?;
+        compress(path, &out.join("tests").join(format!("{name}.xz")))?;
     }
-    copy(&example.join("target/release/saxpy-example"), &out.join("saxpy-example"))?;
-    copy(&root.join("target/release/flashsample-cudarc-example"), &out.join("decode-loop-example"))?;
+    compress(&example.join("target/release/saxpy-example"), &out.join("saxpy-example.xz"))?;
+    compress(&root.join("target/release/flashsample-cudarc-example"), &out.join("decode-loop-example.xz"))?;
     copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     copy(&root.join("scripts/peers.py"), &out.join("peers.py"))?;
     copy(&root.join("scripts/tp_peers.py"), &out.join("tp_peers.py"))?;

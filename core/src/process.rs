@@ -106,9 +106,8 @@ fn tanh(x: f32) -> f32 {
     }
 }
 
-/// Gemma 2's soft-capping, `cap · tanh(logit / cap)`, for `cap > 0`, with the division done
-/// as a product by `1 / cap` (one division per quad of entries, not one per entry; within an
-/// ulp of the quotient): it maps ±∞ to ±cap and keeps NaN.
+/// Gemma 2's soft-capping, `cap · tanh(logit / cap)`, for `cap > 0`: it maps ±∞ to ±cap and
+/// keeps NaN.
 #[inline(always)]
 pub fn softcap(logit: f32, cap: f32) -> f32 {
     cap * tanh(logit / cap)

@@ -133,6 +133,10 @@ pub const LOGITS_SAMPLER_TILE: u32 = TILE_KERNEL_WARPS * 32 * 4;
 pub const SIMT_WARP_SCRATCH_FLOATS: u32 = 32 * 8;
 /// Threads per block of the merge kernel.
 pub const REDUCE_THREADS: u32 = 128;
+/// Threads per block of `winner_logits`: a block per winner's dot product.
+pub const WINNER_LOGITS_THREADS: u32 = 256;
+/// Dynamic shared memory of `winner_logits`: an f64 partial sum per warp.
+pub const WINNER_LOGITS_SHARED_BYTES: u32 = WINNER_LOGITS_THREADS / 32 * 8;
 
 /// Bytes of one [`Candidate`] in shared and global memory.
 pub const CANDIDATE_BYTES: u32 = core::mem::size_of::<Candidate>() as u32;

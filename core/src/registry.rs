@@ -11,8 +11,8 @@
 
 use crate::abi::{
     LOGITS_SAMPLER_SHARED_BYTES, PROCESS_SHARED_BYTES, PROCESS_THREADS, REDUCE_SHARED_BYTES, REDUCE_THREADS,
-    TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS, fused_mma_shared_bytes, fused_simt_shared_bytes,
-    tma_handoff_shared_bytes, tma_shared_bytes,
+    TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS, WINNER_LOGITS_SHARED_BYTES, WINNER_LOGITS_THREADS,
+    fused_mma_shared_bytes, fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
 };
 
 /// The element type of `W` and `H` a kernel reads.
@@ -92,8 +92,8 @@ impl Kernel {
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
-            | Kernel::MergeShards
-            | Kernel::WinnerLogits { .. } => UTILITY_THREADS,
+            | Kernel::MergeShards => UTILITY_THREADS,
+            Kernel::WinnerLogits { .. } => WINNER_LOGITS_THREADS,
             Kernel::StoreTensorMaps => STORE_TENSOR_MAPS_THREADS,
         }
     }
@@ -110,9 +110,9 @@ impl Kernel {
             Kernel::SampleLogits => LOGITS_SAMPLER_SHARED_BYTES,
             Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
             Kernel::ProcessRows => PROCESS_SHARED_BYTES,
+            Kernel::WinnerLogits { .. } => WINNER_LOGITS_SHARED_BYTES,
             Kernel::LogitsMma { .. }
             | Kernel::MergeShards
-            | Kernel::WinnerLogits { .. }
             | Kernel::FillUniform { .. }
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError

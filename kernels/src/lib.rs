@@ -306,7 +306,7 @@ macro_rules! entry_point {
         pub unsafe extern "ptx-kernel" fn $name(args: WinnerLogitsArgs) {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
-            unsafe { sample::winner_logits::<element::$element>(&args) }
+            unsafe { sample::winner_logits::<element::$element>(&args, shared::<f64>()) }
         }
     };
     ($name:ident, ProcessRows {}) => {

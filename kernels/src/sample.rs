@@ -3,7 +3,8 @@
 
 use flashsample_core::abi::{
     FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, RowSums, SAMPLES_PER_MERGE, ShardWinner,
-    TILE_KERNEL_WARPS, TopLogprob, WinnerLogitsArgs, candidate_pair, candidate_slot, fused_mma_shared_bytes,
+    TILE_KERNEL_WARPS, TopLogprob, WINNER_LOGITS_THREADS, WinnerLogitsArgs, candidate_pair, candidate_slot,
+    fused_mma_shared_bytes,
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS};
@@ -584,27 +585,35 @@ pub unsafe fn reduce_candidates(args: &ReduceArgs, staging: *mut Candidate) {
     }
 }
 
-/// The winners' logits of a fused call (see [`WinnerLogitsArgs`]): one warp per winner, its
-/// lanes taking every 32nd element of the dot product, then a butterfly sum; lane 0 applies
-/// the row's per-entry steps and writes both logits into the winner, or, for an unsharded
-/// call, the token and its log-probabilities (and the row's empty top entries). The product of
-/// two elements (bf16, f16 or f32) is exact in f64, and their f64 sum rounds 29 bits below
-/// f32's: the raw logit is the dot product rounded once to f32 unless its terms cancel by more
-/// than that (the tiles' own f32 sums round at every step).
+/// Elements of a winner's dot product each thread loads before it multiplies any: enough
+/// loads in flight that a block finishes a dot product of 4096 elements in two trips to
+/// memory (one load at a time made it one trip per 32 elements, about 35 µs).
+const DOT_BATCH: u32 = 8;
+
+/// The winners' logits of a fused call (see [`WinnerLogitsArgs`]): one block per winner, its
+/// threads taking every [`WINNER_LOGITS_THREADS`]-th element of the dot product, then a
+/// butterfly sum per warp and the warps' sums in warp order; thread 0 applies the row's
+/// per-entry steps and writes both logits into the winner, or, for an unsharded call, the token
+/// and its log-probabilities (and the row's empty top entries). The product of two elements
+/// (bf16, f16 or f32) is exact in f64, and their f64 sum rounds 29 bits below f32's: the raw
+/// logit is the dot product rounded once to f32 unless its terms cancel by more than that (the
+/// tiles' own f32 sums round at every step).
 ///
 /// # Safety
-/// Launched with a multiple of 32 threads per block; `args` describes valid device buffers:
-/// `winners` holds `batch · samples` winners of this shard, `W` `vocab` rows and `H` `batch`
-/// rows of `dim` elements at their strides, the processing (if not null) `batch` rows for the
-/// global vocabulary up to `vocab_offset + vocab`; with `tokens`, the outputs hold `batch ·
-/// samples` slots (and `top` `batch` rows), `sums` and `row_params` `batch` rows.
+/// Launched with [`WINNER_LOGITS_THREADS`] threads per block and `staging` holding an f64 per
+/// warp (`WINNER_LOGITS_SHARED_BYTES`); `args` describes valid device buffers: `winners` holds
+/// `batch · samples` winners of this shard, `W` `vocab` rows and `H` `batch` rows of `dim`
+/// elements at their strides, the processing (if not null) `batch` rows for the global
+/// vocabulary up to `vocab_offset + vocab`; with `tokens`, the outputs hold `batch · samples`
+/// slots (and `top` `batch` rows), `sums` and `row_params` `batch` rows.
 #[inline(always)]
-pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
-    let (thread, threads) = arch::global_thread();
-    let lane = (thread % 32) as u32;
+#[allow(clippy::needless_range_loop)] // constant indices once unrolled keep the pairs in registers
+pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs, staging: *mut f64) {
+    let thread = arch::thread_index();
+    let (lane, warp) = (thread % 32, thread / 32);
     let slots = args.batch as u64 * args.samples as u64;
-    let mut k = thread / 32;
-    // `k` is the warp's: the loop and the branch below are uniform over the warp.
+    let mut k = arch::block_index() as u64;
+    // `k` is the block's: the loop and the branches on the winner below are uniform over it.
     while k < slots {
         let b = (k / args.samples as u64) as u32;
         // SAFETY: `k < batch · samples`: one of the winners.
@@ -615,50 +624,77 @@ pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
         if token < NON_FINITE_TOKEN && column < args.vocab {
             let lm_head_row = args.lm_head.address() + column as u64 * args.lm_head_stride as u64 * T::BYTES;
             let hidden_row = args.hidden.address() + b as u64 * args.hidden_stride as u64 * T::BYTES;
+            // Past `dim` a thread loads the last element and drops it: a select, where a branch
+            // would have each load wait for the one before.
+            let load = |i: u32| {
+                let at = i.min(args.dim - 1) as u64 * T::BYTES;
+                // SAFETY: `column < vocab`, `b < batch` and `at` is an element `< dim` (`dim ≥ 1`:
+                // a winner exists): elements of the matrices, aligned to their type.
+                let (w, h) = unsafe { (T::load(lm_head_row + at), T::load(hidden_row + at)) };
+                if i < args.dim { (w, h) } else { (0.0, 0.0) }
+            };
             let mut sum = 0.0f64;
-            let mut i = lane;
-            while i < args.dim {
-                // SAFETY: `column < vocab`, `b < batch` and `i < dim`: elements of the matrices,
-                // aligned to their type.
-                let (w, h) =
-                    unsafe { (T::load(lm_head_row + i as u64 * T::BYTES), T::load(hidden_row + i as u64 * T::BYTES)) };
-                sum += w as f64 * h as f64;
-                i += 32;
+            let mut first = thread;
+            while first < args.dim {
+                let mut pairs = [(0.0f32, 0.0f32); DOT_BATCH as usize];
+                for u in 0..DOT_BATCH as usize {
+                    pairs[u] = load(first + u as u32 * WINNER_LOGITS_THREADS);
+                }
+                for u in 0..DOT_BATCH as usize {
+                    sum += pairs[u].0 as f64 * pairs[u].1 as f64;
+                }
+                first += DOT_BATCH * WINNER_LOGITS_THREADS;
             }
             let mut mask = 1;
             while mask < 32 {
                 let bits = sum.to_bits();
-                // SAFETY: all 32 lanes of the warp (uniform over the warp, see above); `a + b` and
-                // `b + a` are the same float, so both lanes of a pair hold the same sum.
+                // SAFETY: all 32 lanes of the warp (uniform over the block, see above); `a + b`
+                // and `b + a` are the same float, so both lanes of a pair hold the same sum.
                 let (low, high) = unsafe {
                     (arch::shuffle_xor(bits as u32, mask) as u64, arch::shuffle_xor((bits >> 32) as u32, mask) as u64)
                 };
                 sum += f64::from_bits(low | high << 32);
                 mask <<= 1;
             }
-            let raw = sum as f32;
-            // Lane 0 alone writes, so it alone processes.
-            let processed = if lane != 0 || args.processing.address() == 0 {
-                raw
-            } else {
-                let first = args.vocab_offset + (column & !3);
-                let vocab_end = args.vocab_offset + args.vocab;
-                // SAFETY: `b < batch`: row `b` of the processing (this function's contract).
-                let [q0, q1, q2, q3] = unsafe { process::fused_quad(args.processing, b, first, vocab_end, [raw; 4]) };
-                // Selects, not an index: an array indexed at run time goes to the stack.
-                match column & 3 {
-                    0 => q0,
-                    1 => q1,
-                    2 => q2,
-                    _ => q3,
+            if lane == 0 {
+                // SAFETY: `warp < WINNER_LOGITS_THREADS / 32`: the warp's slot of the staging.
+                unsafe { *staging.add(warp as usize) = sum };
+            }
+            // SAFETY: every thread of the block reaches it (uniform branch).
+            unsafe { arch::sync_threads() };
+            if thread == 0 {
+                let mut total = 0.0f64;
+                for w in 0..WINNER_LOGITS_THREADS / 32 {
+                    // SAFETY: written before the barrier above.
+                    total += unsafe { *staging.add(w as usize) };
                 }
-            };
-            logits = Some((raw, processed));
+                let raw = total as f32;
+                // Thread 0 alone writes, so it alone processes.
+                let processed = if args.processing.address() == 0 {
+                    raw
+                } else {
+                    let first = args.vocab_offset + (column & !3);
+                    let vocab_end = args.vocab_offset + args.vocab;
+                    // SAFETY: `b < batch`: row `b` of the processing (this function's contract).
+                    let [q0, q1, q2, q3] =
+                        unsafe { process::fused_quad(args.processing, b, first, vocab_end, [raw; 4]) };
+                    // Selects, not an index: an array indexed at run time goes to the stack.
+                    match column & 3 {
+                        0 => q0,
+                        1 => q1,
+                        2 => q2,
+                        _ => q3,
+                    }
+                };
+                logits = Some((raw, processed));
+            }
+            // SAFETY: as above; the staging is read before the next winner's writes.
+            unsafe { arch::sync_threads() };
         }
-        if lane == 0 {
+        if thread == 0 {
             if args.tokens.address() == 0 {
                 if let Some((raw, processed)) = logits {
-                    // SAFETY: as above, one winner per warp.
+                    // SAFETY: as above, one winner per block.
                     unsafe { *args.winners.as_mut_ptr().add(k as usize) = ShardWinner { raw, processed, ..winner } };
                 }
             } else {
@@ -670,7 +706,7 @@ pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
                     let (sums, row) = (*args.sums.as_ptr().add(b as usize), *args.row_params.as_ptr().add(b as usize));
                     outputs.write(k as usize, token, logits, &sums, &row);
                 }
-                if k % args.samples as u64 == 0 && args.top.address() != 0 {
+                if k.is_multiple_of(args.samples as u64) && args.top.address() != 0 {
                     let top = args.top.as_mut_ptr().wrapping_add(b as usize * MAX_TOP_LOGPROBS as usize);
                     for slot in 0..MAX_TOP_LOGPROBS as usize {
                         // SAFETY: row `b`'s top slots (this function's contract).
@@ -679,6 +715,6 @@ pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs) {
                 }
             }
         }
-        k += threads / 32;
+        k += arch::grid_size() as u64;
     }
 }

@@ -830,15 +830,15 @@ impl StreamSampler {
             args.top = DevicePtr::new(top_logprobs);
         }
         let kernel = Kernel::WinnerLogits { element: element_type(lm_head.dtype) };
+        // A block per winner.
         let winners = batch as u64 * request.draws.count as u64;
-        let warps_per_block = (kernel.threads() / 32) as u64;
         // SAFETY: the workspace holds the terms and the part past the candidates (checked
         // above), the fused variant writes the terms (the plan); then the winners are in the
         // part, and `W`, `H`, the processing and the outputs hold their extents (this
         // function's contract).
         unsafe {
             self.enqueue_tiles(stream, fused, plan, maps, workspace, ReduceTarget::Winners(target), tile_sums)?;
-            self.launch(stream, kernel, winners.div_ceil(warps_per_block), &args)
+            self.launch(stream, kernel, winners, &args)
         }
     }
 

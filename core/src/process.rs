@@ -73,6 +73,22 @@ pub fn exp(x: f32) -> f32 {
     scale_by_power_of_two(1.0 + expm1_small(r), k)
 }
 
+/// [`exp`] of `x ≤ 0` (or NaN) with fewer branches: the same bits where `eˣ` is a normal
+/// float, and one rounding where it is subnormal (`2ᵏ` as two normal factors). The terms of a
+/// log-sum-exp against its maximum, once per entry.
+#[inline(always)]
+fn exp_non_positive(x: f32) -> f32 {
+    if !(x >= -103.972_08) {
+        return if x.is_nan() { x } else { 0.0 };
+    }
+    let k = (x * LOG2_E - 0.5) as i32;
+    let kf = k as f32;
+    let r = (x - kf * LN2_HI) - kf * LN2_LO;
+    let power = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
+    let half = k / 2;
+    (1.0 + expm1_small(r)) * power(half) * power(k - half)
+}
+
 /// `eˣ − 1` for `0 ≤ x < 18.5`, with full relative precision near 0 and no branch:
 /// `x = k·ln 2 + r` with `|r| ≤ ½ln 2`, `eˣ − 1 = 2ᵏ·expm1(r) + (2ᵏ − 1)` (`k = 0` is
 /// `expm1(r)` itself). One path for every lane of a warp: a branch on `|x|` had the soft-cap's
@@ -202,11 +218,13 @@ impl LogSumExp {
         }
     }
 
-    /// An entry's term `exp((logit − max) / T)` in a sum whose maximum `max` is known first
-    /// (a block's two-pass sum: maximum, then terms); 0 for a −∞ logit, NaN for NaN.
+    /// An entry's term `exp((logit − max) · (1 / T))` in a sum whose maximum `max ≥ logit` is
+    /// known first (a tile's two-pass sum: maximum, then terms), given `inverse_temperature =
+    /// 1 / T` (a product per entry, not a division; within an ulp of `(logit − max) / T`); 0
+    /// for a −∞ logit, NaN for NaN.
     #[inline(always)]
-    pub fn term(logit: f32, max: f32, temperature: f32) -> f32 {
-        if logit == f32::NEG_INFINITY { 0.0 } else { exp((logit - max) / temperature) }
+    pub fn term(logit: f32, max: f32, inverse_temperature: f32) -> f32 {
+        if logit == f32::NEG_INFINITY { 0.0 } else { exp_non_positive((logit - max) * inverse_temperature) }
     }
 
     /// `logit / T − ln Σ exp(logitⱼ / T)`: the log-probability of an entry of the set.
@@ -426,6 +444,30 @@ mod tests {
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp(f32::INFINITY), f32::INFINITY);
         assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn exp_of_non_positive_arguments_is_exp() {
+        let mut x = -1e-30f32;
+        while x > -110.0 {
+            for y in [x, x * 1.37, x * 0.91] {
+                let (got, full) = (exp_non_positive(y), exp(y));
+                if full >= f32::MIN_POSITIVE {
+                    assert_eq!(got, full, "exp_non_positive({y})");
+                } else {
+                    let exact = (y as f64).exp();
+                    assert!(
+                        (got as f64 - exact).abs() <= f32::from_bits(1) as f64 / 2.0,
+                        "exp_non_positive({y}) = {got}"
+                    );
+                }
+            }
+            x *= 1.01;
+        }
+        assert_eq!(exp_non_positive(0.0), 1.0);
+        assert_eq!(exp_non_positive(-0.0), 1.0);
+        assert_eq!(exp_non_positive(f32::NEG_INFINITY), 0.0);
+        assert!(exp_non_positive(f32::NAN).is_nan());
     }
 
     #[test]

@@ -117,11 +117,11 @@ pub unsafe fn sample_tile<const NT: usize>(
             let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
             let b = col0 + column;
             let raw = masked_quad(2 * NT, column_slot, |i| logits[i / 2][i % 2]);
-            let mut quad = ColumnQuad { raw, processed: raw, rows_valid, sampling: false, temperature: 1.0 };
+            let mut quad = ColumnQuad { raw, processed: raw, rows_valid, sampling: false, inverse_temperature: 1.0 };
             if b < args.batch {
                 // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
                 let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
-                (quad.sampling, quad.temperature) = (row.greedy == 0, row.temperature);
+                (quad.sampling, quad.inverse_temperature) = (row.greedy == 0, 1.0 / row.temperature);
                 if args.processing.address() != 0 {
                     // SAFETY: `b < batch`: the launch's processing holds the row.
                     quad.processed = unsafe { process::fused_quad(args.processing, b, index0, vocab_end, raw) };
@@ -220,7 +220,8 @@ pub struct ColumnQuad {
     /// Whether the column's row samples (the processed terms are empty for a greedy row or a
     /// column past the batch).
     pub sampling: bool,
-    pub temperature: f32,
+    /// `1 / T` of the column's row, for its processed terms.
+    pub inverse_temperature: f32,
 }
 
 impl ColumnQuad {
@@ -248,7 +249,7 @@ impl ColumnQuad {
         let [[r0, r1, r2, r3], [p0, p1, p2, p3]] = self.entries();
         let [raw_max, kept_max] = maxima;
         let raw = |l: f32| LogSumExp::term(l, raw_max, 1.0);
-        let kept = |l: f32| LogSumExp::term(l, kept_max, self.temperature);
+        let kept = |l: f32| LogSumExp::term(l, kept_max, self.inverse_temperature);
         [raw(r0) + raw(r1) + raw(r2) + raw(r3), kept(p0) + kept(p1) + kept(p2) + kept(p3)]
     }
 }

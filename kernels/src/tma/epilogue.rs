@@ -78,7 +78,7 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
                 processed = unsafe { process::fused_quad(args.processing, b, index0, vocab_end, raw) };
             }
             let sampling = b < args.batch && row.greedy == 0;
-            (column, ColumnQuad { raw, processed, rows_valid, sampling, temperature: row.temperature })
+            (column, ColumnQuad { raw, processed, rows_valid, sampling, inverse_temperature: 1.0 / row.temperature })
         };
         let write = |column: u32, sums: RowSums| {
             let b = place.col0 + column;

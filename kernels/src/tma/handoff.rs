@@ -205,7 +205,7 @@ unsafe fn prepare_columns<const N: usize>(
             processed: [0.0; 4],
             rows_valid: 0,
             sampling: in_batch && row.greedy == 0,
-            temperature: row.temperature,
+            inverse_temperature: 1.0 / row.temperature,
         }; LANE_QUADS];
         unrolled!(i < LANE_QUADS, {
             let quad = slot + COLUMN_LANES * i as u32;

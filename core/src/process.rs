@@ -78,8 +78,11 @@ pub fn exp(x: f32) -> f32 {
 /// log-sum-exp against its maximum, once per entry.
 #[inline(always)]
 fn exp_non_positive(x: f32) -> f32 {
-    if !(x >= -103.972_08) {
-        return if x.is_nan() { x } else { 0.0 };
+    if x.is_nan() {
+        return x;
+    }
+    if x < -103.972_08 {
+        return 0.0;
     }
     let k = (x * LOG2_E - 0.5) as i32;
     let kf = k as f32;

@@ -4,8 +4,9 @@
 # (none named = tests portable demo bench ncu). The bundle's binaries travel compressed
 # (`NAME.xz`, so the whole bundle fits what a device call carries): every run first unpacks
 # those not unpacked yet beside them; `unpack` does only that. `tests` runs every test binary
-# with the device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's again with
-# the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an A100.
+# with the device's module (Hopper on an H200); `portable` runs the GPU tests and the CLI's
+# again with the portable module forced (FLASHSAMPLE_MODULE=portable), our stand-in for an
+# A100.
 # `processing` runs the logit-processing tests (processing, borrowed mode, tensor parallelism
 # over the GPUs the machine has, the CLI) with each module, then times every processing mode
 # beside torch's unfused pipeline (scripts/peers.py --processing) on the Hopper module. `quick`
@@ -31,10 +32,14 @@ step() { # name, command...
     "$@"; local rc=$?
     summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - start))")")
 }
-# Python's lzma, since the GPU machine need not have xz.
+# unpack PACKED TO: an executable from an xz file, by Python's lzma (the GPU machine need not
+# have xz).
+unpack() {
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2" && chmod +x "$2"
+}
 for packed in "$here"/*.xz "$here"/tests/*.xz; do
     [ -f "$packed" ] && [ ! -f "${packed%.xz}" ] || continue
-    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$packed" "${packed%.xz}" && chmod +x "${packed%.xz}"
+    unpack "$packed" "${packed%.xz}"
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 # The cuBLAS torch ships, for the bench's in-process reference: cudarc opens it by name through
@@ -121,8 +126,7 @@ for stage in $stages; do
         candle=/tmp/flashsample-candle && mkdir -p $candle
         for packed in "$here"/*adapter*.xz "$here"/candle-example.xz "$here"/../bundle-candle/*.xz; do
             [ -f "$packed" ] || continue
-            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$packed" "$candle/$(basename "$packed" .xz)"
-            chmod +x "$candle/$(basename "$packed" .xz)"
+            unpack "$packed" "$candle/$(basename "$packed" .xz)"
         done
         for module in auto portable; do
             step "candle-example $module" timeout 200 bash -c "FLASHSAMPLE_MODULE=$module LD_LIBRARY_PATH='$libs' '$candle/candle-example' 2>&1 | tail -6 | tee -a '$out/candle.log'"

@@ -25,17 +25,30 @@ const LN2_HI: f32 = 0.693_145_75;
 const LN2_LO: f32 = 1.428_606_8e-6;
 const LOG2_E: f32 = core::f32::consts::LOG2_E;
 
+/// `2ᵉ` for a normal exponent, `−126 ≤ e ≤ 127`.
+#[inline(always)]
+fn power_of_two(e: i32) -> f32 {
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// `r = x − k·ln 2`, `|r| ≤ ½ln 2` (plus rounding) for `k` the nearest integer to `x / ln 2`
+/// (`|k| < 2⁸`): Cody and Waite's reduction, exact in its first step.
+#[inline(always)]
+fn reduced(x: f32, k: i32) -> f32 {
+    let kf = k as f32;
+    (x - kf * LN2_HI) - kf * LN2_LO
+}
+
 /// `x · 2ᵏ` for `−300 < k < 300`, in two exact steps where `2ᵏ` alone is not a normal float
 /// (the last step rounds once, also into the subnormals).
 #[inline(always)]
 fn scale_by_power_of_two(x: f32, k: i32) -> f32 {
-    let power = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
     if k > 127 {
-        x * power(127) * power(k - 127)
+        x * power_of_two(127) * power_of_two(k - 127)
     } else if k < -126 {
-        x * power(-126) * power(k + 126)
+        x * power_of_two(-126) * power_of_two(k + 126)
     } else {
-        x * power(k)
+        x * power_of_two(k)
     }
 }
 
@@ -68,9 +81,7 @@ pub fn exp(x: f32) -> f32 {
     // x = k·ln 2 + r with |r| ≤ ½ln 2 (plus rounding); eˣ = 2ᵏ·(1 + expm1(r)).
     let t = x * LOG2_E;
     let k = (if t < 0.0 { t - 0.5 } else { t + 0.5 }) as i32;
-    let kf = k as f32;
-    let r = (x - kf * LN2_HI) - kf * LN2_LO;
-    scale_by_power_of_two(1.0 + expm1_small(r), k)
+    scale_by_power_of_two(1.0 + expm1_small(reduced(x, k)), k)
 }
 
 /// [`exp`] of `x ≤ 0` (or NaN) with fewer branches: the same bits where `eˣ` is a normal
@@ -85,11 +96,8 @@ fn exp_non_positive(x: f32) -> f32 {
         return 0.0;
     }
     let k = (x * LOG2_E - 0.5) as i32;
-    let kf = k as f32;
-    let r = (x - kf * LN2_HI) - kf * LN2_LO;
-    let power = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
     let half = k / 2;
-    (1.0 + expm1_small(r)) * power(half) * power(k - half)
+    (1.0 + expm1_small(reduced(x, k))) * power_of_two(half) * power_of_two(k - half)
 }
 
 /// `eˣ − 1` for `0 ≤ x < 18.5`, with full relative precision near 0 and no branch:
@@ -99,10 +107,8 @@ fn exp_non_positive(x: f32) -> f32 {
 #[inline(always)]
 fn expm1_non_negative(x: f32) -> f32 {
     let k = (x * LOG2_E + 0.5) as i32;
-    let kf = k as f32;
-    let r = (x - kf * LN2_HI) - kf * LN2_LO;
-    let power = f32::from_bits(((k + 127) as u32) << 23);
-    expm1_small(r) * power + (power - 1.0)
+    let power = power_of_two(k);
+    expm1_small(reduced(x, k)) * power + (power - 1.0)
 }
 
 /// `tanh x` within a few ulp: `expm1(2|x|) / (expm1(2|x|) + 2)` with the sign of `x`; ±1 for
@@ -476,8 +482,8 @@ mod tests {
     #[test]
     fn softcap_is_within_six_ulp_of_f64_and_keeps_the_edges() {
         for cap in [30.0f32, 50.0, 1.0, 0.01, 7.3] {
-            // Dense near 0 (where tanh's series and the reciprocal's rounding dominate) and
-            // out to 12 caps, both signs: 4 · 10⁵ logits per cap.
+            // Dense near 0 (where the quotient's and the series' roundings dominate) and out to
+            // 12 caps, both signs: 4 · 10⁵ logits per cap.
             for i in 0..200_000 {
                 let magnitude = cap * 12.0 * 2f32.powf(-40.0 * i as f32 / 200_000.0);
                 for x in [magnitude, -magnitude * 1.0007] {

@@ -224,6 +224,12 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The library returns the other rows' tokens beside such rows; `sample` writes a file
+        // only when every slot has a token.
+        Err(e @ Error::RowsWithoutToken { .. }) => {
+            eprintln!("error: {e}; nothing was written");
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

@@ -317,6 +317,16 @@ fn random_arguments_never_panic() {
     let scratch = Scratch::new("fuzz");
     let (w, h) = inputs(&scratch, 30, 8, 2);
     std::fs::write(scratch.path("junk.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{\"w\": 1}").unwrap();
+    // Processing inputs of the right shapes for V = 30, B = 2, and a file that is no `.npy`.
+    write_npy(&scratch.path("bias.npy"), "<f4", &[30], f32_bytes(&values(30, 1.0, 7)));
+    write_npy(&scratch.path("mask.npy"), "<i4", &[1], (-1i32).to_le_bytes().to_vec());
+    write_npy(
+        &scratch.path("history.npy"),
+        "<i8",
+        &[2, 2],
+        [1i64, -1, 29, 3].iter().flat_map(|x| x.to_le_bytes()).collect(),
+    );
+    std::fs::write(scratch.path("junk.npy"), b"\x93NUMPY\x01\x00\xff\xff{").unwrap();
     let words: Vec<String> = [
         "sample",
         "report",
@@ -338,6 +348,12 @@ fn random_arguments_never_panic() {
         "--logprobs",
         "--processed-logprobs",
         "--bias",
+        "--mask",
+        "--history",
+        "--repetition-penalty",
+        "--frequency-penalty",
+        "--presence-penalty",
+        "--shards",
         "-1",
         "0",
         "1",
@@ -354,12 +370,18 @@ fn random_arguments_never_panic() {
     .iter()
     .map(|s| s.to_string())
     .chain([w.clone(), h.clone(), scratch.path("junk.safetensors"), scratch.path("out.npy"), scratch.path("")])
+    .chain(["bias.npy", "mask.npy", "history.npy", "junk.npy"].map(|f| scratch.path(f)))
     .collect();
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 48, ..ProptestConfig::default() });
-    let strategy = prop::collection::vec(prop::sample::select(words), 0..14);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 96, ..ProptestConfig::default() });
+    // Half the lists start with a whole `sample` command, so the words after it reach the
+    // processing flags' checks and not only the parser's.
+    let out = scratch.path("out.npy");
+    let base = sample_args(&w, &h, &out, &ARGS);
+    let strategy = (any::<bool>(), prop::collection::vec(prop::sample::select(words), 0..14));
     runner
-        .run(&strategy, |args| {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        .run(&strategy, |(whole, words)| {
+            let args: Vec<&str> =
+                base.iter().copied().filter(|_| whole).chain(words.iter().map(String::as_str)).collect();
             let output = flashsample(&args);
             let stderr = String::from_utf8_lossy(&output.stderr);
             prop_assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
@@ -456,6 +478,21 @@ fn processing_flags_sample_what_they_define_and_refuse_bad_values() {
     ] {
         assert_clean_failure(&run(&extra), message);
     }
+    // A mask that leaves row 1 nothing: the row is named with its status, and no file is left.
+    let none = scratch.path("none.npy");
+    let mut words_none = mask_words.clone();
+    words_none[words..].fill(0);
+    write_npy(&none, "<i4", &[b, words], words_none.iter().flat_map(|x| x.to_le_bytes()).collect());
+    let lonely = scratch.path("lonely.npy");
+    let output = flashsample(&sample_args(
+        &w,
+        &h,
+        &lonely,
+        &["--samples", "2", "--seed", "1", "--temperature", "1", "--mask", &none],
+    ));
+    assert_clean_failure(&output, "1 row(s) have no token: row 1 (");
+    assert_clean_failure(&output, "nothing was written");
+    assert!(!Path::new(&lonely).exists() && !Path::new(&format!("{lonely}.partial")).exists());
     let wide = scratch.path("wide.npy");
     write_npy(&wide, "<i4", &[b, words + 1], vec![0; b * (words + 1) * 4]);
     assert_clean_failure(&run(&["--mask", &wide]), "must be [3] or [2, 3]");

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [unpack] [quick] [smoke] [tests] [portable] [processing] [demo] [example] [bench] [peers] [ncu] [iso] [sanitizer] [candle] [tp]
+#   bash bundle/run.sh OUT [unpack] [quick] [smoke] [tests] [portable] [processing] [demo] [example] [bench] [peers] [ncu] [ncu-processing] [iso] [sanitizer] [candle] [tp]
 # (none named = tests portable demo bench ncu). The bundle's binaries travel compressed
 # (`NAME.xz`, so the whole bundle fits what a device call carries): every run first unpacks
 # those not unpacked yet beside them; `unpack` does only that. `tests` runs every test binary
@@ -12,6 +12,9 @@
 # beside torch's unfused pipeline (scripts/peers.py --processing) on the Hopper module. `quick`
 # runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
 # tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
+# `ncu-processing` times each kernel of every processing mode alone under ncu (one call per
+# mode at B = 1, 64 and 256, D = 4096), which splits a mode's cost among the fused tile, the
+# reduction, `winner_logits` and the processing pipeline's launches.
 # `sanitizer` runs compute-sanitizer's memcheck, racecheck, synccheck and initcheck over every
 # kernel variant on odd shapes, with each module. `example` launches nvptx-builder's example kernel and checks it against the CPU, and runs the
 # borrowed-mode decode loop with both modules; `candle` runs the candle adapter's tests and
@@ -158,6 +161,11 @@ for stage in $stages; do
         libs=$(cublas_path)
         step iso timeout 300 bash -c "LD_LIBRARY_PATH='$libs' '$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused_tma|reduce_candidates|nvjet|xmma|cutlass' '$here/flashsample' bench --out /tmp/iso-bench --shapes 4096x151936,8192x128256 --batches 128,256 --runs 1 --warmup 0 ${libs:+--cublas} > '$out/iso.log' 2>&1"
         grep -hE "^  [a-zA-Z_]|gpu__time" "$out/iso.log" | head -60
+        ;;
+    ncu-processing)
+        ncu=$(find_ncu)
+        step ncu-processing timeout 300 bash -c "'$ncu' --clock-control none --metrics gpu__time_duration.sum -k regex:'fused|reduce|winner|merge|process|logits_|sample_logits' '$here/flashsample' bench --out /tmp/ncu-processing-bench --modules hopper --shapes 4096x151936 --batches 1,64,256 --processing --runs 1 --warmup 0 > '$out/ncu-processing.log' 2>&1"
+        grep -cE "gpu__time" "$out/ncu-processing.log"
         ;;
     ncu)
         ncu=$(find_ncu)

@@ -247,13 +247,20 @@ impl LogSumExp {
 
     /// An entry's term `exp((logit − max) · (1 / T))` in a sum whose maximum `max ≥ logit` is
     /// known first (a tile's two-pass sum: maximum, then terms), given `inverse_temperature =
-    /// 1 / T` (a product per entry, not a division; within an ulp of `(logit − max) / T`); 0
-    /// for a −∞ logit, NaN for NaN.
+    /// 1 / T` (a product per entry, not a division; within an ulp of `(logit − max) / T`); 1
+    /// for the maximum itself, also where `1 / T` overflowed to ∞ (`T < 2⁻¹²⁸`, whose product
+    /// with 0 is NaN); 0 for a −∞ logit, NaN for NaN.
     #[inline(always)]
     pub fn term(logit: f32, max: f32, inverse_temperature: f32) -> f32 {
-        // A select, not a branch: the lanes of a warp take one path.
+        // Selects, not branches: the lanes of a warp take one path.
         let term = exp_non_positive((logit - max) * inverse_temperature);
-        if logit == f32::NEG_INFINITY { 0.0 } else { term }
+        if logit == f32::NEG_INFINITY {
+            0.0
+        } else if logit == max {
+            1.0
+        } else {
+            term
+        }
     }
 
     /// `logit / T − ln Σ exp(logitⱼ / T)`: the log-probability of an entry of the set.
@@ -495,6 +502,27 @@ mod tests {
         assert_eq!(exp_non_positive(-103.972_09), 0.0);
         assert_eq!(exp_non_positive(f32::NEG_INFINITY), 0.0);
         assert!(exp_non_positive(f32::NAN).is_nan());
+    }
+
+    /// A term at any temperature is the division's: with `1 / T = ∞` (T = 10⁻⁴⁵) the maximum's
+    /// term is 1 and every other entry's 0, as `exp((logit − max) / T)` gives them.
+    #[test]
+    fn terms_follow_the_division_at_every_temperature() {
+        let logits = [3.0f32, 2.999_999_8, -1.0, 0.0, f32::NEG_INFINITY];
+        for t in [1e-45f32, 1e-38, 1e-6, 0.7, 1.0, 1e30, 1e36] {
+            let inverse = 1.0 / t;
+            for &max in &[3.0f32, 7.5] {
+                for &l in &logits {
+                    let (got, by_division) = (LogSumExp::term(l, max, inverse), exp((l - max) / t));
+                    assert!(
+                        ulps(got, by_division as f64) <= 2.5,
+                        "term({l}, {max}) at T = {t:e}: {got} vs {by_division}"
+                    );
+                }
+            }
+        }
+        assert!(LogSumExp::term(f32::NAN, 3.0, 1.0).is_nan());
+        assert!(LogSumExp::term(1.0, f32::NAN, f32::INFINITY).is_nan());
     }
 
     #[test]

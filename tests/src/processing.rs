@@ -598,11 +598,12 @@ pub fn check_top_k_keeps_ties(backend: &dyn ProcessedBackend, lm_head: &Matrix, 
 /// Log-probabilities against f64: the raw one is `log_softmax(raw logits)` of the token, the
 /// processed one `log` of the reference distribution's probability, and each row's top raw
 /// log-probabilities (20, 5, 1 or none) the largest raw logits in order; within `tolerance`.
+/// The temperatures include 10⁻⁴⁵ (whose `1 / T` overflows) and 10³⁰.
 pub fn check_log_probabilities(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix, tolerance: f64) {
     let modes = each_mode(lm_head.rows());
     let rows = hidden.rows().min(modes.len());
     let params: Vec<SamplingParams> =
-        (0..rows).map(|r| SamplingParams::new([0.7, 1.0, 1.6][r % 3], 31, r as u32, 0)).collect();
+        (0..rows).map(|r| SamplingParams::new([0.7, 1.0, 1.6, 1e-45, 1e30][r % 5], 31, r as u32, 0)).collect();
     // Rows also ask for their top 20, 5, 1 or no raw log-probabilities.
     let processing: Vec<Processing> = modes[..rows]
         .iter()

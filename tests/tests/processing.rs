@@ -226,8 +226,8 @@ mod gpu {
     /// that also ask for a top raw log-probability take the processing pipeline); the fused
     /// tile's log-probabilities (its per-tile log-sum-exp terms, the winners' dot products)
     /// leave the tokens as they are and match f64 within 10⁻⁴: every tensor-core variant of the
-    /// module and the SIMT tile, 37 rows (greedy ones among them), V = 2053 (tiles that end
-    /// past V).
+    /// module and the SIMT tile, 37 rows (greedy ones among them, and T = 10⁻⁴⁵ and 10³⁰),
+    /// V = 2053 (tiles that end past V).
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn fused_per_entry_steps_give_the_materialised_tokens() {
@@ -235,7 +235,17 @@ mod gpu {
         let w = random_matrix(vocab, dim, DType::BF16, 0.5, 57);
         let h = random_matrix(batch, dim, DType::BF16, 1.0, 58);
         let params: Vec<flashsample::SamplingParams> = (0..batch)
-            .map(|r| flashsample::SamplingParams::new(if r % 7 == 3 { 0.0 } else { 0.8 }, 5, r as u32, 0))
+            .map(|r| {
+                // Greedy rows, and temperatures whose `1 / T` overflows (10⁻⁴⁵) or nearly
+                // vanishes (10³⁰), among the rest.
+                let temperature = match r % 7 {
+                    3 => 0.0,
+                    5 => 1e-45,
+                    6 => 1e30,
+                    _ => 0.8,
+                };
+                flashsample::SamplingParams::new(temperature, 5, r as u32, 0)
+            })
             .collect();
         let processing = per_entry_modes(vocab, batch);
         let with_top: Vec<flashsample::Processing> =
@@ -463,7 +473,17 @@ mod gpu {
         let w = random_matrix(vocab, dim, DType::BF16, 0.5, 65);
         let h = random_matrix(batch, dim, DType::BF16, 1.0, 66);
         let params: Vec<flashsample::SamplingParams> = (0..batch)
-            .map(|r| flashsample::SamplingParams::new(if r % 7 == 3 { 0.0 } else { 0.8 }, 5, r as u32, 0))
+            .map(|r| {
+                // Greedy rows, and temperatures whose `1 / T` overflows (10⁻⁴⁵) or nearly
+                // vanishes (10³⁰), among the rest.
+                let temperature = match r % 7 {
+                    3 => 0.0,
+                    5 => 1e-45,
+                    6 => 1e30,
+                    _ => 0.8,
+                };
+                flashsample::SamplingParams::new(temperature, 5, r as u32, 0)
+            })
             .collect();
         let bounds = uneven_bounds(vocab, 3, 4);
         let shards = split_rows(&w, &bounds);

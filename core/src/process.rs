@@ -253,14 +253,9 @@ impl LogSumExp {
     #[inline(always)]
     pub fn term(logit: f32, max: f32, inverse_temperature: f32) -> f32 {
         // Selects, not branches: the lanes of a warp take one path.
-        let term = exp_non_positive((logit - max) * inverse_temperature);
-        if logit == f32::NEG_INFINITY {
-            0.0
-        } else if logit == max {
-            1.0
-        } else {
-            term
-        }
+        let distance = if logit == max { 0.0 } else { (logit - max) * inverse_temperature };
+        let term = exp_non_positive(distance);
+        if logit == f32::NEG_INFINITY { 0.0 } else { term }
     }
 
     /// `logit / T − ln Σ exp(logitⱼ / T)`: the log-probability of an entry of the set.

@@ -209,6 +209,18 @@ mod gpu {
         assert!(without.logprobs.is_empty() && without.processed_logprobs.is_empty());
     }
 
+    /// Row parameters of a batch at T = 0.8, with greedy rows and temperatures whose `1 / T`
+    /// overflows (10⁻⁴⁵) or nearly vanishes (10³⁰) among them.
+    fn mixed_temperatures(rows: usize) -> Vec<flashsample::SamplingParams> {
+        let temperature = |r: usize| match r % 7 {
+            3 => 0.0,
+            5 => 1e-45,
+            6 => 1e30,
+            _ => 0.8,
+        };
+        (0..rows).map(|r| flashsample::SamplingParams::new(temperature(r), 5, r as u32, 0)).collect()
+    }
+
     /// The per-entry modes (soft-cap, bias, mask, penalties, and all four), cycled over the
     /// rows of a batch.
     fn per_entry_modes(vocab: usize, rows: usize) -> Vec<flashsample::Processing> {
@@ -234,19 +246,7 @@ mod gpu {
         let (vocab, dim, batch, n) = (2053, 64, 37, 8u32);
         let w = random_matrix(vocab, dim, DType::BF16, 0.5, 57);
         let h = random_matrix(batch, dim, DType::BF16, 1.0, 58);
-        let params: Vec<flashsample::SamplingParams> = (0..batch)
-            .map(|r| {
-                // Greedy rows, and temperatures whose `1 / T` overflows (10⁻⁴⁵) or nearly
-                // vanishes (10³⁰), among the rest.
-                let temperature = match r % 7 {
-                    3 => 0.0,
-                    5 => 1e-45,
-                    6 => 1e30,
-                    _ => 0.8,
-                };
-                flashsample::SamplingParams::new(temperature, 5, r as u32, 0)
-            })
-            .collect();
+        let params = mixed_temperatures(batch);
         let processing = per_entry_modes(vocab, batch);
         let with_top: Vec<flashsample::Processing> =
             processing.iter().map(|p| flashsample::Processing { top_logprobs: 1, ..p.clone() }).collect();
@@ -464,7 +464,8 @@ mod gpu {
 
     /// Fused shards (no log-probabilities: the tile kernels with the shard's global offset,
     /// plain and with per-entry steps) give the unsharded tokens on every tile variant of the
-    /// module and the SIMT tile: 3 uneven shards, 37 rows, V = 2053.
+    /// module and the SIMT tile: 3 uneven shards, 37 rows (greedy ones among them, and
+    /// T = 10⁻⁴⁵ and 10³⁰), V = 2053.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn fused_shards_give_the_unsharded_tokens_on_every_variant() {
@@ -472,19 +473,7 @@ mod gpu {
         let (vocab, dim, batch, n) = (2053, 64, 37, 8u32);
         let w = random_matrix(vocab, dim, DType::BF16, 0.5, 65);
         let h = random_matrix(batch, dim, DType::BF16, 1.0, 66);
-        let params: Vec<flashsample::SamplingParams> = (0..batch)
-            .map(|r| {
-                // Greedy rows, and temperatures whose `1 / T` overflows (10⁻⁴⁵) or nearly
-                // vanishes (10³⁰), among the rest.
-                let temperature = match r % 7 {
-                    3 => 0.0,
-                    5 => 1e-45,
-                    6 => 1e30,
-                    _ => 0.8,
-                };
-                flashsample::SamplingParams::new(temperature, 5, r as u32, 0)
-            })
-            .collect();
+        let params = mixed_temperatures(batch);
         let bounds = uneven_bounds(vocab, 3, 4);
         let shards = split_rows(&w, &bounds);
         let sampler = &cuda().sampler;

@@ -58,8 +58,11 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 /// The binary under test: cargo's build, or `$FLASHSAMPLE_BIN` where the test binary runs on
 /// another machine (the GPU bundle).
 fn flashsample(args: &[&str]) -> Output {
-    let binary = std::env::var_os("FLASHSAMPLE_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_flashsample").into());
-    Command::new(binary).args(args).output().unwrap()
+    flashsample_command().args(args).output().unwrap()
+}
+
+fn flashsample_command() -> Command {
+    Command::new(std::env::var_os("FLASHSAMPLE_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_flashsample").into()))
 }
 
 /// `sample` on `w` and `h` into `out` with `extra`, on the device `--device` defaults to.
@@ -382,7 +385,8 @@ fn random_arguments_never_panic() {
         .run(&strategy, |(whole, words)| {
             let args: Vec<&str> =
                 base.iter().copied().filter(|_| whole).chain(words.iter().map(String::as_str)).collect();
-            let output = flashsample(&args);
+            // In the scratch folder: a word taken as an output path (`--logprobs 0`) writes there.
+            let output = flashsample_command().current_dir(&scratch.0).args(&args).output().unwrap();
             let stderr = String::from_utf8_lossy(&output.stderr);
             prop_assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
             prop_assert!(matches!(output.status.code(), Some(0..=2)), "{args:?}: {:?} {stderr}", output.status);

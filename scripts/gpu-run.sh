@@ -16,8 +16,9 @@
 # mode at B = 1, 64 and 256, D = 4096), which splits a mode's cost among the fused tile, the
 # reduction, `winner_logits` and the processing pipeline's launches.
 # `sanitizer` runs compute-sanitizer's memcheck, racecheck, synccheck and initcheck over every
-# kernel variant on odd shapes, with each module. `example` launches nvptx-builder's example kernel and checks it against the CPU, and runs the
-# borrowed-mode decode loop with both modules; `candle` runs the candle adapter's tests and
+# kernel variant on odd shapes, with each module. `example` launches nvptx-builder's example
+# kernel and checks it against the CPU, and runs the borrowed-mode decode loop with both
+# modules; `candle` runs the candle adapter's tests and
 # example (from the folder `cargo xtask bundle --candle` makes). `bench` times
 # both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py). `tp` times
 # tensor-parallel sampling over 1, 2, 4 and 8 GPUs (as many as the machine has) beside torch's

@@ -55,12 +55,13 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect()
 }
 
-/// The binary under test: cargo's build, or `$FLASHSAMPLE_BIN` where the test binary runs on
-/// another machine (the GPU bundle).
+/// The binary under test run with `args`.
 fn flashsample(args: &[&str]) -> Output {
     flashsample_command().args(args).output().unwrap()
 }
 
+/// The binary under test: cargo's build, or `$FLASHSAMPLE_BIN` where the test binary runs on
+/// another machine (the GPU bundle).
 fn flashsample_command() -> Command {
     Command::new(std::env::var_os("FLASHSAMPLE_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_flashsample").into()))
 }

@@ -247,9 +247,12 @@ impl LogSumExp {
 
     /// An entry's term `exp((logit − max) · (1 / T))` in a sum whose maximum `max ≥ logit` is
     /// known first (a tile's two-pass sum: maximum, then terms), given `inverse_temperature =
-    /// 1 / T` (a product per entry, not a division; within an ulp of `(logit − max) / T`); 1
-    /// for the maximum itself, also where `1 / T` overflowed to ∞ (`T < 2⁻¹²⁸`, whose product
-    /// with 0 is NaN); 0 for a −∞ logit, NaN for NaN.
+    /// 1 / T` (a product per entry, not a division; within an ulp of `(logit − max) / T` where
+    /// `1 / T` is finite); 1 for the maximum itself, also where `1 / T` overflowed to ∞
+    /// (`T < 2⁻¹²⁸`, whose product with 0 is NaN); 0 for a −∞ logit, NaN for NaN. Where `1 / T`
+    /// is ∞, every other entry's term is 0, which the division also gives unless the entry lies
+    /// within `104·T` (below 2⁻¹²¹) of the maximum, a gap that f32 holds only between logits
+    /// under 2⁻⁹⁸ (about 3·10⁻³⁰) in magnitude.
     #[inline(always)]
     pub fn term(logit: f32, max: f32, inverse_temperature: f32) -> f32 {
         // Selects, not branches: the lanes of a warp take one path.
@@ -499,8 +502,9 @@ mod tests {
         assert!(exp_non_positive(f32::NAN).is_nan());
     }
 
-    /// A term at any temperature is the division's: with `1 / T = ∞` (T = 10⁻⁴⁵) the maximum's
-    /// term is 1 and every other entry's 0, as `exp((logit − max) / T)` gives them.
+    /// A term at any temperature is the division's for logits an f32 ulp of 3 or more apart:
+    /// with `1 / T = ∞` (T = 10⁻⁴⁵) the maximum's term is 1 and every other entry's 0, as
+    /// `exp((logit − max) / T)` gives them.
     #[test]
     fn terms_follow_the_division_at_every_temperature() {
         let logits = [3.0f32, 2.999_999_8, -1.0, 0.0, f32::NEG_INFINITY];

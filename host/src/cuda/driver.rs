@@ -64,6 +64,13 @@ pub unsafe fn launch<A: bytemuck::Pod>(
     shared_bytes: u32,
     args: &A,
 ) -> Result<()> {
+    #[cfg(test)]
+    if trace::record(|| {
+        let bytes: String = bytemuck::bytes_of(args).iter().map(|b| format!("{b:02x}")).collect();
+        format!("launch {name} grid={grid} block={block} shared={shared_bytes} args={bytes}")
+    }) {
+        return Ok(());
+    }
     let mut params = [(args as *const A).cast_mut().cast::<c_void>()];
     // SAFETY: per this function's contract; the driver copies the argument block at launch.
     let result = unsafe {
@@ -83,6 +90,14 @@ pub unsafe fn copy_to_device_async<T: bytemuck::Pod>(
     values: &[T],
     stream: sys::CUstream,
 ) -> Result<()> {
+    #[cfg(test)]
+    if trace::record(|| {
+        let bytes: &[u8] = bytemuck::cast_slice(values);
+        let sum = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        format!("copy to={:#x} bytes={} fnv={sum:016x}", destination.address(), bytes.len())
+    }) {
+        return Ok(());
+    }
     // SAFETY: per this function's contract; the driver stages a pageable source before the
     // call returns.
     let result = unsafe { cudarc::driver::result::memcpy_htod_async(destination.address(), values, stream) };
@@ -101,6 +116,10 @@ pub unsafe fn fill_words_async(
     count: usize,
     stream: sys::CUstream,
 ) -> Result<()> {
+    #[cfg(test)]
+    if trace::record(|| format!("fill to={:#x} value={value:#x} words={count}", destination.address())) {
+        return Ok(());
+    }
     // SAFETY: per this function's contract.
     let result = unsafe { sys::cuMemsetD32Async(destination.address(), value, count, stream) }.result();
     check(&format!("cuMemsetD32Async({what})"), result)
@@ -176,6 +195,17 @@ pub fn encode_tensor_map_2d(
     box_cols: u32,
     promotion: L2Promotion,
 ) -> Result<TensorMap> {
+    #[cfg(test)]
+    if trace::recording() {
+        // A stand-in whose words name what was encoded, so that the kernels' argument blocks
+        // that carry it show the parameters.
+        let words = [address, rows as u64, cols as u64, row_stride as u64, box_rows as u64, box_cols as u64];
+        let tags = [element as u64, promotion as u64];
+        let mut map = TensorMap([0; 16]);
+        map.0[..6].copy_from_slice(&words);
+        map.0[6..8].copy_from_slice(&tags);
+        return Ok(map);
+    }
     let element = match element {
         TensorMapElement::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         TensorMapElement::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -245,6 +275,10 @@ impl ContextScope {
     /// # Safety
     /// `context` is a live context for as long as the scope lasts.
     pub unsafe fn enter(context: sys::CUcontext) -> Result<ContextScope> {
+        #[cfg(test)]
+        if trace::recording() {
+            return Ok(ContextScope { previous: context, switched: false });
+        }
         let previous = current_context()?;
         let switched = previous != context;
         if switched {
@@ -297,5 +331,42 @@ pub unsafe fn in_context<R>(context: sys::CUcontext, body: impl FnOnce() -> Resu
             Err(error)
         }
         (Err(error), Ok(())) => Err(error),
+    }
+}
+
+/// A recording of what the host asks of the driver, for tests that run the launch logic
+/// without a GPU: while a thread records, the driver calls above append a line each (launches
+/// with their argument blocks, copies, fills) and return without touching the driver.
+#[cfg(test)]
+pub(crate) mod trace {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static EVENTS: RefCell<Option<Vec<String>>> = const { RefCell::new(None) };
+    }
+
+    /// Starts recording on this thread.
+    pub fn start() {
+        EVENTS.with(|events| *events.borrow_mut() = Some(Vec::new()));
+    }
+
+    /// Stops recording and returns what was recorded.
+    pub fn take() -> Vec<String> {
+        EVENTS.with(|events| events.borrow_mut().take().unwrap_or_default())
+    }
+
+    pub fn recording() -> bool {
+        EVENTS.with(|events| events.borrow().is_some())
+    }
+
+    /// Appends `event()` when recording; returns whether it did.
+    pub fn record(event: impl FnOnce() -> String) -> bool {
+        EVENTS.with(|events| match events.borrow_mut().as_mut() {
+            Some(list) => {
+                list.push(event());
+                true
+            }
+            None => false,
+        })
     }
 }

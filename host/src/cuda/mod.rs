@@ -15,6 +15,8 @@
 pub mod buffers;
 pub mod dispatch;
 pub mod driver;
+#[cfg(test)]
+mod launches;
 pub mod modules;
 pub mod passes;
 pub mod sampler;

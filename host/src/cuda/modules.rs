@@ -157,6 +157,26 @@ impl LoadedModule {
         Ok(loaded)
     }
 
+    /// The kernels of `module` as the recording driver of the tests sees them: no module or
+    /// function handles, two blocks of each kernel per multiprocessor.
+    #[cfg(test)]
+    pub fn recording(module: Module) -> LoadedModule {
+        let kernels = module
+            .kernels()
+            .map(|entry| {
+                let kernel = LoadedKernel {
+                    name: entry.name,
+                    function: std::ptr::null_mut(),
+                    threads: entry.kernel.threads(),
+                    shared_bytes: entry.kernel.shared_bytes(),
+                    blocks_per_multiprocessor: 2,
+                };
+                (entry.kernel, kernel)
+            })
+            .collect();
+        LoadedModule { module, kernels, handle: std::ptr::null_mut(), context: std::ptr::null_mut() }
+    }
+
     /// The loaded `kernel`; the dispatcher only asks for kernels the module holds.
     pub fn kernel(&self, kernel: Kernel) -> Result<&LoadedKernel> {
         self.kernels.get(&kernel).ok_or_else(|| {

@@ -24,6 +24,8 @@ use crate::tensor::{DType, Elements, Matrix, MatrixShape};
 
 mod processed;
 
+#[cfg(test)]
+pub(crate) use processed::summarize;
 pub use processed::{DeviceProcessing, ProcessedOutputs, ShardParts, VocabShard};
 #[cfg(feature = "nccl")]
 pub(crate) use processed::{ShardHead, ShardsStage};

@@ -254,6 +254,20 @@ impl StreamSampler {
         }
     }
 
+    /// The kernels of `module` on an H200-like device (132 multiprocessors) with no context,
+    /// for tests that record launches instead of making them (`driver::trace`).
+    #[cfg(test)]
+    pub(crate) fn recording(module: Module) -> StreamSampler {
+        StreamSampler {
+            module: Some(LoadedModule::recording(module)),
+            context: std::ptr::null_mut(),
+            device_name: "recording".into(),
+            multiprocessors: 132,
+            compute_capability: (9, 0),
+            _context_owner: None,
+        }
+    }
+
     /// As [`StreamSampler::new`] on a cudarc context, which the sampler keeps alive.
     pub fn on_context(context: &Arc<CudaContext>, choice: ModuleChoice) -> Result<StreamSampler> {
         // SAFETY: the sampler holds a reference to the context, so it outlives the sampler.

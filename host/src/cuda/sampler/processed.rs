@@ -243,6 +243,28 @@ fn processing_image(
     bytes
 }
 
+/// What a request needs to know of a batch's processing (whose sparse lists are `sparse`) in
+/// device memory at `address`.
+pub(crate) fn summarize(
+    processing: &[Processing],
+    sparse: &[Vec<SparseEntry>],
+    vocab: usize,
+    address: u64,
+) -> ProcessingRef {
+    ProcessingRef {
+        address,
+        rows: processing.len(),
+        vocab,
+        whole_row: processing.iter().position(Processing::needs_whole_row),
+        truncating: processing.iter().position(Processing::truncates),
+        per_entry: processing
+            .iter()
+            .zip(sparse)
+            .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty()),
+        selections: processing.iter().fold(0, |bits, p| bits | selections(p)),
+    }
+}
+
 impl DeviceProcessing {
     /// Checks a batch's processing for a vocabulary of `vocab` tokens (errors name
     /// `processing[row].<field>`) and copies it to the device on `stream` (any cudarc stream;
@@ -258,14 +280,9 @@ impl DeviceProcessing {
         let image = processing_image(processing, &sparse, &layout, vocab, buffer.ptr().address());
         // SAFETY: the buffer holds the image's bytes; the copy is ordered on `stream`.
         unsafe { driver::copy_to_device_async("processing", buffer.ptr(), &image, stream.cu_stream())? };
-        let whole_row = processing.iter().position(Processing::needs_whole_row);
-        let truncating = processing.iter().position(Processing::truncates);
-        let per_entry = processing
-            .iter()
-            .zip(&sparse)
-            .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty());
-        let selections = processing.iter().fold(0, |bits, p| bits | selections(p));
-        Ok(DeviceProcessing { buffer, rows: processing.len(), vocab, whole_row, truncating, per_entry, selections })
+        let summary = summarize(processing, &sparse, vocab, 0);
+        let ProcessingRef { rows, whole_row, truncating, per_entry, selections, .. } = summary;
+        Ok(DeviceProcessing { buffer, rows, vocab, whole_row, truncating, per_entry, selections })
     }
 
     /// The per-entry processing the fused tiles apply

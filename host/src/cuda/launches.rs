@@ -1,0 +1,321 @@
+//! The launch sequences of the GPU paths, recorded without a GPU (`driver::trace`) and held
+//! against `host/launches.txt`: what every kind of request queues (kernels, argument blocks,
+//! copies, fills, the reductions between segments) for fixed device addresses. A change to the
+//! host code that changes what reaches the GPU shows here as a difference; regenerate the file
+//! with `FLASHSAMPLE_BLESS=1` only for a change meant to alter the launches.
+
+use flashsample_core::registry::Module;
+
+use super::driver::trace;
+use super::stream::{
+    DeviceMatrix, DeviceWorkspace, ProcessedRequest, ProcessedTarget, SampleRequest, ShardMergeRequest, ShardTarget,
+    StreamSampler,
+};
+use super::{ProcessingRef, Variant};
+use crate::params::Draws;
+use crate::process::Processing;
+use crate::tensor::DType;
+use flashsample_core::process::Penalties;
+
+const LM_HEAD: u64 = 0x10_0000_0000;
+const HIDDEN: u64 = 0x20_0000_0000;
+const ROWS: u64 = 0x30_0000_0000;
+const TOKENS: u64 = 0x40_0000_0000;
+const LOGPROBS: u64 = 0x50_0000_0000;
+const TOP_LOGPROBS: u64 = 0x60_0000_0000;
+const PARTS: u64 = 0x70_0000_0000;
+const EXCHANGE: u64 = 0x80_0000_0000;
+const PROCESSING: u64 = 0x90_0000_0000;
+const WORKSPACE: u64 = 0xA0_0000_0000;
+
+/// The shapes of a case: `W[vocab, dim]`, `H[batch, dim]`, the draws.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    dtype: DType,
+    vocab: usize,
+    dim: usize,
+    batch: usize,
+    draws: Draws,
+}
+
+impl Shape {
+    fn lm_head(&self) -> DeviceMatrix {
+        DeviceMatrix::contiguous(LM_HEAD, self.vocab, self.dim, self.dtype)
+    }
+
+    fn hidden(&self) -> DeviceMatrix {
+        DeviceMatrix::contiguous(HIDDEN, self.batch, self.dim, self.dtype)
+    }
+}
+
+/// A row's processing of each kind the paths tell apart, for a vocabulary of `vocab`.
+fn processing_kind(kind: &str, vocab: usize, row: usize) -> Processing {
+    let v = vocab as u32;
+    let base = Processing::default;
+    let mut mask = vec![u32::MAX; vocab.div_ceil(32)];
+    mask[0] = 0x5555_5555;
+    match (kind, row % 4) {
+        ("plain", _) => base(),
+        ("per-entry", 0) => Processing { softcap: Some(30.0), ..base() },
+        ("per-entry", 1) => Processing { bias: vec![(3, 1.5), (v - 1, f32::NEG_INFINITY)], ..base() },
+        ("per-entry", 2) => Processing { mask: Some(mask), ..base() },
+        ("per-entry", _) => Processing {
+            history: vec![1, 2, 2, v - 2],
+            penalties: Penalties { repetition: 1.2, frequency: 0.1, presence: 0.3 },
+            ..base()
+        },
+        ("truncating", 0) => Processing { min_p: 0.05, ..base() },
+        ("truncating", 1) => Processing { top_k: Some(50), ..base() },
+        ("truncating", 2) => Processing { top_p: 0.9, ..base() },
+        ("truncating", _) => base(),
+        ("top", r) => Processing { top_logprobs: [20, 0, 5, 1][r], ..base() },
+        ("mixed", 0) => Processing { softcap: Some(30.0), top_k: Some(50), top_p: 0.9, ..base() },
+        ("mixed", 1) => Processing { min_p: 0.1, top_logprobs: 3, ..base() },
+        ("mixed", 2) => Processing { bias: vec![(0, 2.0)], ..base() },
+        ("mixed", _) => Processing { top_k: Some(1), ..base() },
+        (other, _) => panic!("no processing kind {other}"),
+    }
+}
+
+/// The batch's processing of `kind` as a request names it, at [`PROCESSING`].
+fn processing_ref(kind: &str, vocab: usize, batch: usize) -> ProcessingRef {
+    let rows: Vec<Processing> = (0..batch).map(|r| processing_kind(kind, vocab, r)).collect();
+    for (r, p) in rows.iter().enumerate() {
+        p.check(r, vocab).expect("valid processing");
+    }
+    let sparse: Vec<_> = rows.iter().map(Processing::sparse_entries).collect();
+    super::sampler::summarize(&rows, &sparse, vocab, PROCESSING)
+}
+
+/// The launches of each case, as text: a `## name` line, then one line per driver call or
+/// reduction.
+fn record_all() -> String {
+    let mut text = String::new();
+    let mut case = |name: String, body: &dyn Fn() -> crate::Result<Vec<String>>| {
+        trace::start();
+        let result = body();
+        let mut events = trace::take();
+        if let Ok(extra) = result.as_ref() {
+            events.extend(extra.iter().cloned());
+        }
+        text += &format!("## {name}\n");
+        if let Err(e) = result {
+            text += &format!("error {e}\n");
+        }
+        for event in events {
+            text += &event;
+            text.push('\n');
+        }
+    };
+    let workspace = |bytes: usize| DeviceWorkspace { address: WORKSPACE, bytes };
+    for module in Module::ALL {
+        let sampler = StreamSampler::recording(module);
+        let m = module.name();
+        // Plain sampling through the plain request, in every family and in passes.
+        let mut plain = vec![
+            (Shape { dtype: DType::BF16, vocab: 151_936, dim: 4096, batch: 1, draws: Draws::first(1) }, Variant::Auto),
+            (Shape { dtype: DType::BF16, vocab: 151_936, dim: 4096, batch: 37, draws: Draws::first(1) }, Variant::Auto),
+            (
+                Shape { dtype: DType::BF16, vocab: 151_936, dim: 4096, batch: 200, draws: Draws::first(1) },
+                Variant::Auto,
+            ),
+            (Shape { dtype: DType::F32, vocab: 5003, dim: 199, batch: 9, draws: Draws::first(2) }, Variant::Auto),
+            (
+                Shape { dtype: DType::BF16, vocab: 151_936, dim: 64, batch: 64, draws: Draws::first(4096) },
+                Variant::Auto,
+            ),
+        ];
+        let small = Shape { dtype: DType::BF16, vocab: 5003, dim: 200, batch: 37, draws: Draws { first: 5, count: 3 } };
+        let mut variants = vec![Variant::Auto, Variant::Mma { columns: 8 }, Variant::Simt];
+        if module == Module::Hopper {
+            variants.extend([
+                Variant::Tma { rows: 64, columns: 8 },
+                Variant::Tma { rows: 128, columns: 128 },
+                Variant::TmaHandoff { columns: 64 },
+            ]);
+        }
+        plain.extend(variants.iter().map(|&v| (small, v)));
+        for (shape, variant) in plain {
+            let request = SampleRequest {
+                lm_head: shape.lm_head(),
+                hidden: shape.hidden(),
+                row_params: ROWS,
+                tokens: TOKENS,
+                draws: shape.draws,
+                variant,
+                processing: None,
+                shard: None,
+            };
+            case(format!("{m} plain {shape:?} {variant:?}"), &|| {
+                let bytes = sampler.workspace_bytes(&request.lm_head, &request.hidden, shape.draws.count, variant)?;
+                // SAFETY: recorded, not launched.
+                unsafe { sampler.sample(std::ptr::null_mut(), &request, workspace(bytes))? };
+                Ok(vec![format!("workspace {bytes}")])
+            });
+            case(format!("{m} plain stored maps {shape:?} {variant:?}"), &|| {
+                let bytes = sampler.workspace_bytes(&request.lm_head, &request.hidden, shape.draws.count, variant)?;
+                // SAFETY: recorded, not launched.
+                unsafe { sampler.sample_with_stored_maps(std::ptr::null_mut(), &request, workspace(bytes))? };
+                Ok(Vec::new())
+            });
+        }
+        // A plain shard's winners.
+        let shard_shape = Shape { dtype: DType::BF16, vocab: 3001, dim: 200, batch: 9, draws: Draws::first(3) };
+        let shard = ShardTarget { vocab_offset: 2004, vocab: 5005, winners: PARTS };
+        let request = SampleRequest {
+            lm_head: shard_shape.lm_head(),
+            hidden: shard_shape.hidden(),
+            row_params: ROWS,
+            tokens: 0,
+            draws: shard_shape.draws,
+            variant: Variant::Auto,
+            processing: None,
+            shard: Some(shard),
+        };
+        case(format!("{m} plain shard {shard_shape:?} {shard:?}"), &|| {
+            let bytes = sampler.workspace_bytes(&request.lm_head, &request.hidden, 3, Variant::Auto)?;
+            // SAFETY: recorded, not launched.
+            unsafe { sampler.sample(std::ptr::null_mut(), &request, workspace(bytes))? };
+            Ok(Vec::new())
+        });
+        case(format!("{m} advance steps"), &|| {
+            // SAFETY: recorded, not launched.
+            unsafe { sampler.advance_steps(std::ptr::null_mut(), ROWS, 37, 3)? };
+            Ok(Vec::new())
+        });
+        case(format!("{m} fill"), &|| {
+            // SAFETY: recorded, not launched.
+            unsafe { sampler.fill_uniform(std::ptr::null_mut(), LM_HEAD, 1000, DType::BF16, 7, 0.5)? };
+            Ok(Vec::new())
+        });
+        // Processed sampling of every kind into tokens, with and without log-probabilities.
+        let shapes = [
+            Shape { dtype: DType::BF16, vocab: 5003, dim: 200, batch: 9, draws: Draws { first: 2, count: 3 } },
+            Shape { dtype: DType::BF16, vocab: 151_936, dim: 4096, batch: 64, draws: Draws::first(1) },
+            Shape { dtype: DType::F32, vocab: 5003, dim: 199, batch: 9, draws: Draws::first(2) },
+        ];
+        for shape in shapes {
+            for kind in ["plain", "per-entry", "truncating", "top", "mixed"] {
+                for logprobs in [false, true] {
+                    let processing = processing_ref(kind, shape.vocab, shape.batch);
+                    let top = processing.selections & flashsample_core::abi::Selection::TopRaw.bit() != 0;
+                    if top && !logprobs {
+                        continue;
+                    }
+                    let target = ProcessedTarget::Tokens {
+                        tokens: TOKENS,
+                        logprobs: if logprobs { LOGPROBS } else { 0 },
+                        top_logprobs: if top { TOP_LOGPROBS } else { 0 },
+                    };
+                    let request = ProcessedRequest {
+                        lm_head: shape.lm_head(),
+                        hidden: shape.hidden(),
+                        row_params: ROWS,
+                        draws: shape.draws,
+                        variant: Variant::Auto,
+                        processing,
+                        target,
+                    };
+                    case(format!("{m} processed {kind} logprobs={logprobs} {shape:?}"), &|| {
+                        let bytes = sampler.processed_workspace_bytes(&request)?;
+                        // SAFETY: recorded, not launched.
+                        unsafe { sampler.sample_processed(std::ptr::null_mut(), &request, workspace(bytes))? };
+                        Ok(vec![format!("workspace {bytes}")])
+                    });
+                }
+            }
+        }
+        // Stage 1 of a shard, alone (per-entry steps, top entries) and with an exchange
+        // (truncations), segment by segment.
+        for (kind, exchange) in
+            [("plain", 0), ("per-entry", 0), ("top", 0), ("truncating", EXCHANGE), ("mixed", EXCHANGE)]
+        {
+            for logprobs in [false, true] {
+                let processing = processing_ref(kind, 5005, shard_shape.batch);
+                let top = processing.selections & flashsample_core::abi::Selection::TopRaw.bit() != 0;
+                if top && !logprobs {
+                    continue;
+                }
+                let target =
+                    ProcessedTarget::Shard { vocab_offset: 2004, vocab: 5005, part: PARTS, logprobs, exchange };
+                let request = ProcessedRequest {
+                    lm_head: shard_shape.lm_head(),
+                    hidden: shard_shape.hidden(),
+                    row_params: ROWS,
+                    draws: shard_shape.draws,
+                    variant: Variant::Auto,
+                    processing,
+                    target,
+                };
+                case(format!("{m} shard {kind} logprobs={logprobs} exchange={exchange:#x}"), &|| {
+                    let bytes = sampler.processed_workspace_bytes(&request)?;
+                    let segments = sampler.processed_segments(&request)?;
+                    trace::record(|| format!("workspace {bytes} segments {segments}"));
+                    for segment in 0..segments {
+                        // SAFETY: recorded, not launched.
+                        let reduction = unsafe {
+                            sampler.sample_processed_segment(
+                                std::ptr::null_mut(),
+                                &request,
+                                workspace(bytes),
+                                segment,
+                            )?
+                        };
+                        trace::record(|| format!("reduction {reduction:?}"));
+                    }
+                    Ok(Vec::new())
+                });
+            }
+        }
+        // The shard merge.
+        for (kind, logprobs) in [("plain", false), ("plain", true), ("mixed", true)] {
+            let processing = processing_ref(kind, 5005, 9);
+            let top = processing.selections & flashsample_core::abi::Selection::TopRaw.bit() != 0;
+            let request = ShardMergeRequest {
+                parts: PARTS,
+                shards: 3,
+                rows: 9,
+                samples: 3,
+                logprobs,
+                row_params: ROWS,
+                processing,
+                tokens: TOKENS,
+                out_logprobs: if logprobs { LOGPROBS } else { 0 },
+                out_top_logprobs: if top { TOP_LOGPROBS } else { 0 },
+            };
+            case(format!("{m} merge {kind} logprobs={logprobs}"), &|| {
+                // SAFETY: recorded, not launched.
+                unsafe { sampler.merge_shards(std::ptr::null_mut(), &request)? };
+                Ok(Vec::new())
+            });
+        }
+    }
+    text
+}
+
+/// Every case's launches equal the recorded ones.
+#[test]
+fn launches_are_the_recorded_ones() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/launches.txt");
+    let got = record_all();
+    if std::env::var_os("FLASHSAMPLE_BLESS").is_some() {
+        std::fs::write(path, &got).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(path).expect("host/launches.txt (FLASHSAMPLE_BLESS=1 writes it)");
+    let split = |text: &str| -> Vec<(String, String)> {
+        text.split("## ")
+            .filter(|c| !c.is_empty())
+            .map(|c| {
+                let (name, body) = c.split_once('\n').unwrap_or((c, ""));
+                (name.to_string(), body.to_string())
+            })
+            .collect()
+    };
+    let (got, want) = (split(&got), split(&want));
+    assert_eq!(got.len(), want.len(), "number of cases");
+    for ((got_name, got_body), (want_name, want_body)) in got.iter().zip(&want) {
+        assert_eq!(got_name, want_name);
+        assert!(got_body == want_body, "{got_name}:\n--- got\n{got_body}--- want\n{want_body}");
+    }
+}

@@ -33,7 +33,7 @@ use super::WARPGROUP_THREADS;
 use super::epilogue::{PAD_ROW, write_candidate};
 use super::fragments::for_each_quad;
 use super::pipeline::Ring;
-use super::race::estimate_column;
+use super::race::{COLUMN_LANES, Deferred, LANE_QUADS, estimate_column};
 use super::scheduler::Items;
 use super::unrolled;
 use crate::hopper::WgmmaElement;
@@ -255,34 +255,17 @@ unsafe fn prepare_columns<const N: usize>(
     unsafe { arch::sync_warp() };
 }
 
-/// Lanes that score one batch column together: lane `l` of an epilogue warp scores column
-/// `l / 8` of the warp's current group of [`GROUP_COLUMNS`], quads `l % 8 + 8i` of it. Four
-/// quads per lane give four independent Philox chains that share one key schedule (sixteen
-/// lanes with two quads each ran 1.5–2.6 % slower at B = 256, docs/PERF.md).
-pub(super) const COLUMN_LANES: u32 = 8;
-/// Batch columns an epilogue warp scores at a time.
+/// Batch columns an epilogue warp scores at a time: lane `l` scores column `l / 8` of the
+/// warp's current group ([`COLUMN_LANES`] lanes per column).
 const GROUP_COLUMNS: u32 = 32 / COLUMN_LANES;
 /// The ballot bits of one column's lanes, shifted down.
 const COLUMN_MASK: u32 = (1 << COLUMN_LANES) - 1;
-/// Quads (four consecutive rows) of one column each lane scores.
-pub(super) const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
 /// Columns one epilogue warp scores per item, at most: one per lane when it scores their
 /// deferred winners.
 const fn warp_columns(columns: u32) -> u32 {
     (columns / GROUP_COLUMNS).div_ceil(HANDOFF_EPILOGUE_WARPS) * GROUP_COLUMNS
 }
 const _: () = assert!(warp_columns(HANDOFF_COLUMNS[0]) <= 32 && warp_columns(HANDOFF_COLUMNS[1]) <= 32);
-
-/// Where a column's deferred winner waits: the four floats of padding that end the column in
-/// the buffer (rows `HANDOFF_ROWS ..`), as (word, logit, index, unused).
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-pub(super) struct Deferred {
-    pub(super) word: u32,
-    pub(super) logit: f32,
-    pub(super) index: u32,
-    pub(super) unused: u32,
-}
 
 /// The index a column's slot holds when its candidate is already written.
 const RESOLVED: u32 = u32::MAX;

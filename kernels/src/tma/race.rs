@@ -9,23 +9,36 @@
 //!   offered in index order (the core's own test of the filter runs the same function).
 //!
 //! [`race_round`] is the consumers' race (`K` quads of `K` columns per lane; lanes `l ^ 8`,
-//! `l ^ 16`, `l ^ 24` share a column), [`estimate_column`] and [`LaneRace`] the handoff warps'
-//! (four quads of one column per lane; eight lanes share a column).
+//! `l ^ 16`, `l ^ 24` share a column: [`FIRST_COLUMN_LANE_MASK`]), [`estimate_column`] and
+//! [`LaneRace`] the handoff warps' ([`LANE_QUADS`] quads of one column per lane;
+//! [`COLUMN_LANES`] lanes share a column; a lane's sole contender waits as a [`Deferred`]).
+//! Both lane layouts are defined here, with the race they serve: the epilogues import them,
+//! and this module imports neither epilogue.
 
+use flashsample_core::abi::HANDOFF_ROWS;
 use flashsample_core::candidate::maximum;
 use flashsample_core::estimate::{
     BlockEstimate, block_estimate, contenders, may_contend, offer_contenders, pick_of_four, race_threshold,
 };
 use flashsample_core::{Candidate, RowParams};
 
-use super::handoff::{COLUMN_LANES, Deferred, LANE_QUADS};
 use super::unrolled;
 use crate::arch;
 
-/// The smallest lane mask between lanes that hold the same column after [`transpose_quad`]:
-/// lanes `l`, `l ^ 8`, `l ^ 16` and `l ^ 24` hold the column's 16 rows in a warp, so after
-/// the merge over those lanes the lanes below this mask hold one result per column.
+/// The smallest lane mask between lanes that hold the same column after
+/// [`transpose_quad`](super::fragments::transpose_quad): lanes `l`, `l ^ 8`, `l ^ 16` and
+/// `l ^ 24` hold the column's 16 rows in a warp, so after the merge over those lanes the lanes
+/// below this mask hold one result per column.
 pub(super) const FIRST_COLUMN_LANE_MASK: u32 = 8;
+
+/// Lanes that race one batch column together in the handoff tile's epilogue warps: lane `l`
+/// races column `l / 8` of the warp's current group of four columns, quads `l % 8 + 8i` of it.
+/// Four quads per lane give four independent Philox chains that share one key schedule
+/// (sixteen lanes with two quads each ran 1.5–2.6 % slower at B = 256, docs/PERF.md).
+pub(super) const COLUMN_LANES: u32 = 8;
+/// Quads (four consecutive rows) of one column each lane races in the handoff tile's epilogue
+/// warps: together the [`COLUMN_LANES`] lanes hold the item's `HANDOFF_ROWS` rows.
+pub(super) const LANE_QUADS: usize = (HANDOFF_ROWS / 4 / COLUMN_LANES) as usize;
 
 /// The winners of `K` quads (four consecutive rows each, one column each) of draw `draw`
 /// among the rows their column has in this warp: lanes `l ^ m` for the masks `m` = 8 and 16
@@ -71,6 +84,18 @@ pub(super) unsafe fn race_round<const K: usize>(
         offer_contenders(&mut winners[k], &row[k], &estimates[k], logits[k], bits, 4 * philox_block);
     });
     winners
+}
+
+/// A lane's contender whose exact score is deferred ([`LaneRace::first_contender`]): noise
+/// word, logit and global index, padded to 16 bytes so that the handoff tile parks it in the
+/// four floats of padding that end a column in its logits buffer (rows `HANDOFF_ROWS ..`).
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub(super) struct Deferred {
+    pub(super) word: u32,
+    pub(super) logit: f32,
+    pub(super) index: u32,
+    pub(super) unused: u32,
 }
 
 /// One lane's part of a column's race for one draw, after the estimates.

@@ -9,9 +9,11 @@ mod output;
 mod processing;
 mod timing;
 
+use std::ffi::OsString;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use flashsample::cpu::{draw, logits_row};
@@ -22,6 +24,7 @@ use flashsample::{
     Result, Sampled, SamplingParams, Variant, VocabShard, cuda_device_count,
 };
 use flashsample_tests::{chi_square, exact_probabilities};
+use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use timing::Timer;
 
@@ -66,7 +69,7 @@ enum Command {
         #[arg(long, value_enum, default_value = "auto")]
         device: DeviceKind,
         /// Which GPU (the driver's ordinal).
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        #[arg(long, default_value_t = 0)]
         gpu: i64,
     },
     /// Time fused sampling, fused greedy, the unfused pipeline and the read floor on the GPU.
@@ -75,7 +78,7 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
         /// Which GPU (the driver's ordinal).
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        #[arg(long, default_value_t = 0)]
         gpu: i64,
         /// PTX modules to time, each on a sampler of its own (e.g. hopper,portable); the
         /// first also times cuBLAS and the forced variants. Default: the device's module.
@@ -173,8 +176,38 @@ impl From<DTypeArg> for DType {
     }
 }
 
+/// The command line with every argument that is a number starting with a hyphen (`-1`, `-inf`,
+/// `-nan`, `-.5`) attached to the long flag before it (`--temperature=-inf`), so that the
+/// flag's rule judges it. clap would read a separate `-inf` as the short flag `-i` (its
+/// `allow_negative_numbers` knows only digits), and its `allow_hyphen_values` would make a
+/// flag whose value was forgotten take the next flag as its value. Nothing after `--` changes.
+fn attach_negative_numbers(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    let mut args = args.into_iter();
+    // The program's own name is never a flag.
+    let mut attached: Vec<OsString> = args.next().into_iter().collect();
+    let mut escaped = false;
+    for arg in args {
+        let number = arg.to_str().is_some_and(|a| a.starts_with('-') && a.parse::<f64>().is_ok());
+        let after_flag = attached
+            .last()
+            .and_then(|previous| previous.to_str())
+            .is_some_and(|previous| previous.len() > 2 && previous.starts_with("--") && !previous.contains('='));
+        match attached.last_mut() {
+            Some(flag) if number && after_flag && !escaped => {
+                flag.push("=");
+                flag.push(&arg);
+            }
+            _ => {
+                escaped |= arg == "--";
+                attached.push(arg);
+            }
+        }
+    }
+    attached
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(attach_negative_numbers(std::env::args_os()));
     let result = match cli.command {
         Command::Sample(args) => sample(*args),
         Command::Demo { device, gpu } => gpu_flag(gpu).and_then(|gpu| demo(device, gpu)),
@@ -288,21 +321,23 @@ struct SampleArgs {
     #[arg(long)]
     hidden_tensor: Option<String>,
     /// Draws per row, 1 to 2^32 − 1 (independent; written in passes of bounded memory).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     samples: i64,
     /// Seed of the noise, 0 to 2^64 − 1; row r draws from stream r of it.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     seed: i128,
-    /// Temperature T >= 0; 0 is greedy argmax. (A negative value is read, then rejected with
-    /// the sampler's own error.)
-    #[arg(long, allow_negative_numbers = true)]
+    /// Temperature T >= 0; 0 is greedy argmax. (A negative, infinite or NaN value is read, then
+    /// rejected with the sampler's own error.)
+    #[arg(long)]
     temperature: f32,
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceKind,
     /// Which GPU (the driver's ordinal; CUDA_VISIBLE_DEVICES applies).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0)]
     gpu: i64,
-    /// Output .npy path (not one of the inputs).
+    /// Output int64 .npy [B, N]: not an input or another output. Written as <OUT>.partial and
+    /// renamed at the end of a successful run, replacing an existing file if it is writable (a
+    /// read-only one is refused before any work).
     #[arg(long)]
     out: PathBuf,
     #[command(flatten)]
@@ -315,6 +350,39 @@ type LogColumn = fn(&Sampled) -> &[f32];
 /// Tokens per sampler call while the `.npy` is written: bounds the host and device memory
 /// that any `--samples` needs (64 MiB of u32 tokens).
 const TOKENS_PER_CALL: usize = 1 << 24;
+
+/// Noise entries (rows × draws × vocabulary) per CPU pass: a fraction of a second on a few
+/// cores, so that the progress bar of a long run moves often.
+const CPU_PASS_ENTRIES: usize = 1 << 24;
+
+/// Draws per CPU pass over `rows` rows of a `[vocab, dim]` head, at most `per_call`: about
+/// [`CPU_PASS_ENTRIES`] noise entries, but at least `dim / 2` draws, because every pass
+/// recomputes the rows' logits (`dim` multiply-adds per entry, against one noise entry per
+/// draw): at D = 4096, passes of D / 2 draws took 3–8 % longer in all than one pass.
+fn cpu_draws_per_pass(rows: usize, vocab: usize, dim: usize, per_call: u32) -> u32 {
+    let by_work = CPU_PASS_ENTRIES.div_ceil(rows.saturating_mul(vocab).max(1));
+    by_work.max(dim / 2).min(per_call as usize) as u32
+}
+
+/// Draws `0 .. samples` in passes of `per_call` draws.
+fn passes(samples: u32, per_call: u32) -> impl Iterator<Item = Draws> {
+    (0..samples).step_by(per_call as usize).map(move |first| Draws { first, count: per_call.min(samples - first) })
+}
+
+/// A bar of the `samples` draws per row on standard error while the CPU samples, hidden unless
+/// standard error is a terminal, so tests, pipes and logs see none; cleared when dropped, so
+/// the summary or an error starts a clean line.
+fn draws_bar(samples: u32) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let style = ProgressStyle::with_template("{elapsed_precise} [{wide_bar}] {pos}/{len} draws per row, {eta} left")
+        .expect("valid template");
+    let bar = ProgressBar::new(samples.into()).with_style(style).with_finish(ProgressFinish::AndClear);
+    // A pass may take seconds: the elapsed time and the estimate move between passes.
+    bar.enable_steady_tick(Duration::from_millis(500));
+    bar
+}
 
 /// `value` of `flag` when it lies in `low ..= high`.
 fn flag_in_range<T: Copy + PartialOrd + std::fmt::Display>(flag: &str, value: T, low: T, high: T) -> Result<T> {
@@ -350,33 +418,73 @@ fn name_the_flag(error: Error) -> Error {
     }
 }
 
-fn sample(args: SampleArgs) -> Result<()> {
-    sample_command(args).map_err(name_the_flag)
+/// The rows a `sample` run drew and where it drew them, for its summary.
+struct Done {
+    rows: usize,
+    device: String,
 }
 
-fn sample_command(args: SampleArgs) -> Result<()> {
+/// Runs `sample`; on success one line on standard error says what was written, in how long
+/// and where (standard output stays free for the caller).
+fn sample(args: SampleArgs) -> Result<()> {
+    let started = Instant::now();
+    let done = sample_command(&args).map_err(name_the_flag)?;
+    let mut written = format!("[{}, {}] tokens to {}", done.rows, args.samples, args.out.display());
+    if let Some(path) = &args.processing.logprobs {
+        written.push_str(&format!(", log-probabilities to {}", path.display()));
+    }
+    if let Some(path) = &args.processing.processed_logprobs {
+        written.push_str(&format!(", processed log-probabilities to {}", path.display()));
+    }
+    eprintln!("flashsample: wrote {written} in {:.2} s on {}", started.elapsed().as_secs_f64(), done.device);
+    Ok(())
+}
+
+/// The device a run sampled on, as its summary names it.
+fn gpu_name(gpu: usize, sampler: &CudaSampler) -> String {
+    format!("GPU {gpu} ({})", sampler.device_name())
+}
+
+/// The CPU, as the summary names it.
+const ON_THE_CPU: &str = "the CPU";
+
+/// A read error of the input file of `flag` as an error of the flag: `invalid --lm-head:
+/// <path>: <reason>`, like the errors of the `.npy` inputs.
+fn input_file_error(flag: &str) -> impl FnOnce(Error) -> Error + '_ {
+    move |error| match error {
+        Error::File { path, message } => {
+            Error::InvalidArgument { argument: flag.into(), rule: format!("{path}: {message}") }
+        }
+        other => other,
+    }
+}
+
+fn sample_command(args: &SampleArgs) -> Result<Done> {
     let samples = flag_in_range("--samples", args.samples, 1, u32::MAX as i64)? as u32;
     let seed = flag_in_range("--seed", args.seed, 0, u64::MAX as i128)? as u64;
     let gpu = gpu_flag(args.gpu)?;
-    let mut inputs = vec![args.lm_head.as_path(), args.hidden.as_path()];
+    let mut inputs = vec![("--lm-head", args.lm_head.as_path()), ("--hidden", args.hidden.as_path())];
     inputs.extend(args.processing.inputs());
-    let out = output::Partial::new("--out", &args.out, &inputs)?;
-    let mut taken = inputs.clone();
-    taken.push(&args.out);
     // Each log-probability output with the column of `Sampled` it receives.
     let columns: [(&str, &Option<PathBuf>, LogColumn); 2] = [
         ("--logprobs", &args.processing.logprobs, |s| &s.logprobs),
         ("--processed-logprobs", &args.processing.processed_logprobs, |s| &s.processed_logprobs),
     ];
-    let mut log_outputs = Vec::new();
-    for (flag, path, column) in columns {
-        if let Some(path) = path {
-            log_outputs.push((output::Partial::new(flag, path, &taken)?, column));
-            taken.push(path);
-        }
-    }
-    let w = load_matrix(&args.lm_head, args.lm_head_tensor.as_deref(), "--lm-head")?;
-    let h = load_matrix(&args.hidden, args.hidden_tensor.as_deref(), "--hidden")?;
+    let log_columns: Vec<(&str, &Path, LogColumn)> =
+        columns.into_iter().filter_map(|(flag, path, column)| Some((flag, path.as_deref()?, column))).collect();
+    let mut outputs = vec![("--out", args.out.as_path())];
+    outputs.extend(log_columns.iter().map(|&(flag, path, _)| (flag, path)));
+    // Every clash is refused before any file is created.
+    output::check_distinct(&inputs, &outputs)?;
+    let out = output::Partial::new("--out", &args.out)?;
+    let log_outputs = log_columns
+        .into_iter()
+        .map(|(flag, path, column)| Ok((output::Partial::new(flag, path)?, column)))
+        .collect::<Result<Vec<_>>>()?;
+    let w = load_matrix(&args.lm_head, args.lm_head_tensor.as_deref(), "--lm-head")
+        .map_err(input_file_error("--lm-head"))?;
+    let h =
+        load_matrix(&args.hidden, args.hidden_tensor.as_deref(), "--hidden").map_err(input_file_error("--hidden"))?;
     // Different input types meet in the narrowest type holding both exactly; the shapes are
     // checked first, so a mismatch costs no conversion.
     let common = w.dtype().common(h.dtype());
@@ -389,6 +497,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
         (0..h.rows()).map(|r| SamplingParams::new(args.temperature, seed, r as u32, 0)).collect();
     row_params(&params)?;
     let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
+    let cpu_per_call = cpu_draws_per_pass(h.rows(), w.rows(), w.cols(), per_call);
     if args.processing.any() {
         let vocab = w.rows();
         let processing = args.processing.rows(h.rows(), vocab)?;
@@ -446,9 +555,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
             }
             Ok(())
         };
-        let passes =
-            (0..samples).step_by(per_call as usize).map(|first| Draws { first, count: per_call.min(samples - first) });
-        match gpu_sampler(device, gpu)? {
+        let sampled_on = match gpu_sampler(device, gpu)? {
             Some(sampler) => {
                 let bounds = VocabShard::bounds(vocab, shard_count)?;
                 let heads = bounds
@@ -459,7 +566,7 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                 let hidden = sampler.upload_hidden(&h)?;
                 let rows = sampler.upload_rows(&params)?;
                 let device_processing = sampler.upload_processing(&processing, vocab)?;
-                for draws in passes {
+                for draws in passes(samples, per_call) {
                     let mut out = sampler.processed_outputs(h.rows(), draws.count as usize, wants_logprobs)?;
                     if let [head] = heads.as_slice() {
                         sampler.sample_processed_into(
@@ -494,7 +601,9 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                     write(draws.first, sampler.processed_to_host(&out)?)?;
                 }
                 drop(heads);
+                let name = gpu_name(gpu, &sampler);
                 sampler.close()?;
+                name
             }
             None => {
                 let heads = if shard_count == 1 {
@@ -504,11 +613,14 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                     bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1]))).collect::<Result<Vec<_>>>()?
                 };
                 let sampler = CpuSampler::new();
-                for draws in passes {
+                let bar = draws_bar(samples);
+                for draws in passes(samples, cpu_per_call) {
                     write(draws.first, sampler.sample_sharded(&heads, &h, &params, &processing, draws)?)?;
+                    bar.inc(draws.count.into());
                 }
+                ON_THE_CPU.to_string()
             }
-        }
+        };
         writer.finish()?;
         for (log_writer, _) in log_writers {
             log_writer.finish()?;
@@ -516,10 +628,11 @@ fn sample_command(args: SampleArgs) -> Result<()> {
         for (log_output, _) in log_outputs {
             log_output.commit()?;
         }
-        return out.commit();
+        out.commit()?;
+        return Ok(Done { rows: h.rows(), device: sampled_on });
     }
     let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
-    match gpu_sampler(args.device, gpu)? {
+    let device = match gpu_sampler(args.device, gpu)? {
         Some(sampler) => {
             let head = sampler.upload_lm_head(&w)?;
             drop(w);
@@ -527,16 +640,25 @@ fn sample_command(args: SampleArgs) -> Result<()> {
                 sampler.sample_draws(&head, &h, &params, draws, Variant::Auto)
             })?;
             drop(head);
+            let name = gpu_name(gpu, &sampler);
             sampler.close()?;
+            name
         }
         None => {
             let sampler = CpuSampler::new();
             let head = CpuLmHead::new(w)?;
-            write_in_passes(&mut writer, samples, per_call, |draws| sampler.sample_draws(&head, &h, &params, draws))?;
+            let bar = draws_bar(samples);
+            write_in_passes(&mut writer, samples, cpu_per_call, |draws| {
+                let tokens = sampler.sample_draws(&head, &h, &params, draws)?;
+                bar.inc(draws.count.into());
+                Ok(tokens)
+            })?;
+            ON_THE_CPU.to_string()
         }
-    }
+    };
     writer.finish()?;
-    out.commit()
+    out.commit()?;
+    Ok(Done { rows: h.rows(), device })
 }
 
 /// Writes draws `0 .. samples` of every row, `per_call` draws at a time from `next`.
@@ -546,9 +668,8 @@ fn write_in_passes(
     per_call: u32,
     mut next: impl FnMut(Draws) -> Result<Vec<u32>>,
 ) -> Result<()> {
-    for first in (0..samples).step_by(per_call as usize) {
-        let draws = Draws { first, count: per_call.min(samples - first) };
-        writer.write_columns(first as usize, draws.count as usize, &next(draws)?)?;
+    for draws in passes(samples, per_call) {
+        writer.write_columns(draws.first as usize, draws.count as usize, &next(draws)?)?;
     }
     Ok(())
 }
@@ -769,5 +890,37 @@ mod tests {
         }
         assert_eq!(std::fs::read(&one).unwrap(), std::fs::read(&passes).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// CPU passes hold about `CPU_PASS_ENTRIES` noise entries, at least D / 2 draws (the logits
+    /// are recomputed each pass) and at most the memory bound's draws.
+    #[test]
+    fn cpu_passes_are_sized_by_work_and_dimension() {
+        assert_eq!(cpu_draws_per_pass(1, 1000, 64, u32::MAX), 16_778);
+        assert_eq!(cpu_draws_per_pass(1, 151_936, 4096, u32::MAX), 2048);
+        assert_eq!(cpu_draws_per_pass(128, 32_768, 8, u32::MAX), 4);
+        assert_eq!(cpu_draws_per_pass(64, 151_936, 1, u32::MAX), 2);
+        assert_eq!(cpu_draws_per_pass(1, 10, 8, 100), 100);
+    }
+
+    /// Numbers that start with a hyphen join the long flag before them; nothing else changes,
+    /// nor anything after `--`.
+    #[test]
+    fn negative_numbers_join_the_flag_before_them() {
+        let args = |list: &[&str]| list.iter().map(OsString::from).collect::<Vec<_>>();
+        let line = ["flashsample", "sample", "--temperature", "-inf", "--top-p", "-1e-3", "--seed", "-1"];
+        assert_eq!(
+            attach_negative_numbers(args(&line)),
+            args(&["flashsample", "sample", "--temperature=-inf", "--top-p=-1e-3", "--seed=-1"])
+        );
+        for unchanged in [
+            &["flashsample", "--temperature", "--out", "-x"][..],
+            &["flashsample", "--min-p=-1", "-2", "-inf"],
+            &["flashsample", "-h", "-nan"],
+            &["flashsample", "--", "--top-k", "-1"],
+            &["-1", "-2"],
+        ] {
+            assert_eq!(attach_negative_numbers(args(unchanged)), args(unchanged));
+        }
     }
 }

@@ -10,16 +10,16 @@ use flashsample::{Error, Penalties, Processing, Result};
 #[derive(Args, Default)]
 pub struct ProcessingArgs {
     /// Keep the K most likely tokens (every token tied with the K-th logit too), 1 ≤ K ≤ V.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub top_k: Option<i64>,
     /// Keep the smallest set of most likely tokens whose mass reaches P (after top-k), 0 < P ≤ 1.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub top_p: Option<f32>,
     /// Keep tokens at least P times as likely as the most likely one, 0 ≤ P ≤ 1.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub min_p: Option<f32>,
     /// Soft-cap the logits to C·tanh(logit / C) before anything else, C > 0.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub softcap: Option<f32>,
     /// float32 .npy [V] (every row) or [B, V]: added to the logits after the soft-cap; -inf bans a token.
     #[arg(long)]
@@ -31,24 +31,26 @@ pub struct ProcessingArgs {
     #[arg(long)]
     pub history: Option<PathBuf>,
     /// A seen token's logit l becomes l / R if l > 0, else l · R; R > 0 (needs --history).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub repetition_penalty: Option<f32>,
     /// A token seen c times loses F · c (needs --history).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub frequency_penalty: Option<f32>,
     /// A seen token loses P (needs --history).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub presence_penalty: Option<f32>,
     /// Output float32 .npy [B, N]: each drawn token's log-probability under the raw logits.
+    /// Written and checked as --out is.
     #[arg(long)]
     pub logprobs: Option<PathBuf>,
     /// Output float32 .npy [B, N]: each drawn token's log-probability under the distribution
-    /// it was drawn from (processed, over T, truncated; 0 for greedy).
+    /// it was drawn from (processed, over T, truncated; 0 for greedy). Written and checked as
+    /// --out is.
     #[arg(long)]
     pub processed_logprobs: Option<PathBuf>,
     /// Split W by vocabulary into S shards sampled apart and merged exactly (the path of
     /// tensor-parallel sampling), 1 ≤ S ≤ V.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long)]
     pub shards: Option<i64>,
 }
 
@@ -132,9 +134,12 @@ impl ProcessingArgs {
         }
     }
 
-    /// The input files these flags read.
-    pub fn inputs(&self) -> Vec<&Path> {
-        [&self.bias, &self.mask, &self.history].into_iter().flatten().map(PathBuf::as_path).collect()
+    /// The input files these flags read, each with its flag.
+    pub fn inputs(&self) -> Vec<(&'static str, &Path)> {
+        [("--bias", &self.bias), ("--mask", &self.mask), ("--history", &self.history)]
+            .into_iter()
+            .filter_map(|(flag, path)| Some((flag, path.as_deref()?)))
+            .collect()
     }
 
     /// One [`Processing`] per row of a batch of `batch` rows over `vocab` tokens, each checked.

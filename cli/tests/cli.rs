@@ -227,7 +227,7 @@ fn cuda_device_without_a_gpu_is_a_one_line_error() {
 }
 
 /// `--device auto` (the default) samples on the GPU or, without one, on the CPU, and says which
-/// in exactly one line on standard error.
+/// in exactly one line on standard error, before the summary, which names it too.
 #[test]
 fn device_auto_says_in_one_line_where_it_samples() {
     let scratch = Scratch::new("auto");
@@ -237,8 +237,12 @@ fn device_auto_says_in_one_line_where_it_samples() {
         flashsample(&sample_on_default_device(&w, &h, &out, &["--samples", "3", "--seed", "1", "--temperature", "1"]));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(stderr.starts_with("flashsample: on GPU 0") || stderr.contains("on the CPU"), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    let on_gpu = lines[0].starts_with("flashsample: on GPU 0");
+    assert!(on_gpu || lines[0].contains("on the CPU"), "{stderr}");
+    let device = if on_gpu { " s on GPU 0 (" } else { " s on the CPU" };
+    assert!(lines[1].starts_with("flashsample: wrote [2, 3] tokens to ") && lines[1].contains(device), "{stderr}");
     assert_eq!(read_npy_i64(Path::new(&out)).unwrap().0, 2);
 }
 
@@ -582,4 +586,242 @@ fn processing_flags_on_the_gpu_give_the_cpu_tokens() {
     assert!(run("cpu", &cpu, &truncations).status.success());
     assert_eq!(read_npy_i64(Path::new(&out)).unwrap(), read_npy_i64(Path::new(&cpu)).unwrap());
     assert_clean_failure(&run("cuda", &out, &["--shards", "19"]), "--shards: 19: GPU shards are whole blocks of 4");
+}
+
+/// Two names for one file among the outputs, or between an output and an input, are refused
+/// before any work, naming the flag and the rule: equal paths, another spelling of one path,
+/// and an output named like another's temporary `.partial` file (which the final rename would
+/// have put the other's bytes under). Nothing is written and no input is touched.
+#[test]
+fn colliding_outputs_are_refused_before_sampling() {
+    let scratch = Scratch::new("collide");
+    let (w, h) = inputs(&scratch, 20, 8, 2);
+    let bias = scratch.path("bias.npy");
+    write_npy(&bias, "<f4", &[20], f32_bytes(&[0.0; 20]));
+    let (out, lp, plp) = (scratch.path("t.npy"), scratch.path("lp.npy"), scratch.path("plp.npy"));
+    let (out_partial, lp_partial) = (format!("{out}.partial"), format!("{lp}.partial"));
+    let input_as_partial = scratch.path("x.npy");
+    let w_partial = format!("{input_as_partial}.partial");
+    std::fs::copy(&w, &w_partial).unwrap();
+    let w_bytes = std::fs::read(&w_partial).unwrap();
+    // The same folder spelled another way: the paths are compared resolved.
+    let respelled = scratch.0.join(".").join("t.npy.partial").display().to_string();
+    for (out_path, extra, message) in [
+        (&out, vec!["--logprobs", &out], format!("invalid --out: {out} is also --logprobs: each output needs a file")),
+        (
+            &out,
+            vec!["--logprobs", &out_partial],
+            format!("invalid --logprobs: {out_partial} is the name --out is written under until the run ends"),
+        ),
+        (&out, vec!["--logprobs", &respelled], "invalid --logprobs: ".to_string()),
+        (&out, vec!["--processed-logprobs", &out_partial], "invalid --processed-logprobs: ".to_string()),
+        (&out, vec!["--logprobs", &lp, "--processed-logprobs", &lp], format!("invalid --logprobs: {lp} is also")),
+        (
+            &out,
+            vec!["--logprobs", &lp, "--processed-logprobs", &lp_partial],
+            "invalid --processed-logprobs: ".to_string(),
+        ),
+        (&out, vec!["--processed-logprobs", &plp, "--logprobs", &h], "invalid --logprobs: ".to_string()),
+        (&h, vec![], format!("invalid --out: {h} is also the input --hidden: it would be overwritten")),
+        (&out, vec!["--bias", &bias, "--processed-logprobs", &bias], "is also the input --bias".to_string()),
+        (
+            &input_as_partial,
+            vec!["--lm-head", &w_partial],
+            format!(
+                "invalid --out: {input_as_partial} is written as {w_partial} until the run ends, and that is the input --lm-head"
+            ),
+        ),
+    ] {
+        // `--lm-head` given twice is the parser's error: a colliding head replaces the default.
+        let head = if extra.contains(&"--lm-head") { None } else { Some(["--lm-head", w.as_str()]) };
+        let mut args = vec!["sample", "--hidden", &h, "--out", out_path, "--device", "cpu"];
+        args.extend(head.iter().flatten());
+        args.extend(ARGS);
+        args.extend(&extra);
+        let output = flashsample(&args);
+        assert_clean_failure(&output, &message);
+        for file in [&out, &lp, &plp, &out_partial, &lp_partial, &format!("{plp}.partial")] {
+            assert!(!Path::new(file).exists(), "{file} written by {args:?}");
+        }
+    }
+    assert_eq!(std::fs::read(&w_partial).unwrap(), w_bytes, "the input was not touched");
+    assert!(std::fs::metadata(&h).unwrap().len() > 0 && std::fs::metadata(&bias).unwrap().len() > 0);
+}
+
+/// An existing output is replaced at the end of a successful run when it is writable; a
+/// read-only one, or one that is no regular file, is refused before any work and left as it
+/// is; `--help` says so.
+#[test]
+fn existing_outputs_are_replaced_only_when_writable() {
+    let scratch = Scratch::new("existing");
+    let (w, h) = inputs(&scratch, 20, 8, 2);
+    let (out, lp) = (scratch.path("t.npy"), scratch.path("lp.npy"));
+    std::fs::write(&out, b"old").unwrap();
+    let output = flashsample(&sample_args(&w, &h, &out, &ARGS));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(read_npy_i64(Path::new(&out)).unwrap().0, 2, "the writable file was replaced");
+
+    let read_only = |path: &str| {
+        std::fs::write(path, b"keep").unwrap();
+        let mut permissions = std::fs::metadata(path).unwrap().permissions();
+        permissions.set_readonly(true);
+        std::fs::set_permissions(path, permissions).unwrap();
+    };
+    read_only(&out);
+    let output = flashsample(&sample_args(&w, &h, &out, &ARGS));
+    assert_clean_failure(&output, &format!("invalid --out: {out} exists and is read-only"));
+    assert_eq!(std::fs::read(&out).unwrap(), b"keep");
+    read_only(&lp);
+    let fresh = scratch.path("fresh.npy");
+    let output = flashsample(&sample_args(&w, &h, &fresh, &[&ARGS[..], &["--logprobs", &lp]].concat()));
+    assert_clean_failure(&output, &format!("invalid --logprobs: {lp} exists and is read-only"));
+    assert_eq!(std::fs::read(&lp).unwrap(), b"keep");
+    assert!(!Path::new(&fresh).exists() && !Path::new(&format!("{fresh}.partial")).exists());
+
+    // A socket stands for any file that is not a regular one (a device, a pipe).
+    let socket = scratch.path("socket");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    assert_clean_failure(
+        &flashsample(&sample_args(&w, &h, &socket, &ARGS)),
+        &format!("invalid --out: {socket} exists and is not a regular file"),
+    );
+
+    let help = String::from_utf8_lossy(&flashsample(&["sample", "--help"]).stdout).into_owned();
+    assert!(help.contains("replacing an existing file if it is writable"), "{help}");
+}
+
+/// A missing, unreadable or truncated input file is an error naming its flag, then the file,
+/// then what is wrong, for every input flag.
+#[test]
+fn input_file_errors_name_their_flag() {
+    let scratch = Scratch::new("input-files");
+    let (w, h) = inputs(&scratch, 20, 8, 2);
+    let out = scratch.path("t.npy");
+    let good_npy = [
+        ("--bias", "<f4", vec![20], f32_bytes(&[0.0; 20])),
+        ("--mask", "<i4", vec![1], (-1i32).to_le_bytes().to_vec()),
+        ("--history", "<i8", vec![2, 1], [1i64, 2].iter().flat_map(|x| x.to_le_bytes()).collect()),
+    ];
+    let missing = scratch.path("missing");
+    let folder = scratch.path("");
+    let through_a_file = format!("{w}/inside");
+    for flag in ["--lm-head", "--hidden", "--bias", "--mask", "--history"] {
+        let good = match flag {
+            "--lm-head" => w.clone(),
+            "--hidden" => h.clone(),
+            _ => {
+                let (_, descr, shape, bytes) = good_npy.iter().find(|(f, ..)| *f == flag).unwrap();
+                let path = scratch.path(&format!("{}.npy", &flag[2..]));
+                write_npy(&path, descr, shape, bytes.clone());
+                path
+            }
+        };
+        let truncated = scratch.path(&format!("truncated-{}", &flag[2..]));
+        let bytes = std::fs::read(&good).unwrap();
+        std::fs::write(&truncated, &bytes[..bytes.len() - 3]).unwrap();
+        let run = |file: &str| {
+            let mut args = vec!["sample", "--out", &out, "--device", "cpu"];
+            args.extend(ARGS);
+            for (name, default) in [("--lm-head", &w), ("--hidden", &h)] {
+                args.extend([name, if name == flag { file } else { default.as_str() }]);
+            }
+            if !["--lm-head", "--hidden"].contains(&flag) {
+                args.extend([flag, file]);
+            }
+            flashsample(&args)
+        };
+        assert!(run(&good).status.success(), "{flag} {good}");
+        assert_clean_failure(&run(&missing), &format!("error: invalid {flag}: {missing}: No such file"));
+        assert_clean_failure(&run(&truncated), &format!("error: invalid {flag}: {truncated}: "));
+        assert_clean_failure(&run(&through_a_file), &format!("error: invalid {flag}: {through_a_file}: "));
+        assert_clean_failure(&run(&folder), &format!("error: invalid {flag}: {folder}"));
+        // Without read permission (a superuser reads it anyway).
+        let unreadable = scratch.path(&format!("unreadable-{}", &flag[2..]));
+        std::fs::copy(&good, &unreadable).unwrap();
+        std::fs::set_permissions(&unreadable, std::os::unix::fs::PermissionsExt::from_mode(0o000)).unwrap();
+        if std::fs::read(&unreadable).is_err() {
+            assert_clean_failure(&run(&unreadable), &format!("error: invalid {flag}: {unreadable}: Permission denied"));
+        }
+    }
+}
+
+/// Values that start with a hyphen but not a digit (`-inf`, `-nan`, `-.5`), infinities, NaN
+/// and overflowing numbers reach each flag's rule, never the parser's "unexpected argument";
+/// a forgotten value is still the parser's "a value is required".
+#[test]
+fn negative_and_infinite_numbers_reach_the_flags_rule() {
+    let scratch = Scratch::new("numbers");
+    let (w, h) = inputs(&scratch, 20, 8, 2);
+    let out = scratch.path("t.npy");
+    let history = scratch.path("history.npy");
+    write_npy(&history, "<i8", &[2, 1], [1i64, 2].iter().flat_map(|x| x.to_le_bytes()).collect());
+    let run = |extra: &[&str]| {
+        let mut args = sample_args(&w, &h, &out, &["--samples", "1", "--seed", "1", "--history", &history]);
+        args.extend(extra);
+        flashsample(&args)
+    };
+    let mut cases = Vec::new();
+    for t in ["-inf", "inf", "nan", "-nan", "-1e40", "1e40", "-.5", "-Infinity"] {
+        cases.push((vec!["--temperature", t], "invalid --temperature: T = ".to_string()));
+    }
+    for (flag, rule) in [
+        ("--top-p", "must be in (0, 1]"),
+        ("--min-p", "must be in [0, 1]"),
+        ("--softcap", "must be finite and > 0"),
+        ("--repetition-penalty", "must be finite and > 0"),
+        ("--frequency-penalty", "must be finite"),
+        ("--presence-penalty", "must be finite"),
+    ] {
+        for value in ["-inf", "inf", "nan", "-1e40"] {
+            let shown = if value == "nan" {
+                "NaN"
+            } else if value == "-1e40" {
+                "-inf"
+            } else {
+                value
+            };
+            cases.push((vec!["--temperature", "1", flag, value], format!("invalid {flag}: {shown}: {rule}")));
+        }
+    }
+    cases.push((vec!["--temperature=-inf"], "invalid --temperature: T = -inf".to_string()));
+    // Integer flags: the parser names the flag and the value.
+    cases.push((vec!["--temperature", "1", "--top-k", "-inf"], "invalid value '-inf' for '--top-k".to_string()));
+    cases.push((vec!["--temperature", "1", "--gpu", "-nan"], "invalid value '-nan' for '--gpu".to_string()));
+    cases.push((vec!["--temperature", "--top-k", "3"], "a value is required for '--temperature".to_string()));
+    for (extra, message) in cases {
+        let output = run(&extra);
+        assert_clean_failure(&output, &message);
+        assert!(!String::from_utf8_lossy(&output.stderr).contains("unexpected argument"), "{extra:?}");
+    }
+}
+
+/// A successful run says in one line on standard error what it wrote, in how long and where;
+/// standard output stays empty. A CPU run of several passes shows no progress bar where
+/// standard error is no terminal.
+#[test]
+fn a_successful_run_summarises_on_standard_error() {
+    let scratch = Scratch::new("summary");
+    let (w, h) = inputs(&scratch, 20, 8, 3);
+    let (out, lp, plp) = (scratch.path("t.npy"), scratch.path("lp.npy"), scratch.path("plp.npy"));
+    let flags =
+        ["--samples", "5", "--seed", "1", "--temperature", "1", "--logprobs", &lp, "--processed-logprobs", &plp];
+    let output = flashsample(&sample_args(&w, &h, &out, &flags));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(output.stdout.is_empty());
+    let expected = format!(
+        "flashsample: wrote [3, 5] tokens to {out}, log-probabilities to {lp}, processed log-probabilities to {plp} in "
+    );
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with(&expected) && stderr.trim_end().ends_with(" s on the CPU"), "{stderr}");
+
+    // B · V = 2^22 and D = 8: passes of 4 draws, so 12 draws take 3 passes.
+    let (wide_w, wide_h) = inputs(&scratch, 32_768, 8, 128);
+    let output =
+        flashsample(&sample_args(&wide_w, &wide_h, &out, &["--samples", "12", "--seed", "1", "--temperature", "1"]));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(read_npy_i64(Path::new(&out)).unwrap().1, 12);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("flashsample: wrote [128, 12] tokens to "), "{stderr}");
 }

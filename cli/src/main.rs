@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use flashsample::cpu::{draw, logits_row};
-use flashsample::io::{NpyType, NpyWriter, load_matrix};
 use flashsample::params::{Draws, check_head_shape, check_request, check_request_shape, row_params};
 use flashsample::{
     CpuLmHead, CpuSampler, CudaLmHead, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module,
     Result, Sampled, SamplingParams, Variant, VocabShard, cuda_device_count,
 };
-use flashsample_tests::{chi_square, exact_probabilities};
+use flashsample_cli::io::{NpyType, NpyWriter, load_matrix};
+use flashsample_cli::stats::{chi_square, exact_probabilities};
 use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use timing::Timer;

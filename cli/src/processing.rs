@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use flashsample::io::{NpyValues, read_npy};
 use flashsample::{Error, Penalties, Processing, Result};
+use flashsample_cli::io::{NpyValues, read_npy};
 
 #[derive(Args, Default)]
 pub struct ProcessingArgs {

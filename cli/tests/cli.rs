@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use flashsample::io::read_npy_i64;
-use flashsample_tests::chi_square;
+use flashsample_cli::io::read_npy_i64;
+use flashsample_cli::stats::chi_square;
 use half::bf16;
 use safetensors::{Dtype, tensor::TensorView};
 
@@ -418,8 +418,8 @@ fn write_npy(path: &str, descr: &str, shape: &[usize], data: Vec<u8>) {
 }
 
 fn read_f32_npy(path: &str) -> (Vec<usize>, Vec<f32>) {
-    match flashsample::io::read_npy(Path::new(path), "test").unwrap() {
-        (dims, flashsample::io::NpyValues::F32(v)) => (dims, v),
+    match flashsample_cli::io::read_npy(Path::new(path), "test").unwrap() {
+        (dims, flashsample_cli::io::NpyValues::F32(v)) => (dims, v),
         other => panic!("{other:?}"),
     }
 }

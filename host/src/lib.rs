@@ -22,7 +22,6 @@ pub mod candle;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
-pub mod io;
 pub mod params;
 pub mod process;
 pub mod tensor;

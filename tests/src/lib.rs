@@ -12,9 +12,13 @@ use flashsample::{
 use flashsample_core::{RowParams, block_scores};
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
-use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 pub mod processing;
+
+// The statistics live in the CLI crate's library (its demo prints a χ² p-value, and a crate
+// installed from crates.io cannot depend on this unpublished one); the test bodies use them
+// from here as before.
+pub use flashsample_cli::stats::{chi_square, exact_probabilities};
 
 /// A sampler under test.
 pub trait Backend {
@@ -123,41 +127,6 @@ pub fn params_for(rows: usize, temperature: f32, seed: u64) -> Vec<SamplingParam
 pub fn row_params(lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], row: usize) -> RowParams {
     let head = HeadShape { vocab: lm_head.rows(), dim: lm_head.cols(), dtype: lm_head.dtype() };
     check_request(head, hidden.row_range(row, row + 1).shape(), &params[row..row + 1], 1).expect("valid params")[0]
-}
-
-/// `softmax(logits / T)` in f64 from the CPU's f32 logits: the distribution being sampled.
-pub fn exact_probabilities(logits: &[f32], row: &RowParams) -> Vec<f64> {
-    let scaled: Vec<f64> = logits.iter().map(|&l| l as f64 / row.temperature as f64).collect();
-    let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let weights: Vec<f64> = scaled.iter().map(|s| (s - max).exp()).collect();
-    let total: f64 = weights.iter().sum();
-    weights.iter().map(|w| w / total).collect()
-}
-
-/// Pearson's χ² of `counts` against `probabilities`, pooling adjacent bins (in decreasing
-/// probability) until each pooled bin expects at least 5 draws. Returns `(χ², dof, p)`.
-pub fn chi_square(counts: &[u64], probabilities: &[f64]) -> (f64, usize, f64) {
-    let draws: u64 = counts.iter().sum();
-    let mut order: Vec<usize> = (0..counts.len()).collect();
-    order.sort_by(|&a, &b| probabilities[b].total_cmp(&probabilities[a]));
-    let mut bins: Vec<(f64, u64)> = Vec::new();
-    let (mut expected, mut observed) = (0.0, 0);
-    for i in order {
-        expected += probabilities[i] * draws as f64;
-        observed += counts[i];
-        if expected >= 5.0 {
-            bins.push((expected, observed));
-            (expected, observed) = (0.0, 0);
-        }
-    }
-    if let Some(last) = bins.last_mut() {
-        last.0 += expected;
-        last.1 += observed;
-    }
-    let statistic: f64 = bins.iter().map(|&(e, o)| (o as f64 - e).powi(2) / e).sum();
-    let dof = bins.len().saturating_sub(1).max(1);
-    let p = 1.0 - ChiSquared::new(dof as f64).expect("dof > 0").cdf(statistic);
-    (statistic, dof, p)
 }
 
 /// Draws `draws` tokens from one row and tests them against the exact softmax at level `alpha`.

@@ -1,10 +1,10 @@
 //! Property tests of the CPU backend and the file reader: random shapes, dtypes, parameters and
 //! damaged files give a correct result or a typed error, never a panic.
 
-use flashsample::io::load_matrix;
 use flashsample::{
     CpuLmHead, CpuSampler, DType, Draws, Elements, Error, Matrix, Penalties, Processing, RowStatus, SamplingParams,
 };
+use flashsample_cli::io::load_matrix;
 use proptest::prelude::*;
 
 /// A value that is usually ordinary and sometimes one of the values that break arithmetic.

@@ -3,10 +3,12 @@
 use std::io::Write;
 use std::path::Path;
 
+use flashsample::{Elements, Error, Matrix, Result};
 use safetensors::{Dtype, SafeTensors};
 
-use crate::error::{Error, Result, invalid};
-use crate::tensor::{Elements, Matrix};
+fn invalid(argument: impl Into<String>, rule: impl Into<String>) -> Error {
+    Error::InvalidArgument { argument: argument.into(), rule: rule.into() }
+}
 
 fn file_error(path: &Path, message: impl std::fmt::Display) -> Error {
     Error::File { path: path.display().to_string(), message: message.to_string() }
@@ -209,8 +211,11 @@ pub fn write_npy_i64(path: &Path, rows: usize, cols: usize, values: &[u32]) -> R
 /// The values of a `.npy` file read by [`read_npy`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum NpyValues {
+    /// A float32 (`<f4`) file's values.
     F32(Vec<f32>),
+    /// An int32 (`<i4`) file's values.
     I32(Vec<i32>),
+    /// An int64 (`<i8`) file's values.
     I64(Vec<i64>),
 }
 

@@ -6,8 +6,10 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use flashsample::internals::Variant;
+use flashsample::internals::check;
 use flashsample::{
-    CudaSampler, DType, Draws, Error, Module, ModuleChoice, Penalties, Processing, Result, SamplingParams, Variant,
+    Batch, CudaSampler, DType, Draws, Error, Module, ModuleChoice, Penalties, Processing, Result, SamplingParams,
 };
 use flashsample_core::abi::{DevicePtr, HANDOFF_ROWS};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -137,13 +139,14 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
             progress.inc(1);
             for &batch in &options.batches {
                 let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
-                let mut tokens = sampler.tokens(batch, 1)?;
-                // Row parameters stay on the device, as the hidden states do: the timed region
-                // holds kernels only, like the cuBLAS GEMM it is compared with.
+                let mut tokens = sampler.outputs(batch, 1, false)?;
+                // The batch stays on the device, as the hidden states do: the timed region holds
+                // kernels only, like the cuBLAS GEMM it is compared with.
                 let params = |t: f32| (0..batch).map(|r| SamplingParams::new(t, 7, r as u32, 0)).collect::<Vec<_>>();
-                let sampling = sampler.upload_rows(&params(1.0))?;
-                let greedy = sampler.upload_rows(&params(0.0))?;
+                let sampling = sampler.upload_batch(&Batch::new(params(1.0)), vocab)?;
+                let greedy = sampler.upload_batch(&Batch::new(params(0.0)), vocab)?;
                 let auto = Variant::Auto.resolve(module, options.dtype, dim, batch)?;
+                let one = Draws::first(1);
                 let mut time = |name: &str, work: &mut dyn FnMut() -> Result<()>| -> Result<()> {
                     progress.set_message(format!("{} D={dim} V={vocab} B={batch} {name}", module.name()));
                     let timing = timer.time(sampler, options.warmup, options.runs, work)?;
@@ -154,51 +157,43 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
                 if let (true, Some(cublas)) = (first, cublas) {
                     // SAFETY: only written (by the GEMM), on the stream it is made on.
                     let out = unsafe { sampler.stream().alloc::<u16>(batch * vocab) };
-                    let out = flashsample::cuda::driver::check("cuMemAllocAsync(cuBLAS output)", out)?;
+                    let out = check("cuMemAllocAsync(cuBLAS output)", out)?;
                     let out_ptr = DevicePtr::new(cudarc::driver::DevicePtr::device_ptr(&out, sampler.stream()).0);
-                    time("cublas_gemm", &mut || cublas.gemm(&head, &hidden, out_ptr, out.len()))?;
+                    let w = sampler.lm_head_address(&head)?;
+                    time("cublas_gemm", &mut || cublas.gemm(w, head.shape(), &hidden, out_ptr, out.len()))?;
                 }
-                time("fused_sample", &mut || {
-                    sampler.sample_rows_into(&head, &hidden, &sampling, 1, Variant::Auto, &mut tokens)
-                })?;
-                time("fused_greedy", &mut || {
-                    sampler.sample_rows_into(&head, &hidden, &greedy, 1, Variant::Auto, &mut tokens)
-                })?;
+                time("fused_sample", &mut || sampler.sample_into(&head, &hidden, &sampling, one, &mut tokens))?;
+                time("fused_greedy", &mut || sampler.sample_into(&head, &hidden, &greedy, one, &mut tokens))?;
                 if auto != Variant::Simt {
                     time("unfused_sample", &mut || {
-                        sampler.sample_unfused_into(&head, &hidden, &sampling, 1, auto, &mut tokens)
+                        sampler.sample_unfused_into(&head, &hidden, &sampling, one, auto, &mut tokens)
                     })?;
                 } else {
                     progress.inc(1);
                 }
                 if first && options.processing {
-                    let mut plain = sampler.processed_outputs(batch, 1, false)?;
-                    let mut logprobs = sampler.processed_outputs(batch, 1, true)?;
+                    let mut plain = sampler.outputs(batch, 1, false)?;
+                    let mut logprobs = sampler.outputs(batch, 1, true)?;
                     for (label, mode) in PROCESSING_MODES {
-                        let processing = sampler.upload_processing(&vec![mode(vocab); batch], vocab)?;
+                        let rows = Batch::with_processing(params(1.0), vec![mode(vocab); batch]);
+                        let processing = sampler.upload_batch(&rows, vocab)?;
                         let out = if label == "logprobs" { &mut logprobs } else { &mut plain };
                         time(&format!("processed_{label}"), &mut || {
-                            sampler.sample_processed_into(
-                                &head,
-                                &hidden,
-                                &sampling,
-                                &processing,
-                                Draws::first(1),
-                                Variant::Auto,
-                                out,
-                            )
+                            sampler.sample_into(&head, &hidden, &processing, one, out)
                         })?;
                     }
                 }
                 if first && options.all_variants {
                     for (label, variant) in tensor_core_variants(module) {
                         if variant.resolve(module, options.dtype, dim, batch).is_ok() {
+                            sampler.set_variant(variant);
                             time(&format!("fused_sample@{label}"), &mut || {
-                                sampler.sample_rows_into(&head, &hidden, &sampling, 1, variant, &mut tokens)
+                                sampler.sample_into(&head, &hidden, &sampling, one, &mut tokens)
                             })?;
                             time(&format!("fused_greedy@{label}"), &mut || {
-                                sampler.sample_rows_into(&head, &hidden, &greedy, 1, variant, &mut tokens)
+                                sampler.sample_into(&head, &hidden, &greedy, one, &mut tokens)
                             })?;
+                            sampler.set_variant(Variant::Auto);
                         } else {
                             progress.inc(2);
                         }

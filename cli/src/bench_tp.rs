@@ -9,10 +9,10 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use cudarc::driver::CudaEvent;
-use flashsample::cuda::driver;
+use flashsample::internals::check;
 use flashsample::{
-    CudaSampler, DType, DeviceProcessing, DeviceRows, Draws, Error, Processing, RankInputs, Result, SamplingParams,
-    TensorParallelSampler, Variant, cuda_device_count,
+    Batch, CudaSampler, DType, Draws, Error, LmHead, RankInputs, Result, SamplingParams, TensorParallelSampler,
+    cuda_device_count,
 };
 
 use crate::timing::{L2Flush, event};
@@ -56,13 +56,13 @@ impl RankClock {
     }
 
     fn record(&self, sampler: &CudaSampler, at: usize) -> Result<()> {
-        driver::check("cuEventRecord", self.events[at].record(sampler.stream()))
+        check("cuEventRecord", self.events[at].record(sampler.stream()))
     }
 
     /// Microseconds between events `from` and `to` (the stream has run both).
     fn elapsed(&self, from: usize, to: usize) -> Result<f64> {
-        driver::check("cuEventSynchronize", self.events[to].synchronize())?;
-        Ok(driver::check("cuEventElapsedTime", self.events[from].elapsed_ms(&self.events[to]))? as f64 * 1e3)
+        check("cuEventSynchronize", self.events[to].synchronize())?;
+        Ok(check("cuEventElapsedTime", self.events[from].elapsed_ms(&self.events[to]))? as f64 * 1e3)
     }
 }
 
@@ -87,13 +87,14 @@ pub fn run(options: &Options) -> Result<Vec<Row>> {
         }
         let devices: Vec<usize> = (0..gpus).collect();
         for &(dim, vocab) in &options.shapes {
-            let mut sampler =
-                TensorParallelSampler::with_random_head(&devices, vocab, dim, options.dtype, 0x5eed, 0.05)?;
+            let sampler = TensorParallelSampler::new(&devices)?;
+            let head = sampler.random_lm_head(vocab, dim, options.dtype, 0x5eed, 0.05)?;
             for &batch in &options.batches {
                 for logprobs in [false, true] {
-                    rows.extend(time_step(&mut sampler, options, (dim, vocab, batch), logprobs)?);
+                    rows.extend(time_step(&sampler, &head, options, (dim, vocab, batch), logprobs)?);
                 }
             }
+            drop(head);
             sampler.close()?;
         }
     }
@@ -108,10 +109,10 @@ fn single_gpu(sampler: &CudaSampler, options: &Options, dim: usize, vocab: usize
     let mut rows = Vec::with_capacity(options.batches.len());
     for &batch in &options.batches {
         let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
-        let row_params = sampler.upload_rows(&params(batch))?;
-        let mut tokens = sampler.tokens(batch, 1)?;
+        let on_device = sampler.upload_batch(&Batch::new(params(batch)), vocab)?;
+        let mut tokens = sampler.outputs(batch, 1, false)?;
         let timing = timer.time(sampler, options.warmup, options.runs, || {
-            sampler.sample_rows_into(&head, &hidden, &row_params, 1, Variant::Auto, &mut tokens)
+            sampler.sample_into(&head, &hidden, &on_device, Draws::first(1), &mut tokens)
         })?;
         rows.push(Row {
             gpus: 1,
@@ -135,7 +136,8 @@ fn params(batch: usize) -> Vec<SamplingParams> {
 /// Times `runs` steps of `[B, 1]` draws after `warmup`: the whole step and each phase, the
 /// slowest rank's.
 fn time_step(
-    sampler: &mut TensorParallelSampler,
+    sampler: &TensorParallelSampler,
+    head: &LmHead,
     options: &Options,
     (dim, vocab, batch): (usize, usize, usize),
     logprobs: bool,
@@ -146,17 +148,13 @@ fn time_step(
     for r in 0..ranks {
         let s = sampler.sampler(r);
         let hidden = s.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
-        let rows: DeviceRows = s.upload_rows(&params(batch))?;
-        let processing: DeviceProcessing = s.upload_processing(&vec![Processing::default(); batch], vocab)?;
-        let parts = s.shard_parts(ranks, batch, 1, logprobs)?;
-        let out = s.processed_outputs(batch, 1, logprobs)?;
-        staged.push((hidden, rows, processing, parts, out));
+        let rows = s.upload_batch(&Batch::new(params(batch)), vocab)?;
+        let out = s.outputs(batch, 1, logprobs)?;
+        staged.push((hidden, rows, out));
         clocks.push(RankClock::new(s)?);
     }
-    let mut inputs: Vec<RankInputs> = staged
-        .iter_mut()
-        .map(|(hidden, rows, processing, parts, out)| RankInputs { hidden, rows, processing, parts, out })
-        .collect();
+    let mut inputs: Vec<RankInputs> =
+        staged.iter_mut().map(|(hidden, batch, outputs)| RankInputs { hidden, batch, outputs }).collect();
     let draws = Draws::first(1);
     let mut phases: [Vec<f64>; 4] = Default::default();
     for run in 0..options.warmup + options.runs {
@@ -164,11 +162,8 @@ fn time_step(
             clock.flush.fill(sampler.sampler(r), run)?;
             clock.record(sampler.sampler(r), 0)?;
         }
-        sampler.stage_one_into(&mut inputs, draws)?;
-        record_all(sampler, &clocks, 1)?;
-        sampler.all_gather(&inputs)?;
-        record_all(sampler, &clocks, 2)?;
-        sampler.merge_into(&mut inputs)?;
+        // The events mark stage 1's end (with its all-reduces) and the gather's.
+        sampler.sample_into_phases(head, &mut inputs, draws, |at| record_all(sampler, &clocks, at))?;
         record_all(sampler, &clocks, 3)?;
         sampler.wait()?;
         if run >= options.warmup {

@@ -11,7 +11,7 @@
 //! there is returned) or, failing that, in `Drop` (which can only print it).
 
 use cudarc::cublas::{result, sys};
-use flashsample::{CudaHidden, CudaLmHead, CudaSampler, DType, Error, Result};
+use flashsample::{CudaHidden, CudaSampler, DType, Error, HeadShape, Result};
 use flashsample_core::abi::DevicePtr;
 
 /// A cuBLAS error as ours, naming the call.
@@ -58,8 +58,14 @@ impl Cublas {
 
     /// Enqueues `out[B, V] = H · Wᵀ` in the element type of `W` (f32 accumulation), as torch's
     /// `x @ W.T`: column-major that is `out = Wᵀᵀ · Hᵀ` with `W` read transposed.
-    pub fn gemm(&self, lm_head: &CudaLmHead, hidden: &CudaHidden, out: DevicePtr<u16>, out_len: usize) -> Result<()> {
-        let shape = lm_head.shape();
+    pub fn gemm(
+        &self,
+        lm_head: u64,
+        shape: HeadShape,
+        hidden: &CudaHidden,
+        out: DevicePtr<u16>,
+        out_len: usize,
+    ) -> Result<()> {
         let element = element_type(shape.dtype)?;
         let h = hidden.shape();
         if h.dtype != shape.dtype || h.cols != shape.dim || out_len < h.rows * shape.vocab {
@@ -88,7 +94,7 @@ impl Cublas {
                 batch,
                 dim,
                 (&alpha as *const f32).cast(),
-                lm_head.address() as *const _,
+                lm_head as *const _,
                 element,
                 dim,
                 hidden.address() as *const _,

@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use flashsample::cudarc::driver::sys;
 use flashsample::{
-    CudaSampler, DType, DeviceMatrix, Draws, Error, Result, SampleRequest, SamplingParams, StreamWorkspace, Variant,
+    Batch, CudaSampler, DType, DeviceMatrix, Draws, Error, OutputSlice, Request, Result, SamplingParams,
+    StreamWorkspace, Target,
 };
 
 /// Calls per round, and rounds.
@@ -19,7 +20,7 @@ const ROUNDS: usize = 8;
 pub struct HostCost {
     pub batch: usize,
     pub enqueue: (f64, f64),
-    /// `sample_with_stored_maps`: the tensor maps left in the workspace by the previous call.
+    /// The plan reading the tensor maps the previous call left in the workspace.
     pub enqueue_stored_maps: (f64, f64),
     pub graph_launch: (f64, f64),
 }
@@ -63,32 +64,38 @@ pub fn measure(
     for &batch in batches {
         let hidden = sampler.random_hidden(batch, dim, dtype, batch as u64, 2.0)?;
         let params: Vec<_> = (0..batch).map(|r| SamplingParams::new(1.0, 7, r as u32, 0)).collect();
-        let rows = sampler.upload_rows(&params)?;
-        let tokens = sampler.tokens(batch, 1)?;
-        let request = SampleRequest {
-            lm_head: DeviceMatrix::contiguous(head.address(), vocab, dim, dtype),
-            hidden: DeviceMatrix::contiguous(hidden.address(), batch, dim, dtype),
-            row_params: rows.address(),
-            tokens: tokens.address(),
-            draws: Draws::first(1),
-            variant: Variant::Auto,
-            processing: None,
-            shard: None,
+        let rows = sampler.upload_batch(&Batch::new(params), vocab)?;
+        let tokens = sampler.outputs(batch, 1, false)?;
+        let w = sampler.lm_head_address(&head)?;
+        // SAFETY: the sampler's buffers live through the timing, used on its stream only.
+        let request = unsafe {
+            Request {
+                lm_head: DeviceMatrix::from_raw(w, vocab, dim, dim, dtype),
+                hidden: DeviceMatrix::from_raw(hidden.address(), batch, dim, dim, dtype),
+                batch: rows.view(stream),
+                draws: Draws::first(1),
+                shard: None,
+            }
         };
-        let bytes = kernels.workspace_bytes(&request.lm_head, &request.hidden, 1, Variant::Auto)?;
-        let space = workspace.ensure(stream, bytes)?;
+        // SAFETY: as above.
+        let target = Target::tokens(unsafe { OutputSlice::from_raw(tokens.tokens_address(), batch) });
+        let space = workspace.ensure(stream, kernels.plan(&request, &target)?.workspace_bytes())?;
         let raw_stream = stream.cu_stream().cast();
+        // Each call plans (every check) and queues, as a decode loop's step does.
         // SAFETY: every buffer belongs to the sampler, lives through the timing, and is used on
         // its stream only.
-        let enqueue = time_calls(sampler, &mut || unsafe { kernels.sample(raw_stream, &request, space) })?;
+        let enqueue = time_calls(sampler, &mut || unsafe {
+            kernels.enqueue(raw_stream, &kernels.plan(&request, &target)?, space, 0).map(|_| ())
+        })?;
         // SAFETY: as above; the last call wrote this request's maps into the workspace.
-        let enqueue_stored_maps =
-            time_calls(sampler, &mut || unsafe { kernels.sample_with_stored_maps(raw_stream, &request, space) })?;
+        let enqueue_stored_maps = time_calls(sampler, &mut || unsafe {
+            kernels.enqueue(raw_stream, &kernels.plan(&request, &target)?.with_stored_maps(), space, 0).map(|_| ())
+        })?;
         sampler.synchronize("host-cost capture")?;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         stream.begin_capture(mode).map_err(|e| cuda("cuStreamBeginCapture", e))?;
         // SAFETY: as above; captured, not run.
-        let captured = unsafe { kernels.sample(raw_stream, &request, space) };
+        let captured = unsafe { kernels.enqueue(raw_stream, &kernels.plan(&request, &target)?, space, 0) };
         let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda("cuStreamEndCapture", e))?;
         captured?;
         let graph = graph.ok_or_else(|| cuda("cuStreamEndCapture", "nothing was captured"))?;

@@ -16,11 +16,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use flashsample::cpu::{draw, logits_row};
-use flashsample::params::{Draws, check_head_shape, check_request, check_request_shape, row_params};
+use flashsample::internals::{Variant, draw, logits_row, row_params};
 use flashsample::{
-    CpuLmHead, CpuSampler, CudaLmHead, CudaSampler, DType, Elements, Error, HeadShape, Matrix, MatrixShape, Module,
-    Result, Sampled, SamplingParams, Variant, VocabShard, cuda_device_count,
+    Batch, CpuSampler, CudaSampler, DType, Draws, Elements, Error, Matrix, Module, Processing, Result, Sampled,
+    Sampler, SamplingParams, VocabShard, cuda_device_count,
 };
 use flashsample_cli::io::{NpyType, NpyWriter, load_matrix};
 use flashsample_cli::stats::{chi_square, exact_probabilities};
@@ -406,7 +405,8 @@ fn name_the_flag(error: Error) -> Error {
         Error::InvalidArgument { argument, rule } => {
             let flag = match argument.as_str() {
                 a if a.starts_with("params[") && a.ends_with(".temperature") => "--temperature",
-                "samples" => "--samples",
+                "draws" => "--samples",
+                "shards" => "--shards",
                 "lm_head" => "--lm-head",
                 "hidden" => "--hidden",
                 "device" => "--gpu",
@@ -444,9 +444,6 @@ fn sample(args: SampleArgs) -> Result<()> {
 fn gpu_name(gpu: usize, sampler: &CudaSampler) -> String {
     format!("GPU {gpu} ({})", sampler.device_name())
 }
-
-/// The CPU, as the summary names it.
-const ON_THE_CPU: &str = "the CPU";
 
 /// A read error of the input file of `flag` as an error of the flag: `invalid --lm-head:
 /// <path>: <reason>`, like the errors of the `.npy` inputs.
@@ -488,190 +485,92 @@ fn sample_command(args: &SampleArgs) -> Result<Done> {
     // Different input types meet in the narrowest type holding both exactly; the shapes are
     // checked first, so a mismatch costs no conversion.
     let common = w.dtype().common(h.dtype());
-    check_head_shape(w.rows(), w.cols())?;
-    let head_shape = HeadShape { vocab: w.rows(), dim: w.cols(), dtype: common };
-    let hidden_shape = MatrixShape { rows: h.rows(), cols: h.cols(), dtype: common };
-    check_request_shape(head_shape, hidden_shape, h.rows(), "params", samples)?;
+    if h.cols() != w.cols() {
+        return Err(Error::InvalidArgument {
+            argument: "--hidden".into(),
+            rule: format!("{} columns, but the LM head has D = {}: they must match", h.cols(), w.cols()),
+        });
+    }
     let (w, h) = (w.into_dtype(common), h.into_dtype(common));
+    let (vocab, rows) = (w.rows(), h.rows());
     let params: Vec<SamplingParams> =
-        (0..h.rows()).map(|r| SamplingParams::new(args.temperature, seed, r as u32, 0)).collect();
+        (0..rows).map(|r| SamplingParams::new(args.temperature, seed, r as u32, 0)).collect();
     row_params(&params)?;
-    let per_call = (TOKENS_PER_CALL / h.rows()).max(1) as u32;
-    let cpu_per_call = cpu_draws_per_pass(h.rows(), w.rows(), w.cols(), per_call);
-    if args.processing.any() {
-        let vocab = w.rows();
-        let processing = args.processing.rows(h.rows(), vocab)?;
-        let shard_count = args.processing.shard_count(vocab)?;
-        // The GPU truncates (on materialised logits) BF16/F16 heads with D % 8 == 0 (every
-        // head takes the per-entry steps and log-probabilities in the fused tiles), in shards of
-        // whole Philox blocks (4 tokens); `auto` takes the CPU for the rest, `cuda` reports why
-        // not.
-        let gpu_refusal = if args.processing.truncates() && (common == DType::F32 || w.cols() % 8 != 0) {
-            Some((
-                "--lm-head",
-                format!(
-                    "{common}, D = {}: min-p, top-k and top-p on the GPU need BF16 or F16 with D % 8 == 0",
-                    w.cols()
-                ),
-            ))
-        } else if shard_count > vocab.div_ceil(4) {
-            Some((
-                "--shards",
-                format!(
-                    "{shard_count}: GPU shards are whole blocks of 4 tokens, at most ⌈V/4⌉ = {}",
-                    vocab.div_ceil(4)
-                ),
-            ))
-        } else {
-            None
-        };
-        let device = match (args.device, gpu_refusal) {
-            (DeviceKind::Cuda, Some((argument, rule))) => {
-                return Err(Error::InvalidArgument { argument: argument.into(), rule });
-            }
-            (DeviceKind::Auto, Some((_, rule))) => {
-                eprintln!("flashsample: logit processing runs on the CPU for this request ({rule})");
-                DeviceKind::Cpu
-            }
-            (device, _) => device,
-        };
-        let wants_logprobs = !log_outputs.is_empty();
-        let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
-        let mut log_writers = log_outputs
-            .iter()
-            .map(|(o, column)| {
-                Ok((NpyWriter::create_typed(o.partial_path(), NpyType::F32, h.rows(), samples as usize)?, *column))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut write = |first: u32, sampled: Sampled| -> Result<()> {
-            // Every pass draws from the same rows, so the first tells which have no token.
-            let rows = sampled.rows_without_token();
-            if !rows.is_empty() {
-                return Err(Error::RowsWithoutToken { rows, tokens: sampled.tokens });
-            }
-            writer.write_columns(first as usize, sampled.draws, &sampled.tokens)?;
-            for (log_writer, column) in &mut log_writers {
-                log_writer.write_f32_columns(first as usize, sampled.draws, column(&sampled))?;
-            }
-            Ok(())
-        };
-        let sampled_on = match gpu_sampler(device, gpu)? {
+    let wants_logprobs = !log_outputs.is_empty();
+    let processing: Vec<Processing> = match args.processing.any() {
+        true => args
+            .processing
+            .rows(rows, vocab)?
+            .into_iter()
+            .map(|p| Processing { logprobs: wants_logprobs, ..p })
+            .collect(),
+        false => Vec::new(),
+    };
+    let shard_count = args.processing.shard_count(vocab)?;
+    let shard_bounds = VocabShard::bounds(vocab, shard_count)?;
+    // The GPU truncates (on materialised logits) BF16/F16 heads with D % 8 == 0 (every head
+    // takes the per-entry steps and log-probabilities in the fused tiles); `auto` takes the CPU
+    // for the rest, `cuda` reports why not.
+    let gpu_refusal = (args.processing.truncates() && (common == DType::F32 || w.cols() % 8 != 0)).then(|| {
+        format!("{common}, D = {}: min-p, top-k and top-p on the GPU need BF16 or F16 with D % 8 == 0", w.cols())
+    });
+    let device = match (args.device, gpu_refusal) {
+        (DeviceKind::Cuda, Some(rule)) => {
+            return Err(Error::InvalidArgument { argument: "--lm-head".into(), rule });
+        }
+        (DeviceKind::Auto, Some(rule)) => {
+            eprintln!("flashsample: logit processing runs on the CPU for this request ({rule})");
+            DeviceKind::Cpu
+        }
+        (device, None) => device,
+        (DeviceKind::Cpu, Some(_)) => DeviceKind::Cpu,
+    };
+    let per_call = (TOKENS_PER_CALL / rows).max(1) as u32;
+    let (sampler, sampled_on, per_call, bar): (Box<dyn Sampler>, String, u32, ProgressBar) =
+        match gpu_sampler(device, gpu)? {
             Some(sampler) => {
-                let bounds = VocabShard::bounds(vocab, shard_count)?;
-                let heads = bounds
-                    .windows(2)
-                    .map(|b| sampler.upload_lm_head(&w.row_range(b[0], b[1])))
-                    .collect::<Result<Vec<_>>>()?;
-                drop(w);
-                let hidden = sampler.upload_hidden(&h)?;
-                let rows = sampler.upload_rows(&params)?;
-                let device_processing = sampler.upload_processing(&processing, vocab)?;
-                for draws in passes(samples, per_call) {
-                    let mut out = sampler.processed_outputs(h.rows(), draws.count as usize, wants_logprobs)?;
-                    if let [head] = heads.as_slice() {
-                        sampler.sample_processed_into(
-                            head,
-                            &hidden,
-                            &rows,
-                            &device_processing,
-                            draws,
-                            Variant::Auto,
-                            &mut out,
-                        )?;
-                    } else {
-                        let count = draws.count as usize;
-                        let mut parts = sampler.shard_parts(heads.len(), h.rows(), count, wants_logprobs)?;
-                        let shards: Vec<(&CudaLmHead, VocabShard)> = heads
-                            .iter()
-                            .zip(&bounds)
-                            .map(|(head, &vocab_offset)| (head, VocabShard { vocab_offset, vocab }))
-                            .collect();
-                        let processing = &device_processing;
-                        sampler.sample_shards_into(
-                            &shards,
-                            &hidden,
-                            &rows,
-                            processing,
-                            draws,
-                            Variant::Auto,
-                            &mut parts,
-                        )?;
-                        sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
-                    }
-                    write(draws.first, sampler.processed_to_host(&out)?)?;
-                }
-                drop(heads);
                 let name = gpu_name(gpu, &sampler);
-                sampler.close()?;
-                name
+                (Box::new(sampler), name, per_call, ProgressBar::hidden())
             }
             None => {
-                let heads = if shard_count == 1 {
-                    vec![CpuLmHead::new(w)?]
-                } else {
-                    let bounds: Vec<usize> = (0..=shard_count).map(|s| s * vocab / shard_count).collect();
-                    bounds.windows(2).map(|b| CpuLmHead::new(w.row_range(b[0], b[1]))).collect::<Result<Vec<_>>>()?
-                };
-                let sampler = CpuSampler::new();
-                let bar = draws_bar(samples);
-                for draws in passes(samples, cpu_per_call) {
-                    write(draws.first, sampler.sample_sharded(&heads, &h, &params, &processing, draws)?)?;
-                    bar.inc(draws.count.into());
-                }
-                ON_THE_CPU.to_string()
+                let per_pass = cpu_draws_per_pass(rows, vocab, w.cols(), per_call);
+                (Box::new(CpuSampler::new()), "the CPU".into(), per_pass, draws_bar(samples))
             }
         };
-        writer.finish()?;
-        for (log_writer, _) in log_writers {
-            log_writer.finish()?;
-        }
-        for (log_output, _) in log_outputs {
-            log_output.commit()?;
-        }
-        out.commit()?;
-        return Ok(Done { rows: h.rows(), device: sampled_on });
-    }
-    let mut writer = NpyWriter::create(out.partial_path(), h.rows(), samples as usize)?;
-    let device = match gpu_sampler(args.device, gpu)? {
-        Some(sampler) => {
-            let head = sampler.upload_lm_head(&w)?;
-            drop(w);
-            write_in_passes(&mut writer, samples, per_call, |draws| {
-                sampler.sample_draws(&head, &h, &params, draws, Variant::Auto)
-            })?;
-            drop(head);
-            let name = gpu_name(gpu, &sampler);
-            sampler.close()?;
-            name
-        }
-        None => {
-            let sampler = CpuSampler::new();
-            let head = CpuLmHead::new(w)?;
-            let bar = draws_bar(samples);
-            write_in_passes(&mut writer, samples, cpu_per_call, |draws| {
-                let tokens = sampler.sample_draws(&head, &h, &params, draws)?;
-                bar.inc(draws.count.into());
-                Ok(tokens)
-            })?;
-            ON_THE_CPU.to_string()
-        }
+    let head = match shard_count {
+        1 => sampler.upload_lm_head(&w)?,
+        _ => sampler
+            .upload_lm_head_shards(&shard_bounds.windows(2).map(|b| w.row_range(b[0], b[1])).collect::<Vec<_>>())?,
     };
-    writer.finish()?;
-    out.commit()?;
-    Ok(Done { rows: h.rows(), device })
-}
-
-/// Writes draws `0 .. samples` of every row, `per_call` draws at a time from `next`.
-fn write_in_passes(
-    writer: &mut NpyWriter,
-    samples: u32,
-    per_call: u32,
-    mut next: impl FnMut(Draws) -> Result<Vec<u32>>,
-) -> Result<()> {
+    drop(w);
+    let batch = Batch::with_processing(params, processing);
+    let mut writer = NpyWriter::create(out.partial_path(), rows, samples as usize)?;
+    let mut log_writers = log_outputs
+        .iter()
+        .map(|(o, column)| {
+            Ok((NpyWriter::create_typed(o.partial_path(), NpyType::F32, rows, samples as usize)?, *column))
+        })
+        .collect::<Result<Vec<_>>>()?;
     for draws in passes(samples, per_call) {
-        writer.write_columns(draws.first as usize, draws.count as usize, &next(draws)?)?;
+        // A row without a token fails the run: nothing is written (the partial files go).
+        let sampled = sampler.sample(&head, &h, &batch, draws)?;
+        writer.write_columns(draws.first as usize, sampled.draws, &sampled.tokens)?;
+        for (log_writer, column) in &mut log_writers {
+            log_writer.write_f32_columns(draws.first as usize, sampled.draws, column(&sampled))?;
+        }
+        bar.inc(draws.count.into());
     }
-    Ok(())
+    drop((head, bar));
+    sampler.close()?;
+    writer.finish()?;
+    for (log_writer, _) in log_writers {
+        log_writer.finish()?;
+    }
+    for (log_output, _) in log_outputs {
+        log_output.commit()?;
+    }
+    out.commit()?;
+    Ok(Done { rows, device: sampled_on })
 }
 
 fn demo(device: DeviceKind, gpu: usize) -> Result<()> {
@@ -697,13 +596,13 @@ fn cpu_demo() -> Result<()> {
     let sampler = CpuSampler::new();
     let head = sampler.upload_lm_head(&w)?;
     let started = Instant::now();
-    let tokens = sampler.sample(&head, &h, &params, draws)?;
+    let tokens = sampler.sample(&head, &h, &Batch::new(params.to_vec()), Draws::first(draws))?.tokens;
     println!("sampled in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     let mut counts = vec![0u64; vocab];
     for &t in &tokens {
         counts[t as usize] += 1;
     }
-    let row = check_request(head.shape(), h.shape(), &params, draws)?[0];
+    let row = row_params(&params)?[0];
     let probabilities = exact_probabilities(&logits_row(&w, &h, 0), &row);
     let mut order: Vec<usize> = (0..vocab).collect();
     order.sort_by(|&a, &b| probabilities[b].total_cmp(&probabilities[a]));
@@ -731,13 +630,14 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     let hidden = sampler.random_hidden(batch, dim, DType::BF16, 2, 2.0)?;
     let params: Vec<SamplingParams> = (0..batch).map(|r| SamplingParams::new(1.0, 42, r as u32, 0)).collect();
 
-    let rows = sampler.upload_rows(&params)?;
-    let mut tokens = sampler.tokens(batch, 1)?;
-    sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens)?;
-    let fused = sampler.tokens_to_host(&tokens)?;
+    let rows = sampler.upload_batch(&Batch::new(params.clone()), vocab)?;
+    let mut tokens = sampler.outputs(batch, 1, false)?;
+    let one = Draws::first(1);
+    sampler.sample_into(&head, &hidden, &rows, one, &mut tokens)?;
+    let fused = sampler.read(&tokens)?.tokens;
     let variant = Variant::Auto.resolve(sampler.module(), DType::BF16, dim, batch)?;
-    sampler.sample_unfused_into(&head, &hidden, &rows, 1, variant, &mut tokens)?;
-    let unfused = sampler.tokens_to_host(&tokens)?;
+    sampler.sample_unfused_into(&head, &hidden, &rows, one, variant, &mut tokens)?;
+    let unfused = sampler.read(&tokens)?.tokens;
     let same = fused.iter().zip(&unfused).filter(|(a, b)| a == b).count();
     println!("fused vs unfused pipeline (same logits, same noise): {same}/{batch} tokens equal");
 
@@ -747,8 +647,7 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     let mut agree = 0;
     for r in 0..checked_rows {
         let logits = logits_row(&w, &h, r);
-        let shape = HeadShape { vocab, dim, dtype: DType::BF16 };
-        let row = check_request(shape, h.row_range(r, r + 1).shape(), &params[r..r + 1], 1)?[0];
+        let row = row_params(&params[r..r + 1])?[0];
         let cpu = draw(&logits, &row, 0).index;
         agree += (cpu == fused[r]) as usize;
         println!("  row {r}: GPU token {}  CPU token {cpu}", fused[r]);
@@ -756,10 +655,9 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     println!("CPU check: {agree}/{checked_rows} rows give the same token");
 
     let mut timer = Timer::new(&sampler)?;
-    let fused_time = timer
-        .time(&sampler, 3, 50, || sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens))?;
-    let unfused_time =
-        timer.time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &rows, 1, variant, &mut tokens))?;
+    let fused_time = timer.time(&sampler, 3, 50, || sampler.sample_into(&head, &hidden, &rows, one, &mut tokens))?;
+    let unfused_time = timer
+        .time(&sampler, 3, 50, || sampler.sample_unfused_into(&head, &hidden, &rows, one, variant, &mut tokens))?;
     println!(
         "median of {} runs, L2 flushed: fused {:.1} us, unfused (logits to HBM, then sample) {:.1} us: {:.2}x",
         fused_time.runs,
@@ -877,15 +775,18 @@ mod tests {
     fn passes_of_draws_write_what_one_call_writes() {
         let w = Matrix::new("w", 30, 4, Elements::F32((0..120).map(|i| (i % 7) as f32 * 0.3).collect())).unwrap();
         let h = Matrix::new("h", 2, 4, Elements::F32(vec![0.5, -1.0, 0.25, 2.0, 1.0, 1.0, -1.0, 0.0])).unwrap();
-        let params = [SamplingParams::new(1.0, 9, 0, 0), SamplingParams::new(0.7, 9, 1, 0)];
+        let batch = Batch::new(vec![SamplingParams::new(1.0, 9, 0, 0), SamplingParams::new(0.7, 9, 1, 0)]);
         let sampler = CpuSampler::new();
-        let head = CpuLmHead::new(w).unwrap();
+        let head = sampler.upload_lm_head(&w).unwrap();
         let dir = std::env::temp_dir().join(format!("flashsample-passes-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let (one, passes) = (dir.join("one.npy"), dir.join("passes.npy"));
         for (path, per_call) in [(&one, 10), (&passes, 3)] {
             let mut writer = NpyWriter::create(path, 2, 10).unwrap();
-            write_in_passes(&mut writer, 10, per_call, |d| sampler.sample_draws(&head, &h, &params, d)).unwrap();
+            for draws in super::passes(10, per_call) {
+                let sampled = sampler.sample(&head, &h, &batch, draws).unwrap();
+                writer.write_columns(draws.first as usize, sampled.draws, &sampled.tokens).unwrap();
+            }
             writer.finish().unwrap();
         }
         assert_eq!(std::fs::read(&one).unwrap(), std::fs::read(&passes).unwrap());

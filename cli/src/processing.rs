@@ -238,6 +238,7 @@ impl ProcessingArgs {
                 min_p: self.min_p.unwrap_or(0.0),
                 top_k,
                 top_p: self.top_p.unwrap_or(1.0),
+                logprobs: false,
                 top_logprobs: 0,
             })
             .collect();

@@ -1,7 +1,7 @@
 //! CUDA-event timing: warm-up, L2 flushed before every run, median of many runs.
 
 use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr as _, sys};
-use flashsample::cuda::driver::{self, fill_words_async};
+use flashsample::internals::{check, fill_words_async};
 use flashsample::{CudaSampler, Result};
 use flashsample_core::abi::DevicePtr;
 
@@ -19,7 +19,7 @@ impl L2Flush {
     pub fn new(sampler: &CudaSampler) -> Result<L2Flush> {
         let stream = sampler.stream();
         // SAFETY: the buffer is only ever written (by the flush).
-        let buffer = driver::check("cuMemAllocAsync(L2 flush)", unsafe { stream.alloc::<u32>(FLUSH_BYTES / 4) })?;
+        let buffer = check("cuMemAllocAsync(L2 flush)", unsafe { stream.alloc::<u32>(FLUSH_BYTES / 4) })?;
         let address = DevicePtr::new(buffer.device_ptr(stream).0);
         Ok(L2Flush { buffer, address })
     }
@@ -43,7 +43,7 @@ impl L2Flush {
 /// A CUDA event on the sampler's stream's context.
 pub fn event(sampler: &CudaSampler) -> Result<CudaEvent> {
     let context = sampler.stream().context();
-    driver::check("cuEventCreate", context.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
+    check("cuEventCreate", context.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)))
 }
 
 /// Times work queued on one sampler's stream with events.
@@ -83,11 +83,11 @@ impl Timer {
         let mut samples = Vec::with_capacity(runs);
         for run in 0..runs {
             self.flush.fill(sampler, run)?;
-            driver::check("cuEventRecord", self.start.record(stream))?;
+            check("cuEventRecord", self.start.record(stream))?;
             work()?;
-            driver::check("cuEventRecord", self.stop.record(stream))?;
-            driver::check("cuEventSynchronize", self.stop.synchronize())?;
-            samples.push(driver::check("cuEventElapsedTime", self.start.elapsed_ms(&self.stop))? as f64 * 1e3);
+            check("cuEventRecord", self.stop.record(stream))?;
+            check("cuEventSynchronize", self.stop.synchronize())?;
+            samples.push(check("cuEventElapsedTime", self.start.elapsed_ms(&self.stop))? as f64 * 1e3);
         }
         sampler.synchronize("the timed work")?;
         samples.sort_by(f64::total_cmp);

@@ -125,7 +125,7 @@ pub fn block_estimate(
     valid: u32,
     log2: impl Fn(f32) -> f32 + Copy,
 ) -> BlockEstimate {
-    let words = philox4x32_10(counter(philox_block, draw, row.step, row.stream), key(row.seed));
+    let words = philox4x32_10(counter(philox_block, draw, row.step, row.sequence), key(row.seed));
     let mut scores = [f32::NEG_INFINITY; 4];
     for r in 0..4 {
         let noisy = score_estimate(logits[r], row.temperature, words[r], log2);
@@ -309,7 +309,7 @@ mod tests {
     }
 
     fn sampling_row(temperature: f32) -> RowParams {
-        RowParams { seed: 99, stream: 4, step: 7, temperature, greedy: 0 }
+        RowParams { seed: 99, sequence: 4, step: 7, temperature, greedy: 0 }
     }
 
     #[test]
@@ -331,8 +331,9 @@ mod tests {
         // estimate's error: the estimates often rank the entries wrongly, and only the
         // threshold's margin keeps the exact winner among the contenders.
         let row = sampling_row(1.0);
-        let noise =
-            move |i: u32| gumbel(philox4x32_10(counter(i / 4, 3, row.step, row.stream), key(row.seed))[i as usize % 4]);
+        let noise = move |i: u32| {
+            gumbel(philox4x32_10(counter(i / 4, 3, row.step, row.sequence), key(row.seed))[i as usize % 4])
+        };
         let offset = |i: u32| ((i.wrapping_mul(2_654_435_761) >> 16) % 64) as f32 * (GUMBEL_ESTIMATE_ERROR / 16.0);
         filtered_matches_exact(row, move |i| 8.0 - noise(i) + offset(i));
         filtered_matches_exact(row, move |i| -300.0 - noise(i) + 4.0 * offset(i));
@@ -373,6 +374,6 @@ mod tests {
     fn estimate_words_are_the_noise_words() {
         let row = sampling_row(1.0);
         let estimate = block_estimate(&row, 5, 77, [0.0; 4], 4, worst_log2(1.0));
-        assert_eq!(estimate.words, philox4x32_10(counter(77, 5, row.step, row.stream), key(row.seed)));
+        assert_eq!(estimate.words, philox4x32_10(counter(77, 5, row.step, row.sequence), key(row.seed)));
     }
 }

@@ -4,14 +4,14 @@
 //!
 //! ```text
 //! key     = [seed as u32, (seed >> 32) as u32]
-//! counter = [i / 4, sample, step, stream]
+//! counter = [i / 4, draw, step, sequence]
 //! g       = gumbel(philox4x32_10(counter, key)[i % 4])
 //! ```
 //!
 //! so one Philox call serves four consecutive vocabulary entries and all four output words are
 //! used. Nothing else enters: not the tile shape, the launch configuration, the batch size nor
 //! the row's position in the batch. Two rows get independent noise when their
-//! `(seed, stream, step)` differ in any field; `draw` tells apart the draws of one row in one
+//! `(seed, sequence, step)` differ in any field; `draw` tells apart the draws of one row in one
 //! call. `i / 4 < 2²⁹` because the vocabulary is below 2³¹.
 //!
 //! Architecture Invariant: changing this mapping changes every sampled token; it is versioned
@@ -27,8 +27,8 @@ use crate::philox::{Counter, Key, philox4x32_10};
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct RowParams {
     pub seed: u64,
-    /// Which independent stream of the seed this row draws from, e.g. a request id.
-    pub stream: u32,
+    /// Which independent sequence of the seed's noise this row draws from, e.g. a request id.
+    pub sequence: u32,
     /// The decode step or position, so successive steps draw fresh noise.
     pub step: u32,
     /// `T`, in `(0, MAX_TEMPERATURE]`; read only when `greedy == 0`.
@@ -52,14 +52,14 @@ pub fn key(seed: u64) -> Key {
 }
 
 #[inline(always)]
-pub fn counter(philox_block: u32, draw: u32, step: u32, stream: u32) -> Counter {
-    [philox_block, draw, step, stream]
+pub fn counter(philox_block: u32, draw: u32, step: u32, sequence: u32) -> Counter {
+    [philox_block, draw, step, sequence]
 }
 
 /// Gumbel noise for the vocabulary entries `4·philox_block .. 4·philox_block + 4` of draw number `draw` of `row`.
 #[inline(always)]
 pub fn noise_block(row: &RowParams, draw: u32, philox_block: u32) -> [f32; 4] {
-    let words = philox4x32_10(counter(philox_block, draw, row.step, row.stream), key(row.seed));
+    let words = philox4x32_10(counter(philox_block, draw, row.step, row.sequence), key(row.seed));
     [gumbel(words[0]), gumbel(words[1]), gumbel(words[2]), gumbel(words[3])]
 }
 
@@ -71,7 +71,7 @@ pub fn block_scores(row: &RowParams, draw: u32, philox_block: u32, logits: [f32;
     if row.greedy != 0 {
         return (logits, [0; 4]);
     }
-    let words = philox4x32_10(counter(philox_block, draw, row.step, row.stream), key(row.seed));
+    let words = philox4x32_10(counter(philox_block, draw, row.step, row.sequence), key(row.seed));
     let t = row.temperature;
     let scores = [
         perturbed_score(logits[0], t, gumbel(words[0])),
@@ -103,8 +103,8 @@ pub fn block_candidate(row: &RowParams, draw: u32, philox_block: u32, logits: [f
 mod tests {
     use super::*;
 
-    fn row(seed: u64, stream: u32, step: u32) -> RowParams {
-        RowParams { seed, stream, step, temperature: 1.0, greedy: 0 }
+    fn row(seed: u64, sequence: u32, step: u32) -> RowParams {
+        RowParams { seed, sequence, step, temperature: 1.0, greedy: 0 }
     }
 
     #[test]

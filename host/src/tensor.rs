@@ -7,12 +7,16 @@ use crate::error::{Result, invalid};
 /// Element type of `W` and `H`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE binary32.
     F32,
+    /// IEEE binary16.
     F16,
+    /// bfloat16 (binary32's exponent, 8 bits of significand).
     BF16,
 }
 
 impl DType {
+    /// Bytes per element.
     pub fn bytes(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -39,20 +43,27 @@ impl std::fmt::Display for DType {
 /// Shape and element type of a matrix (on the host or the device).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatrixShape {
+    /// Rows.
     pub rows: usize,
+    /// Columns.
     pub cols: usize,
+    /// The element type.
     pub dtype: DType,
 }
 
 /// Row-major elements of one type.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Elements {
+    /// `f32` elements.
     F32(Vec<f32>),
+    /// `f16` elements.
     F16(Vec<f16>),
+    /// `bf16` elements.
     BF16(Vec<bf16>),
 }
 
 impl Elements {
+    /// How many elements.
     pub fn len(&self) -> usize {
         match self {
             Elements::F32(v) => v.len(),
@@ -61,10 +72,12 @@ impl Elements {
         }
     }
 
+    /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         match self {
             Elements::F32(_) => DType::F32,
@@ -83,6 +96,7 @@ impl Elements {
         }
     }
 
+    /// The elements' bytes, in memory order.
     pub fn as_bytes(&self) -> &[u8] {
         match self {
             Elements::F32(v) => bytemuck::cast_slice(v),
@@ -92,7 +106,14 @@ impl Elements {
     }
 }
 
-/// A `rows × cols` row-major matrix.
+/// A `rows × cols` row-major matrix on the host.
+///
+/// ```
+/// use flashsample::{Elements, Matrix, half::bf16};
+/// let w = Matrix::new("lm_head", 2, 3, Elements::BF16(vec![bf16::from_f32(0.5); 6]))?;
+/// assert_eq!((w.rows(), w.cols(), w.get(1, 2)), (2, 3, 0.5));
+/// # Ok::<(), flashsample::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Matrix {
     rows: usize,
@@ -109,26 +130,32 @@ impl Matrix {
         Ok(Matrix { rows, cols, elements })
     }
 
+    /// Rows.
     pub fn rows(&self) -> usize {
         self.rows
     }
 
+    /// Columns.
     pub fn cols(&self) -> usize {
         self.cols
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.elements.dtype()
     }
 
+    /// Shape and element type.
     pub fn shape(&self) -> MatrixShape {
         MatrixShape { rows: self.rows, cols: self.cols, dtype: self.dtype() }
     }
 
+    /// The row-major elements.
     pub fn elements(&self) -> &Elements {
         &self.elements
     }
 
+    /// Element `[row, col]` as f32 (exact for every type).
     #[inline]
     pub fn get(&self, row: usize, col: usize) -> f32 {
         self.elements.get(row * self.cols + col)

@@ -1,49 +1,40 @@
 //! Test bodies shared by every backend (cubecl style): each takes a [`Backend`] and asserts a
-//! property of the sampler; `tests/cpu.rs` runs them on the CPU in CI and `tests/gpu.rs` runs
-//! them on the GPU (ignored without one) for every kernel variant.
+//! property of the sampler. [`suite!`] generates one list of tests from them for a backend:
+//! `tests/cpu.rs` runs it on the CPU in CI, `tests/gpu.rs` on the owned GPU sampler and
+//! `tests/borrowed.rs` in borrowed mode (both ignored without a GPU), so the suites cannot
+//! drift apart; the GPU files add what only the GPU has (every kernel variant, CUDA graphs).
 
-use flashsample::cpu::logits_row;
-use flashsample::params::Draws;
-use flashsample::params::{HeadShape, check_request};
+use flashsample::internals::{HANDOFF_COLUMNS, MMA_COLUMNS, TMA_COLUMNS, TMA_ITEM_ROWS, Variant, logits_row};
 use flashsample::{
-    CpuSampler, CudaSampler, DType, Elements, Error, HANDOFF_COLUMNS, MMA_COLUMNS, Matrix, Module, Result, RowStatus,
-    SamplingParams, TMA_COLUMNS, TMA_ITEM_ROWS, Variant,
+    Batch, CpuSampler, CudaSampler, DType, Draws, Elements, Error, Matrix, Module, Processing, Result, RowStatus,
+    Sampled, Sampler, SamplingParams,
 };
 use flashsample_core::{RowParams, block_scores};
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 
+pub mod borrowed;
 pub mod processing;
+pub mod suite;
+
+pub use borrowed::Borrowed;
 
 // The statistics live in the CLI crate's library (its demo prints a χ² p-value, and a crate
 // installed from crates.io cannot depend on this unpublished one); the test bodies use them
 // from here as before.
 pub use flashsample_cli::stats::{chi_square, exact_probabilities};
 
-/// A sampler under test.
+/// A sampler under test: one call over a head split into shards (one shard: the whole head),
+/// and the forms the bodies use.
 pub trait Backend {
+    /// The backend in test output.
     fn name(&self) -> String;
-    /// The draws `draws` of each row: `tokens[b · draws.count + (j − draws.first)]`.
-    fn sample_draws(
-        &self,
-        lm_head: &Matrix,
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        draws: Draws,
-    ) -> Result<Vec<u32>>;
-    /// `tokens[b · samples + j]`.
-    fn sample(&self, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
-        self.sample_draws(lm_head, hidden, params, Draws::first(samples))
-    }
-}
 
-pub struct Cpu;
+    /// `draws` of each row of `hidden` with `batch`, over the LM head split by vocabulary into
+    /// `shards` (in order; one shard is the whole head).
+    fn sample_shards(&self, shards: &[Matrix], hidden: &Matrix, batch: &Batch, draws: Draws) -> Result<Sampled>;
 
-impl Backend for Cpu {
-    fn name(&self) -> String {
-        "cpu".into()
-    }
-
+    /// The draws `draws` of each row, plain: `tokens[b · draws.count + (j − draws.first)]`.
     fn sample_draws(
         &self,
         lm_head: &Matrix,
@@ -51,15 +42,65 @@ impl Backend for Cpu {
         params: &[SamplingParams],
         draws: Draws,
     ) -> Result<Vec<u32>> {
-        let sampler = CpuSampler::new();
-        sampler.sample_draws(&sampler.upload_lm_head(lm_head)?, hidden, params, draws)
+        let batch = Batch::new(params.to_vec());
+        self.sample_shards(std::slice::from_ref(lm_head), hidden, &batch, draws).map(|sampled| sampled.tokens)
+    }
+
+    /// `tokens[b · samples + j]`.
+    fn sample(&self, lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Result<Vec<u32>> {
+        self.sample_draws(lm_head, hidden, params, Draws::first(samples))
+    }
+
+    /// `samples` draws of each row with its processing and every row's log-probabilities;
+    /// rows without a token keep their sentinels ([`Sampled::rows_without_token`]).
+    fn sample_processed(
+        &self,
+        lm_head: &Matrix,
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        self.sample_sharded(std::slice::from_ref(lm_head), hidden, params, processing, samples)
+    }
+
+    /// As [`Backend::sample_processed`] over `shards`, the LM head's rows split by vocabulary
+    /// in order.
+    fn sample_sharded(
+        &self,
+        shards: &[Matrix],
+        hidden: &Matrix,
+        params: &[SamplingParams],
+        processing: &[Processing],
+        samples: u32,
+    ) -> Result<Sampled> {
+        let processing = processing.iter().map(|p| Processing { logprobs: true, ..p.clone() }).collect();
+        let batch = Batch::with_processing(params.to_vec(), processing);
+        match self.sample_shards(shards, hidden, &batch, Draws::first(samples)) {
+            Err(Error::RowsWithoutToken { sampled, .. }) => Ok(*sampled),
+            other => other,
+        }
     }
 }
 
-/// The GPU with one tile variant forced; the workspace is poisoned before every call so a
-/// candidate slot that the tile kernel fails to write shows up as a wrong token. The sampler runs the
-/// module for the device, or the one `FLASHSAMPLE_MODULE` forces (the GPU suite runs once
-/// with each).
+/// The CPU backend.
+pub struct Cpu;
+
+impl Backend for Cpu {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn sample_shards(&self, shards: &[Matrix], hidden: &Matrix, batch: &Batch, draws: Draws) -> Result<Sampled> {
+        let sampler = CpuSampler::new();
+        sampler.sample(&sampler.upload_lm_head_shards(shards)?, hidden, batch, draws)
+    }
+}
+
+/// The owned GPU sampler with one tile variant forced; the workspace and the outputs are
+/// poisoned before every call so a slot a kernel fails to write shows up as a wrong token or a
+/// NaN log-probability. The sampler runs the module for the device, or the one
+/// `FLASHSAMPLE_MODULE` forces (the GPU suite runs once with each).
 pub struct Cuda {
     pub sampler: CudaSampler,
     pub variant: Variant,
@@ -67,7 +108,9 @@ pub struct Cuda {
 
 impl Cuda {
     pub fn new(variant: Variant) -> Cuda {
-        Cuda { sampler: CudaSampler::new().expect("these tests need a CUDA GPU"), variant }
+        let sampler = CudaSampler::new().expect("these tests need a CUDA GPU");
+        sampler.set_variant(variant);
+        Cuda { sampler, variant }
     }
 }
 
@@ -76,37 +119,52 @@ impl Backend for Cuda {
         format!("cuda {} {:?}", self.sampler.module().name(), self.variant)
     }
 
-    fn sample_draws(
-        &self,
-        lm_head: &Matrix,
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        draws: Draws,
-    ) -> Result<Vec<u32>> {
-        let head = self.sampler.upload_lm_head(lm_head)?;
-        let device_hidden = self.sampler.upload_hidden(hidden)?;
-        let mut tokens = self.sampler.tokens(hidden.rows(), draws.count as usize)?;
-        // Grow the workspace to this problem, then poison it and the output, then sample.
-        self.sampler.sample_draws_into(&head, &device_hidden, params, draws, self.variant, &mut tokens)?;
-        self.sampler.poison_workspace()?;
-        self.sampler.fill_tokens(&mut tokens, UNWRITTEN)?;
-        self.sampler.sample_draws_into(&head, &device_hidden, params, draws, self.variant, &mut tokens)?;
-        let out = self.sampler.tokens_to_host(&tokens);
-        let slots = match &out {
-            Ok(tokens) | Err(Error::RowsWithoutToken { tokens, .. }) => tokens,
-            Err(_) => return out,
-        };
-        let vocab = lm_head.rows() as u32;
-        if let Some(bad) = slots.iter().position(|&t| t >= vocab && RowStatus::of_token(t).is_none()) {
-            panic!("{}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", self.name(), slots[bad]);
+    fn sample_shards(&self, shards: &[Matrix], hidden: &Matrix, batch: &Batch, draws: Draws) -> Result<Sampled> {
+        let sampler = &self.sampler;
+        let head = sampler.upload_lm_head_shards(shards)?;
+        let vocab = head.shape().vocab;
+        let on_device = sampler.upload_batch(batch, vocab)?;
+        let device_hidden = sampler.upload_hidden(hidden)?;
+        let mut outputs = sampler.outputs(hidden.rows(), draws.count, batch.reports_logprobs())?;
+        // Grow the workspace to this problem, then poison it and the outputs, then sample.
+        sampler.sample_into(&head, &device_hidden, &on_device, draws, &mut outputs)?;
+        sampler.poison_workspace()?;
+        sampler.fill_outputs(&mut outputs, UNWRITTEN)?;
+        sampler.sample_into(&head, &device_hidden, &on_device, draws, &mut outputs)?;
+        let out = sampler.read(&outputs);
+        if let Some(sampled) = written(&out) {
+            check_written(&self.name(), sampled, vocab);
         }
         out
     }
 }
 
-/// What the GPU backend writes into every token slot before sampling: neither a token nor a
-/// row status, so a slot the merge kernel leaves unwritten shows.
-const UNWRITTEN: u32 = 0xffff_fff0;
+/// What the GPU backends write into every output word before sampling: neither a token nor a
+/// row status, and as a log-probability a NaN, so a slot the kernels leave unwritten shows.
+pub const UNWRITTEN: u32 = 0xffff_fff0;
+
+/// The results a call wrote, with or without rows lacking a token.
+pub fn written(result: &Result<Sampled>) -> Option<&Sampled> {
+    match result {
+        Ok(sampled) => Some(sampled),
+        Err(Error::RowsWithoutToken { sampled, .. }) => Some(sampled),
+        Err(_) => None,
+    }
+}
+
+/// Panics on a slot that holds neither a token below `vocab` nor a row status.
+pub fn check_written(name: &str, got: &Sampled, vocab: usize) {
+    if let Some(bad) = got.tokens.iter().position(|&t| t as usize >= vocab && RowStatus::of_token(t).is_none()) {
+        panic!("{name}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", got.tokens[bad]);
+    }
+}
+
+/// `result` as it would be with its rows without a token reported: an error carrying the
+/// results when a row has one.
+pub fn with_row_statuses(sampled: Sampled) -> Result<Sampled> {
+    let rows = sampled.rows_without_token();
+    if rows.is_empty() { Ok(sampled) } else { Err(Error::RowsWithoutToken { rows, sampled: Box::new(sampled) }) }
+}
 
 /// A `rows × cols` matrix of uniform values in `[-scale, scale)`, in `dtype`.
 pub fn random_matrix(rows: usize, cols: usize, dtype: DType, scale: f32, seed: u64) -> Matrix {
@@ -124,9 +182,8 @@ pub fn params_for(rows: usize, temperature: f32, seed: u64) -> Vec<SamplingParam
 }
 
 /// The kernels' row parameters for `params[row]` (validated as a backend would).
-pub fn row_params(lm_head: &Matrix, hidden: &Matrix, params: &[SamplingParams], row: usize) -> RowParams {
-    let head = HeadShape { vocab: lm_head.rows(), dim: lm_head.cols(), dtype: lm_head.dtype() };
-    check_request(head, hidden.row_range(row, row + 1).shape(), &params[row..row + 1], 1).expect("valid params")[0]
+pub fn row_params(params: &[SamplingParams], row: usize) -> RowParams {
+    flashsample::internals::row_params(&params[row..row + 1]).expect("valid params")[0]
 }
 
 /// Draws `draws` tokens from one row and tests them against the exact softmax at level `alpha`.
@@ -146,7 +203,7 @@ pub fn check_distribution(
     for &t in &tokens {
         counts[t as usize] += 1;
     }
-    let probabilities = exact_probabilities(&logits_row(lm_head, hidden, 0), &row_params(lm_head, hidden, &params, 0));
+    let probabilities = exact_probabilities(&logits_row(lm_head, hidden, 0), &row_params(&params, 0));
     let (statistic, dof, p) = chi_square(&counts, &probabilities);
     println!(
         "{}: {:?} V={} D={} T={temperature} draws={draws}: chi2={statistic:.1} dof={dof} p={p:.4}",
@@ -181,7 +238,7 @@ pub fn check_matches_cpu(
     let mut disagreements = 0;
     for row in 0..hidden.rows() {
         let logits = logits_row(lm_head, hidden, row);
-        let rp = row_params(lm_head, hidden, params, row);
+        let rp = row_params(params, row);
         for j in 0..samples as usize {
             let (g, c) = (got[row * samples as usize + j] as usize, want[row * samples as usize + j] as usize);
             if g == c {
@@ -278,7 +335,7 @@ pub fn check_identical_rows_independent(backend: &dyn Backend, lm_head: &Matrix,
     let tokens = backend.sample(lm_head, &hidden, &params, draws).expect("sampling succeeds");
     let n = draws as usize;
     let agree = (0..n).filter(|&j| tokens[j] == tokens[n + j]).count() as f64;
-    let p = exact_probabilities(&logits_row(lm_head, &hidden, 0), &row_params(lm_head, &hidden, &params, 0));
+    let p = exact_probabilities(&logits_row(lm_head, &hidden, 0), &row_params(&params, 0));
     let collision: f64 = p.iter().map(|q| q * q).sum();
     let expected = collision * n as f64;
     let sd = (n as f64 * collision * (1.0 - collision)).sqrt();
@@ -372,10 +429,7 @@ pub fn check_extreme_temperatures(backend: &dyn Backend, dtype: DType, dim: usiz
         } else {
             let mut counts = vec![0u64; vocab];
             slots.iter().for_each(|&token| counts[token as usize] += 1);
-            (
-                counts,
-                exact_probabilities(&logits_row(&lm_head, &hidden, row), &row_params(&lm_head, &hidden, &params, row)),
-            )
+            (counts, exact_probabilities(&logits_row(&lm_head, &hidden, row), &row_params(&params, row)))
         };
         let (statistic, dof, p) = chi_square(&counts, &probabilities);
         println!("{}: T = {t:e}: chi2 = {statistic:.1}, dof = {dof}, p = {p:.3}", backend.name());
@@ -419,7 +473,7 @@ pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize) 
         heads.iter().enumerate().map(|(r, &(_, _, t, _))| SamplingParams::new(t, 4, r as u32, 0)).collect();
     let samples = 5;
     let (reported, tokens) = match backend.sample(&lm_head, &hidden, &params, samples) {
-        Err(Error::RowsWithoutToken { rows, tokens }) => (rows, tokens),
+        Err(Error::RowsWithoutToken { rows, sampled }) => (rows, sampled.tokens),
         other => panic!("{}: expected rows without a token, got {other:?}", backend.name()),
     };
     let expected: Vec<(usize, RowStatus)> = heads.iter().enumerate().filter_map(|(r, h)| h.3.map(|s| (r, s))).collect();

@@ -1,345 +1,23 @@
-//! Test bodies of logit processing and log-probabilities, for every backend that offers them:
-//! each mode against the exact target distribution computed here in f64 (independently of the
-//! library's pipeline), the boundary cases, the log-probabilities and the mixed batch.
+//! Test bodies of logit processing and log-probabilities, for every backend: each mode
+//! against the exact target distribution computed here in f64 (independently of the library's
+//! pipeline), the boundary cases, the log-probabilities and the mixed batch.
 
 use std::collections::HashMap;
 
-use std::sync::Arc;
-
-use flashsample::cpu::logits_row;
-use flashsample::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use flashsample::internals::logits_row;
 use flashsample::{
-    CpuLmHead, CpuSampler, CudaHidden, CudaLmHead, CudaSampler, DeviceProcessing, DeviceRows, DeviceWorkspace, Draws,
-    Matrix, ModuleChoice, Penalties, ProcessedRequest, ProcessedTarget, Processing, Result, RowStatus, Sampled,
-    SamplingParams, ShardMergeRequest, StreamSampler, Variant, VocabShard,
+    Batch, CudaHidden, CudaSampler, DeviceBatch, Draws, LmHead, Matrix, Penalties, Processing, Result, RowStatus,
+    Sampled, Sampler, SamplingParams,
 };
-use flashsample_core::abi::ShardPartLayout;
 
-use crate::chi_square;
+use crate::{Backend, chi_square};
 
-/// A sampler with logit processing under test.
-pub trait ProcessedBackend {
-    fn name(&self) -> String;
-    fn sample_processed(
-        &self,
-        lm_head: &Matrix,
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled>;
-
-    /// As `sample_processed` over `shards`, the LM head's rows split by vocabulary in order.
-    fn sample_sharded(
-        &self,
-        shards: &[Matrix],
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled>;
-}
-
-impl ProcessedBackend for crate::Cpu {
-    fn name(&self) -> String {
-        "cpu".into()
-    }
-
-    fn sample_processed(
-        &self,
-        lm_head: &Matrix,
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled> {
-        let sampler = CpuSampler::new();
-        sampler.sample_processed(&sampler.upload_lm_head(lm_head)?, hidden, params, processing, Draws::first(samples))
-    }
-
-    fn sample_sharded(
-        &self,
-        shards: &[Matrix],
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled> {
-        let heads: Vec<CpuLmHead> = shards.iter().map(|w| CpuLmHead::new(w.clone())).collect::<Result<_>>()?;
-        CpuSampler::new().sample_sharded(&heads, hidden, params, processing, Draws::first(samples))
-    }
-}
-
-impl ProcessedBackend for crate::Cuda {
-    fn name(&self) -> String {
-        format!("cuda {} processed", self.sampler.module().name())
-    }
-
-    /// Grows the workspace to the problem, poisons it (candidates win every merge, logits are
-    /// +∞), then samples: a slot the kernels leave unwritten shows as a poisoned token.
-    fn sample_processed(
-        &self,
-        lm_head: &Matrix,
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled> {
-        let head = self.sampler.upload_lm_head(lm_head)?;
-        let draws = Draws::first(samples);
-        self.sampler.sample_processed(&head, hidden, params, processing, draws)?;
-        self.sampler.poison_workspace()?;
-        let got = self.sampler.sample_processed(&head, hidden, params, processing, draws)?;
-        check_written(&self.name(), &got, lm_head.rows());
-        Ok(got)
-    }
-
-    /// Stage 1 of every shard into poisoned parts (the truncations decided by the shards
-    /// together), then the shard merge: a part left unwritten shows as a winner that is no
-    /// token.
-    fn sample_sharded(
-        &self,
-        shards: &[Matrix],
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled> {
-        let sampler = &self.sampler;
-        let vocab: usize = shards.iter().map(Matrix::rows).sum();
-        let heads: Vec<CudaLmHead> = shards.iter().map(|w| sampler.upload_lm_head(w)).collect::<Result<_>>()?;
-        let device_processing = sampler.upload_processing(processing, vocab)?;
-        let (on_device, rows) = (sampler.upload_hidden(hidden)?, sampler.upload_rows(params)?);
-        let logprobs = true;
-        let mut parts = sampler.shard_parts(shards.len(), hidden.rows(), samples as usize, logprobs)?;
-        sampler.poison_parts(&parts)?;
-        let mut vocab_offset = 0;
-        let mut shard_heads = Vec::with_capacity(heads.len());
-        for head in &heads {
-            shard_heads.push((head, VocabShard { vocab_offset, vocab }));
-            vocab_offset += head.shape().vocab;
-        }
-        let (hidden_rows, processing) = (&on_device, &device_processing);
-        let draws = Draws::first(samples);
-        sampler.sample_shards_into(&shard_heads, hidden_rows, &rows, processing, draws, self.variant, &mut parts)?;
-        let mut out = sampler.processed_outputs(hidden.rows(), samples as usize, logprobs)?;
-        sampler.merge_shards_into(&parts, &rows, &device_processing, &mut out)?;
-        let got = sampler.processed_to_host(&out)?;
-        check_written(&self.name(), &got, vocab);
-        Ok(got)
-    }
-}
-
-/// Borrowed mode: the owned sampler uploads the inputs, and the kernels run through
-/// [`StreamSampler::sample_processed`] and [`StreamSampler::merge_shards`] on a second stream
-/// of the context into cudarc buffers, with a workspace, outputs and parts poisoned with +∞
-/// words first.
-pub struct Borrowed {
-    pub owned: CudaSampler,
-    kernels: StreamSampler,
-    stream: Arc<CudaStream>,
-}
-
-impl Borrowed {
-    pub fn new() -> Borrowed {
-        let owned = CudaSampler::new().expect("these tests need a CUDA GPU");
-        let context = owned.stream().context().clone();
-        let kernels = StreamSampler::on_context(&context, ModuleChoice::from_environment().unwrap()).unwrap();
-        let stream = context.new_stream().unwrap();
-        Borrowed { owned, kernels, stream }
-    }
-
-    /// `bytes` of device memory on the stream, every word +∞.
-    fn poisoned(&self, bytes: usize) -> CudaSlice<u32> {
-        self.stream.clone_htod(&vec![f32::INFINITY.to_bits(); bytes.div_ceil(4).max(1)]).unwrap()
-    }
-
-    fn address(&self, slice: &CudaSlice<u32>) -> u64 {
-        slice.device_ptr(&self.stream).0
-    }
-
-    /// The inputs on the device, their uploads finished before the stream uses them.
-    fn upload(
-        &self,
-        heads: &[Matrix],
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-    ) -> Result<(Vec<CudaLmHead>, CudaHidden, DeviceRows, DeviceProcessing)> {
-        let vocab = heads.iter().map(Matrix::rows).sum();
-        let owned = &self.owned;
-        let uploaded = (
-            heads.iter().map(|w| owned.upload_lm_head(w)).collect::<Result<Vec<_>>>()?,
-            owned.upload_hidden(hidden)?,
-            owned.upload_rows(params)?,
-            owned.upload_processing(processing, vocab)?,
-        );
-        owned.synchronize("uploads")?;
-        Ok(uploaded)
-    }
-
-    /// Waits for the stream and reads `[B, n]` tokens, their log-probabilities and the top
-    /// log-probabilities.
-    fn read(&self, n: u32, outputs: &Outputs) -> Result<Sampled> {
-        self.stream.synchronize().unwrap();
-        let tokens = self.stream.clone_dtoh(&outputs.tokens).unwrap();
-        let logprobs: Vec<f32> =
-            self.stream.clone_dtoh(&outputs.logprobs).unwrap().into_iter().map(f32::from_bits).collect();
-        let top = self.stream.clone_dtoh(&outputs.top_logprobs).unwrap();
-        Sampled::from_processed_outputs(n as usize, tokens, Some(&logprobs), Some(&top))
-    }
-
-    /// Queues `request` on the stream with a workspace of its own, poisoned; returns the
-    /// workspace, which must live until the stream has run the call.
-    fn queue(&self, request: &ProcessedRequest) -> Result<CudaSlice<u32>> {
-        let workspace = self.poisoned(self.kernels.processed_workspace_bytes(request)?.next_multiple_of(64));
-        let space = DeviceWorkspace { address: self.address(&workspace), bytes: workspace.len() * 4 };
-        // SAFETY: the request's buffers hold its extents and live until `read` has waited for
-        // the stream (the callers keep them); the workspace is returned to be kept as long.
-        unsafe { self.kernels.sample_processed(self.stream.cu_stream().cast(), request, space)? };
-        Ok(workspace)
-    }
-
-    /// Room for the outputs of `[rows, n]` draws, poisoned.
-    fn outputs(&self, rows: usize, n: u32) -> Outputs {
-        Outputs {
-            tokens: self.poisoned(4 * rows * n as usize),
-            logprobs: self.poisoned(ProcessedRequest::logprobs_bytes(rows, n as usize)),
-            top_logprobs: self.poisoned(ProcessedRequest::top_logprobs_bytes(rows)),
-        }
-    }
-}
-
-impl Default for Borrowed {
-    fn default() -> Borrowed {
-        Borrowed::new()
-    }
-}
-
-/// A processed call's outputs in caller buffers.
-struct Outputs {
-    tokens: CudaSlice<u32>,
-    logprobs: CudaSlice<u32>,
-    top_logprobs: CudaSlice<u32>,
-}
-
-impl ProcessedBackend for Borrowed {
-    fn name(&self) -> String {
-        format!("cuda {} borrowed", self.kernels.module().name())
-    }
-
-    fn sample_processed(
-        &self,
-        lm_head: &Matrix,
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled> {
-        let (heads, on_device, rows, device_processing) =
-            self.upload(std::slice::from_ref(lm_head), hidden, params, processing)?;
-        let batch = hidden.rows();
-        let outputs = self.outputs(batch, samples);
-        let target = ProcessedTarget::Tokens {
-            tokens: self.address(&outputs.tokens),
-            logprobs: self.address(&outputs.logprobs),
-            top_logprobs: self.address(&outputs.top_logprobs),
-        };
-        let _workspace = self.queue(&ProcessedRequest::on_buffers(
-            &heads[0],
-            &on_device,
-            &rows,
-            &device_processing,
-            Draws::first(samples),
-            target,
-        ))?;
-        let got = self.read(samples, &outputs)?;
-        check_written(&self.name(), &got, lm_head.rows());
-        Ok(got)
-    }
-
-    fn sample_sharded(
-        &self,
-        shards: &[Matrix],
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        samples: u32,
-    ) -> Result<Sampled> {
-        let (heads, on_device, rows, device_processing) = self.upload(shards, hidden, params, processing)?;
-        let vocab: usize = shards.iter().map(Matrix::rows).sum();
-        let batch = hidden.rows();
-        let layout = ShardPartLayout::of(batch as u32, samples, true);
-        let parts = self.poisoned(shards.len() * layout.bytes as usize);
-        // The shards share one exchange buffer, zeroed: their kernels merge into it, so there
-        // is nothing to reduce between the segments.
-        let exchange_bytes = StreamSampler::shard_exchange_bytes(&device_processing.on_device());
-        let exchange = self.stream.alloc_zeros::<u32>(exchange_bytes.div_ceil(4).max(1)).unwrap();
-        let mut vocab_offset = 0;
-        let mut calls = Vec::new();
-        for (s, head) in heads.iter().enumerate() {
-            let part = self.address(&parts) + s as u64 * layout.bytes;
-            let exchange = self.address(&exchange);
-            let target = ProcessedTarget::Shard { vocab_offset, vocab, part, logprobs: true, exchange };
-            let request = ProcessedRequest::on_buffers(
-                head,
-                &on_device,
-                &rows,
-                &device_processing,
-                Draws::first(samples),
-                target,
-            );
-            let workspace = self.poisoned(self.kernels.processed_workspace_bytes(&request)?.next_multiple_of(64));
-            calls.push((request, workspace));
-            vocab_offset += head.shape().vocab;
-        }
-        let segments = self.kernels.processed_segments(&calls[0].0)?;
-        for segment in 0..segments {
-            for (s, (request, workspace)) in calls.iter().enumerate() {
-                let space = DeviceWorkspace { address: self.address(workspace), bytes: workspace.len() * 4 };
-                // SAFETY: the request's buffers, the workspace and the exchange hold their
-                // extents and live until `read` has waited for the stream.
-                let reduction = unsafe {
-                    self.kernels.sample_processed_segment(self.stream.cu_stream().cast(), request, space, segment)?
-                };
-                assert_eq!(reduction.is_none(), segment + 1 == segments, "shard {s}, segment {segment}");
-            }
-        }
-        let outputs = self.outputs(batch, samples);
-        let merge = ShardMergeRequest {
-            parts: self.address(&parts),
-            shards: shards.len(),
-            rows: batch,
-            samples,
-            logprobs: true,
-            row_params: rows.address(),
-            processing: device_processing.on_device(),
-            tokens: self.address(&outputs.tokens),
-            out_logprobs: self.address(&outputs.logprobs),
-            out_top_logprobs: self.address(&outputs.top_logprobs),
-        };
-        // SAFETY: stage 1 wrote every part on this stream; the buffers live until `read`.
-        unsafe { self.kernels.merge_shards(self.stream.cu_stream().cast(), &merge)? };
-        let got = self.read(samples, &outputs)?;
-        check_written(&self.name(), &got, vocab);
-        Ok(got)
-    }
-}
-
-/// Panics on a slot that holds neither a token below `vocab` nor a row status.
-fn check_written(name: &str, got: &Sampled, vocab: usize) {
-    if let Some(bad) = got.tokens.iter().position(|&t| t as usize >= vocab && RowStatus::of_token(t).is_none()) {
-        panic!("{name}: slot {bad} holds {:#x}, not a token (unwritten or poisoned)", got.tokens[bad]);
-    }
-}
-
-/// A processed request's inputs on one GPU: LM head, hidden states, row parameters and
-/// processing, uploaded once for several calls.
+/// A batch's inputs on one GPU (LM head, hidden states, the batch), uploaded once for several
+/// calls of the owned sampler.
 pub struct OnDevice {
-    pub head: CudaLmHead,
+    pub head: LmHead,
     pub hidden: CudaHidden,
-    pub rows: DeviceRows,
-    pub processing: DeviceProcessing,
+    pub batch: DeviceBatch,
 }
 
 impl OnDevice {
@@ -350,27 +28,23 @@ impl OnDevice {
         params: &[SamplingParams],
         processing: &[Processing],
     ) -> OnDevice {
+        let batch = Batch::with_processing(params.to_vec(), processing.to_vec());
         OnDevice {
             head: sampler.upload_lm_head(lm_head).unwrap(),
             hidden: sampler.upload_hidden(hidden).unwrap(),
-            rows: sampler.upload_rows(params).unwrap(),
-            processing: sampler.upload_processing(processing, lm_head.rows()).unwrap(),
+            batch: sampler.upload_batch(&batch, lm_head.rows()).unwrap(),
         }
     }
 
-    /// `n` draws per row with the tile `variant`, with or without log-probabilities.
-    pub fn sample(&self, sampler: &CudaSampler, n: u32, variant: Variant, logprobs: bool) -> Result<Sampled> {
-        let mut out = sampler.processed_outputs(self.hidden.rows(), n as usize, logprobs)?;
-        sampler.sample_processed_into(
-            &self.head,
-            &self.hidden,
-            &self.rows,
-            &self.processing,
-            Draws::first(n),
-            variant,
-            &mut out,
-        )?;
-        sampler.processed_to_host(&out)
+    /// `n` draws per row with the sampler's tile, with or without log-probabilities; rows
+    /// without a token keep their sentinels.
+    pub fn sample(&self, sampler: &CudaSampler, n: u32, logprobs: bool) -> Result<Sampled> {
+        let mut out = sampler.outputs(self.hidden.rows(), n, logprobs)?;
+        sampler.sample_into(&self.head, &self.hidden, &self.batch, Draws::first(n), &mut out)?;
+        match sampler.read(&out) {
+            Err(flashsample::Error::RowsWithoutToken { sampled, .. }) => Ok(*sampled),
+            other => other,
+        }
     }
 }
 
@@ -447,7 +121,7 @@ pub fn reference_distribution(raw: &[f32], temperature: f32, p: &Processing) -> 
 /// `draws` tokens of row 0 under `processing` against [`reference_distribution`] at level
 /// `alpha`; a draw of a token the reference gives probability 0 fails at once. Returns p.
 pub fn check_processed_distribution(
-    backend: &dyn ProcessedBackend,
+    backend: &dyn Backend,
     lm_head: &Matrix,
     hidden: &Matrix,
     temperature: f32,
@@ -483,7 +157,7 @@ pub fn check_processed_distribution(
 
 /// [`check_processed_distribution`] for each of [`each_mode`] on row 0 of `hidden`.
 pub fn check_every_mode(
-    backend: &dyn ProcessedBackend,
+    backend: &dyn Backend,
     lm_head: &Matrix,
     hidden: &Matrix,
     temperature: f32,
@@ -525,7 +199,7 @@ pub fn each_mode(vocab: usize) -> Vec<(&'static str, Processing)> {
 /// token always draws it; a bias of −∞ bans its token, and banning all leaves the row
 /// [`RowStatus::NoAllowedToken`]; greedy rows honour bias and mask; k > V, p outside (0, 1]
 /// and a mask of the wrong width are refused, naming the field.
-pub fn check_processing_edges(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix) {
+pub fn check_processing_edges(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matrix) {
     let (vocab, n) = (lm_head.rows(), 64u32);
     let v = vocab as u32;
     let params = [SamplingParams::new(0.9, 77, 0, 0)];
@@ -584,7 +258,7 @@ pub fn check_processing_edges(backend: &dyn ProcessedBackend, lm_head: &Matrix, 
 }
 
 /// Ties at the k-th value are kept: logits 2, 2, 2, 1, … with k = 2 keep all three 2s, evenly.
-pub fn check_top_k_keeps_ties(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix, alpha: f64) {
+pub fn check_top_k_keeps_ties(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matrix, alpha: f64) {
     let p = Processing { top_k: Some(2), ..Default::default() };
     check_processed_distribution(backend, lm_head, hidden, 1.0, &p, 6000, alpha);
     let params = [SamplingParams::new(1.0, 5, 0, 0)];
@@ -599,7 +273,7 @@ pub fn check_top_k_keeps_ties(backend: &dyn ProcessedBackend, lm_head: &Matrix, 
 /// processed one `log` of the reference distribution's probability, and each row's top raw
 /// log-probabilities (20, 5, 1 or none) the largest raw logits in order; within `tolerance`.
 /// The temperatures include 10⁻⁴⁵ (whose `1 / T` overflows) and 10³⁰.
-pub fn check_log_probabilities(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix, tolerance: f64) {
+pub fn check_log_probabilities(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matrix, tolerance: f64) {
     let modes = each_mode(lm_head.rows());
     let rows = hidden.rows().min(modes.len());
     let params: Vec<SamplingParams> =
@@ -678,7 +352,7 @@ pub fn assert_log_probabilities(
 /// sums every row's log-sum-exp terms in the processing kernel, a row alone without one in
 /// the fused tiles (whose winners' logits are dot products rounded once), and the two may
 /// differ in the last bits.
-pub fn check_mixed_batch(backend: &dyn ProcessedBackend, lm_head: &Matrix, hidden: &Matrix) {
+pub fn check_mixed_batch(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matrix) {
     let modes = each_mode(lm_head.rows());
     let rows = hidden.rows().min(modes.len());
     let params: Vec<SamplingParams> =
@@ -726,7 +400,7 @@ pub fn uneven_bounds(vocab: usize, shards: usize, align: usize) -> Vec<usize> {
 /// `top`) gives exactly the unsharded tokens and top raw tokens, and log-probabilities within
 /// 10⁻⁵, relative above 1 (their log-sum-exp terms are summed in another order).
 pub fn check_shards(
-    backend: &dyn ProcessedBackend,
+    backend: &dyn Backend,
     w: &Matrix,
     h: &Matrix,
     modes: &[(&'static str, Processing)],
@@ -766,16 +440,55 @@ pub fn integer_matrix(rows: usize, cols: usize, seed: u64) -> Matrix {
 
 /// The largest difference between two results' raw and processed log-probabilities (equal
 /// values, infinities included, differ by 0), relative to the reference `b` above 1 if
-/// `relative`.
+/// `relative`. Any NaN on one side only, or a different number of values, is an infinite
+/// difference: a missing or unwritten log-probability never passes.
 pub fn largest_log_probability_difference(a: &Sampled, b: &Sampled, relative: bool) -> f32 {
-    a.logprobs
-        .iter()
-        .chain(&a.processed_logprobs)
-        .zip(b.logprobs.iter().chain(&b.processed_logprobs))
-        .map(|(x, y)| match x == y {
-            true => 0.0,
-            false if relative => (x - y).abs() / y.abs().max(1.0),
-            false => (x - y).abs(),
-        })
-        .fold(0.0f32, f32::max)
+    if a.logprobs.len() != b.logprobs.len() || a.processed_logprobs.len() != b.processed_logprobs.len() {
+        return f32::INFINITY;
+    }
+    let difference = |x: f32, y: f32| -> f32 {
+        match (x.is_nan(), y.is_nan()) {
+            (true, true) => 0.0,
+            (true, false) | (false, true) => f32::INFINITY,
+            _ if x == y => 0.0,
+            _ if relative => (x - y).abs() / y.abs().max(1.0),
+            _ => (x - y).abs(),
+        }
+    };
+    let pairs = a.logprobs.iter().zip(&b.logprobs).chain(a.processed_logprobs.iter().zip(&b.processed_logprobs));
+    pairs.map(|(&x, &y)| difference(x, y)).fold(0.0, |worst, d| if d > worst || d.is_nan() { d } else { worst })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampled(logprobs: Vec<f32>) -> Sampled {
+        let n = logprobs.len();
+        Sampled {
+            draws: n,
+            tokens: vec![0; n],
+            processed_logprobs: logprobs.clone(),
+            logprobs,
+            top_logprobs: vec![Vec::new()],
+        }
+    }
+
+    /// A NaN on one side, a length mismatch or a missing side never pass; equal values,
+    /// infinities and NaNs on both sides differ by 0.
+    #[test]
+    fn log_probability_differences_see_nan_and_missing_values() {
+        let reference = sampled(vec![-1.0, f32::NEG_INFINITY, -0.5]);
+        assert_eq!(largest_log_probability_difference(&reference, &reference, true), 0.0);
+        let nan = sampled(vec![-1.0, f32::NEG_INFINITY, f32::NAN]);
+        assert_eq!(largest_log_probability_difference(&nan, &reference, true), f32::INFINITY);
+        assert_eq!(largest_log_probability_difference(&reference, &nan, false), f32::INFINITY);
+        assert_eq!(largest_log_probability_difference(&nan, &nan, false), 0.0);
+        let short = sampled(vec![-1.0, f32::NEG_INFINITY]);
+        assert_eq!(largest_log_probability_difference(&short, &reference, true), f32::INFINITY);
+        let none = Sampled { logprobs: Vec::new(), processed_logprobs: Vec::new(), ..reference.clone() };
+        assert_eq!(largest_log_probability_difference(&none, &reference, true), f32::INFINITY);
+        let close = sampled(vec![-1.0, f32::NEG_INFINITY, -0.5 + 1e-6]);
+        assert!(largest_log_probability_difference(&close, &reference, false) <= 2e-6);
+    }
 }

@@ -1,20 +1,24 @@
-//! Borrowed mode on the GPU: sampling queued on a caller's stream from the caller's device
-//! memory, ordered with the caller's own kernels, concurrent on two streams, restoring the
-//! caller's context, captured once in a CUDA graph that replays fresh noise each step (plain,
-//! with per-entry processing, and with truncations and log-probabilities), and
-//! reporting non-finite hidden states as row statuses on the device.
+//! Borrowed mode on the GPU: the suite through the safe layer (and the raw layer for shards),
+//! and what only borrowed mode has: sampling queued on a caller's stream from the caller's
+//! device memory, ordered with the caller's own kernels, concurrent on two streams, restoring
+//! the caller's context, captured once in a CUDA graph that replays fresh noise each step
+//! (plain, with per-entry processing, and with truncations and log-probabilities), stored
+//! tensor maps, and non-finite hidden states reported as row statuses on the device.
 //! Ignored without a GPU (run by the GPU bundle with `--include-ignored`).
 
 use std::sync::Arc;
 
-use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
+use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, sys};
+use flashsample::internals::Variant;
 use flashsample::{
-    CudaSampler, DType, DeviceMatrix, DeviceProcessing, DeviceRows, DeviceWorkspace, Draws, ModuleChoice,
-    ProcessedRequest, ProcessedTarget, Processing, RowStatus, SampleRequest, Sampled, SamplingParams, StreamSampler,
-    StreamWorkspace, Variant,
+    Batch, CudaSampler, DType, DeviceBatch, DeviceMatrix, Draws, ModuleChoice, OutputSlice, Processing, Request,
+    RowStatus, Sampled, SamplingParams, StreamSampler, StreamWorkspace, Target,
 };
-use flashsample_tests::{gpu_cases, uniform_values};
+use flashsample_tests::suite::Scale;
+use flashsample_tests::{Borrowed, gpu_cases, uniform_values};
 use half::{bf16, f16};
+
+flashsample_tests::suite!(Borrowed::new(), Scale::GPU, #[ignore = "needs a CUDA GPU"]);
 
 const VOCAB: usize = 151_936;
 const DIM: usize = 1024;
@@ -54,23 +58,35 @@ impl Caller {
         slice
     }
 
-    /// `workspace` grown to what `request` needs on `stream`.
-    fn workspace_for(
-        &self,
-        stream: &Arc<CudaStream>,
-        workspace: &mut StreamWorkspace,
-        request: &SampleRequest,
-    ) -> DeviceWorkspace {
-        let bytes = self
-            .sampler
-            .workspace_bytes(&request.lm_head, &request.hidden, request.draws.count, request.variant)
-            .unwrap();
-        workspace.ensure(stream, bytes).unwrap()
+    /// Room for `len` tokens, poisoned, so that a slot the sampler does not write shows.
+    fn tokens(&self, stream: &Arc<CudaStream>, len: usize) -> CudaSlice<u32> {
+        stream.clone_htod(&vec![0xdead_beef_u32; len]).unwrap()
     }
 
-    fn tokens(&self, stream: &Arc<CudaStream>, len: usize) -> CudaSlice<u32> {
-        // Poisoned, so that a slot the sampler does not write shows.
-        stream.clone_htod(&vec![0xdead_beef_u32; len]).unwrap()
+    /// Queues `draws` of every row of `h` from `w` with `batch` into `tokens` on `stream`
+    /// through the safe layer, with the tile `variant`.
+    #[allow(clippy::too_many_arguments)]
+    fn sample(
+        &self,
+        stream: &Arc<CudaStream>,
+        w: &CudaSlice<bf16>,
+        h: &CudaSlice<bf16>,
+        batch: &DeviceBatch,
+        draws: u32,
+        variant: Variant,
+        tokens: &mut CudaSlice<u32>,
+        workspace: &mut StreamWorkspace,
+    ) {
+        let rows = batch.rows();
+        let request = Request {
+            lm_head: DeviceMatrix::of_slice(w, stream, w.len() / DIM, DIM).unwrap(),
+            hidden: DeviceMatrix::of_slice(h, stream, rows, h.len() / rows).unwrap(),
+            batch: batch.view(stream),
+            draws: Draws::first(draws),
+            shard: None,
+        };
+        let target = Target::tokens(OutputSlice::of_slice(tokens, stream));
+        self.sampler.enqueue_on_with_variant(stream, &request, &target, workspace, variant).unwrap();
     }
 }
 
@@ -79,10 +95,10 @@ fn owned_tokens(batch: usize, samples: u32, w_seed: u64, h_seed: u64, params: &[
     let owned = CudaSampler::new().unwrap();
     let head = owned.random_lm_head(VOCAB, DIM, DType::BF16, w_seed, 0.05).unwrap();
     let hidden = owned.random_hidden(batch, DIM, DType::BF16, h_seed, 1.0).unwrap();
-    let rows = owned.upload_rows(params).unwrap();
-    let mut tokens = owned.tokens(batch, samples as usize).unwrap();
-    owned.sample_rows_into(&head, &hidden, &rows, samples, Variant::Auto, &mut tokens).unwrap();
-    owned.tokens_to_host(&tokens).unwrap()
+    let on_device = owned.upload_batch(&Batch::new(params.to_vec()), VOCAB).unwrap();
+    let mut out = owned.outputs(batch, samples, false).unwrap();
+    owned.sample_into(&head, &hidden, &on_device, Draws::first(samples), &mut out).unwrap();
+    owned.read(&out).unwrap().tokens
 }
 
 #[test]
@@ -94,7 +110,7 @@ fn inputs_made_on_the_callers_stream_just_before_give_the_owned_tokens() {
         let expected = owned_tokens(batch, samples, 5, 6, &params);
         let caller = Caller::new();
         let stream = &caller.stream;
-        let rows = DeviceRows::upload(stream, &params).unwrap();
+        let on_device = DeviceBatch::upload(stream, &Batch::new(params), VOCAB).unwrap();
         let mut tokens = caller.tokens(stream, batch * samples as usize);
         let mut workspace = StreamWorkspace::new();
         stream.synchronize().unwrap();
@@ -102,20 +118,7 @@ fn inputs_made_on_the_callers_stream_just_before_give_the_owned_tokens() {
         // once: a sampler on any other stream would read them half-written.
         let w = caller.random(stream, VOCAB, DIM, 5, 0.05);
         let h = caller.random(stream, batch, DIM, 6, 1.0);
-        caller
-            .sampler
-            .sample_slices(
-                stream,
-                &w,
-                VOCAB,
-                &h,
-                &rows,
-                Draws::first(samples),
-                Variant::Auto,
-                &mut tokens,
-                &mut workspace,
-            )
-            .unwrap();
+        caller.sample(stream, &w, &h, &on_device, samples, Variant::Auto, &mut tokens, &mut workspace);
         let got = stream.clone_dtoh(&tokens).unwrap();
         stream.synchronize().unwrap();
         assert_eq!(got, expected, "B = {batch}");
@@ -129,7 +132,6 @@ fn a_strided_hidden_view_gives_the_contiguous_tokens() {
     let stream = &caller.stream;
     // D = 1000 ends in a partial 64-element block, whose loads stop at D, not at the stride.
     let (batch, samples, dim, stride) = (9usize, 2u32, 1000usize, 1000 + 56);
-    let params = params(batch, 3);
     let w = caller.random(stream, VOCAB, dim, 21, 0.05);
     let h = caller.random(stream, batch, dim, 22, 1.0);
     // The same rows, `stride` elements apart (the rest of each row is garbage).
@@ -138,44 +140,25 @@ fn a_strided_hidden_view_gives_the_contiguous_tokens() {
         let mut row = wide.slice_mut(b * stride..b * stride + dim);
         stream.memcpy_dtod(&h.slice(b * dim..(b + 1) * dim), &mut row).unwrap();
     }
-    let rows = DeviceRows::upload(stream, &params).unwrap();
+    let on_device = DeviceBatch::upload(stream, &Batch::new(params(batch, 3)), VOCAB).unwrap();
     for variant in [Variant::Auto, Variant::Simt] {
-        let mut contiguous = caller.tokens(stream, batch * samples as usize);
-        let mut strided = caller.tokens(stream, batch * samples as usize);
+        let mut tokens =
+            [caller.tokens(stream, batch * samples as usize), caller.tokens(stream, batch * samples as usize)];
         let mut workspace = StreamWorkspace::new();
-        caller
-            .sampler
-            .sample_slices(
-                stream,
-                &w,
-                VOCAB,
-                &h,
-                &rows,
-                Draws::first(samples),
-                variant,
-                &mut contiguous,
-                &mut workspace,
-            )
-            .unwrap();
-        let (w_address, _w) = w.device_ptr(stream);
-        let (h_address, _h) = wide.device_ptr(stream);
-        let (t_address, _t) = strided.device_ptr_mut(stream);
-        let request = SampleRequest {
-            lm_head: DeviceMatrix::contiguous(w_address, VOCAB, dim, DType::BF16),
-            hidden: DeviceMatrix { address: h_address, rows: batch, cols: dim, row_stride: stride, dtype: DType::BF16 },
-            row_params: rows.address(),
-            tokens: t_address,
-            draws: Draws::first(samples),
-            variant,
-            processing: None,
-            shard: None,
-        };
-        let space = caller.workspace_for(stream, &mut workspace, &request);
-        // SAFETY: every buffer above lives on `stream` with the extents the request states.
-        unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
-        drop((_w, _h, _t));
-        let a = stream.clone_dtoh(&contiguous).unwrap();
-        let b = stream.clone_dtoh(&strided).unwrap();
+        let [contiguous, strided] = &mut tokens;
+        for (hidden, row_stride, out) in [(&h, dim, contiguous), (&wide, stride, strided)] {
+            let request = Request {
+                lm_head: DeviceMatrix::of_slice(&w, stream, VOCAB, dim).unwrap(),
+                hidden: DeviceMatrix::of_rows(hidden, stream, 0, batch, dim, row_stride).unwrap(),
+                batch: on_device.view(stream),
+                draws: Draws::first(samples),
+                shard: None,
+            };
+            let target = Target::tokens(OutputSlice::of_slice(out, stream));
+            caller.sampler.enqueue_on_with_variant(stream, &request, &target, &mut workspace, variant).unwrap();
+        }
+        let a = stream.clone_dtoh(&tokens[0]).unwrap();
+        let b = stream.clone_dtoh(&tokens[1]).unwrap();
         assert_eq!(a, b, "{variant:?}");
         assert!(a.iter().all(|&t| (t as usize) < VOCAB), "{variant:?}");
     }
@@ -191,28 +174,15 @@ fn two_streams_at_once_give_the_tokens_each_gives_alone() {
     let w = caller.random(&caller.stream, VOCAB, DIM, 31, 0.05);
     let hs: Vec<_> =
         batches.iter().enumerate().map(|(i, &b)| caller.random(&caller.stream, b, DIM, 40 + i as u64, 1.0)).collect();
-    let rows: Vec<_> = batches
+    let on_device: Vec<_> = batches
         .iter()
         .enumerate()
-        .map(|(i, &b)| DeviceRows::upload(&caller.stream, &params(b, 50 + i as u64)).unwrap())
+        .map(|(i, &b)| DeviceBatch::upload(&caller.stream, &Batch::new(params(b, 50 + i as u64)), VOCAB).unwrap())
         .collect();
     caller.stream.synchronize().unwrap();
     let mut workspaces = [StreamWorkspace::new(), StreamWorkspace::new()];
     let run = |i: usize, workspace: &mut StreamWorkspace, tokens: &mut CudaSlice<u32>| {
-        caller
-            .sampler
-            .sample_slices(
-                &streams[i],
-                &w,
-                VOCAB,
-                &hs[i],
-                &rows[i],
-                Draws::first(samples),
-                Variant::Auto,
-                tokens,
-                workspace,
-            )
-            .unwrap();
+        caller.sample(&streams[i], &w, &hs[i], &on_device[i], samples, Variant::Auto, tokens, workspace);
     };
     let alone: Vec<Vec<u32>> = (0..2)
         .map(|i| {
@@ -249,35 +219,30 @@ fn the_callers_current_context_is_restored() {
     let batch = 4;
     let w = caller.random(stream, VOCAB, DIM, 1, 0.05);
     let h = caller.random(stream, batch, DIM, 2, 1.0);
-    let rows = DeviceRows::upload(stream, &params(batch, 3)).unwrap();
+    let mut on_device = DeviceBatch::upload(stream, &Batch::new(params(batch, 3)), VOCAB).unwrap();
     let mut tokens = caller.tokens(stream, batch);
     let mut workspace = StreamWorkspace::new();
     // Warm: the workspace is allocated (cudarc binds its context for that).
-    caller
-        .sampler
-        .sample_slices(stream, &w, VOCAB, &h, &rows, Draws::first(1), Variant::Auto, &mut tokens, &mut workspace)
-        .unwrap();
+    caller.sample(stream, &w, &h, &on_device, 1, Variant::Auto, &mut tokens, &mut workspace);
     stream.synchronize().unwrap();
-    let (w_address, _w) = w.device_ptr(stream);
-    let (h_address, _h) = h.device_ptr(stream);
-    let (t_address, _t) = tokens.device_ptr_mut(stream);
-    let request = SampleRequest {
-        lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
-        hidden: DeviceMatrix::contiguous(h_address, batch, DIM, DType::BF16),
-        row_params: rows.address(),
-        tokens: t_address,
-        draws: Draws::first(1),
-        variant: Variant::Auto,
-        processing: None,
-        shard: None,
-    };
-    let space = caller.workspace_for(stream, &mut workspace, &request);
     let current = || {
         let mut context = std::ptr::null_mut();
         // SAFETY: writes one handle.
         unsafe { sys::cuCtxGetCurrent(&mut context) }.result().unwrap();
         context
     };
+    let plan_and_space = |tokens: &mut CudaSlice<u32>, workspace: &mut StreamWorkspace| {
+        let request = Request {
+            lm_head: DeviceMatrix::of_slice(&w, stream, VOCAB, DIM).unwrap(),
+            hidden: DeviceMatrix::of_slice(&h, stream, batch, DIM).unwrap(),
+            batch: on_device.view(stream),
+            draws: Draws::first(1),
+            shard: None,
+        };
+        let plan = caller.sampler.plan(&request, &Target::tokens(OutputSlice::of_slice(tokens, stream))).unwrap();
+        (plan, workspace.ensure(stream, plan.workspace_bytes()).unwrap())
+    };
+    let (plan, space) = plan_and_space(&mut tokens, &mut workspace);
     // Empty this thread's context stack (cudarc's calls above left the primary context on it),
     // so that "no current context" is a state the test can set.
     while !current().is_null() {
@@ -291,20 +256,22 @@ fn the_callers_current_context_is_restored() {
     let mut other = std::ptr::null_mut();
     // SAFETY: creates a context (made current by the call) that this test destroys below.
     unsafe { sys::cuCtxCreate_v4(&mut other, std::ptr::null_mut(), 0, device) }.result().unwrap();
+    let raw_stream = stream.cu_stream().cast();
     for previous in [std::ptr::null_mut(), other] {
         // SAFETY: null unbinds; `other` is live.
         unsafe { sys::cuCtxSetCurrent(previous) }.result().unwrap();
         assert_eq!(current(), previous, "set by the test");
-        // SAFETY: the buffers live on `stream` with the request's extents.
-        unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
-        assert_eq!(current(), previous, "after sample");
+        // SAFETY: the plan's buffers live on `stream` until the end of the test.
+        unsafe { caller.sampler.enqueue(raw_stream, &plan, space, 0).unwrap() };
+        assert_eq!(current(), previous, "after enqueue");
         // SAFETY: as above.
-        unsafe { caller.sampler.advance_steps(stream.cu_stream().cast(), rows.address(), batch, 1).unwrap() };
+        unsafe { caller.sampler.advance_steps(raw_stream, 0, batch, 1) }.unwrap_err();
+        caller.sampler.advance_steps_on(stream, &mut on_device, 1).unwrap();
         assert_eq!(current(), previous, "after advance_steps");
-        // An invalid call restores it too.
-        let bad = SampleRequest { tokens: 0, ..request };
+        // An invalid call (a workspace too small) restores it too.
+        let small = flashsample::DeviceWorkspace { bytes: 64, ..space };
         // SAFETY: refused before anything is queued.
-        assert!(unsafe { caller.sampler.sample(stream.cu_stream().cast(), &bad, space) }.is_err());
+        assert!(unsafe { caller.sampler.enqueue(raw_stream, &plan, small, 0) }.is_err());
         assert_eq!(current(), previous, "after a refused call");
     }
     // SAFETY: `other` was created above and is no longer used.
@@ -326,85 +293,77 @@ fn a_captured_graph_with_processing_replays_fresh_noise() {
     graph_replays_fresh_noise(true);
 }
 
+/// The values of `slice`, after the stream's work.
+fn read_words<T: Copy + Default + flashsample::cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    slice: &CudaSlice<T>,
+) -> Vec<T> {
+    stream.clone_dtoh(slice).unwrap()
+}
+
 /// One call captured in a CUDA graph, replayed while `advance_steps` moves the step on the
 /// device: the tokens of as many uncaptured calls, step for step, and never the previous
-/// step's; with `processing`, every row has one of the per-entry modes.
+/// step's; the same with a workspace that keeps the tensor maps its first call stored. With
+/// `processing`, every row has one of the per-entry modes.
 fn graph_replays_fresh_noise(processing: bool) {
     let caller = Caller::new();
     let stream = &caller.stream;
     let (batch, samples, steps) = (8usize, 2u32, 100);
     let initial: Vec<_> = (0..batch).map(|b| SamplingParams::new(1.0, 99, b as u32, 0)).collect();
+    let modes = flashsample_tests::processing::each_mode(VOCAB);
+    let per_entry: Vec<Processing> = (0..batch).map(|r| modes[r % 4].1.clone()).collect();
+    let rows = Batch::with_processing(initial, if processing { per_entry } else { Vec::new() });
     let w = caller.random(stream, VOCAB, DIM, 7, 0.05);
     let h = caller.random(stream, batch, DIM, 8, 1.0);
     let mut tokens = caller.tokens(stream, batch * samples as usize);
-    let mut workspace = StreamWorkspace::new();
-    let (w_address, _w) = w.device_ptr(stream);
-    let (h_address, _h) = h.device_ptr(stream);
-    let (t_address, _t) = tokens.device_ptr_mut(stream);
-    let modes = flashsample_tests::processing::each_mode(VOCAB);
-    let per_entry: Vec<Processing> = (0..batch).map(|r| modes[r % 4].1.clone()).collect();
-    let device_processing = processing.then(|| DeviceProcessing::upload(stream, &per_entry, VOCAB).unwrap());
-    let fused = device_processing.as_ref().map(|p| p.fused().unwrap());
-    let run_steps = |rows: &DeviceRows, step: &mut dyn FnMut()| -> Vec<Vec<u32>> {
+    // Each loop starts from step 0 and reads every step's tokens.
+    let run_steps = |step: &mut dyn FnMut(&mut DeviceBatch, &mut CudaSlice<u32>)| -> Vec<Vec<u32>> {
+        let mut on_device = DeviceBatch::upload(stream, &rows, VOCAB).unwrap();
+        let mut tokens = caller.tokens(stream, batch * samples as usize);
         (0..steps)
             .map(|_| {
-                step();
-                let mut host = vec![0u32; batch * samples as usize];
-                // SAFETY: `t_address` holds this many tokens; the copy is ordered on `stream`.
-                unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), t_address, host.len() * 4, stream.cu_stream())
-                }
-                .result()
-                .unwrap();
-                stream.synchronize().unwrap();
-                // SAFETY: the step counter lives in `rows`, on `stream`.
-                unsafe { caller.sampler.advance_steps(stream.cu_stream().cast(), rows.address(), batch, 1).unwrap() };
+                step(&mut on_device, &mut tokens);
+                let host = read_words(stream, &tokens);
+                caller.sampler.advance_steps_on(stream, &mut on_device, 1).unwrap();
                 host
             })
             .collect()
     };
-    let request_for = |rows: &DeviceRows| SampleRequest {
-        lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
-        hidden: DeviceMatrix::contiguous(h_address, batch, DIM, DType::BF16),
-        row_params: rows.address(),
-        tokens: t_address,
-        draws: Draws::first(samples),
-        variant: Variant::Auto,
-        processing: fused,
-        shard: None,
-    };
-    let rows = DeviceRows::upload(stream, &initial).unwrap();
-    let request = request_for(&rows);
-    let space = caller.workspace_for(stream, &mut workspace, &request);
-    // SAFETY (both closures): the buffers live on `stream` with the request's extents.
-    let uncaptured =
-        run_steps(&rows, &mut || unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() });
-
-    // After one call has written the maps into the workspace, later calls may read them.
-    let rows = DeviceRows::upload(stream, &initial).unwrap();
-    let request = request_for(&rows);
-    let mut first = true;
-    // SAFETY: as above; every call after the first reads the maps the first wrote for the same
-    // matrices and batch.
-    let stored = run_steps(&rows, &mut || unsafe {
-        let stream = stream.cu_stream().cast();
-        if std::mem::take(&mut first) {
-            caller.sampler.sample(stream, &request, space).unwrap()
-        } else {
-            caller.sampler.sample_with_stored_maps(stream, &request, space).unwrap()
-        }
+    // A fresh workspace every step: every call writes its tensor maps.
+    let uncaptured = run_steps(&mut |on_device, tokens| {
+        let mut fresh = StreamWorkspace::new();
+        caller.sample(stream, &w, &h, on_device, samples, Variant::Auto, tokens, &mut fresh);
+    });
+    // One workspace for every step: after the first, the calls read the maps it stored.
+    let mut kept = StreamWorkspace::new();
+    let stored = run_steps(&mut |on_device, tokens| {
+        caller.sample(stream, &w, &h, on_device, samples, Variant::Auto, tokens, &mut kept);
     });
     assert_eq!(stored, uncaptured, "reading stored maps changed the tokens");
 
-    let rows = DeviceRows::upload(stream, &initial).unwrap();
-    let request = request_for(&rows);
+    // One call captured, replayed every step.
+    let mut on_device = DeviceBatch::upload(stream, &rows, VOCAB).unwrap();
+    let mut workspace = StreamWorkspace::new();
+    let request = Request {
+        lm_head: DeviceMatrix::of_slice(&w, stream, VOCAB, DIM).unwrap(),
+        hidden: DeviceMatrix::of_slice(&h, stream, batch, DIM).unwrap(),
+        batch: on_device.view(stream),
+        draws: Draws::first(samples),
+        shard: None,
+    };
+    let target = Target::tokens(OutputSlice::of_slice(&mut tokens, stream));
+    workspace.reserve(stream, &caller.sampler.plan(&request, &target).unwrap()).unwrap();
     stream.synchronize().unwrap();
     stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    // SAFETY: as above; captured, not run.
-    unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
+    caller.sampler.enqueue_on(stream, &request, &target, &mut workspace).unwrap();
     let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("one captured call");
-    let replayed = run_steps(&rows, &mut || graph.launch().unwrap());
-
+    drop((request, target));
+    let mut replayed = Vec::new();
+    for _ in 0..steps {
+        graph.launch().unwrap();
+        replayed.push(read_words(stream, &tokens));
+        caller.sampler.advance_steps_on(stream, &mut on_device, 1).unwrap();
+    }
     for (step, (a, b)) in uncaptured.iter().zip(&replayed).enumerate() {
         assert_eq!(a, b, "step {step}");
         assert!(a.iter().all(|&t| (t as usize) < VOCAB), "step {step}");
@@ -416,9 +375,9 @@ fn graph_replays_fresh_noise(processing: bool) {
 
 /// Processed sampling with every mode (truncations, per-entry steps, top raw entries) and
 /// log-probabilities, captured once in a CUDA graph on the caller's stream: each replay, as
-/// `advance_steps` moves the step on the device, gives the tokens and log-probabilities
-/// (bit for bit) of an uncaptured call at that step, never the previous step's tokens; and
-/// step 0 gives the owned sampler's.
+/// `advance_steps` moves the step on the device, gives the tokens and log-probabilities (bit
+/// for bit) of an uncaptured call at that step, never the previous step's tokens; and step 0
+/// gives the owned sampler's.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_noise() {
@@ -427,74 +386,66 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
     let (batch, samples, steps) = (8usize, 2u32, 20);
     let initial: Vec<_> = (0..batch).map(|b| SamplingParams::new(0.9, 77, b as u32, 0)).collect();
     let modes = flashsample_tests::processing::each_mode(VOCAB);
-    let processing: Vec<Processing> =
-        (0..batch).map(|r| Processing { top_logprobs: [5, 0][r % 2], ..modes[r % modes.len()].1.clone() }).collect();
+    let processing: Vec<Processing> = (0..batch)
+        .map(|r| Processing { logprobs: true, top_logprobs: [5, 0][r % 2], ..modes[r % modes.len()].1.clone() })
+        .collect();
+    let rows = Batch::with_processing(initial, processing);
     let w = caller.random(stream, VOCAB, DIM, 17, 0.05);
     let h = caller.random(stream, batch, DIM, 18, 1.0);
-    let device_processing = DeviceProcessing::upload(stream, &processing, VOCAB).unwrap();
-    let (logprob_bytes, top_bytes) =
-        (ProcessedRequest::logprobs_bytes(batch, samples as usize), ProcessedRequest::top_logprobs_bytes(batch));
-    let mut tokens = caller.tokens(stream, batch * samples as usize);
-    let mut logprobs = stream.alloc_zeros::<u8>(logprob_bytes + top_bytes).unwrap();
-    let (w_address, _w) = w.device_ptr(stream);
-    let (h_address, _h) = h.device_ptr(stream);
-    let (t_address, _t) = tokens.device_ptr_mut(stream);
-    let (l_address, _l) = logprobs.device_ptr_mut(stream);
-    let request_for = |rows: &DeviceRows| ProcessedRequest {
-        lm_head: DeviceMatrix::contiguous(w_address, VOCAB, DIM, DType::BF16),
-        hidden: DeviceMatrix::contiguous(h_address, batch, DIM, DType::BF16),
-        row_params: rows.address(),
-        draws: Draws::first(samples),
-        variant: Variant::Auto,
-        processing: device_processing.on_device(),
-        target: ProcessedTarget::Tokens {
-            tokens: t_address,
-            logprobs: l_address,
-            top_logprobs: l_address + logprob_bytes as u64,
-        },
+    let mut outputs = ProcessedOutputs {
+        tokens: caller.tokens(stream, batch * samples as usize),
+        logprobs: stream.alloc_zeros::<f32>(Target::logprobs_len(batch, samples)).unwrap(),
+        top: stream.alloc_zeros::<u32>(Target::top_logprobs_len(batch)).unwrap(),
     };
-    let rows = DeviceRows::upload(stream, &initial).unwrap();
+    let mut on_device = DeviceBatch::upload(stream, &rows, VOCAB).unwrap();
     let mut workspace = StreamWorkspace::new();
-    let bytes = caller.sampler.processed_workspace_bytes(&request_for(&rows)).unwrap();
-    let space = workspace.ensure(stream, bytes).unwrap();
-    let run_steps = |rows: &DeviceRows, step: &mut dyn FnMut()| -> Vec<(Vec<u32>, Vec<u32>)> {
-        (0..steps)
-            .map(|_| {
-                step();
-                let mut host_tokens = vec![0u32; batch * samples as usize];
-                let mut host_logprobs = vec![0u32; (logprob_bytes + top_bytes) / 4];
-                // SAFETY: the buffers hold this many bytes; the copies are ordered on `stream`.
-                unsafe {
-                    let copy = |to: *mut u8, from, bytes| {
-                        sys::cuMemcpyDtoHAsync_v2(to.cast(), from, bytes, stream.cu_stream()).result().unwrap()
-                    };
-                    copy(host_tokens.as_mut_ptr().cast(), t_address, host_tokens.len() * 4);
-                    copy(host_logprobs.as_mut_ptr().cast(), l_address, logprob_bytes + top_bytes);
-                }
-                stream.synchronize().unwrap();
-                // SAFETY: the step counter lives in `rows`, on `stream`.
-                unsafe { caller.sampler.advance_steps(stream.cu_stream().cast(), rows.address(), batch, 1).unwrap() };
-                (host_tokens, host_logprobs)
-            })
-            .collect()
+    // The call's views are made (and dropped) outside any capture: cudarc's event tracking
+    // waits and records there.
+    let call =
+        |on_device: &DeviceBatch, outputs: &mut ProcessedOutputs, workspace: &mut StreamWorkspace, capture: bool| {
+            let request = Request {
+                lm_head: DeviceMatrix::of_slice(&w, stream, VOCAB, DIM).unwrap(),
+                hidden: DeviceMatrix::of_slice(&h, stream, batch, DIM).unwrap(),
+                batch: on_device.view(stream),
+                draws: Draws::first(samples),
+                shard: None,
+            };
+            let target = Target {
+                tokens: OutputSlice::of_slice(&mut outputs.tokens, stream),
+                logprobs: Some(OutputSlice::of_slice(&mut outputs.logprobs, stream)),
+                top_logprobs: Some(OutputSlice::of_slice(&mut outputs.top, stream)),
+                parts: None,
+            };
+            if !capture {
+                caller.sampler.enqueue_on(stream, &request, &target, workspace).unwrap();
+                return None;
+            }
+            workspace.reserve(stream, &caller.sampler.plan(&request, &target).unwrap()).unwrap();
+            stream.synchronize().unwrap();
+            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+            caller.sampler.enqueue_on(stream, &request, &target, workspace).unwrap();
+            stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap()
+        };
+    let read = |outputs: &ProcessedOutputs| -> (Vec<u32>, Vec<f32>, Vec<u32>) {
+        (read_words(stream, &outputs.tokens), read_words(stream, &outputs.logprobs), read_words(stream, &outputs.top))
     };
-    let request = request_for(&rows);
-    // SAFETY (both closures): the buffers live on `stream` with the request's extents.
-    let uncaptured = run_steps(&rows, &mut || unsafe {
-        caller.sampler.sample_processed(stream.cu_stream().cast(), &request, space).unwrap()
-    });
-
-    let rows = DeviceRows::upload(stream, &initial).unwrap();
-    let request = request_for(&rows);
-    stream.synchronize().unwrap();
-    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    // SAFETY: as above; captured, not run.
-    unsafe { caller.sampler.sample_processed(stream.cu_stream().cast(), &request, space).unwrap() };
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("one captured call");
-    let replayed = run_steps(&rows, &mut || graph.launch().unwrap());
-
+    let mut uncaptured = Vec::new();
+    for _ in 0..steps {
+        call(&on_device, &mut outputs, &mut workspace, false);
+        uncaptured.push(read(&outputs));
+        caller.sampler.advance_steps_on(stream, &mut on_device, 1).unwrap();
+    }
+    let mut on_device = DeviceBatch::upload(stream, &rows, VOCAB).unwrap();
+    let graph = call(&on_device, &mut outputs, &mut StreamWorkspace::new(), true).expect("one captured call");
+    let mut replayed = Vec::new();
+    for _ in 0..steps {
+        graph.launch().unwrap();
+        replayed.push(read(&outputs));
+        caller.sampler.advance_steps_on(stream, &mut on_device, 1).unwrap();
+    }
+    let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for (step, (a, b)) in uncaptured.iter().zip(&replayed).enumerate() {
-        assert_eq!(a, b, "step {step}");
+        assert_eq!((&a.0, bits(&a.1), &a.2), (&b.0, bits(&b.1), &b.2), "step {step}");
         assert!(a.0.iter().all(|&t| (t as usize) < VOCAB), "step {step}");
     }
     let repeats = uncaptured.windows(2).filter(|pair| pair[0].0 == pair[1].0).count();
@@ -503,35 +454,37 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
     let owned = CudaSampler::new().unwrap();
     let head = owned.random_lm_head(VOCAB, DIM, DType::BF16, 17, 0.05).unwrap();
     let hidden = owned.random_hidden(batch, DIM, DType::BF16, 18, 1.0).unwrap();
-    let (owned_rows, owned_processing) =
-        (owned.upload_rows(&initial).unwrap(), owned.upload_processing(&processing, VOCAB).unwrap());
-    let mut out = owned.processed_outputs(batch, samples as usize, true).unwrap();
-    let draws = Draws::first(samples);
-    owned
-        .sample_processed_into(&head, &hidden, &owned_rows, &owned_processing, draws, Variant::Auto, &mut out)
-        .unwrap();
-    let want = owned.processed_to_host(&out).unwrap();
-    let (values, top) = uncaptured[0].1.split_at(logprob_bytes / 4);
-    let values: Vec<f32> = values.iter().map(|&v| f32::from_bits(v)).collect();
-    let got =
-        Sampled::from_processed_outputs(samples as usize, uncaptured[0].0.clone(), Some(&values), Some(top)).unwrap();
+    let owned_batch = owned.upload_batch(&rows, VOCAB).unwrap();
+    let mut out = owned.outputs(batch, samples, true).unwrap();
+    owned.sample_into(&head, &hidden, &owned_batch, Draws::first(samples), &mut out).unwrap();
+    let want = owned.read(&out).unwrap();
+    let (tokens, values, top) = &uncaptured[0];
+    let got = Sampled::from_outputs(samples as usize, tokens.clone(), Some(values), Some(top)).unwrap();
     assert_eq!(got.tokens, want.tokens);
     assert_eq!(got.top_logprobs, want.top_logprobs);
-    let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&got.logprobs), bits(&want.logprobs));
     assert_eq!(bits(&got.processed_logprobs), bits(&want.processed_logprobs));
     assert!(got.top_logprobs.iter().enumerate().all(|(r, top)| top.len() == [5, 0][r % 2]));
     stream.synchronize().unwrap();
 }
 
+/// A processed call's outputs in the caller's buffers.
+struct ProcessedOutputs {
+    tokens: CudaSlice<u32>,
+    logprobs: CudaSlice<f32>,
+    top: CudaSlice<u32>,
+}
+
 /// `values` in `dtype` on `stream`, as the model would have left them there.
-fn upload(stream: &Arc<CudaStream>, values: &[f32], dtype: DType) -> CudaSlice<u8> {
-    let bytes: Vec<u8> = match dtype {
-        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::BF16 => values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
-        DType::F16 => values.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
+fn upload(stream: &Arc<CudaStream>, values: &[f32], dtype: DType) -> flashsample_tests::borrowed::DeviceValues {
+    use flashsample::{Elements, Matrix};
+    let elements = match dtype {
+        DType::F32 => Elements::F32(values.to_vec()),
+        DType::BF16 => Elements::BF16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
+        DType::F16 => Elements::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
     };
-    stream.clone_htod(&bytes).unwrap()
+    let matrix = Matrix::new("values", 1, values.len(), elements).unwrap();
+    flashsample_tests::borrowed::DeviceValues::upload(stream, &matrix)
 }
 
 /// Hidden states a model left non-finite reach the row statuses in every variant: a row with
@@ -552,7 +505,7 @@ fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
     let temperatures = [0.8, 0.8, 0.0, 1.0, 0.8, 0.0];
     let params: Vec<SamplingParams> =
         temperatures.iter().enumerate().map(|(b, &t)| SamplingParams::new(t, 21, b as u32, 0)).collect();
-    let rows = DeviceRows::upload(stream, &params).unwrap();
+    let on_device = DeviceBatch::upload(stream, &Batch::new(params), vocab).unwrap();
     let mut workspace = StreamWorkspace::new();
     for (variant, dtype, dim) in gpu_cases(caller.sampler.module()) {
         let mut w = uniform_values(vocab * dim, 0.3, 5);
@@ -571,24 +524,16 @@ fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
         let mut draw = |values: &[f32]| -> Vec<u32> {
             let h = upload(stream, values, dtype);
             let mut tokens = caller.tokens(stream, batch * samples as usize);
-            let (w_address, _w) = w.device_ptr(stream);
-            let (h_address, _h) = h.device_ptr(stream);
-            let (t_address, _t) = tokens.device_ptr_mut(stream);
-            let request = SampleRequest {
-                lm_head: DeviceMatrix::contiguous(w_address, vocab, dim, dtype),
-                hidden: DeviceMatrix::contiguous(h_address, batch, dim, dtype),
-                row_params: rows.address(),
-                tokens: t_address,
+            let request = Request {
+                lm_head: w.view(stream, vocab, dim),
+                hidden: h.view(stream, batch, dim),
+                batch: on_device.view(stream),
                 draws: Draws::first(samples),
-                variant,
-                processing: None,
                 shard: None,
             };
-            let space = caller.workspace_for(stream, &mut workspace, &request);
-            // SAFETY: every buffer lives on `stream` with the request's extents until the copy
-            // below has waited for the call.
-            unsafe { caller.sampler.sample(stream.cu_stream().cast(), &request, space).unwrap() };
-            drop((_w, _h, _t));
+            let target = Target::tokens(OutputSlice::of_slice(&mut tokens, stream));
+            caller.sampler.enqueue_on_with_variant(stream, &request, &target, &mut workspace, variant).unwrap();
+            drop((request, target));
             stream.clone_dtoh(&tokens).unwrap()
         };
         let (got, want) = (draw(&h), draw(&finite));

@@ -1,8 +1,11 @@
 //! Bad input through the API gives a typed error naming the argument and the rule; nothing
 //! panics. These run on the CPU backend and on the validation the CUDA backend shares.
 
-use flashsample::params::check_head_shape;
-use flashsample::{CpuSampler, CudaSampler, DType, Elements, Error, Matrix, Module, SamplingParams, Variant};
+use flashsample::internals::Variant;
+use flashsample::{
+    Batch, CpuSampler, CudaSampler, DType, Draws, Elements, Error, LmHead, Matrix, Module, Processing, Sampler,
+    SamplingParams, cuda_device_count,
+};
 use flashsample_tests::random_matrix;
 
 fn invalid_argument(result: Result<impl std::fmt::Debug, Error>) -> String {
@@ -15,24 +18,30 @@ fn invalid_argument(result: Result<impl std::fmt::Debug, Error>) -> String {
     }
 }
 
-fn setup() -> (CpuSampler, flashsample::CpuLmHead, Matrix) {
+fn setup() -> (CpuSampler, LmHead, Matrix) {
     let sampler = CpuSampler::new();
     let head = sampler.upload_lm_head(&random_matrix(10, 4, DType::F32, 1.0, 1)).unwrap();
     (sampler, head, random_matrix(2, 4, DType::F32, 1.0, 2))
+}
+
+/// Plain sampling of `params` rows.
+fn plain(params: &[SamplingParams]) -> Batch {
+    Batch::new(params.to_vec())
 }
 
 #[test]
 fn shape_mismatch_names_hidden() {
     let (sampler, head, _) = setup();
     let h = random_matrix(2, 5, DType::F32, 1.0, 2);
-    assert_eq!(invalid_argument(sampler.sample(&head, &h, &[SamplingParams::new(1.0, 0, 0, 0); 2], 1)), "hidden");
+    let batch = plain(&[SamplingParams::new(1.0, 0, 0, 0); 2]);
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &batch, Draws::first(1))), "hidden");
 }
 
 #[test]
 fn dtype_mismatch_is_its_own_error() {
     let (sampler, head, _) = setup();
     let h = random_matrix(2, 4, DType::BF16, 1.0, 2);
-    let err = sampler.sample(&head, &h, &[SamplingParams::new(1.0, 0, 0, 0); 2], 1).unwrap_err();
+    let err = sampler.sample(&head, &h, &plain(&[SamplingParams::new(1.0, 0, 0, 0); 2]), Draws::first(1)).unwrap_err();
     assert!(matches!(err, Error::DTypeMismatch { lm_head: DType::F32, hidden: DType::BF16 }), "{err}");
 }
 
@@ -46,28 +55,33 @@ fn empty_vocabulary_or_dimension_names_lm_head() {
 }
 
 #[test]
-fn vocabulary_of_2_pow_31_is_rejected() {
-    assert_eq!(invalid_argument(check_head_shape(1 << 31, 8)), "lm_head");
-    assert!(check_head_shape((1 << 31) - 1, 8).is_ok());
-}
-
-#[test]
 fn bad_temperatures_name_the_row() {
     let (sampler, head, h) = setup();
     for bad in [-1.0, -1e-45, f32::NAN, f32::INFINITY, 2e36] {
         let params = [SamplingParams::new(1.0, 0, 0, 0), SamplingParams::new(bad, 0, 1, 0)];
-        assert_eq!(invalid_argument(sampler.sample(&head, &h, &params, 1)), "params[1].temperature", "T = {bad}");
+        let result = sampler.sample(&head, &h, &plain(&params), Draws::first(1));
+        assert_eq!(invalid_argument(result), "params[1].temperature", "T = {bad}");
     }
 }
 
 #[test]
-fn zero_samples_zero_rows_and_missing_params_are_rejected() {
+fn zero_draws_zero_rows_and_missing_params_are_rejected() {
     let (sampler, head, h) = setup();
     let params = [SamplingParams::new(1.0, 0, 0, 0); 2];
-    assert_eq!(invalid_argument(sampler.sample(&head, &h, &params, 0)), "samples");
-    assert_eq!(invalid_argument(sampler.sample(&head, &h, &params[..1], 1)), "params");
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &plain(&params), Draws::first(0))), "draws");
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &plain(&params[..1]), Draws::first(1))), "params");
     let no_rows = Matrix::new("hidden", 0, 4, Elements::F32(vec![])).unwrap();
-    assert_eq!(invalid_argument(sampler.sample(&head, &no_rows, &[], 1)), "hidden");
+    assert_eq!(invalid_argument(sampler.sample(&head, &no_rows, &plain(&[]), Draws::first(1))), "hidden");
+    let past = Draws { first: u32::MAX, count: 2 };
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &plain(&params), past)), "draws");
+}
+
+#[test]
+fn processing_of_another_length_names_processing() {
+    let (sampler, head, h) = setup();
+    let params = vec![SamplingParams::new(1.0, 0, 0, 0); 2];
+    let batch = Batch::with_processing(params, vec![Processing::default(); 3]);
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &batch, Draws::first(1))), "processing");
 }
 
 #[test]
@@ -80,12 +94,26 @@ fn non_finite_inputs_are_rejected() {
     let head = sampler.upload_lm_head(&random_matrix(3, 4, DType::F32, 1.0, 1)).unwrap();
     values[7] = f32::INFINITY;
     let h = Matrix::new("hidden", 3, 4, Elements::F32(values)).unwrap();
-    assert_eq!(invalid_argument(sampler.sample(&head, &h, &[SamplingParams::new(1.0, 0, 0, 0); 3], 1)), "hidden");
+    let batch = plain(&[SamplingParams::new(1.0, 0, 0, 0); 3]);
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &batch, Draws::first(1))), "hidden");
 }
 
 #[test]
 fn matrix_with_wrong_element_count_is_rejected() {
     assert_eq!(invalid_argument(Matrix::new("lm_head", 3, 4, Elements::F32(vec![0.0; 11]))), "lm_head");
+}
+
+/// Shards of a head are whole Philox blocks of 4 tokens but the last, of one D and dtype, on
+/// every backend: a shard that splits a block, or that differs, is named.
+#[test]
+fn shards_that_split_a_philox_block_or_differ_are_named() {
+    let sampler = CpuSampler::new();
+    let w = random_matrix(30, 4, DType::F32, 1.0, 3);
+    assert_eq!(invalid_argument(sampler.upload_lm_head_shards(&[w.row_range(0, 6), w.row_range(6, 30)])), "shards[0]");
+    assert_eq!(sampler.upload_lm_head_shards(&[w.row_range(0, 8), w.row_range(8, 30)]).unwrap().shards(), 2);
+    let other = random_matrix(10, 5, DType::F32, 1.0, 4);
+    assert_eq!(invalid_argument(sampler.upload_lm_head_shards(&[w.row_range(0, 8), other])), "shards[1]");
+    assert_eq!(invalid_argument(sampler.upload_lm_head_shards(&[])), "shards");
 }
 
 #[test]
@@ -145,12 +173,18 @@ fn module_choice_is_checked_against_the_device() {
     assert!(matches!(ModuleChoice::Auto.resolve(7, 5), Err(Error::UnsupportedDevice { module: "portable", .. })));
 }
 
-/// Without a GPU the CUDA backend says so in a typed error; with one it starts.
+/// Without a GPU the CUDA backend says so in a typed error, and `gpu_or_cpu` samples on the
+/// CPU. Skipped where a GPU is present (the GPU suites cover that machine).
 #[test]
-fn cuda_sampler_without_a_device_is_a_plain_error() {
-    match CudaSampler::new() {
-        Ok(sampler) => sampler.close().unwrap(),
-        Err(Error::NoCudaDevice(why)) => assert!(!why.is_empty()),
-        Err(other) => panic!("expected NoCudaDevice or a working sampler, got {other}"),
+fn without_a_device_the_cuda_sampler_is_a_typed_error() {
+    if let Ok(count) = cuda_device_count() {
+        println!("skipped: this machine has {count} CUDA device(s)");
+        return;
     }
+    match CudaSampler::new() {
+        Err(Error::NoCudaDevice(why)) => assert!(!why.is_empty()),
+        Err(other) => panic!("expected NoCudaDevice, got {other}"),
+        Ok(_) => panic!("a CUDA sampler started on a machine that reports no device"),
+    }
+    assert_eq!(flashsample::gpu_or_cpu(0).unwrap().device(), "cpu");
 }

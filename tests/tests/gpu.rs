@@ -1,12 +1,14 @@
-//! The shared test bodies on the GPU, for every tile variant the dispatcher can pick in the
-//! module the sampler runs. Ignored without a GPU; on the H200: `cargo xtask bundle`, then
-//! `run.sh` runs them with `--include-ignored`, once with the Hopper module and once with
-//! `FLASHSAMPLE_MODULE=portable`. χ² tests use α = 1e-3 and fixed seeds.
+//! The suite on the owned GPU sampler, and the shared bodies for every tile variant the
+//! dispatcher can pick in the module the sampler runs. Ignored without a GPU; on the H200:
+//! `cargo xtask bundle`, then `run.sh` runs them with `--include-ignored`, once with the Hopper
+//! module and once with `FLASHSAMPLE_MODULE=portable`. χ² tests use α = 1e-3 and fixed seeds.
 
-use flashsample::{CudaSampler, DType, Module, SamplingParams, Variant};
+use flashsample::internals::Variant;
+use flashsample::{Batch, CudaSampler, DType, Draws, Module, Sampler, SamplingParams};
+use flashsample_tests::suite::{ALPHA, Scale};
 use flashsample_tests::*;
 
-const ALPHA: f64 = 1e-3;
+flashsample_tests::suite!(Cuda::new(Variant::Auto), Scale::GPU, #[ignore = "needs a CUDA GPU"]);
 
 /// The module the GPU tests run (the device's, or the one `FLASHSAMPLE_MODULE` forces).
 fn module() -> Module {
@@ -88,7 +90,7 @@ fn chi_square_every_variant_256k_draws() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn greedy_rows_are_argmax() {
+fn greedy_rows_are_argmax_in_every_variant() {
     for (variant, dtype, dim) in cases() {
         let w = random_matrix(2051, dim, dtype, 0.5, 61);
         let h = random_matrix(20, dim, dtype, 1.0, 62);
@@ -98,7 +100,7 @@ fn greedy_rows_are_argmax() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn batch_permutation_permutes_tokens() {
+fn batch_permutation_permutes_tokens_in_every_variant() {
     for (variant, dtype, dim) in cases() {
         let w = random_matrix(1000, dim, dtype, 0.5, 63);
         let h = random_matrix(41, dim, dtype, 1.0, 64);
@@ -108,7 +110,7 @@ fn batch_permutation_permutes_tokens() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn identical_rows_draw_independently() {
+fn identical_rows_draw_independently_in_every_variant() {
     for (variant, dtype, dim) in cases() {
         let w = random_matrix(64, dim, dtype, 0.05, 65);
         let h = random_matrix(1, dim, dtype, 1.0, 66);
@@ -117,27 +119,29 @@ fn identical_rows_draw_independently() {
 }
 
 /// The unfused pipeline computes bit-identical logits with the same tile (mma or TMA), so
-/// its tokens equal the fused kernel's exactly; its logits buffer is poisoned first.
+/// its tokens equal the fused kernel's exactly; the workspace and its outputs are poisoned
+/// first.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn unfused_pipeline_gives_the_same_tokens() {
     let sampler = CudaSampler::new().unwrap();
     for variant in Variant::tensor_core(sampler.module()) {
+        sampler.set_variant(variant);
         let w = random_matrix(3001, 136, DType::BF16, 0.3, 71);
         let h = random_matrix(45, 136, DType::BF16, 1.0, 72);
         let params: Vec<SamplingParams> =
             (0..45).map(|r| SamplingParams::new(if r == 3 { 0.0 } else { 1.2 }, 8, r, 1)).collect();
         let head = sampler.upload_lm_head(&w).unwrap();
         let hidden = sampler.upload_hidden(&h).unwrap();
-        let rows = sampler.upload_rows(&params).unwrap();
-        let mut fused = sampler.tokens(45, 5).unwrap();
-        let mut unfused = sampler.tokens(45, 5).unwrap();
-        sampler.sample_into(&head, &hidden, &params, 5, variant, &mut fused).unwrap();
-        sampler.sample_unfused_into(&head, &hidden, &rows, 5, variant, &mut unfused).unwrap();
+        let batch = sampler.upload_batch(&Batch::new(params), 3001).unwrap();
+        let mut fused = sampler.outputs(45, 5, false).unwrap();
+        let mut unfused = sampler.outputs(45, 5, false).unwrap();
+        sampler.sample_into(&head, &hidden, &batch, Draws::first(5), &mut fused).unwrap();
+        sampler.sample_unfused_into(&head, &hidden, &batch, Draws::first(5), variant, &mut unfused).unwrap();
         sampler.poison_workspace().unwrap();
-        sampler.fill_tokens(&mut unfused, 0xffff_fffe).unwrap();
-        sampler.sample_unfused_into(&head, &hidden, &rows, 5, variant, &mut unfused).unwrap();
-        assert_eq!(sampler.tokens_to_host(&fused).unwrap(), sampler.tokens_to_host(&unfused).unwrap(), "{variant:?}");
+        sampler.fill_outputs(&mut unfused, 0xffff_fffe).unwrap();
+        sampler.sample_unfused_into(&head, &hidden, &batch, Draws::first(5), variant, &mut unfused).unwrap();
+        assert_eq!(sampler.read(&fused).unwrap(), sampler.read(&unfused).unwrap(), "{variant:?}");
     }
 }
 
@@ -197,7 +201,7 @@ fn gumbel_estimate_is_within_its_bound_for_every_word() {
 /// large `--samples` this way), on every variant of the module.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn draws_split_across_calls_equal_one_call() {
+fn draws_split_across_calls_equal_one_call_in_every_variant() {
     for (variant, dtype, dim) in cases() {
         let w = random_matrix(1000, dim, dtype, 0.5, 23);
         let h = random_matrix(5, dim, dtype, 1.0, 24);

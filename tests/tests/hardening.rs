@@ -4,8 +4,10 @@
 //! bundle's run.sh). Ignored without a GPU.
 
 use flashsample::cudarc::driver::result::mem_get_info;
-use flashsample::params::Draws;
-use flashsample::{CudaSampler, DType, Elements, Error, Matrix, Result, SamplingParams, Variant};
+use flashsample::internals::Variant;
+use flashsample::{
+    Batch, CudaSampler, DType, Draws, Elements, Error, LmHead, Matrix, Result, Sampled, Sampler, SamplingParams,
+};
 use flashsample_tests::processing::OnDevice;
 use flashsample_tests::*;
 
@@ -17,9 +19,20 @@ impl Backend for Fixed {
         "cuda (tokens from the test)".into()
     }
 
-    fn sample_draws(&self, _: &Matrix, _: &Matrix, _: &[SamplingParams], _: Draws) -> Result<Vec<u32>> {
-        Ok(self.0.clone())
+    fn sample_shards(&self, _: &[Matrix], _: &Matrix, _: &Batch, draws: Draws) -> Result<Sampled> {
+        Ok(Sampled {
+            draws: draws.count as usize,
+            tokens: self.0.clone(),
+            logprobs: Vec::new(),
+            processed_logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
+        })
     }
+}
+
+/// `samples` plain draws of each row of `hidden` from `head` on `sampler`.
+fn plain(sampler: &CudaSampler, head: &LmHead, hidden: &Matrix, params: &[SamplingParams], samples: u32) -> Vec<u32> {
+    sampler.sample(head, hidden, &Batch::new(params.to_vec()), Draws::first(samples)).unwrap().tokens
 }
 
 /// bf16 matrices of one width, one under the other.
@@ -52,7 +65,7 @@ fn an_lm_head_past_2_pow_31_elements_samples_like_the_cpu() {
     let hidden = stack_bf16(&[random, w.row_range(target, target + 1)]);
     let mut params = params_for(4, 1.0, 19);
     params[3].temperature = 0.0;
-    let tokens = sampler.sample(&head, &hidden, &params, 8).unwrap();
+    let tokens = plain(&sampler, &head, &hidden, &params, 8);
     assert!(tokens[24..].iter().all(|&t| t as usize == target), "greedy row: {:?}", &tokens[24..]);
     assert!(tokens.iter().any(|&t| t as usize > vocab / 2), "no token from the upper half: {tokens:?}");
     let disagreements = check_matches_cpu(&Fixed(tokens), &w, &hidden, &params, 8);
@@ -69,10 +82,10 @@ fn a_batch_of_4096_rows_samples_each_row_as_alone() {
     let head = sampler.random_lm_head(vocab, dim, DType::BF16, 21, 0.05).unwrap();
     let hidden = sampler.hidden_to_host(&sampler.random_hidden(batch, dim, DType::BF16, 22, 1.0).unwrap()).unwrap();
     let params = params_for(batch, 0.9, 23);
-    let tokens = sampler.sample(&head, &hidden, &params, samples).unwrap();
+    let tokens = plain(&sampler, &head, &hidden, &params, samples);
     let w = sampler.lm_head_to_host(&head).unwrap();
     for row in [0, 1, 2047, 4095] {
-        let alone = sampler.sample(&head, &hidden.row_range(row, row + 1), &params[row..row + 1], samples).unwrap();
+        let alone = plain(&sampler, &head, &hidden.row_range(row, row + 1), &params[row..row + 1], samples);
         let n = samples as usize;
         assert_eq!(alone, tokens[row * n..(row + 1) * n], "row {row}");
         let disagreements =
@@ -87,14 +100,14 @@ fn a_batch_of_4096_rows_samples_each_row_as_alone() {
 #[ignore = "needs a CUDA GPU"]
 fn more_memory_than_the_card_has_is_an_error_and_the_sampler_stays_usable() {
     let sampler = sampler();
-    let error = sampler.random_lm_head(1 << 30, 1 << 17, DType::BF16, 1, 0.05).err().expect("2^48 bytes do not fit");
+    let error = sampler.random_lm_head(1 << 30, 1 << 17, DType::BF16, 1, 0.05).expect_err("2^48 bytes do not fit");
     assert!(matches!(&error, Error::Cuda { call, .. } if call.contains("cuMemAllocAsync")), "{error}");
     let w = random_matrix(1000, 64, DType::BF16, 0.3, 2);
     let h = random_matrix(3, 64, DType::BF16, 1.0, 3);
     let params = params_for(3, 1.0, 4);
-    let after = sampler.sample(&sampler.upload_lm_head(&w).unwrap(), &h, &params, 5).unwrap();
+    let after = plain(&sampler, &sampler.upload_lm_head(&w).unwrap(), &h, &params, 5);
     let fresh = CudaSampler::new().unwrap();
-    let expected = fresh.sample(&fresh.upload_lm_head(&w).unwrap(), &h, &params, 5).unwrap();
+    let expected = plain(&fresh, &fresh.upload_lm_head(&w).unwrap(), &h, &params, 5);
     assert_eq!(after, expected);
     sampler.close().unwrap();
 }
@@ -116,10 +129,10 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
         let hidden = sampler.random_hidden(batch, dim, DType::BF16, s as u64, 1.0).unwrap();
         let params: Vec<_> =
             (0..batch).map(|b| SamplingParams::new(temperatures[(s as usize + b) % 4], 41, b as u32, s)).collect();
-        let rows = sampler.upload_rows(&params).unwrap();
-        let mut tokens = sampler.tokens(batch, 1).unwrap();
-        sampler.sample_rows_into(&head, &hidden, &rows, 1, Variant::Auto, &mut tokens).unwrap();
-        let host = sampler.tokens_to_host(&tokens).unwrap();
+        let rows = sampler.upload_batch(&Batch::new(params.clone()), vocab).unwrap();
+        let mut tokens = sampler.outputs(batch, 1, false).unwrap();
+        sampler.sample_into(&head, &hidden, &rows, Draws::first(1), &mut tokens).unwrap();
+        let host = sampler.read(&tokens).unwrap().tokens;
         assert!(host.iter().all(|&t| (t as usize) < vocab), "step {s}");
         let hidden = s.is_multiple_of(100).then(|| sampler.hidden_to_host(&hidden).unwrap());
         (host, hidden, params)
@@ -172,20 +185,20 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let sampler = sampler();
     let head = sampler.upload_lm_head(&w).unwrap();
     let hidden = sampler.upload_hidden(&h).unwrap();
-    let rows = sampler.upload_rows(&params_for(1023, 0.7, 56)).unwrap();
-    let mut tokens = sampler.tokens(1023, 2).unwrap();
-    sampler.sample_unfused_into(&head, &hidden, &rows, 2, Variant::Auto, &mut tokens).unwrap();
-    assert!(sampler.tokens_to_host(&tokens).unwrap().iter().all(|&t| t < 1009));
+    let rows = sampler.upload_batch(&Batch::new(params_for(1023, 0.7, 56)), 1009).unwrap();
+    let mut tokens = sampler.outputs(1023, 2, false).unwrap();
+    sampler.sample_unfused_into(&head, &hidden, &rows, Draws::first(2), Variant::Auto, &mut tokens).unwrap();
+    assert!(sampler.read(&tokens).unwrap().tokens.iter().all(|&t| t < 1009));
     let modes = flashsample_tests::processing::each_mode(1009);
     let processing: Vec<flashsample::Processing> = modes
         .iter()
         .enumerate()
-        .map(|(r, m)| flashsample::Processing { top_logprobs: [20, 0, 3][r % 3], ..m.1.clone() })
+        .map(|(r, m)| flashsample::Processing { logprobs: true, top_logprobs: [20, 0, 3][r % 3], ..m.1.clone() })
         .collect();
     let params = params_for(modes.len(), 0.7, 57);
-    let sampled = sampler
-        .sample_processed(&head, &h.row_range(0, modes.len()), &params, &processing, flashsample::Draws::first(3))
-        .unwrap();
+    let batch = h.row_range(0, modes.len());
+    let processed = Batch::with_processing(params.clone(), processing.clone());
+    let sampled = sampler.sample(&head, &batch, &processed, Draws::first(3)).unwrap();
     assert!(sampled.tokens.iter().all(|&t| t < 1009), "{:?}", sampled.tokens);
     // A vocabulary the processing pipeline splits into several slices per row.
     let long_vocab = 4099;
@@ -193,24 +206,16 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let long_processing: Vec<flashsample::Processing> = flashsample_tests::processing::each_mode(long_vocab)
         .into_iter()
         .enumerate()
-        .map(|(r, m)| flashsample::Processing { top_logprobs: [20, 0, 3][r % 3], ..m.1 })
+        .map(|(r, m)| flashsample::Processing { logprobs: true, top_logprobs: [20, 0, 3][r % 3], ..m.1 })
         .collect();
-    let long_sampled = sampler
-        .sample_processed(
-            &long_head,
-            &h.row_range(0, modes.len()),
-            &params,
-            &long_processing,
-            flashsample::Draws::first(3),
-        )
-        .unwrap();
+    let long_batch = Batch::with_processing(params.clone(), long_processing);
+    let long_sampled = sampler.sample(&long_head, &batch, &long_batch, Draws::first(3)).unwrap();
     assert!(long_sampled.tokens.iter().all(|&t| t < long_vocab as u32), "{:?}", long_sampled.tokens);
     // In place, without log-probabilities (so without top ones).
     let without_top: Vec<flashsample::Processing> =
-        processing.iter().map(|p| flashsample::Processing { top_logprobs: 0, ..p.clone() }).collect();
-    let batch = h.row_range(0, modes.len());
+        processing.iter().map(|p| flashsample::Processing { logprobs: false, top_logprobs: 0, ..p.clone() }).collect();
     let in_place = OnDevice::new(&sampler, &w, &batch, &params, &without_top);
-    assert_eq!(in_place.sample(&sampler, 3, Variant::Auto, false).unwrap().tokens, sampled.tokens);
+    assert_eq!(in_place.sample(&sampler, 3, false).unwrap().tokens, sampled.tokens);
     // The per-entry modes alone run in the fused tile of every variant, with log-probabilities
     // (the tiles' per-tile terms and the winners' dot products) and without.
     let per_entry: Vec<flashsample::Processing> = (0..modes.len()).map(|r| without_top[r % 4].clone()).collect();
@@ -218,31 +223,30 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let mut variants: Vec<Variant> = Variant::tensor_core(sampler.module()).collect();
     variants.push(Variant::Simt);
     for &variant in &variants {
+        sampler.set_variant(variant);
         for logprobs in [false, true] {
-            match fused.sample(&sampler, 3, variant, logprobs) {
+            match fused.sample(&sampler, 3, logprobs) {
                 Ok(sampled) => assert!(sampled.tokens.iter().all(|&t| t < 1009)),
                 Err(e) => assert!(e.to_string().contains("does not apply per-row processing"), "{variant:?}: {e}"),
             }
         }
     }
     // Three vocabulary shards: materialised with log-probabilities, every mode (the
-    // truncations decided by the shards together, in segments), then fused per variant into
-    // parts with and without them.
+    // truncations decided by the shards together, in segments), then fused per variant with
+    // and without them.
+    sampler.set_variant(Variant::Auto);
     let bounds = flashsample::VocabShard::bounds(1009, 3).unwrap();
-    let heads: Vec<_> = bounds.windows(2).map(|b| sampler.upload_lm_head(&w.row_range(b[0], b[1])).unwrap()).collect();
-    let draws = flashsample::Draws::first(3);
-    let sharded = sampler.sample_sharded(&heads, &batch, &params, &processing, draws).unwrap();
+    let parts: Vec<Matrix> = bounds.windows(2).map(|b| w.row_range(b[0], b[1])).collect();
+    let sharded_head = sampler.upload_lm_head_shards(&parts).unwrap();
+    let sharded = sampler.sample(&sharded_head, &batch, &processed, Draws::first(3)).unwrap();
     assert_eq!(sharded.tokens, sampled.tokens);
     for (&variant, logprobs) in variants.iter().flat_map(|v| [(v, false), (v, true)]) {
-        let mut parts = sampler.shard_parts(heads.len(), modes.len(), 3, logprobs).unwrap();
-        for (s, head) in heads.iter().enumerate() {
-            let shard = flashsample::VocabShard { vocab_offset: bounds[s], vocab: 1009 };
-            let (hidden, rows, p) = (&fused.hidden, &fused.rows, &fused.processing);
-            match sampler.sample_shard_into(head, shard, hidden, rows, p, draws, variant, &mut parts, s) {
-                Ok(()) => {}
-                Err(e) if e.to_string().contains("does not apply per-row processing") => break,
-                Err(e) => panic!("{variant:?}: {e}"),
-            }
+        sampler.set_variant(variant);
+        let mut out = sampler.outputs(modes.len(), 3, logprobs).unwrap();
+        match sampler.sample_into(&sharded_head, &fused.hidden, &fused.batch, Draws::first(3), &mut out) {
+            Ok(()) => {}
+            Err(e) if e.to_string().contains("does not apply per-row processing") => continue,
+            Err(e) => panic!("{variant:?}: {e}"),
         }
     }
     sampler.synchronize("sharded sampling").unwrap();

@@ -3,25 +3,23 @@
 //! log-probabilities against the single-GPU path, for each GPU count the machine has of 1, 2,
 //! 4 and 8, with one process driving every GPU and with a rank per thread in borrowed mode.
 
-use flashsample::cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
+use flashsample::cudarc::driver::CudaContext;
 use flashsample::{
-    CudaSampler, DType, DeviceMatrix, DeviceProcessing, DeviceRows, Draws, Error, Matrix, ModuleChoice, NcclId,
-    ProcessedRequest, Processing, RankStep, Sampled, SamplingParams, StreamSampler, StreamWorkspace,
-    TensorParallelRank, TensorParallelSampler, Variant, VocabShard, cuda_device_count, nccl_library_present,
+    Batch, CudaSampler, DType, DeviceBatch, Draws, Error, Matrix, ModuleChoice, NcclId, OutputSlice, Processing,
+    Request, Sampled, Sampler, SamplingParams, StreamSampler, StreamWorkspace, Target, TensorParallelRank,
+    TensorParallelSampler, cuda_device_count, nccl_library_present,
 };
+use flashsample_tests::borrowed::DeviceValues;
 use flashsample_tests::processing::{each_mode, largest_log_probability_difference};
 use flashsample_tests::random_matrix;
 
 #[test]
 fn bad_device_lists_and_a_missing_library_are_typed_errors() {
-    let w = random_matrix(64, 8, DType::BF16, 1.0, 70);
-    let error = |devices: &[usize]| TensorParallelSampler::new(devices, &w).err().map(|e| e.to_string());
+    let error = |devices: &[usize]| TensorParallelSampler::new(devices).err().map(|e| e.to_string());
     assert!(error(&[]).unwrap().contains("invalid devices: none"));
     assert!(error(&[0, 0]).unwrap().contains("invalid devices[1]: GPU 0 is listed twice"));
-    let too_many: Vec<usize> = (0..17).collect();
-    assert!(error(&too_many).unwrap().contains("invalid shards: 17: shards are whole blocks of 4 tokens"));
     if !nccl_library_present() {
-        let missing = TensorParallelSampler::new(&[0], &w).err().unwrap();
+        let missing = TensorParallelSampler::new(&[0]).err().unwrap();
         assert!(matches!(&missing, Error::Nccl { rank: None, .. }), "{missing}");
         assert!(missing.to_string().contains("open the NCCL library"), "{missing}");
         let no_id = NcclId::new().err().unwrap();
@@ -29,10 +27,15 @@ fn bad_device_lists_and_a_missing_library_are_typed_errors() {
     }
 }
 
-/// V = 5003 (not divisible by 2, 4 or 8): with N GPUs, each rank's tokens and top raw tokens
-/// equal one GPU's unsharded ones and the log-probabilities agree within 10⁻⁵; every rank holds
-/// the same answer. Every mode, one per row (the truncations decided over all ranks by
-/// all-reduces between the segments of stage 1).
+/// Rows of every mode with their log-probabilities (and top raw ones on some rows).
+fn logprob_rows(modes: &[Processing], top: impl Fn(usize) -> u32) -> Vec<Processing> {
+    modes.iter().enumerate().map(|(r, p)| Processing { logprobs: true, top_logprobs: top(r), ..p.clone() }).collect()
+}
+
+/// V = 5003 (not divisible by 2, 4 or 8): with N GPUs the tokens and top raw tokens equal
+/// one GPU's unsharded ones and the log-probabilities agree within 10⁻⁵ (the sampler checks
+/// that every rank holds the same answer). Every mode, one per row (the truncations decided
+/// over all ranks by all-reduces between the segments of stage 1).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_rank_gets_the_single_gpu_tokens() {
@@ -42,24 +45,20 @@ fn every_rank_gets_the_single_gpu_tokens() {
     let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 72);
     let params: Vec<SamplingParams> =
         (0..modes.len()).map(|r| SamplingParams::new(if r == 2 { 0.0 } else { 0.9 }, 8, r as u32, 1)).collect();
-    let processing: Vec<Processing> =
-        modes.iter().enumerate().map(|(r, p)| Processing { top_logprobs: r as u32 % 3 * 7, ..p.clone() }).collect();
+    let batch = Batch::with_processing(params, logprob_rows(&modes, |r| r as u32 % 3 * 7));
     let draws = Draws::first(32);
     let single = CudaSampler::new().unwrap();
-    let want = single.sample_processed(&single.upload_lm_head(&w).unwrap(), &h, &params, &processing, draws).unwrap();
+    let want = single.sample(&single.upload_lm_head(&w).unwrap(), &h, &batch, draws).unwrap();
     let gpus = cuda_device_count().unwrap();
     let counts: Vec<usize> = [1, 2, 4, 8].into_iter().filter(|&n| n <= gpus).collect();
     for &n in &counts {
         let devices: Vec<usize> = (0..n).collect();
-        let mut sampler = TensorParallelSampler::new(&devices, &w).unwrap();
-        let got = sampler.sample(&h, &params, &processing, draws).unwrap();
-        assert_eq!(got.len(), n);
-        for (rank, sampled) in got.iter().enumerate() {
-            assert_eq!(sampled, &got[0], "N = {n}: rank {rank} differs from rank 0");
-        }
-        let sampled = &got[0];
+        let sampler = TensorParallelSampler::new(&devices).unwrap();
+        let head = sampler.upload_lm_head(&w).unwrap();
+        assert_eq!(head.shards(), n);
+        let sampled = sampler.sample(&head, &h, &batch, draws).unwrap();
         assert_eq!(sampled.tokens, want.tokens, "N = {n}");
-        let worst = largest_log_probability_difference(sampled, &want, false);
+        let worst = largest_log_probability_difference(&sampled, &want, false);
         assert!(worst <= 1e-5, "N = {n}: log-probabilities differ by {worst}");
         for (row, (a, b)) in sampled.top_logprobs.iter().zip(&want.top_logprobs).enumerate() {
             assert_eq!(
@@ -68,6 +67,7 @@ fn every_rank_gets_the_single_gpu_tokens() {
                 "row {row}"
             );
         }
+        drop(head);
         sampler.close().unwrap();
     }
     println!("GPU counts run: {counts:?} of [1, 2, 4, 8] ({gpus} GPU(s) on this machine)");
@@ -86,21 +86,19 @@ fn a_rank_per_thread_gets_the_single_gpu_tokens() {
     let h = random_matrix(modes.len(), dim, DType::BF16, 1.0, 74);
     let params: Vec<SamplingParams> =
         (0..modes.len()).map(|r| SamplingParams::new(if r == 3 { 0.0 } else { 1.1 }, 4, r as u32, 2)).collect();
-    let processing: Vec<Processing> =
-        modes.iter().enumerate().map(|(r, p)| Processing { top_logprobs: r as u32 % 2 * 9, ..p.clone() }).collect();
+    let batch = Batch::with_processing(params, logprob_rows(&modes, |r| r as u32 % 2 * 9));
     let samples = 16u32;
     let single = CudaSampler::new().unwrap();
     let head = single.upload_lm_head(&w).unwrap();
-    let want = single.sample_processed(&head, &h, &params, &processing, Draws::first(samples)).unwrap();
+    let want = single.sample(&head, &h, &batch, Draws::first(samples)).unwrap();
     let gpus = cuda_device_count().unwrap();
     for n in [1usize, 2, 4, 8].into_iter().filter(|&n| n <= gpus) {
         let id = NcclId::new().unwrap();
-        let bounds = VocabShard::bounds(vocab, n).unwrap();
         let got: Vec<Sampled> = std::thread::scope(|scope| {
             let ranks: Vec<_> = (0..n)
                 .map(|r| {
-                    let (w, h, params, processing, bounds) = (&w, &h, &params, &processing, &bounds);
-                    scope.spawn(move || rank_step(r, n, &id, w, h, params, processing, bounds, samples))
+                    let (w, h, batch) = (&w, &h, &batch);
+                    scope.spawn(move || rank_step(r, n, &id, w, h, batch, samples))
                 })
                 .collect();
             ranks.into_iter().map(|t| t.join().unwrap()).collect()
@@ -118,67 +116,46 @@ fn a_rank_per_thread_gets_the_single_gpu_tokens() {
 }
 
 /// Rank `r` of `n` on GPU `r`: its shard of `w` and the replicated inputs made on a stream of
-/// its own, one step queued there, the outputs read back.
-#[allow(clippy::too_many_arguments)]
-fn rank_step(
-    r: usize,
-    n: usize,
-    id: &NcclId,
-    w: &Matrix,
-    h: &Matrix,
-    params: &[SamplingParams],
-    processing: &[Processing],
-    bounds: &[usize],
-    samples: u32,
-) -> Sampled {
+/// its own, one call queued there through the safe layer, the outputs read back.
+fn rank_step(r: usize, n: usize, id: &NcclId, w: &Matrix, h: &Matrix, batch: &Batch, samples: u32) -> Sampled {
     let context = CudaContext::new(r).unwrap();
     let stream = context.new_stream().unwrap();
     let kernels = StreamSampler::on_context(&context, ModuleChoice::from_environment().unwrap()).unwrap();
-    let shard = w.row_range(bounds[r], bounds[r + 1]);
-    let w_device = stream.clone_htod(shard.elements().as_bytes()).unwrap();
-    let h_device = stream.clone_htod(h.elements().as_bytes()).unwrap();
-    let rows = DeviceRows::upload(&stream, params).unwrap();
-    let device_processing = DeviceProcessing::upload(&stream, processing, w.rows()).unwrap();
     let rank = TensorParallelRank::join(&kernels, id, r, n).unwrap();
-    let batch = h.rows();
-    let poison = |bytes: usize| stream.clone_htod(&vec![f32::INFINITY.to_bits(); bytes / 4]).unwrap();
-    let parts = poison(rank.parts_bytes(batch, samples, true).unwrap());
-    let tokens = poison(4 * batch * samples as usize);
-    let logprobs = poison(ProcessedRequest::logprobs_bytes(batch, samples as usize));
-    let top = poison(ProcessedRequest::top_logprobs_bytes(batch));
-    let address = |slice: &CudaSlice<u32>| slice.device_ptr(&stream).0;
-    let bytes_address = |slice: &CudaSlice<u8>| slice.device_ptr(&stream).0;
-    let step = RankStep {
-        lm_head: DeviceMatrix::contiguous(bytes_address(&w_device), shard.rows(), w.cols(), DType::BF16),
-        vocab_offset: bounds[r],
-        vocab: w.rows(),
-        hidden: DeviceMatrix::contiguous(bytes_address(&h_device), batch, h.cols(), DType::BF16),
-        row_params: rows.address(),
-        draws: Draws::first(samples),
-        variant: Variant::Auto,
-        processing: device_processing.on_device(),
-        parts: address(&parts),
-        logprobs: true,
-        tokens: address(&tokens),
-        out_logprobs: address(&logprobs),
-        out_top_logprobs: address(&top),
-    };
+    let shard = rank.shard(w.rows()).unwrap();
+    let rows_of_shard = flashsample::VocabShard::bounds(w.rows(), n).unwrap();
+    let own = w.row_range(rows_of_shard[r], rows_of_shard[r + 1]);
+    let (w_device, h_device) = (DeviceValues::upload(&stream, &own), DeviceValues::upload(&stream, h));
+    let on_device = DeviceBatch::upload(&stream, batch, w.rows()).unwrap();
+    let rows = h.rows();
+    let poison = |words: usize| stream.clone_htod(&vec![f32::INFINITY.to_bits(); words]).unwrap();
+    let mut parts = stream.alloc_zeros::<u8>(Target::parts_bytes(n, rows, samples, true).unwrap()).unwrap();
+    let mut tokens = poison(rows * samples as usize);
+    let mut logprobs = stream.clone_htod(&vec![f32::NAN; Target::logprobs_len(rows, samples)]).unwrap();
+    let mut top = poison(Target::top_logprobs_len(rows));
     let mut workspace = StreamWorkspace::new();
-    let space = workspace.ensure(&stream, rank.workspace_bytes(&kernels, &step).unwrap()).unwrap();
-    // SAFETY: every buffer lives on `stream` with the step's extents until the reads below
-    // have waited for it.
-    unsafe { rank.sample(&kernels, stream.cu_stream().cast(), &step, space).unwrap() };
+    {
+        let request = Request {
+            lm_head: w_device.view(&stream, own.rows(), w.cols()),
+            hidden: h_device.view(&stream, rows, h.cols()),
+            batch: on_device.view(&stream),
+            draws: Draws::first(samples),
+            shard: Some(shard),
+        };
+        let target = Target {
+            tokens: OutputSlice::of_slice(&mut tokens, &stream),
+            logprobs: Some(OutputSlice::of_slice(&mut logprobs, &stream)),
+            top_logprobs: Some(OutputSlice::of_slice(&mut top, &stream)),
+            parts: Some(OutputSlice::of_slice(&mut parts, &stream)),
+        };
+        rank.enqueue_on(&kernels, &stream, &request, &target, &mut workspace).unwrap();
+    }
     stream.synchronize().unwrap();
     rank.check().unwrap();
-    let values: Vec<f32> = stream.clone_dtoh(&logprobs).unwrap().into_iter().map(f32::from_bits).collect();
+    let values = stream.clone_dtoh(&logprobs).unwrap();
     let top = stream.clone_dtoh(&top).unwrap();
-    let got = Sampled::from_processed_outputs(
-        samples as usize,
-        stream.clone_dtoh(&tokens).unwrap(),
-        Some(&values),
-        Some(&top),
-    )
-    .unwrap();
+    let tokens = stream.clone_dtoh(&tokens).unwrap();
+    let got = Sampled::from_outputs(samples as usize, tokens, Some(&values), Some(&top)).unwrap();
     rank.close().unwrap();
     got
 }

@@ -19,15 +19,26 @@ pub enum Variant {
     Auto,
     /// Register-direct `mma.sync` tile with 8, 16 or 32 batch columns (BF16/F16, `D % 8 == 0`);
     /// in both modules.
-    Mma { columns: u32 },
+    Mma {
+        /// Batch columns per work item.
+        columns: u32,
+    },
     /// TMA + `wgmma` tile (Hopper module) on items of `rows` (64: ping-pong warpgroups; 128:
     /// both warpgroups on one item) × `columns` (8, 16, 32, 64 or 128); BF16/F16, `D % 8 == 0`.
-    Tma { rows: u32, columns: u32 },
+    Tma {
+        /// Vocabulary rows per work item.
+        rows: u32,
+        /// Batch columns per work item.
+        columns: u32,
+    },
     /// The cooperative TMA + `wgmma` tile (Hopper module) on items of 128 rows × `columns` (64
     /// or 128) whose sampling epilogue runs in warps of its own while the next item
     /// multiplies; BF16/F16, `D % 8 == 0`. The unfused pipeline runs `Tma { rows: 128, columns }`
     /// for it.
-    TmaHandoff { columns: u32 },
+    TmaHandoff {
+        /// Batch columns per work item.
+        columns: u32,
+    },
     /// CUDA-core tile, any dtype and any D; in both modules.
     Simt,
 }
@@ -45,6 +56,7 @@ impl Variant {
     ///
     /// Portable module: the `mma.sync` tile with the narrowest width of 8, 16 and 32 that
     /// holds B, and 32 columns above (wider tiles read `W` fewer times).
+    #[cfg(any(test, feature = "internals"))]
     pub fn resolve(self, module: Module, dtype: DType, dim: usize, batch: usize) -> Result<Variant> {
         self.resolve_aligned(module, dtype, dim, batch, true)
     }
@@ -111,6 +123,7 @@ impl Variant {
 
     /// Every tensor-core variant that can be forced with `module`: the mma widths, then (Hopper)
     /// both TMA item heights at every width and the handoff widths.
+    #[cfg(any(test, feature = "internals"))]
     pub fn tensor_core(module: Module) -> impl Iterator<Item = Variant> {
         let mma = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
         let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));

@@ -1,4 +1,5 @@
-//! The modules the host embeds, the choice between them, and the loaded kernels.
+//! The modules the host embeds, the choice between them, and the loaded kernels with the
+//! one launch every kernel goes through.
 //!
 //! `host/ptx/<module>.ptx` is written by `cargo xtask build-kernels` from `kernels/` and
 //! committed, so building the host needs no nightly-only component; so is the machine code
@@ -14,9 +15,23 @@ use flashsample_core::registry::{Kernel, Module};
 use super::driver;
 use crate::error::{Error, Result, invalid};
 
+/// The number of CUDA devices; [`Error::NoCudaDevice`] without a driver or a device.
+pub fn cuda_device_count() -> Result<usize> {
+    if !driver::driver_library_present() {
+        return Err(Error::NoCudaDevice("the NVIDIA driver library (libcuda) is not installed".into()));
+    }
+    let no_device = |e: cudarc::driver::DriverError| Error::NoCudaDevice(driver::describe(&e));
+    cudarc::driver::result::init().map_err(no_device)?;
+    let count = cudarc::driver::CudaContext::device_count().map_err(no_device)?;
+    if count <= 0 {
+        return Err(Error::NoCudaDevice("the driver reports no device".into()));
+    }
+    Ok(count as usize)
+}
+
 /// What the driver loads for a module.
 #[derive(Clone, Copy, Debug)]
-pub enum Image {
+pub(crate) enum Image {
     /// PTX text, compiled by the driver for the device at load (cached by the driver).
     Ptx(&'static str),
     /// Machine code for [`Module::cubin_arch`], loaded as it is.
@@ -25,7 +40,7 @@ pub enum Image {
 
 /// The image a module is loaded from: the Hopper module's `sm_90a` machine code (every device
 /// that loads it is compute capability 9.0), the portable module's PTX.
-pub fn image(module: Module) -> Image {
+pub(crate) fn image(module: Module) -> Image {
     match module {
         Module::Portable => Image::Ptx(include_str!("../../ptx/portable.ptx")),
         Module::Hopper => Image::Cubin(include_bytes!("../../ptx/hopper.sm_90a.cubin")),
@@ -45,7 +60,7 @@ pub enum ModuleChoice {
 
 /// The environment variable that forces a module when the choice is [`ModuleChoice::Auto`]:
 /// `portable` or `hopper` (`auto` or unset: by the device).
-pub const MODULE_VARIABLE: &str = "FLASHSAMPLE_MODULE";
+pub(crate) const MODULE_VARIABLE: &str = "FLASHSAMPLE_MODULE";
 
 impl ModuleChoice {
     /// The choice `FLASHSAMPLE_MODULE` names, or `Auto` when it is unset.
@@ -97,7 +112,7 @@ fn aligned_words(image: Image) -> Vec<u64> {
 }
 
 /// A kernel of the loaded module with its launch shape.
-pub struct LoadedKernel {
+pub(crate) struct LoadedKernel {
     pub name: &'static str,
     pub function: sys::CUfunction,
     pub threads: u32,
@@ -110,7 +125,7 @@ const STATIC_SHARED_LIMIT_BYTES: u32 = 48 << 10;
 
 /// The module a sampler runs, loaded in one context, with every kernel it holds looked up
 /// once. Unloaded by [`LoadedModule::unload`] (or, failing that, on drop).
-pub struct LoadedModule {
+pub(crate) struct LoadedModule {
     pub module: Module,
     kernels: HashMap<Kernel, LoadedKernel>,
     handle: sys::CUmodule,
@@ -212,6 +227,128 @@ impl Drop for LoadedModule {
     fn drop(&mut self) {
         if let Err(e) = self.unload_handle() {
             eprintln!("flashsample: unloading the {} module failed: {e}", self.module.name());
+        }
+    }
+}
+
+/// The kernels of one module loaded in one context, with the device facts a launch needs;
+/// every kernel is launched through [`Kernels::launch`].
+pub(crate) struct Kernels {
+    /// `None` only during [`Kernels::close`] and drop.
+    module: Option<LoadedModule>,
+    pub context: sys::CUcontext,
+    pub device_name: String,
+    pub multiprocessors: u32,
+    pub compute_capability: (u32, u32),
+}
+
+// SAFETY: the context handle and the loaded module may be used from any thread that makes the
+// context current, which every call does; nothing is mutated after construction.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; calls only read the kernel table and queue launches.
+unsafe impl Sync for Kernels {}
+
+impl Kernels {
+    /// Loads the module `choice` picks for `context`'s device into it; the thread's current
+    /// context is restored before returning.
+    ///
+    /// # Safety
+    /// `context` is a live `CUcontext` that outlives the kernels.
+    pub unsafe fn load(context: sys::CUcontext, choice: ModuleChoice) -> Result<Kernels> {
+        cuda_device_count()?;
+        if context.is_null() {
+            return Err(invalid("context", "null: a live CUDA context is needed"));
+        }
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(context, || {
+                let mut device = 0;
+                driver::check("cuCtxGetDevice", sys::cuCtxGetDevice(&mut device).result())?;
+                let attribute = |what: &str, attribute| {
+                    driver::check(
+                        &format!("cuDeviceGetAttribute({what})"),
+                        cudarc::driver::result::device::get_attribute(device, attribute),
+                    )
+                    .map(|value| value as u32)
+                };
+                use sys::CUdevice_attribute as A;
+                let major = attribute("COMPUTE_CAPABILITY_MAJOR", A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+                let minor = attribute("COMPUTE_CAPABILITY_MINOR", A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+                let multiprocessors = attribute("MULTIPROCESSOR_COUNT", A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+                let device_name = driver::check("cuDeviceGetName", cudarc::driver::result::device::get_name(device))?;
+                let module = LoadedModule::load(context, choice.resolve(major, minor)?)?;
+                Ok(Kernels {
+                    module: Some(module),
+                    context,
+                    device_name,
+                    multiprocessors,
+                    compute_capability: (major, minor),
+                })
+            })
+        }
+    }
+
+    /// The kernels of `module` on an H200-like device (132 multiprocessors) with no context,
+    /// for tests that record launches instead of making them (`driver::trace`).
+    #[cfg(test)]
+    pub fn recording(module: Module) -> Kernels {
+        Kernels {
+            module: Some(LoadedModule::recording(module)),
+            context: std::ptr::null_mut(),
+            device_name: "recording".into(),
+            multiprocessors: 132,
+            compute_capability: (9, 0),
+        }
+    }
+
+    fn loaded(&self) -> &LoadedModule {
+        self.module.as_ref().expect("the module is unloaded only by close and drop")
+    }
+
+    /// The module the kernels come from.
+    pub fn module(&self) -> Module {
+        self.loaded().module
+    }
+
+    /// How many blocks of `kernel` the device holds at once.
+    pub fn resident_blocks(&self, kernel: Kernel) -> Result<usize> {
+        let loaded = self.loaded().kernel(kernel)?;
+        Ok(loaded.blocks_per_multiprocessor as usize * self.multiprocessors as usize)
+    }
+
+    /// Launches `kernel` over `items` work items on `stream` with a persistent grid (at most
+    /// one wave); the context is current.
+    ///
+    /// # Safety
+    /// `args` is the kernel's argument block with valid device addresses, `stream` a stream
+    /// of this context.
+    pub unsafe fn launch<A: bytemuck::Pod>(
+        &self,
+        stream: sys::CUstream,
+        kernel: Kernel,
+        items: u64,
+        args: &A,
+    ) -> Result<()> {
+        let loaded = self.loaded().kernel(kernel)?;
+        let resident = loaded.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
+        let grid = items.clamp(1, resident) as u32;
+        // SAFETY: per this function's contract; the launch shape comes from the registry.
+        unsafe { driver::launch(loaded.name, loaded.function, stream, grid, loaded.threads, loaded.shared_bytes, args) }
+    }
+
+    /// Unloads the kernels from the context and reports the driver's error, if any. Work
+    /// already queued must have finished first.
+    pub fn close(mut self) -> Result<()> {
+        self.module.take().map_or(Ok(()), LoadedModule::unload)
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        if let Some(module) = self.module.take()
+            && let Err(e) = module.unload()
+        {
+            eprintln!("flashsample: error while unloading the kernels (close the sampler to handle it): {e}");
         }
     }
 }

@@ -9,11 +9,11 @@
 use flashsample_core::abi::CANDIDATE_BYTES;
 
 /// Candidate memory one pass may use.
-pub const CANDIDATE_BUDGET_BYTES: usize = 256 << 20;
+pub(crate) const CANDIDATE_BUDGET_BYTES: usize = 256 << 20;
 
 /// One pass: rows `first_row .. first_row + rows`, draws `first_sample .. first_sample + samples`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pass {
+pub(crate) struct Pass {
     pub first_row: usize,
     pub rows: usize,
     pub first_sample: usize,
@@ -22,21 +22,21 @@ pub struct Pass {
 
 /// The passes of a request and the candidate slots the largest needs.
 #[derive(Clone, Copy, Debug)]
-pub struct Plan {
+pub(crate) struct Passes {
     batch: usize,
     samples: usize,
     rows_per_pass: usize,
     samples_per_pass: usize,
 }
 
-impl Plan {
+impl Passes {
     /// Passes over `batch` rows × `samples` draws with `tiles` candidates each, at most
     /// `budget_bytes` of candidates per pass (one (row, draw) pair per pass at least).
-    pub fn new(batch: usize, samples: usize, tiles: usize, budget_bytes: usize) -> Plan {
+    pub fn new(batch: usize, samples: usize, tiles: usize, budget_bytes: usize) -> Passes {
         let pairs_per_pass = (budget_bytes / (tiles.max(1) * CANDIDATE_BYTES as usize)).max(1);
         let rows_per_pass = batch.min(pairs_per_pass).max(1);
         let samples_per_pass = samples.min((pairs_per_pass / rows_per_pass).max(1)).max(1);
-        Plan { batch, samples, rows_per_pass, samples_per_pass }
+        Passes { batch, samples, rows_per_pass, samples_per_pass }
     }
 
     /// Candidate slots of the largest pass: `rows × samples × tiles` of it.
@@ -71,7 +71,7 @@ mod tests {
             (37, 16, 40, 8 * 40 * 5),
             (5, 7, 1000, 8),
         ] {
-            let plan = Plan::new(batch, samples, tiles, budget);
+            let plan = Passes::new(batch, samples, tiles, budget);
             let mut seen = vec![0u8; batch * samples];
             for pass in plan.passes() {
                 assert!(pass.rows * pass.samples <= plan.candidate_pairs());

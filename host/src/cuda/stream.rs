@@ -1,214 +1,75 @@
-//! [`StreamSampler`]: the one path every GPU sampling call takes. It queues work on a stream it
-//! is given, reads and writes device memory it is given, and owns only the loaded module.
+//! [`StreamSampler`]: the kernels loaded in a caller's context, and the one path every GPU
+//! call takes: a [`Request`] and a [`Target`] are planned once ([`StreamSampler::plan`]) and
+//! queued on a stream the caller gives, over memory the caller gives.
 //!
-//! Borrowed mode is this path with the caller's handles: a context and a stream as raw driver
-//! values, `W`, `H`, the row parameters, the tokens and a workspace as device addresses
-//! ([`StreamSampler::sample`]), so it works with any cudarc version, candle, or C/C++ code. Thin
-//! safe wrappers over cudarc's `CudaStream` and `CudaSlice` sit on top
-//! ([`StreamSampler::on_context`], [`StreamSampler::sample_slices`]), and the owned
-//! [`super::CudaSampler`] calls the same enqueue with its own stream and buffers.
+//! Two layers: the raw one takes a stream as a driver handle and a workspace by address
+//! ([`StreamSampler::enqueue`], `unsafe`), for callers with foreign memory (C/C++ engines,
+//! any cudarc version); the safe one takes cudarc's `CudaStream` and a [`StreamWorkspace`]
+//! ([`StreamSampler::enqueue_on`]) and covers every mode, CUDA graphs included. The owned
+//! [`super::CudaSampler`], the tensor-parallel rank and the candle adapter queue through the
+//! same plans.
 //!
 //! Architecture Invariant: a call queues work on the stream it is given and nowhere else; it
-//! creates no context and no stream, allocates nothing (the workspace is the caller's), never
-//! waits for the device, and leaves the thread's current context as it found it. A workspace
-//! serves one stream at a time: two streams sampling at once use two workspaces. (The safe
-//! wrappers' own cudarc calls, an allocation in [`StreamWorkspace::ensure`] or
-//! `DeviceRows::upload`, bind cudarc's context as every cudarc call does.)
+//! creates no context and no stream, allocates nothing but the growth of a safe workspace,
+//! never waits for the device, and leaves the thread's current context as it found it. A
+//! workspace serves one stream at a time: two streams sampling at once use two workspaces.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, DevicePtrMut as _, sys};
-use flashsample_core::abi::{
-    AdvanceStepsArgs, DevicePtr, FillArgs, FusedArgs, ReduceArgs, RowProcessing, RowSums, SHARD_ALIGNMENT, ShardWinner,
-    StoreTensorMapsArgs, TENSOR_MAP_BYTES, TensorMap, TmaArgs,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, sys};
+use flashsample_core::RowParams;
+use flashsample_core::abi::{AdvanceStepsArgs, DevicePtr};
 use flashsample_core::registry::{Kernel, Module};
-use flashsample_core::{Candidate, RowParams};
 
-use super::buffers::{DeviceRows, l2_promotion};
-use super::dispatch::{Variant, element_type};
-use super::driver::{self, L2Promotion, TensorMapElement};
-use super::modules::{LoadedModule, ModuleChoice};
-use super::passes::{CANDIDATE_BUDGET_BYTES, Pass, Plan};
+use super::batch::DeviceBatch;
+use super::dispatch::Variant;
+use super::driver;
+use super::enqueue::{Planned, drive};
+use super::memory::{MatrixRef, check_address};
+use super::modules::{Kernels, ModuleChoice};
+use super::plan::{Plan, TensorMaps};
+use super::request::{DeviceWorkspace, Exchange, Request, Target};
 use crate::error::{Result, invalid};
-use crate::params::{Draws, HeadShape, MAX_VOCAB, check_head_shape, check_request_shape};
-use crate::tensor::{DType, MatrixShape};
-
-mod processed;
-
-pub(crate) use processed::ProcessedPlan;
-pub use processed::{ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, ShardReduction};
-
-/// A matrix in device memory: `rows × cols` elements of `dtype` at `address`, row `r` starting
-/// `r · row_stride` elements after it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceMatrix {
-    pub address: u64,
-    pub rows: usize,
-    pub cols: usize,
-    /// Elements from one row to the next (at least `cols`).
-    pub row_stride: usize,
-    pub dtype: DType,
-}
-
-impl DeviceMatrix {
-    /// A matrix whose rows follow each other (`row_stride = cols`).
-    pub fn contiguous(address: u64, rows: usize, cols: usize, dtype: DType) -> DeviceMatrix {
-        DeviceMatrix { address, rows, cols, row_stride: cols, dtype }
-    }
-
-    /// Whether the tensor-core tiles can read it: 16-byte aligned start and rows.
-    fn rows_16_byte_aligned(&self) -> bool {
-        self.address.is_multiple_of(16) && (self.row_stride * self.dtype.bytes()).is_multiple_of(16)
-    }
-}
-
-/// One sampling call in device memory: `draws` of each row of `H` from `softmax(H·Wᵀ / T)`.
-#[derive(Clone, Copy, Debug)]
-pub struct SampleRequest {
-    /// `W[V, D]`.
-    pub lm_head: DeviceMatrix,
-    /// `H[B, D]`, the same dtype as `W`.
-    pub hidden: DeviceMatrix,
-    /// `[B]` row parameters ([`RowParams`], 8-byte aligned; see [`crate::params::row_params`]).
-    pub row_params: u64,
-    /// `[B, draws.count]` u32 tokens, row-major; every slot of a row without a token holds
-    /// its status's sentinel ([`crate::RowStatus::of_token`]): `NON_FINITE_TOKEN` for a row
-    /// with a NaN or +∞ logit, `NO_TOKEN` for a row whose logits are all −∞. Unread with
-    /// `shard`.
-    pub tokens: u64,
-    pub draws: Draws,
-    pub variant: Variant,
-    /// Per-row soft-cap, bias, mask and penalties applied in the tile (device-side parameters:
-    /// [`crate::DeviceProcessing::fused`]), or `None`.
-    pub processing: Option<FusedProcessing>,
-    /// `Some`: `W` is a vocabulary shard and the call writes the shard's winners for the
-    /// shard merge instead of tokens.
-    pub shard: Option<ShardTarget>,
-}
-
-/// A request over a vocabulary shard: `W`'s row `r` is the token `vocab_offset + r` of a
-/// vocabulary of `vocab` tokens. Noise and processing are keyed by the global index, so the
-/// shards' winners merge into the unsharded tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ShardTarget {
-    /// A multiple of [`SHARD_ALIGNMENT`] (4).
-    pub vocab_offset: usize,
-    /// The whole vocabulary's size.
-    pub vocab: usize,
-    /// `[B, draws.count]` [`ShardWinner`]s (20 bytes each, 4-byte aligned).
-    pub winners: u64,
-}
-
-/// Where the merge kernel writes a pass's winners.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum ReduceTarget {
-    /// `[B, samples]` tokens.
-    Tokens(DevicePtr<u32>),
-    /// `[B, samples]` winners of a shard.
-    Winners(WinnerTarget),
-}
-
-/// A shard's winners and what the merge kernel adds to them: the tokens' logits from `[B,
-/// logits_stride]` raw logits (column 0 the global token `vocab_offset`; null: none) and
-/// processed ones (null: the raw ones), and each row's log-sum-exp terms merged from `[B,
-/// sum_parts]` per-part ones into `sums` (null: none).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct WinnerTarget {
-    pub winners: DevicePtr<ShardWinner>,
-    pub raw: DevicePtr<f32>,
-    pub processed: DevicePtr<f32>,
-    /// `[B, sum_parts]` log-sum-exp terms the merge kernel merges per row into `sums`.
-    pub part_sums: DevicePtr<RowSums>,
-    pub sum_parts: u32,
-    pub sums: DevicePtr<RowSums>,
-    pub logits_stride: u32,
-    pub vocab_offset: u32,
-}
-
-impl WinnerTarget {
-    /// Winners alone, without logits or terms.
-    pub fn bare(winners: DevicePtr<ShardWinner>, vocab_offset: u32) -> WinnerTarget {
-        let null = DevicePtr::NULL;
-        WinnerTarget {
-            winners,
-            raw: null,
-            processed: null,
-            part_sums: DevicePtr::NULL,
-            sum_parts: 0,
-            sums: DevicePtr::NULL,
-            logits_stride: 0,
-            vocab_offset,
-        }
-    }
-}
-
-impl ReduceTarget {
-    /// The target of a request: its tokens, or its shard's winners without logits.
-    fn of(request: &SampleRequest) -> ReduceTarget {
-        match request.shard {
-            None => ReduceTarget::Tokens(DevicePtr::new(request.tokens)),
-            Some(shard) => {
-                ReduceTarget::Winners(WinnerTarget::bare(DevicePtr::new(shard.winners), shard.vocab_offset as u32))
-            }
-        }
-    }
-}
-
-/// A batch's per-entry processing in device memory that the fused tiles apply: made by
-/// [`crate::DeviceProcessing::fused`], which refuses rows with min-p, top-k, top-p or top
-/// log-probabilities (those need the whole row: `CudaSampler::sample_processed_into`). It names
-/// memory the `DeviceProcessing` owns; keep that alive until the stream has run the call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FusedProcessing {
-    /// `[rows]` [`flashsample_core::abi::RowProcessing`] blocks.
-    pub(crate) address: u64,
-    pub(crate) rows: usize,
-    pub(crate) vocab: usize,
-}
-
-/// Device memory a call may use for its scratch: candidates and the call's tensor maps.
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceWorkspace {
-    /// 64-byte aligned.
-    pub address: u64,
-    pub bytes: usize,
-}
-
-/// Where a TMA call's tensor maps come from.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum TensorMaps {
-    /// Encoded on the host for this call and written to the workspace by a kernel on the
-    /// stream (borrowed mode: the matrices may change from call to call).
-    Store,
-    /// Already in device memory for the lifetime of the call (the owned buffers keep theirs).
-    Resident { lm_head: DevicePtr<TensorMap>, hidden: DevicePtr<TensorMap> },
-}
-
-/// Bytes at the start of a workspace that hold a call's two tensor maps.
-const WORKSPACE_MAPS_BYTES: usize = 2 * TENSOR_MAP_BYTES;
 
 /// The GPU sampling kernels loaded in one context; calls queue them on any stream of it.
 ///
 /// `Send` and `Sync`: several threads and streams may sample with one `StreamSampler` at once,
 /// each call with its own workspace.
+///
+/// ```no_run
+/// use flashsample::cudarc::driver::CudaContext;
+/// use flashsample::{
+///     Batch, DeviceBatch, DeviceMatrix, Draws, ModuleChoice, OutputSlice, Request, SamplingParams, StreamSampler,
+///     StreamWorkspace, Target,
+/// };
+/// let context = CudaContext::new(0)?;
+/// let stream = context.new_stream()?;
+/// let sampler = StreamSampler::on_context(&context, ModuleChoice::Auto)?;
+/// let (vocab, dim, rows) = (32_000, 1024, 4);
+/// // The model's buffers: W, H, and room for the tokens.
+/// let w = stream.clone_htod(&vec![flashsample::half::bf16::from_f32(0.01); vocab * dim])?;
+/// let h = stream.clone_htod(&vec![flashsample::half::bf16::from_f32(1.0); rows * dim])?;
+/// let mut tokens = stream.alloc_zeros::<u32>(rows)?;
+/// let batch = Batch::new((0..rows as u32).map(|r| SamplingParams::new(0.8, 7, r, 0)).collect());
+/// let batch = DeviceBatch::upload(&stream, &batch, vocab)?;
+/// let mut workspace = StreamWorkspace::new();
+/// let request = Request {
+///     lm_head: DeviceMatrix::of_slice(&w, &stream, vocab, dim)?,
+///     hidden: DeviceMatrix::of_slice(&h, &stream, rows, dim)?,
+///     batch: batch.view(&stream),
+///     draws: Draws::first(1),
+///     shard: None,
+/// };
+/// let target = Target::tokens(OutputSlice::of_slice(&mut tokens, &stream));
+/// sampler.enqueue_on(&stream, &request, &target, &mut workspace)?; // queued, not waited for
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct StreamSampler {
-    /// `None` only during [`StreamSampler::close`] and drop.
-    module: Option<LoadedModule>,
-    context: sys::CUcontext,
-    device_name: String,
-    multiprocessors: u32,
-    compute_capability: (u32, u32),
+    kernels: Kernels,
     /// Keeps a cudarc context alive for samplers made by [`StreamSampler::on_context`].
     _context_owner: Option<Arc<CudaContext>>,
 }
-
-// SAFETY: the context handle and the loaded module may be used from any thread that makes the
-// context current, which every call does; nothing is mutated after construction.
-unsafe impl Send for StreamSampler {}
-// SAFETY: as above; calls only read the kernel table and queue launches.
-unsafe impl Sync for StreamSampler {}
 
 impl StreamSampler {
     /// Loads the kernels into the caller's CUDA context: the module for its device, or the one
@@ -219,53 +80,9 @@ impl StreamSampler {
     /// `context` is a live `CUcontext` that outlives the sampler (for a primary context: keep
     /// it retained). The sampler unloads its module from it on [`StreamSampler::close`] or drop.
     pub unsafe fn new(context: *mut c_void, choice: ModuleChoice) -> Result<StreamSampler> {
-        super::sampler::cuda_device_count()?;
-        let context: sys::CUcontext = context.cast();
-        if context.is_null() {
-            return Err(invalid("context", "null: a live CUDA context is needed"));
-        }
         // SAFETY: per this function's contract.
-        unsafe {
-            driver::in_context(context, || {
-                let mut device = 0;
-                driver::check("cuCtxGetDevice", sys::cuCtxGetDevice(&mut device).result())?;
-                let attribute = |what: &str, attribute| {
-                    driver::check(
-                        &format!("cuDeviceGetAttribute({what})"),
-                        cudarc::driver::result::device::get_attribute(device, attribute),
-                    )
-                    .map(|value| value as u32)
-                };
-                use sys::CUdevice_attribute as A;
-                let major = attribute("COMPUTE_CAPABILITY_MAJOR", A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-                let minor = attribute("COMPUTE_CAPABILITY_MINOR", A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-                let multiprocessors = attribute("MULTIPROCESSOR_COUNT", A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-                let device_name = driver::check("cuDeviceGetName", cudarc::driver::result::device::get_name(device))?;
-                let module = LoadedModule::load(context, choice.resolve(major, minor)?)?;
-                Ok(StreamSampler {
-                    module: Some(module),
-                    context,
-                    device_name,
-                    multiprocessors,
-                    compute_capability: (major, minor),
-                    _context_owner: None,
-                })
-            })
-        }
-    }
-
-    /// The kernels of `module` on an H200-like device (132 multiprocessors) with no context,
-    /// for tests that record launches instead of making them (`driver::trace`).
-    #[cfg(test)]
-    pub(crate) fn recording(module: Module) -> StreamSampler {
-        StreamSampler {
-            module: Some(LoadedModule::recording(module)),
-            context: std::ptr::null_mut(),
-            device_name: "recording".into(),
-            multiprocessors: 132,
-            compute_capability: (9, 0),
-            _context_owner: None,
-        }
+        let kernels = unsafe { Kernels::load(context.cast(), choice)? };
+        Ok(StreamSampler { kernels, _context_owner: None })
     }
 
     /// As [`StreamSampler::new`] on a cudarc context, which the sampler keeps alive.
@@ -276,166 +93,221 @@ impl StreamSampler {
         Ok(sampler)
     }
 
+    /// The kernels of `module` with no context, for tests that record launches instead of
+    /// making them.
+    #[cfg(test)]
+    pub(crate) fn recording(module: Module) -> StreamSampler {
+        StreamSampler { kernels: Kernels::recording(module), _context_owner: None }
+    }
+
     /// The raw context the kernels are loaded in.
     pub fn context(&self) -> *mut c_void {
-        self.context.cast()
+        self.kernels.context.cast()
     }
 
+    /// The device's name.
     pub fn device_name(&self) -> &str {
-        &self.device_name
+        &self.kernels.device_name
     }
 
+    /// The device's multiprocessors.
     pub fn multiprocessors(&self) -> u32 {
-        self.multiprocessors
+        self.kernels.multiprocessors
     }
 
     /// The device's compute capability (major, minor).
     pub fn compute_capability(&self) -> (u32, u32) {
-        self.compute_capability
+        self.kernels.compute_capability
     }
 
     /// The PTX module the kernels come from.
     pub fn module(&self) -> Module {
-        self.loaded().module
+        self.kernels.module()
     }
 
-    fn loaded(&self) -> &LoadedModule {
-        self.module.as_ref().expect("the module is unloaded only by close and drop")
+    pub(crate) fn kernels(&self) -> &Kernels {
+        &self.kernels
     }
 
-    /// Workspace bytes a call with these shapes needs (the candidates of its largest pass and
-    /// room for two tensor maps); at most a few hundred MiB, however many draws.
-    pub fn workspace_bytes(
-        &self,
-        lm_head: &DeviceMatrix,
-        hidden: &DeviceMatrix,
-        samples: u32,
-        variant: Variant,
-    ) -> Result<usize> {
-        Ok(self.plan_shape(lm_head, hidden, samples, variant)?.workspace_bytes)
+    /// Checks `request` and `target` and plans the call: the path it takes, its workspace and
+    /// its segments. Every rule is checked here, before anything is queued, as a typed error
+    /// that names the argument.
+    pub fn plan(&self, request: &Request, target: &Target) -> Result<Plan> {
+        Plan::new(&self.kernels, request, target, Variant::Auto)
     }
 
-    /// Checks `request` and plans it: what [`StreamSampler::enqueue`] runs and the workspace it
-    /// needs, computed once per call.
-    pub(crate) fn plan_call(&self, request: &SampleRequest) -> Result<CallPlan> {
-        let samples = check_request(request)?;
-        let plan = self.plan_shape(&request.lm_head, &request.hidden, samples, request.variant)?;
-        if request.processing.is_some() && !plan.variant.fused_kernel(request.lm_head.dtype).applies_processing() {
-            return Err(invalid(
-                "variant",
-                format!("{:?} does not apply per-row processing (no registers to spare); use another", plan.variant),
-            ));
-        }
-        Ok(plan)
+    /// [`StreamSampler::plan`] with the tile `variant` forced (tests and benchmarks compare
+    /// the tiles).
+    #[cfg(feature = "internals")]
+    pub fn plan_with_variant(&self, request: &Request, target: &Target, variant: Variant) -> Result<Plan> {
+        Plan::new(&self.kernels, request, target, variant)
     }
 
-    fn plan_shape(
-        &self,
-        lm_head: &DeviceMatrix,
-        hidden: &DeviceMatrix,
-        samples: u32,
-        variant: Variant,
-    ) -> Result<CallPlan> {
-        let variant = self.resolve(lm_head, hidden, variant)?;
-        let tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
-        let passes = Plan::new(hidden.rows, samples as usize, tiles, CANDIDATE_BUDGET_BYTES);
-        let workspace_bytes = WORKSPACE_MAPS_BYTES + passes.candidate_pairs() * tiles * size_of::<Candidate>();
-        Ok(CallPlan { variant, tiles, passes, samples, workspace_bytes })
-    }
-
-    fn resolve(&self, lm_head: &DeviceMatrix, hidden: &DeviceMatrix, variant: Variant) -> Result<Variant> {
-        let aligned = lm_head.rows_16_byte_aligned() && hidden.rows_16_byte_aligned();
-        variant.resolve_aligned(self.module(), lm_head.dtype, lm_head.cols, hidden.rows, aligned)
-    }
-
-    /// Queues one sampling call on the caller's `stream`: `request.tokens` holds the tokens
-    /// once the stream reaches the end of the call. The caller's context is made current and
-    /// the thread's previous context restored; nothing is allocated and nothing waits.
-    /// Invalid shapes, strides, alignments or a small workspace are typed errors that name the
-    /// argument, before anything is queued.
+    /// Queues segment `segment` of `plan` on the caller's `stream` and returns the exchange
+    /// every shard of the call makes before its next segment ([`Exchange`]; `None` when there
+    /// is none). An unsharded call has one segment; a sharded one runs stage 1 (in several
+    /// segments when rows truncate over several shards), the gather of the parts, then the
+    /// merge ([`Plan::segments`]). The caller's context is made current and the thread's
+    /// previous context restored; nothing is allocated and nothing waits, so a CUDA graph can
+    /// capture it.
     ///
     /// # Safety
     /// - `stream` is a live stream of this sampler's context, or `CU_STREAM_PER_THREAD` (the
     ///   calling thread's per-thread default stream: the work then orders with what this
     ///   thread queued there, so call from the thread that queues the model's work), or null
     ///   (the legacy default stream).
-    /// - Extents: `W` holds `V` rows and `H` `B` rows of `row_stride` elements each (the last
-    ///   row `cols` elements), `row_params` `B` [`RowParams`], `tokens` `B · draws.count` u32,
-    ///   `workspace` its `bytes`; all are device memory of this context (or mapped into it).
-    /// - Lifetimes: every buffer (the `DeviceProcessing` behind `processing` included) stays
-    ///   allocated, and `W`, `H`, the row parameters and the processing stay unchanged, until
-    ///   `stream` has run past this call's work (the caller's later work on
-    ///   the same stream may free or rewrite them).
-    /// - Streams: no other stream writes `W`, `H` or the row parameters, or touches `tokens`
-    ///   or `workspace`, until `stream` has run past this call's work, unless the caller
-    ///   orders it after with an event. A workspace serves one stream at a time.
-    pub unsafe fn sample(
+    /// - Lifetimes: the memory the planned request and target named (the raw views'
+    ///   contracts), the [`DeviceBatch`] behind the request, and `workspace` (its `bytes`)
+    ///   stay allocated, and `W`, `H` and the batch stay unchanged, until `stream` has run
+    ///   past the call's last segment.
+    /// - Streams: no other stream writes `W`, `H` or the batch, or touches the outputs or the
+    ///   workspace, until `stream` has run past the call, unless the caller orders it after
+    ///   with an event. A workspace serves one stream at a time, and no other call touches it
+    ///   between two segments of a call.
+    /// - Segments run in order, each after the exchanges before it have completed on
+    ///   `stream`.
+    /// - A plan that reads stored maps ([`Plan::with_stored_maps`]) follows, on the same
+    ///   workspace, a call that wrote them for the same `W` and `H` (same memory, shapes and
+    ///   strides) and the same plan, with nothing else written there between.
+    pub unsafe fn enqueue(
         &self,
         stream: *mut c_void,
-        request: &SampleRequest,
+        plan: &Plan,
         workspace: DeviceWorkspace,
-    ) -> Result<()> {
-        let plan = self.plan_call(request)?;
-        // SAFETY: per this function's contract.
-        unsafe { self.sample_planned(stream.cast(), request, &plan, workspace) }
-    }
-
-    /// [`StreamSampler::sample`] of a request already planned by [`StreamSampler::plan_call`].
-    ///
-    /// # Safety
-    /// As [`StreamSampler::sample`]; `plan` is `request`'s.
-    pub(crate) unsafe fn sample_planned(
-        &self,
-        stream: sys::CUstream,
-        request: &SampleRequest,
-        plan: &CallPlan,
-        workspace: DeviceWorkspace,
-    ) -> Result<()> {
+        segment: usize,
+    ) -> Result<Option<Exchange>> {
         // SAFETY: per this function's contract.
         unsafe {
-            driver::in_context(self.context, || self.enqueue(stream, request, plan, TensorMaps::Store, workspace))
-        }
-    }
-
-    /// As [`StreamSampler::sample`], reading the tensor maps the workspace already holds
-    /// instead of writing them first: two launches instead of three on the Hopper module's TMA
-    /// tiles (elsewhere the same as `sample`). A decode loop whose `W` and `H` buffers stay put
-    /// (as under CUDA graphs) calls `sample` once and this afterwards.
-    ///
-    /// # Safety
-    /// As [`StreamSampler::sample`]; further, the last call that wrote maps into `workspace`
-    /// (a `sample` on it, ordered before this call) was for the same `lm_head`, `hidden` and
-    /// variant (the same matrices, strides and B): otherwise the kernels read another call's
-    /// matrices.
-    pub unsafe fn sample_with_stored_maps(
-        &self,
-        stream: *mut c_void,
-        request: &SampleRequest,
-        workspace: DeviceWorkspace,
-    ) -> Result<()> {
-        let plan = self.plan_call(request)?;
-        let destination = DevicePtr::<TensorMap>::new(workspace.address);
-        let maps = TensorMaps::Resident { lm_head: destination, hidden: destination.add(1) };
-        // SAFETY: per this function's contract; `enqueue` checks the workspace's size and
-        // alignment before it reads the maps' slot.
-        unsafe { driver::in_context(self.context, || self.enqueue(stream.cast(), request, &plan, maps, workspace)) }
-    }
-
-    /// Queues `row_params[b].step += by` (wrapping) for `b < batch` on `stream`: a decode loop
-    /// (or a replayed CUDA graph) that reads its step from device memory draws fresh noise.
-    ///
-    /// # Safety
-    /// As [`StreamSampler::sample`], for `row_params` holding `batch` row parameters.
-    pub unsafe fn advance_steps(&self, stream: *mut c_void, row_params: u64, batch: usize, by: u32) -> Result<()> {
-        check_address("row_params", row_params, align_of::<RowParams>())?;
-        let batch = u32::try_from(batch).map_err(|_| invalid("batch", format!("{batch}: must be < 2^32")))?;
-        let args = AdvanceStepsArgs { row_params: DevicePtr::new(row_params), batch, by };
-        // SAFETY: per this function's contract.
-        unsafe {
-            driver::in_context(self.context, || {
-                self.launch(stream.cast(), Kernel::AdvanceSteps, (batch as u64).div_ceil(256), &args)
+            driver::in_context(self.kernels.context, || {
+                self.kernels.enqueue_segment(stream.cast(), plan, workspace, segment)
             })
         }
+    }
+
+    /// Queues the call `request` → `target` on `stream`, every segment of it: the safe layer
+    /// over cudarc's handles. The views of the request and target must have been made for
+    /// `stream` (or from raw or owned memory). The workspace grows on `stream` to what the
+    /// call needs; under CUDA graph capture it must already have (reserve it first with
+    /// [`StreamWorkspace::reserve`]), since an allocation made during capture would belong to
+    /// the graph. A workspace remembers the tensor maps it holds, so a decode loop over the
+    /// same `W` and `H` writes them once. Requests sharded over several shards exchange
+    /// between their segments: [`crate::TensorParallelRank`] queues those.
+    pub fn enqueue_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        request: &Request,
+        target: &Target,
+        workspace: &mut StreamWorkspace,
+    ) -> Result<()> {
+        // SAFETY: the views' memory is borrowed (or promised by their raw contracts) for as
+        // long as they live, which covers this call; a plan that exchanges is refused.
+        unsafe { self.enqueue_with(stream, request, target, workspace, Variant::Auto, None) }
+    }
+
+    /// [`StreamSampler::enqueue_on`] with the tile `variant` forced.
+    #[cfg(feature = "internals")]
+    pub fn enqueue_on_with_variant(
+        &self,
+        stream: &Arc<CudaStream>,
+        request: &Request,
+        target: &Target,
+        workspace: &mut StreamWorkspace,
+        variant: Variant,
+    ) -> Result<()> {
+        // SAFETY: as `enqueue_on`.
+        unsafe { self.enqueue_with(stream, request, target, workspace, variant, None) }
+    }
+
+    /// Plans `request` → `target` with `variant` and queues every segment on `stream`,
+    /// handing each exchange to `exchange`; without one, a plan that exchanges is refused
+    /// before anything is queued.
+    ///
+    /// # Safety
+    /// `exchange` completes each exchange on `stream`.
+    pub(crate) unsafe fn enqueue_with(
+        &self,
+        stream: &Arc<CudaStream>,
+        request: &Request,
+        target: &Target,
+        workspace: &mut StreamWorkspace,
+        variant: Variant,
+        mut exchange: Option<&mut dyn FnMut(Exchange) -> Result<()>>,
+    ) -> Result<()> {
+        if stream.context().cu_ctx() != self.kernels.context {
+            return Err(invalid("stream", "belongs to another context than the sampler's"));
+        }
+        let ours = Some(stream.cu_stream());
+        let views = [
+            ("request.lm_head", request.lm_head.stream),
+            ("request.hidden", request.hidden.stream),
+            ("request.batch", request.batch.stream),
+            ("target.tokens", target.tokens.stream),
+            ("target.logprobs", target.logprobs.as_ref().and_then(|s| s.stream)),
+            ("target.top_logprobs", target.top_logprobs.as_ref().and_then(|s| s.stream)),
+            ("target.parts", target.parts.as_ref().and_then(|s| s.stream)),
+        ];
+        if let Some((what, _)) = views.iter().find(|(_, made_for)| made_for.is_some() && *made_for != ours) {
+            return Err(invalid(*what, "a view made for another stream: make it for the stream the call runs on"));
+        }
+        let plan = Plan::new(&self.kernels, request, target, variant)?;
+        if exchange.is_none() && plan.exchanges() {
+            return Err(invalid(
+                "request.shard",
+                "a request sharded over several shards exchanges between its segments: queue it with TensorParallelRank",
+            ));
+        }
+        let capturing = driver::check("cuStreamGetCaptureInfo", stream.capture_status())?
+            != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // cudarc's own calls bind its context; the scope returns the caller's afterwards.
+        // SAFETY: the sampler's context lives as long as the sampler.
+        let scope = unsafe { driver::ContextScope::enter(self.kernels.context)? };
+        let (space, plan) = workspace.prepare(stream, plan, capturing)?;
+        let call = Planned { kernels: &self.kernels, stream: stream.cu_stream(), plan, workspace: space };
+        // SAFETY: the views' memory lives through the call (this function's contract and the
+        // views' own); the workspace is this stream's, sized by the plan, and its stored maps
+        // are the ones `prepare` vouched for.
+        let queued = unsafe {
+            drive(std::slice::from_ref(&call), |ended| match exchange.as_mut() {
+                Some(exchange) => ended.iter().try_for_each(|&(_, x)| exchange(x)),
+                None => Err(invalid("request.shard", "exchanges with no collective to make them")),
+            })
+        };
+        if queued.is_err() {
+            workspace.forget_maps();
+        }
+        queued.and(scope.leave())
+    }
+
+    /// Queues `row_params[b].step += by` (wrapping) for the `rows` rows at `row_params` on
+    /// `stream`: a decode loop (or a replayed CUDA graph) that reads its step from device
+    /// memory draws fresh noise.
+    ///
+    /// # Safety
+    /// As [`StreamSampler::enqueue`], for `row_params` holding `rows` [`RowParams`].
+    pub unsafe fn advance_steps(&self, stream: *mut c_void, row_params: u64, rows: usize, by: u32) -> Result<()> {
+        check_address("row_params", row_params, align_of::<RowParams>())?;
+        let rows = u32::try_from(rows).map_err(|_| invalid("rows", format!("{rows}: must be < 2^32")))?;
+        let args = AdvanceStepsArgs { row_params: DevicePtr::new(row_params), batch: rows, by };
+        // SAFETY: per this function's contract.
+        unsafe {
+            driver::in_context(self.kernels.context, || {
+                self.kernels.launch(stream.cast(), Kernel::AdvanceSteps, (rows as u64).div_ceil(256), &args)
+            })
+        }
+    }
+
+    /// Queues `batch`'s steps `+= by` on `stream` (see [`StreamSampler::advance_steps`]): the
+    /// safe form, for a batch of this context.
+    pub fn advance_steps_on(&self, stream: &Arc<CudaStream>, batch: &mut DeviceBatch, by: u32) -> Result<()> {
+        if stream.context().cu_ctx() != self.kernels.context {
+            return Err(invalid("stream", "belongs to another context than the sampler's"));
+        }
+        let rows = batch.rows();
+        let address = batch.row_params().address();
+        let _write = batch.row_params_written_on(stream);
+        // SAFETY: the batch holds `rows` row parameters of this context, borrowed mutably here,
+        // and its memory is freed on its stream after the work queued before.
+        unsafe { self.advance_steps(stream.cu_stream().cast(), address, rows, by) }
     }
 
     /// Queues `count` values of `dtype`, uniform in `[-scale, scale)` and drawn from Philox
@@ -443,522 +315,156 @@ impl StreamSampler {
     /// for benchmarks, tests and examples (the same seed gives the same values).
     ///
     /// # Safety
-    /// As [`StreamSampler::sample`], for `address` holding `count` elements of `dtype` that no
+    /// As [`StreamSampler::enqueue`], for `address` holding `count` elements of `dtype` that no
     /// other stream touches until `stream` has run the fill.
+    #[cfg(any(test, feature = "internals"))]
     pub unsafe fn fill_uniform(
         &self,
         stream: *mut c_void,
         address: u64,
         count: usize,
-        dtype: DType,
+        dtype: crate::DType,
         seed: u64,
         scale: f32,
     ) -> Result<()> {
+        use flashsample_core::abi::FillArgs;
         check_address("fill", address, dtype.bytes())?;
         let args = FillArgs { out: DevicePtr::new(address), count: count as u64, seed, scale, padding: 0 };
-        let kernel = Kernel::FillUniform { element: element_type(dtype) };
+        let kernel = Kernel::FillUniform { element: super::dispatch::element_type(dtype) };
         // SAFETY: per this function's contract.
         unsafe {
-            driver::in_context(self.context, || {
-                self.launch(stream.cast(), kernel, count.div_ceil(4 * 256) as u64, &args)
+            driver::in_context(self.kernels.context, || {
+                self.kernels.launch(stream.cast(), kernel, count.div_ceil(4 * 256) as u64, &args)
             })
         }
-    }
-
-    /// [`StreamSampler::sample`] over cudarc buffers on a cudarc stream of this sampler's
-    /// context: `W` is `lm_head` as `[vocab, lm_head.len() / vocab]`, `H` is `hidden` as
-    /// `[rows.rows(), D]`, `tokens` gets `[B, draws.count]`. The workspace grows on `stream` to
-    /// what the call needs (once per new largest shape: under CUDA graph capture, ensure it
-    /// first, or the growth becomes an allocation the graph owns). cudarc's event tracking,
-    /// where the context has it, orders the buffers' use with their other streams.
-    #[allow(clippy::too_many_arguments)]
-    pub fn sample_slices<T: DeviceElement>(
-        &self,
-        stream: &Arc<CudaStream>,
-        lm_head: &CudaSlice<T>,
-        vocab: usize,
-        hidden: &CudaSlice<T>,
-        rows: &DeviceRows,
-        draws: Draws,
-        variant: Variant,
-        tokens: &mut CudaSlice<u32>,
-        workspace: &mut StreamWorkspace,
-    ) -> Result<()> {
-        if stream.context().cu_ctx() != self.context {
-            return Err(invalid("stream", "belongs to another context than the sampler's"));
-        }
-        if vocab == 0 || !lm_head.len().is_multiple_of(vocab) {
-            return Err(invalid("lm_head", format!("{} elements are not [vocab = {vocab}, D] rows", lm_head.len())));
-        }
-        let dim = lm_head.len() / vocab;
-        let batch = rows.rows();
-        if hidden.len() != batch * dim {
-            return Err(invalid("hidden", format!("{} elements for B = {batch} rows of D = {dim}", hidden.len())));
-        }
-        let needed = batch.saturating_mul(draws.count as usize);
-        if tokens.len() < needed {
-            return Err(invalid(
-                "tokens",
-                format!("room for {} tokens, the call writes B x N = {needed}", tokens.len()),
-            ));
-        }
-        // cudarc's own calls below bind its context; the scope returns the caller's afterwards.
-        // SAFETY: the sampler's context lives as long as the sampler.
-        let scope = unsafe { driver::ContextScope::enter(self.context)? };
-        let (w, _w_use) = lm_head.device_ptr(stream);
-        let (h, _h_use) = hidden.device_ptr(stream);
-        let (t, _t_use) = tokens.device_ptr_mut(stream);
-        let _rows_use = rows.used_on(stream);
-        let request = SampleRequest {
-            lm_head: DeviceMatrix::contiguous(w, vocab, dim, T::DTYPE),
-            hidden: DeviceMatrix::contiguous(h, batch, dim, T::DTYPE),
-            row_params: rows.address(),
-            tokens: t,
-            draws,
-            variant,
-            processing: None,
-            shard: None,
-        };
-        let plan = self.plan_call(&request)?;
-        let workspace = workspace.ensure(stream, plan.workspace_bytes)?;
-        // SAFETY: the slices hold the extents checked above and live until the guards drop
-        // (cudarc frees them on their stream, after this work); the stream belongs to this
-        // sampler's context; the workspace is this stream's.
-        let queued = unsafe { self.sample_planned(stream.cu_stream(), &request, &plan, workspace) };
-        queued.and(scope.leave())
-    }
-
-    /// Queues the kernels of a planned request on `stream`; the context is current.
-    ///
-    /// # Safety
-    /// As [`StreamSampler::sample`]; `plan` is `request`'s ([`StreamSampler::plan_call`]);
-    /// `maps`, when resident, describe `W` and `H` for the plan's variant's boxes and live until
-    /// the stream has run the call.
-    pub(crate) unsafe fn enqueue(
-        &self,
-        stream: sys::CUstream,
-        request: &SampleRequest,
-        plan: &CallPlan,
-        maps: TensorMaps,
-        workspace: DeviceWorkspace,
-    ) -> Result<()> {
-        // SAFETY: per this function's contract.
-        unsafe {
-            self.enqueue_tiles(stream, request, plan, maps, workspace, ReduceTarget::of(request), DevicePtr::NULL)
-        }
-    }
-
-    /// Queues the tile kernel and the merge kernel of a planned request, the merge kernel
-    /// writing into `target`; with `tile_sums` (`[B, tiles]` terms) not null, the tile kernel
-    /// writes each (row, tile)'s log-sum-exp terms there in the pass of the row's first draws.
-    ///
-    /// # Safety
-    /// As [`StreamSampler::enqueue`]; `target` holds `B · draws.count` slots (and its terms `B`
-    /// rows), `tile_sums` (if not null) `B · tiles` terms and the plan's variant writes them
-    /// (`Kernel::writes_tile_sums`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn enqueue_tiles(
-        &self,
-        stream: sys::CUstream,
-        request: &SampleRequest,
-        plan: &CallPlan,
-        maps: TensorMaps,
-        workspace: DeviceWorkspace,
-        target: ReduceTarget,
-        tile_sums: DevicePtr<RowSums>,
-    ) -> Result<()> {
-        let vocab_offset = request.shard.map_or(0, |shard| shard.vocab_offset as u32);
-        let CallPlan { variant, tiles, samples, workspace_bytes: needed, .. } = *plan;
-        let (lm_head, hidden) = (&request.lm_head, &request.hidden);
-        self.check_workspace(workspace, needed)?;
-        let kernel = variant.fused_kernel(lm_head.dtype);
-        // SAFETY: the workspace is checked above; the maps per this function's contract.
-        let maps = unsafe { self.tensor_maps(stream, variant, lm_head, hidden, maps, workspace)? };
-        let candidates = DevicePtr::<Candidate>::new(workspace.address + WORKSPACE_MAPS_BYTES as u64);
-        let element_bytes = lm_head.dtype.bytes() as u64;
-        let row_params = DevicePtr::<RowParams>::new(request.row_params);
-        let processing = DevicePtr::<RowProcessing>::new(request.processing.map_or(0, |p| p.address));
-        // SAFETY: the candidates of the largest pass fit the workspace (checked above); the row
-        // parameters and tokens hold the request's extents (`sample`'s contract).
-        unsafe {
-            self.queue_passes(stream, &plan.passes, tiles, row_params, candidates, target, samples, |pass, launch| {
-                // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
-                let draw_offset = request.draws.first + pass.first_sample as u32;
-                let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
-                // The terms are written once per row, in the pass of its first draws.
-                let tile_sums = match pass.first_sample {
-                    0 => tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
-                    _ => DevicePtr::NULL,
-                };
-                if let Some((lm_head_map, hidden_map)) = maps {
-                    let args = TmaArgs {
-                        lm_head_map,
-                        hidden_map,
-                        row_params: launch.row_params,
-                        out: candidates.cast(),
-                        // A pass's rows start at its first row, in the processing blocks as in
-                        // the row parameters.
-                        processing: processing.add_unless_null(pass.first_row as u64),
-                        tile_sums,
-                        vocab: lm_head.rows as u32,
-                        dim: lm_head.cols as u32,
-                        batch: launch.batch,
-                        hidden_row0: pass.first_row as u32,
-                        draw_offset,
-                        samples: pass.samples as u32,
-                        tiles: tiles as u32,
-                        logits_stride: 0,
-                        vocab_offset,
-                        padding: 0,
-                    };
-                    // SAFETY: the maps describe the request's matrices.
-                    return self.launch(stream, kernel, items, &args);
-                }
-                let first_row_bytes = pass.first_row as u64 * hidden.row_stride as u64 * element_bytes;
-                let args = FusedArgs {
-                    lm_head: DevicePtr::new(lm_head.address),
-                    hidden: DevicePtr::new(hidden.address + first_row_bytes),
-                    row_params: launch.row_params,
-                    candidates,
-                    processing: processing.add_unless_null(pass.first_row as u64),
-                    tile_sums,
-                    vocab: lm_head.rows as u32,
-                    dim: lm_head.cols as u32,
-                    batch: launch.batch,
-                    draw_offset,
-                    samples: pass.samples as u32,
-                    tiles: tiles as u32,
-                    lm_head_stride: lm_head.row_stride as u32,
-                    hidden_stride: hidden.row_stride as u32,
-                    vocab_offset,
-                    padding: 0,
-                };
-                // SAFETY: the matrices hold their extents (`sample`'s contract).
-                self.launch(stream, kernel, items, &args)
-            })
-        }
-    }
-
-    /// A workspace's rules: 64-byte aligned, at least `needed` bytes.
-    fn check_workspace(&self, workspace: DeviceWorkspace, needed: usize) -> Result<()> {
-        check_address("workspace", workspace.address, 64)?;
-        if workspace.bytes < needed {
-            return Err(invalid(
-                "workspace",
-                format!("{} bytes: this call needs {needed} (StreamSampler::workspace_bytes)", workspace.bytes),
-            ));
-        }
-        Ok(())
-    }
-
-    /// The tensor maps a call of `variant` reads (`None` unless TMA): resident ones, or
-    /// `W`'s and `H`'s encoded here and written to the workspace's start on `stream`.
-    ///
-    /// # Safety
-    /// The context is current; the workspace (checked) is only this stream's; resident `maps`
-    /// describe `W` and `H` for the variant's boxes.
-    unsafe fn tensor_maps(
-        &self,
-        stream: sys::CUstream,
-        variant: Variant,
-        lm_head: &DeviceMatrix,
-        hidden: &DeviceMatrix,
-        maps: TensorMaps,
-        workspace: DeviceWorkspace,
-    ) -> Result<Option<processed::MapPair>> {
-        Ok(match (variant.tma_boxes(), maps) {
-            (None, _) => None,
-            (Some(_), TensorMaps::Resident { lm_head, hidden }) => Some((lm_head, hidden)),
-            (Some((rows, columns)), TensorMaps::Store) => {
-                let destination = DevicePtr::<TensorMap>::new(workspace.address);
-                let args = StoreTensorMapsArgs {
-                    destination,
-                    lm_head: tensor_map("lm_head", lm_head, rows, l2_promotion(columns))?.0,
-                    hidden: tensor_map("hidden", hidden, columns, l2_promotion(columns))?.0,
-                };
-                // SAFETY: the workspace starts with room for two 64-byte aligned maps, and only
-                // this stream's work touches it.
-                unsafe { self.launch(stream, Kernel::StoreTensorMaps, 1, &args)? };
-                Some((destination, destination.add(1)))
-            }
-        })
-    }
-
-    /// Queues, for each pass of `plan`, `tile_kernel` (which writes the pass's candidates) and
-    /// the merge kernel into the pass's slots of the `[B, samples]` tokens or winners.
-    ///
-    /// # Safety
-    /// The context is current; `candidates` holds the largest pass's `rows × samples × tiles`
-    /// candidates, `row_params` `B` entries, `target` `B × samples` slots (and its logits, if
-    /// any, `B` rows); `tile_kernel` queues a kernel that writes every candidate of its pass on
-    /// `stream`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn queue_passes(
-        &self,
-        stream: sys::CUstream,
-        plan: &Plan,
-        tiles: usize,
-        row_params: DevicePtr<RowParams>,
-        candidates: DevicePtr<Candidate>,
-        target: ReduceTarget,
-        samples: u32,
-        mut tile_kernel: impl FnMut(&Pass, &TileLaunch) -> Result<()>,
-    ) -> Result<()> {
-        for pass in plan.passes() {
-            let launch = TileLaunch { row_params: row_params.add(pass.first_row as u64), batch: pass.rows as u32 };
-            tile_kernel(&pass, &launch)?;
-            let first_slot = (pass.first_row * samples as usize) as u64;
-            let mut reduce = ReduceArgs {
-                candidates,
-                tokens: DevicePtr::NULL,
-                winners: DevicePtr::NULL,
-                raw: DevicePtr::NULL,
-                processed: DevicePtr::NULL,
-                row_params: launch.row_params,
-                part_sums: DevicePtr::NULL,
-                sums: DevicePtr::NULL,
-                batch: launch.batch,
-                samples: pass.samples as u32,
-                tiles: tiles as u32,
-                draw_offset: pass.first_sample as u32,
-                token_stride: samples,
-                logits_stride: 0,
-                vocab_offset: 0,
-                sum_parts: 0,
-            };
-            match target {
-                ReduceTarget::Tokens(tokens) => reduce.tokens = tokens.add(first_slot),
-                ReduceTarget::Winners(target) => {
-                    let first_logit = pass.first_row as u64 * target.logits_stride as u64;
-                    let first_row = pass.first_row as u64;
-                    reduce.winners = target.winners.add(first_slot);
-                    reduce.raw = target.raw.add_unless_null(first_logit);
-                    reduce.processed = target.processed.add_unless_null(first_logit);
-                    // The terms are merged once per row, in the pass of its first draws.
-                    if pass.first_sample == 0 {
-                        reduce.part_sums = target.part_sums.add_unless_null(first_row * target.sum_parts as u64);
-                        reduce.sum_parts = target.sum_parts;
-                        reduce.sums = target.sums.add_unless_null(first_row);
-                    }
-                    (reduce.logits_stride, reduce.vocab_offset) = (target.logits_stride, target.vocab_offset);
-                }
-            }
-            // SAFETY: the tile kernel just wrote `rows × samples × tiles` candidates; the tokens
-            // hold `B × samples` slots (this function's contract).
-            unsafe { self.launch(stream, Kernel::ReduceCandidates, (pass.rows * pass.samples) as u64, &reduce)? };
-        }
-        Ok(())
-    }
-
-    /// Launches `kernel` over `items` work items on `stream` with a persistent grid (at most
-    /// one wave); the context is current.
-    ///
-    /// # Safety
-    /// `args` is the kernel's argument block with valid device addresses, `stream` a stream
-    /// of this sampler's context.
-    pub(crate) unsafe fn launch<A: bytemuck::Pod>(
-        &self,
-        stream: sys::CUstream,
-        kernel: Kernel,
-        items: u64,
-        args: &A,
-    ) -> Result<()> {
-        let loaded = self.loaded().kernel(kernel)?;
-        let resident = loaded.blocks_per_multiprocessor as u64 * self.multiprocessors as u64;
-        let grid = items.clamp(1, resident) as u32;
-        // SAFETY: per this function's contract; the launch shape comes from the registry.
-        unsafe { driver::launch(loaded.name, loaded.function, stream, grid, loaded.threads, loaded.shared_bytes, args) }
     }
 
     /// Unloads the kernels from the context and reports the driver's error, if any. Work
     /// already queued must have finished first (the caller synchronises its streams).
-    pub fn close(mut self) -> Result<()> {
-        self.module.take().map_or(Ok(()), LoadedModule::unload)
+    pub fn close(self) -> Result<()> {
+        self.kernels.close()
     }
 }
 
-/// What the tile kernel of one pass reads besides the request's own buffers.
-pub(crate) struct TileLaunch {
-    /// Row parameters of the pass's first row.
-    pub row_params: DevicePtr<RowParams>,
-    /// Rows in the pass.
-    pub batch: u32,
-}
-
-/// A checked request's launch plan ([`StreamSampler::plan_call`]).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CallPlan {
-    /// The resolved tile variant.
-    pub variant: Variant,
-    /// Vocabulary tiles of that variant.
-    pub tiles: usize,
-    pub passes: Plan,
-    /// Draws per row.
-    pub samples: u32,
-    /// The workspace the call needs: its tensor maps and the largest pass's candidates.
-    pub workspace_bytes: usize,
-}
-
-/// The rules of a request that do not depend on the module: shapes, strides, dtypes,
-/// alignments, and draws. Returns the draws per row.
-fn check_request(request: &SampleRequest) -> Result<u32> {
-    let (lm_head, hidden) = (&request.lm_head, &request.hidden);
-    check_head_shape(lm_head.rows, lm_head.cols)?;
-    check_matrix("lm_head", lm_head)?;
-    check_matrix("hidden", hidden)?;
-    let samples = request.draws.check()?.count;
-    // The shape rules every backend applies (B, D, dtypes); one row of parameters per row of H.
-    let head = HeadShape { vocab: lm_head.rows, dim: lm_head.cols, dtype: lm_head.dtype };
-    let hidden_shape = MatrixShape { rows: hidden.rows, cols: hidden.cols, dtype: hidden.dtype };
-    check_request_shape(head, hidden_shape, hidden.rows, "row_params", samples)?;
-    check_address("row_params", request.row_params, align_of::<RowParams>())?;
-    if request.shard.is_none() {
-        check_address("tokens", request.tokens, align_of::<u32>())?;
+impl std::fmt::Debug for StreamSampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSampler")
+            .field("device", &self.device_name())
+            .field("module", &self.module())
+            .field("multiprocessors", &self.multiprocessors())
+            .finish()
     }
-    if hidden.rows.checked_mul(samples as usize).is_none_or(|n| n > u32::MAX as usize) {
-        return Err(invalid("samples", format!("B x samples = {} x {samples} tokens: must be < 2^32", hidden.rows)));
+}
+
+impl std::fmt::Debug for StreamWorkspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamWorkspace")
+            .field("space", &self.space)
+            .field("maps_stored", &self.maps.is_some())
+            .finish()
     }
-    let vocab = match request.shard {
-        Some(shard) => {
-            check_shard(shard.vocab_offset, lm_head.rows, shard.vocab)?;
-            check_address("shard.winners", shard.winners, align_of::<ShardWinner>())?;
-            shard.vocab
-        }
-        None => lm_head.rows,
-    };
-    if let Some(p) = request.processing
-        && (p.rows != hidden.rows || p.vocab != vocab)
-    {
-        return Err(invalid(
-            "processing",
-            format!("made for B = {}, V = {}; the request has B = {}, V = {vocab}", p.rows, p.vocab, hidden.rows),
-        ));
-    }
-    Ok(samples)
 }
 
-/// The rules of a vocabulary shard of `rows` tokens at `vocab_offset` in a vocabulary of
-/// `vocab`.
-pub(crate) fn check_shard(vocab_offset: usize, rows: usize, vocab: usize) -> Result<()> {
-    if !vocab_offset.is_multiple_of(SHARD_ALIGNMENT as usize) {
-        return Err(invalid(
-            "shard.vocab_offset",
-            format!("{vocab_offset}: must be a multiple of {SHARD_ALIGNMENT} (one Philox block of 4 tokens)"),
-        ));
-    }
-    if vocab_offset.checked_add(rows).is_none_or(|end| end > vocab) {
-        return Err(invalid(
-            "shard.vocab_offset",
-            format!("{vocab_offset} + {rows} rows: the shard must lie inside the vocabulary of V = {vocab}"),
-        ));
-    }
-    if vocab > MAX_VOCAB {
-        return Err(invalid("shard.vocab", format!("V = {vocab}: must be < 2^31")));
-    }
-    Ok(())
-}
-
-fn check_matrix(what: &str, matrix: &DeviceMatrix) -> Result<()> {
-    check_address(what, matrix.address, matrix.dtype.bytes())?;
-    if matrix.row_stride < matrix.cols || matrix.row_stride > u32::MAX as usize {
-        return Err(invalid(
-            what,
-            format!("row stride {}: must be at least the {} columns and below 2^32", matrix.row_stride, matrix.cols),
-        ));
-    }
-    Ok(())
-}
-
-fn check_address(what: &str, address: u64, alignment: usize) -> Result<()> {
-    if address == 0 || !address.is_multiple_of(alignment as u64) {
-        return Err(invalid(what, format!("address {address:#x}: must be non-null and {alignment}-byte aligned")));
-    }
-    Ok(())
-}
-
-/// The tensor map of `matrix` for boxes of `box_rows` rows with L2 `promotion` (a tile of
-/// `columns` columns wants [`l2_promotion`]`(columns)`).
-pub(crate) fn tensor_map(
-    what: &str,
-    matrix: &DeviceMatrix,
-    box_rows: u32,
-    promotion: L2Promotion,
-) -> Result<TensorMap> {
-    let element = match matrix.dtype {
-        DType::BF16 => TensorMapElement::Bf16,
-        DType::F16 => TensorMapElement::F16,
-        DType::F32 => return Err(invalid(what, "no TMA descriptor: the TMA kernels need BF16 or F16")),
-    };
-    driver::encode_tensor_map_2d(
-        what,
-        element,
-        matrix.address,
-        matrix.rows,
-        matrix.cols,
-        matrix.row_stride,
-        box_rows,
-        flashsample_core::abi::TMA_K_BLOCK,
-        promotion,
-    )
-}
-
-/// An element type the kernels read from cudarc buffers.
-pub trait DeviceElement: cudarc::driver::DeviceRepr {
-    const DTYPE: DType;
-}
-
-impl DeviceElement for half::bf16 {
-    const DTYPE: DType = DType::BF16;
-}
-
-impl DeviceElement for half::f16 {
-    const DTYPE: DType = DType::F16;
-}
-
-impl DeviceElement for f32 {
-    const DTYPE: DType = DType::F32;
-}
-
-/// A grow-only workspace for the calls on one stream ([`StreamSampler::sample_slices`]); it
-/// is allocated and freed on that stream, and asked for on another it is made anew there.
+/// A grow-only workspace for the calls on one stream ([`StreamSampler::enqueue_on`]); it is
+/// allocated and freed on that stream, and asked for on another it is made anew there. It
+/// remembers which tensor maps its last call left at the start of its scratch, so that the
+/// next call over the same matrices reads them instead of writing them again.
 #[derive(Default)]
 pub struct StreamWorkspace {
     bytes: Option<CudaSlice<u8>>,
+    /// The allocation's address and size, read once when it is made (so that a call under
+    /// CUDA graph capture makes no cudarc call that waits on events).
+    space: Option<DeviceWorkspace>,
     stream: Option<sys::CUstream>,
+    /// The maps the last call wrote, for which matrices and where.
+    maps: Option<StoredMaps>,
+    /// Set once a call was captured in a graph: a replay may write its maps at any time, so
+    /// none are trusted again.
+    captured: bool,
+}
+
+/// The tensor maps a call left in a workspace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StoredMaps {
+    lm_head: MatrixRef,
+    hidden: MatrixRef,
+    variant: Variant,
+    /// Their offset in the workspace.
+    at: usize,
 }
 
 // SAFETY: the stream handle is only compared, never used to queue work.
 unsafe impl Send for StreamWorkspace {}
 
 impl StreamWorkspace {
+    /// An empty workspace; the first call allocates it.
     pub fn new() -> StreamWorkspace {
         StreamWorkspace::default()
     }
 
-    /// At least `bytes` of workspace on `stream` (contents not kept when it grows).
+    /// At least `bytes` of workspace on `stream` (contents not kept when it grows), for the
+    /// raw layer ([`StreamSampler::enqueue`]). The workspace then forgets its maps: the
+    /// caller may write anything there.
     pub fn ensure(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<DeviceWorkspace> {
-        let other_stream = self.stream != Some(stream.cu_stream());
-        if other_stream || self.bytes.as_ref().is_none_or(|b| b.len() < bytes) {
-            // Freed on the stream that used it, after that stream's work.
-            self.bytes = None;
-            self.stream = Some(stream.cu_stream());
-            // SAFETY: the tile kernels write every candidate the merge reads, and the map
-            // writer writes the maps before the TMA kernel reads them.
-            let slice = unsafe { stream.alloc::<u8>(bytes) };
-            self.bytes = Some(driver::check(&format!("cuMemAllocAsync(workspace, {bytes} bytes)"), slice)?);
-        }
-        let slice = self.bytes.as_ref().expect("just ensured");
-        let (address, _) = slice.device_ptr(stream);
-        Ok(DeviceWorkspace { address, bytes: slice.len() })
+        self.maps = None;
+        self.grow(stream, bytes)
     }
-}
 
-impl Drop for StreamSampler {
-    fn drop(&mut self) {
-        if let Some(module) = self.module.take()
-            && let Err(e) = module.unload()
-        {
-            eprintln!("flashsample: error while dropping StreamSampler (call close to handle it): {e}");
+    /// Grows the workspace on `stream` to what `plan` needs, so that a call captured in a CUDA
+    /// graph allocates nothing.
+    pub fn reserve(&mut self, stream: &Arc<CudaStream>, plan: &Plan) -> Result<()> {
+        self.grow(stream, plan.workspace_bytes()).map(|_| ())
+    }
+
+    fn grow(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<DeviceWorkspace> {
+        match self.space {
+            Some(space) if self.stream == Some(stream.cu_stream()) && space.bytes >= bytes => return Ok(space),
+            _ => {}
         }
+        // Freed on the stream that used it, after that stream's work.
+        (self.bytes, self.space, self.maps) = (None, None, None);
+        self.stream = Some(stream.cu_stream());
+        // SAFETY: the tile kernels write every candidate the merge reads, and the map writer
+        // writes the maps before the TMA kernel reads them.
+        let slice = unsafe { stream.alloc::<u8>(bytes.max(1)) };
+        let slice = driver::check(&format!("cuMemAllocAsync(workspace, {bytes} bytes)"), slice)?;
+        let (address, _) = slice.device_ptr(stream);
+        let space = DeviceWorkspace { address, bytes: slice.len() };
+        (self.bytes, self.space) = (Some(slice), Some(space));
+        Ok(space)
+    }
+
+    /// The workspace for `plan` on `stream` (grown unless `capturing`) and the plan reading
+    /// the maps a call left there when they are this call's; the workspace then records the
+    /// maps this call leaves.
+    fn prepare(&mut self, stream: &Arc<CudaStream>, plan: Plan, capturing: bool) -> Result<(DeviceWorkspace, Plan)> {
+        let fits =
+            self.stream == Some(stream.cu_stream()) && self.space.is_some_and(|s| s.bytes >= plan.workspace_bytes());
+        if capturing && !fits {
+            return Err(invalid(
+                "workspace",
+                "too small for this call under CUDA graph capture: reserve it first (StreamWorkspace::reserve)",
+            ));
+        }
+        let space = self.grow(stream, plan.workspace_bytes())?;
+        let stored = StoredMaps {
+            lm_head: plan.call.lm_head,
+            hidden: plan.call.hidden,
+            variant: plan.path.variant(),
+            at: plan.stage_offset(),
+        };
+        self.captured |= capturing;
+        let writes_maps = plan.maps == TensorMaps::Store && plan.reads_maps();
+        let plan = match (writes_maps, self.maps) {
+            (true, Some(maps)) if maps == stored && !self.captured => plan.with_stored_maps(),
+            _ => plan,
+        };
+        self.maps = (writes_maps && !self.captured).then_some(stored);
+        Ok((space, plan))
+    }
+
+    /// Forgets the stored maps (after a call that may not have written them).
+    fn forget_maps(&mut self) {
+        self.maps = None;
     }
 }

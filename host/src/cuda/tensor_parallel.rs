@@ -1,65 +1,76 @@
-//! Tensor-parallel sampling across the GPUs of one process (feature `nccl`): each GPU holds a
-//! vocabulary shard of the LM head, runs stage 1 of the shard path on it, and NCCL's
-//! all-gather hands every GPU the others' parts (per row and draw a winner with its token's
-//! logits, per row the log-sum-exp terms and top raw entries: a few hundred bytes per row, no
-//! logits); every GPU then runs the shard merge and holds the tokens.
+//! Tensor-parallel sampling (feature `nccl`): each GPU holds a vocabulary shard of the LM
+//! head and runs stage 1 of a sharded call on it; NCCL's all-gather hands every GPU the
+//! others' parts (per row and draw a winner with its token's logits, per row the log-sum-exp
+//! terms and top raw entries: a few hundred bytes per row, no logits); every GPU then merges
+//! them and holds the tokens. Rows with min-p, top-k or top-p run stage 1 in segments, between
+//! which NCCL's all-reduces hand every rank each row's largest logit and its histograms over
+//! the whole vocabulary, so that every rank decides the truncations as the unsharded row does.
 //!
-//! Two ways in: [`TensorParallelSampler`] drives every GPU from one process (one thread), with
-//! its own buffers and streams; [`TensorParallelRank`] is one rank as engines run them, one
-//! process (or thread) per GPU, in borrowed mode on the engine's stream and memory, with a
-//! communicator joined from a shared [`NcclId`] or the engine's own. Both queue the same
-//! three steps: stage 1 into the rank's part of a gather buffer, NCCL's in-place all-gather
-//! (one function for both), the shard merge. Rows with min-p, top-k or top-p run stage 1 in
-//! segments, between which NCCL's all-reduces hand every rank each row's largest logit and
-//! its histograms over the whole vocabulary, so that every rank decides the truncations as
-//! the unsharded row does (`StreamSampler::sample_processed_segment`).
+//! Two ways in, both thin wrappers over the one segment driver with NCCL as its collective:
+//! [`TensorParallelSampler`] drives every GPU from one process (one thread), with its own
+//! buffers and streams, and is a [`Sampler`]; [`TensorParallelRank`] is one rank as engines
+//! run them, one process (or thread) per GPU, in borrowed mode on the engine's stream and
+//! memory, with a communicator joined from a shared [`NcclId`] or the engine's own.
 //!
 //! NCCL is opened at run time (cudarc's loader, by the names `cudarc::get_lib_name_candidates`
 //! gives: `libnccl.so` and the like); a machine without it gets [`Error::Nccl`], never a
 //! panic. A collective that does not finish within the sampler's timeout aborts the
 //! communicators and reports the rank that did not finish.
 
+use std::cell::Cell;
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys;
+use cudarc::driver::{CudaStream, sys};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys as nccl_sys;
 
-use super::buffers::{CudaHidden, CudaLmHead, DeviceRows};
+use super::batch::DeviceBatch;
 use super::driver;
-use super::sampler::{CudaSampler, DeviceProcessing, ProcessedOutputs, ShardHead, ShardParts, ShardsStage, VocabShard};
-use super::stream::{
-    DeviceMatrix, DeviceWorkspace, ProcessedRequest, ProcessedTarget, ProcessingRef, ShardMergeRequest, ShardReduction,
-    StreamSampler, TensorMaps,
-};
-use crate::Variant;
-use crate::cpu::Sampled;
+use super::enqueue::{Planned, drive};
+use super::owned::{CudaHidden, CudaSampler, DeviceOutputs};
+use super::plan::Plan;
+use super::request::{DeviceWorkspace, Exchange, Request, Shard, Target};
+use super::stream::{StreamSampler, StreamWorkspace};
+use crate::batch::Batch;
 use crate::error::{Error, Result, invalid};
-use crate::params::{Draws, HeadShape, SamplingParams, check_processing_rows, check_request};
-use crate::process::Processing;
+use crate::params::{Draws, VocabShard, check_request_shape};
+use crate::sampled::Sampled;
+use crate::sampler::{HeadStorage, LmHead, Owner, Sampler};
 use crate::tensor::Matrix;
-use flashsample_core::abi::{DevicePtr, ShardPartLayout};
 
-/// How long a call waits for its collective and merge before it aborts the communicators.
+/// How long a call waits for its collectives and merge before it aborts the communicators.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A sampler over `N` GPUs of this process, each holding one vocabulary shard of the LM head
-/// (shard bounds: [`VocabShard::bounds`]).
+/// A sampler over `N` GPUs of this process: an LM head it uploads is split by vocabulary into
+/// `N` shards of whole Philox blocks ([`VocabShard::bounds`]), shard `r` on GPU `r`, and every
+/// call runs the sharded path over NCCL. Every rank ends with the same tokens and
+/// log-probabilities, those of the unsharded head.
+///
+/// ```no_run
+/// use flashsample::{Batch, Draws, Elements, Matrix, Sampler, SamplingParams, TensorParallelSampler};
+/// let sampler = TensorParallelSampler::new(&[0, 1])?;
+/// let w = Matrix::new("lm_head", 32_000, 64, Elements::F32(vec![0.01; 32_000 * 64]))?;
+/// let head = sampler.upload_lm_head(&w)?; // 16,000 rows on each GPU
+/// let h = Matrix::new("hidden", 1, 64, Elements::F32(vec![1.0; 64]))?;
+/// let batch = Batch::new(vec![SamplingParams::new(0.8, 1, 0, 0)]);
+/// let sampled = sampler.sample(&head, &h, &batch, Draws::first(4))?;
+/// # Ok::<(), flashsample::Error>(())
+/// ```
 pub struct TensorParallelSampler {
     ranks: Vec<Rank>,
-    vocab: usize,
+    owner: Owner,
     timeout: Duration,
     /// Set once a collective failed or timed out: the communicators are aborted.
-    aborted: bool,
+    aborted: Cell<bool>,
 }
 
-/// One GPU's sampler, shard and communicator.
+/// One GPU's sampler and communicator.
 struct Rank {
     sampler: CudaSampler,
-    head: CudaLmHead,
-    shard: VocabShard,
-    comm: nccl_sys::ncclComm_t,
+    /// Null once aborted or destroyed.
+    comm: Cell<nccl_sys::ncclComm_t>,
 }
 
 /// Whether NCCL can be opened by the names cudarc's loader tries.
@@ -78,38 +89,21 @@ fn nccl_error(rank: Option<usize>, call: &str, error: nccl::NcclError) -> Error 
     Error::Nccl { rank, call: call.to_string(), detail: format!("{:?} ({})", error.0, text.to_string_lossy()) }
 }
 
+/// One rank's inputs and outputs of [`TensorParallelSampler::sample_into`], on its GPU (made
+/// by [`TensorParallelSampler::sampler`]`(r)`).
+pub struct RankInputs<'a> {
+    /// `H`, replicated on every GPU.
+    pub hidden: &'a CudaHidden,
+    /// The batch, replicated on every GPU.
+    pub batch: &'a DeviceBatch,
+    /// Where the rank's tokens go.
+    pub outputs: &'a mut DeviceOutputs,
+}
+
 impl TensorParallelSampler {
-    /// A sampler over the GPUs `devices` (rank `r` on `devices[r]`, each listed once): splits
-    /// `lm_head` into `devices.len()` shards of whole Philox blocks and uploads shard `r` to
-    /// rank `r`, then makes one NCCL communicator per GPU.
-    pub fn new(devices: &[usize], lm_head: &Matrix) -> Result<TensorParallelSampler> {
-        TensorParallelSampler::with_heads(devices, lm_head.rows(), |sampler, rows| {
-            sampler.upload_lm_head(&lm_head.row_range(rows.start, rows.end))
-        })
-    }
-
-    /// As [`TensorParallelSampler::new`] with an LM head of `vocab × dim` uniform values in
-    /// `[-scale, scale)` made on each GPU (each shard drawn under its own seed: benchmarks).
-    pub fn with_random_head(
-        devices: &[usize],
-        vocab: usize,
-        dim: usize,
-        dtype: crate::DType,
-        seed: u64,
-        scale: f32,
-    ) -> Result<TensorParallelSampler> {
-        TensorParallelSampler::with_heads(devices, vocab, |sampler, rows| {
-            sampler.random_lm_head(rows.len(), dim, dtype, seed ^ rows.start as u64, scale)
-        })
-    }
-
-    /// The ranks on `devices`, rank `r`'s shard of a vocabulary of `vocab` made by
-    /// `head(sampler, rows)` on its sampler, then the communicators.
-    fn with_heads(
-        devices: &[usize],
-        vocab: usize,
-        head: impl Fn(&CudaSampler, std::ops::Range<usize>) -> Result<CudaLmHead>,
-    ) -> Result<TensorParallelSampler> {
+    /// A sampler over the GPUs `devices` (rank `r` on `devices[r]`, each listed once), with
+    /// one NCCL communicator per GPU.
+    pub fn new(devices: &[usize]) -> Result<TensorParallelSampler> {
         if devices.is_empty() {
             return Err(invalid("devices", "none: at least one GPU is needed"));
         }
@@ -118,217 +112,184 @@ impl TensorParallelSampler {
                 return Err(invalid(format!("devices[{r}]"), format!("GPU {d} is listed twice: one rank per GPU")));
             }
         }
-        let bounds = VocabShard::bounds(vocab, devices.len())?;
         check_nccl_library()?;
-        let mut ranks = Vec::with_capacity(devices.len());
-        for (r, &device) in devices.iter().enumerate() {
-            let sampler = CudaSampler::on_device(device)?;
-            let head = head(&sampler, bounds[r]..bounds[r + 1])?;
-            let shard = VocabShard { vocab_offset: bounds[r], vocab };
-            ranks.push(Rank { sampler, head, shard, comm: std::ptr::null_mut() });
-        }
+        let samplers = devices.iter().map(|&device| CudaSampler::on_device(device)).collect::<Result<Vec<_>>>()?;
         let ordinals: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
         let mut comms = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: `comms` has room for one communicator per listed device.
         unsafe { nccl::comm_init_all(comms.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr()) }
             .map_err(|e| nccl_error(None, "ncclCommInitAll", e))?;
-        for (rank, comm) in ranks.iter_mut().zip(comms) {
-            rank.comm = comm;
-        }
-        Ok(TensorParallelSampler { ranks, vocab, timeout: DEFAULT_TIMEOUT, aborted: false })
+        let ranks = samplers.into_iter().zip(comms).map(|(sampler, comm)| Rank { sampler, comm: Cell::new(comm) });
+        Ok(TensorParallelSampler {
+            ranks: ranks.collect(),
+            owner: Owner::next(),
+            timeout: DEFAULT_TIMEOUT,
+            aborted: Cell::new(false),
+        })
     }
 
+    /// N, the ranks.
     pub fn ranks(&self) -> usize {
         self.ranks.len()
     }
 
-    /// Rank `r`'s vocabulary shard.
-    pub fn shard(&self, r: usize) -> VocabShard {
-        self.ranks[r].shard
-    }
-
-    /// How long a call waits for the collective and the merge (default [`DEFAULT_TIMEOUT`]).
+    /// How long a call waits for the collectives and the merge (default [`DEFAULT_TIMEOUT`]).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }
 
     /// Rank `r`'s sampler: its device, its stream (every call queues there) and the uploads a
-    /// step's inputs need ([`CudaSampler::upload_hidden`], `upload_rows`, `upload_processing`,
-    /// `shard_parts`, `processed_outputs`).
+    /// step's inputs need ([`CudaSampler::upload_hidden`], [`CudaSampler::upload_batch`],
+    /// [`CudaSampler::outputs`]).
     pub fn sampler(&self, r: usize) -> &CudaSampler {
         &self.ranks[r].sampler
     }
 
-    /// The draws `draws` of each row of `hidden` (replicated to every GPU) with the row's
-    /// processing and log-probabilities: stage 1 on every GPU over its shard (with the
-    /// all-reduces of the truncations), the all-gather of the parts, and the shard merge on
-    /// every GPU. Returns each rank's result (all the same: every rank merges the same parts in
-    /// the same order).
-    pub fn sample(
-        &mut self,
-        hidden: &Matrix,
-        params: &[SamplingParams],
-        processing: &[Processing],
-        draws: Draws,
-    ) -> Result<Vec<Sampled>> {
-        let draws = draws.check()?;
-        let shape = self.ranks[0].head.shape();
-        check_request(HeadShape { vocab: self.vocab, ..shape }, hidden.shape(), params, draws.count)?;
-        check_processing_rows(processing.len(), params.len())?;
-        let (batch, count, world) = (params.len(), draws.count as usize, self.ranks.len());
-        let mut staged = Vec::with_capacity(world);
-        for rank in &self.ranks {
-            let sampler = &rank.sampler;
-            let inputs = (
-                sampler.upload_hidden(hidden)?,
-                sampler.upload_rows(params)?,
-                sampler.upload_processing(processing, self.vocab)?,
-            );
-            let buffers =
-                (sampler.shard_parts(world, batch, count, true)?, sampler.processed_outputs(batch, count, true)?);
-            staged.push((inputs, buffers));
+    /// A head of the ranks' shards (rank `r`'s uploaded by `shard(r)` on its sampler): each
+    /// rank's own head's memory moves into one head of this sampler.
+    fn head_of(&self, shard: impl Fn(usize, &CudaSampler) -> Result<LmHead>) -> Result<LmHead> {
+        let mut shapes = Vec::with_capacity(self.ranks.len());
+        let mut resident = Vec::with_capacity(self.ranks.len());
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let head = shard(r, &rank.sampler)?;
+            shapes.push(head.shape);
+            let HeadStorage::Cuda(mut shards) = head.storage else {
+                unreachable!("a GPU sampler keeps its heads on the GPU")
+            };
+            resident.push(shards.remove(0));
         }
-        let mut steps: Vec<RankInputs> = staged
-            .iter_mut()
-            .map(|((hidden, rows, processing), (parts, out))| RankInputs { hidden, rows, processing, parts, out })
-            .collect();
-        self.sample_into(&mut steps, draws)?;
-        self.wait()?;
-        self.ranks.iter().zip(&staged).map(|(rank, (_, (_, out)))| rank.sampler.processed_to_host(out)).collect()
+        LmHead::new(self.owner, &shapes, HeadStorage::Cuda(resident))
+    }
+
+    /// An LM head of `vocab × dim` uniform values in `[-scale, scale)` made on each GPU (each
+    /// shard drawn under its own seed: benchmarks).
+    #[cfg(feature = "internals")]
+    pub fn random_lm_head(
+        &self,
+        vocab: usize,
+        dim: usize,
+        dtype: crate::DType,
+        seed: u64,
+        scale: f32,
+    ) -> Result<LmHead> {
+        let bounds = VocabShard::bounds(vocab, self.ranks.len())?;
+        self.head_of(|r, sampler| {
+            sampler.random_lm_head(bounds[r + 1] - bounds[r], dim, dtype, seed ^ bounds[r] as u64, scale)
+        })
     }
 
     /// Queues one step with inputs and outputs already on the GPUs (`inputs[r]` on rank `r`'s
-    /// device, made by [`TensorParallelSampler::sampler`]`(r)`; `parts` with room for every
-    /// rank's part of `[B, draws.count]` draws): [`TensorParallelSampler::stage_one_into`],
-    /// [`TensorParallelSampler::all_gather`], [`TensorParallelSampler::merge_into`]. Nothing is
-    /// copied from the host and nothing waits; [`TensorParallelSampler::wait`] waits with the
-    /// timeout.
-    pub fn sample_into(&mut self, inputs: &mut [RankInputs], draws: Draws) -> Result<()> {
-        self.stage_one_into(inputs, draws)?;
-        self.all_gather(inputs)?;
-        self.merge_into(inputs)
+    /// device): stage 1 on every rank (with the all-reduces of the truncations), the
+    /// all-gather of the parts, the merge on every rank. Nothing is copied from the host and
+    /// nothing waits; [`TensorParallelSampler::wait`] waits with the timeout.
+    pub fn sample_into(&self, lm_head: &LmHead, inputs: &mut [RankInputs], draws: Draws) -> Result<()> {
+        self.sample_into_marked(lm_head, inputs, draws, |_| Ok(()))
     }
 
-    /// Stage 1 on every rank: its shard's winners and terms into its own part of
-    /// `inputs[r].parts`; with truncations, segment by segment, each ended by NCCL's in-place
-    /// all-reduce of every rank's exchange buffer, in one group.
-    pub fn stage_one_into(&mut self, inputs: &mut [RankInputs], draws: Draws) -> Result<()> {
-        self.check_inputs(inputs)?;
-        let heads: Vec<[ShardHead; 1]> = self
-            .ranks
-            .iter()
-            .enumerate()
-            .map(|(r, rank)| [ShardHead { head: &rank.head, shard: rank.shard, part: r }])
-            .collect();
-        let mut planned = Vec::with_capacity(self.ranks.len());
-        for ((rank, heads), step) in self.ranks.iter().zip(&heads).zip(inputs.iter()) {
-            let stage = ShardsStage {
-                heads,
-                hidden: step.hidden,
-                rows: step.rows,
-                processing: step.processing,
-                draws,
-                variant: Variant::Auto,
-                parts: step.parts,
-            };
-            planned.push(rank.sampler.plan_shards(&stage)?);
+    /// [`TensorParallelSampler::sample_into`], calling `mark(1)` once stage 1 is queued on
+    /// every rank and `mark(2)` once the all-gather is (benchmarks record events there to time
+    /// the phases).
+    #[cfg(feature = "internals")]
+    pub fn sample_into_phases(
+        &self,
+        lm_head: &LmHead,
+        inputs: &mut [RankInputs],
+        draws: Draws,
+        mark: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        self.sample_into_marked(lm_head, inputs, draws, mark)
+    }
+
+    fn sample_into_marked(
+        &self,
+        lm_head: &LmHead,
+        inputs: &mut [RankInputs],
+        draws: Draws,
+        mut mark: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        self.check_usable()?;
+        lm_head.check_owner(self.owner)?;
+        let HeadStorage::Cuda(heads) = &lm_head.storage else { unreachable!("a tensor-parallel head is on the GPUs") };
+        let world = self.ranks.len();
+        if inputs.len() != world {
+            return Err(invalid("inputs", format!("{} entries for {world} ranks: one per rank", inputs.len())));
         }
-        let segments = planned[0].segments;
-        if planned.iter().any(|p| p.segments != segments) {
+        let mut planned = Vec::with_capacity(world);
+        for (r, (rank, step)) in self.ranks.iter().zip(inputs.iter()).enumerate() {
+            let shard = Shard {
+                tokens: VocabShard { offset: lm_head.offsets[r], vocab: lm_head.shape.vocab },
+                index: r,
+                count: world,
+            };
+            planned.push(rank.sampler.plan_shard(&heads[r], shard, step.hidden, step.batch, draws, step.outputs)?);
+        }
+        let segments = planned[0].plan.segments();
+        if planned.iter().any(|p| p.plan.segments() != segments) {
             return Err(invalid(
                 "inputs",
-                "the ranks' stage 1 runs in different segments: give every rank the same processing",
+                "the ranks' calls run in different segments: give every rank the same batch",
             ));
         }
-        for segment in 0..segments {
-            let mut reductions = Vec::with_capacity(planned.len());
-            for (rank, planned) in self.ranks.iter().zip(&planned) {
-                reductions.push(rank.sampler.queue_shards_segment(planned, segment)?);
-            }
-            // Every rank ends a segment alike (same segments, same schedule): the last with none.
-            let reductions: Vec<ShardReduction> = reductions.into_iter().flatten().collect();
-            if reductions.is_empty() {
-                break;
-            }
-            if reductions.len() != self.ranks.len() {
-                return Err(invalid(
-                    "inputs",
-                    "the ranks' stage-1 segments end differently: give every rank the same processing",
-                ));
-            }
-            nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
-            for (r, (rank, reduction)) in self.ranks.iter().zip(reductions).enumerate() {
-                let stream = rank.sampler.stream().cu_stream();
-                // SAFETY: the reduction's words lie in the rank's exchange buffer on its device,
-                // used on this rank's stream.
-                let queued = unsafe { queue_all_reduce(rank.comm, stream.cast(), reduction, r) };
-                if let Err(e) = queued {
-                    // Leave the group before reporting, so that NCCL's state stays consistent.
-                    let _ = nccl::group_end();
-                    return Err(e);
+        let mut gathered = false;
+        // SAFETY: every rank's plan names live buffers of its sampler on its stream; each
+        // exchange is queued below on its rank's stream, in one group per segment.
+        unsafe {
+            drive(&planned, |ended| {
+                if ended.len() != world {
+                    return Err(invalid(
+                        "inputs",
+                        "the ranks' segments end differently: give every rank the same batch",
+                    ));
                 }
-            }
-            nccl::group_end().map_err(|e| nccl_error(None, "ncclGroupEnd", e))?;
+                let gather = matches!(ended[0].1, Exchange::AllGather { .. });
+                if gather {
+                    mark(1)?;
+                }
+                self.group(|| {
+                    ended.iter().try_for_each(|&(r, exchange)| {
+                        let stream = self.ranks[r].sampler.stream().cu_stream();
+                        queue_collective(self.ranks[r].comm.get(), stream.cast(), exchange, r)
+                    })
+                })?;
+                if gather {
+                    gathered = true;
+                    mark(2)?;
+                }
+                Ok(())
+            })?
+        };
+        if !gathered {
+            // One rank gathers nothing: its phases are stage 1 and the merge alone.
+            mark(1)?;
+            mark(2)?;
         }
         Ok(())
     }
 
-    /// NCCL's in-place all-gather of every rank's part into every rank's `parts`, in one
-    /// group, on each rank's stream (after its stage 1).
-    pub fn all_gather(&mut self, inputs: &[RankInputs]) -> Result<()> {
-        self.check_inputs(inputs)?;
+    /// Runs `queue` inside one NCCL group, leaving the group before reporting an error so
+    /// that NCCL's state stays consistent.
+    fn group(&self, queue: impl FnOnce() -> Result<()>) -> Result<()> {
         nccl::group_start().map_err(|e| nccl_error(None, "ncclGroupStart", e))?;
-        for (r, (rank, step)) in self.ranks.iter().zip(inputs).enumerate() {
-            let stream = rank.sampler.stream().cu_stream();
-            let (parts, bytes) = (step.parts.address(), step.parts.part_bytes());
-            // SAFETY: the parts buffer holds `ranks` parts of `bytes` on this rank's device
-            // (checked), used on this rank's stream.
-            let queued = unsafe { queue_all_gather(rank.comm, stream.cast(), parts, bytes, r) };
-            if let Err(e) = queued {
-                // Leave the group before reporting, so that NCCL's state stays consistent.
-                let _ = nccl::group_end();
-                return Err(e);
-            }
-        }
-        nccl::group_end().map(|_| ()).map_err(|e| nccl_error(None, "ncclGroupEnd", e))
+        let queued = queue();
+        let ended = nccl::group_end().map(|_| ()).map_err(|e| nccl_error(None, "ncclGroupEnd", e));
+        queued.and(ended)
     }
 
-    /// The shard merge on every rank into its `out`.
-    pub fn merge_into(&mut self, inputs: &mut [RankInputs]) -> Result<()> {
-        self.check_inputs(inputs)?;
-        for (rank, step) in self.ranks.iter().zip(inputs.iter_mut()) {
-            let RankInputs { rows, processing, parts, out, .. } = step;
-            rank.sampler.merge_shards_into(parts, rows, processing, out)?;
-        }
-        Ok(())
-    }
-
-    /// The rules of a step's inputs: one per rank, each with room for every rank's part, and
-    /// communicators not aborted.
-    fn check_inputs(&self, inputs: &[RankInputs]) -> Result<()> {
-        if self.aborted {
+    /// Refuses calls once the communicators are aborted.
+    fn check_usable(&self) -> Result<()> {
+        if self.aborted.get() {
             return Err(Error::Nccl {
                 rank: None,
                 call: "sample".into(),
                 detail: "the communicators were aborted after an earlier failure; make a new sampler".into(),
             });
         }
-        let world = self.ranks.len();
-        if inputs.len() != world {
-            return Err(invalid("inputs", format!("{} entries for {world} ranks: one per rank", inputs.len())));
-        }
-        if let Some(r) = inputs.iter().position(|step| step.parts.shards() != world) {
-            return Err(invalid(
-                format!("inputs[{r}].parts"),
-                format!("room for {} parts; {world} ranks send one each", inputs[r].parts.shards()),
-            ));
-        }
         Ok(())
     }
 
     /// Waits until every rank's stream has run its work, polling NCCL for asynchronous errors;
     /// past the timeout, aborts the communicators and names the first rank not done.
-    pub fn wait(&mut self) -> Result<()> {
+    pub fn wait(&self) -> Result<()> {
         let start = Instant::now();
         let mut pending: Vec<usize> = (0..self.ranks.len()).collect();
         while !pending.is_empty() {
@@ -337,10 +298,10 @@ impl TensorParallelSampler {
                 let rank = &self.ranks[r];
                 let mut async_error = nccl_sys::ncclResult_t::ncclSuccess;
                 // SAFETY: a live communicator and a place for its state.
-                let polled = unsafe { nccl_sys::ncclCommGetAsyncError(rank.comm, &mut async_error) }.result();
+                let polled = unsafe { nccl_sys::ncclCommGetAsyncError(rank.comm.get(), &mut async_error) }.result();
                 if let Err(e) = polled.and(async_error.result()) {
                     self.abort();
-                    return Err(nccl_error(Some(r), "the all-gather", e));
+                    return Err(nccl_error(Some(r), "a collective", e));
                 }
                 // SAFETY: the rank's live stream; the query only reads its state.
                 match unsafe { sys::cuStreamQuery(rank.sampler.stream().cu_stream()) } {
@@ -362,7 +323,7 @@ impl TensorParallelSampler {
                     self.abort();
                     return Err(Error::Nccl {
                         rank: Some(r),
-                        call: "the all-gather and merge".into(),
+                        call: "the collectives and merge".into(),
                         detail: format!("not finished within {:?}; the communicators are aborted", self.timeout),
                     });
                 }
@@ -373,15 +334,15 @@ impl TensorParallelSampler {
     }
 
     /// Aborts every communicator (what NCCL offers to end a hung collective).
-    fn abort(&mut self) {
-        for rank in &mut self.ranks {
-            if !rank.comm.is_null() {
+    fn abort(&self) {
+        for rank in &self.ranks {
+            let comm = rank.comm.replace(std::ptr::null_mut());
+            if !comm.is_null() {
                 // SAFETY: a live communicator, not used again (it is nulled).
-                let _ = unsafe { nccl::comm_abort(rank.comm) };
-                rank.comm = std::ptr::null_mut();
+                let _ = unsafe { nccl::comm_abort(comm) };
             }
         }
-        self.aborted = true;
+        self.aborted.set(true);
     }
 
     /// Destroys the communicators and closes every rank's sampler, reporting the first error.
@@ -390,7 +351,6 @@ impl TensorParallelSampler {
         let ranks = std::mem::take(&mut self.ranks);
         let mut first = Ok(());
         for rank in ranks {
-            drop(rank.head);
             let closed = rank.sampler.close();
             if first.is_ok() {
                 first = closed;
@@ -401,12 +361,12 @@ impl TensorParallelSampler {
 
     fn destroy_comms(&mut self) -> Result<()> {
         let mut first = Ok(());
-        for (r, rank) in self.ranks.iter_mut().enumerate() {
-            if !rank.comm.is_null() {
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let comm = rank.comm.replace(std::ptr::null_mut());
+            if !comm.is_null() {
                 // SAFETY: a live communicator whose work has finished (every call waits), not
                 // used again (it is nulled).
-                let destroyed = unsafe { nccl::comm_destroy(rank.comm) };
-                rank.comm = std::ptr::null_mut();
+                let destroyed = unsafe { nccl::comm_destroy(comm) };
                 if let Err(e) = destroyed
                     && first.is_ok()
                 {
@@ -418,79 +378,126 @@ impl TensorParallelSampler {
     }
 }
 
-/// One rank's inputs and outputs of [`TensorParallelSampler::sample_into`], on its GPU.
-pub struct RankInputs<'a> {
-    pub hidden: &'a CudaHidden,
-    pub rows: &'a DeviceRows,
-    pub processing: &'a DeviceProcessing,
-    /// Room for every rank's part (`shard_parts(ranks, B, N, logprobs)`).
-    pub parts: &'a mut ShardParts,
-    pub out: &'a mut ProcessedOutputs,
-}
-
-/// Queues NCCL's in-place all-gather of `ranks` parts of `part_bytes` at `parts`, rank `rank`
-/// sending its own, on `stream`.
-///
-/// # Safety
-/// `comm` is a live communicator of the stream's device; `parts` holds `ranks · part_bytes`
-/// bytes of that device, used on `stream` until the gather has run.
-unsafe fn queue_all_gather(
-    comm: nccl_sys::ncclComm_t,
-    stream: *mut c_void,
-    parts: u64,
-    part_bytes: usize,
-    rank: usize,
-) -> Result<()> {
-    let own = parts + (rank * part_bytes) as u64;
-    // SAFETY: per this function's contract; the send buffer is this rank's part inside the
-    // receive buffer (NCCL's in-place all-gather).
-    unsafe {
-        nccl::all_gather(
-            own as *const _,
-            parts as *mut _,
-            part_bytes,
-            nccl_sys::ncclDataType_t::ncclUint8,
-            comm,
-            stream as nccl_sys::cudaStream_t,
-        )
+impl Sampler for TensorParallelSampler {
+    fn device(&self) -> String {
+        let names: Vec<String> = self.ranks.iter().map(|rank| rank.sampler.device()).collect();
+        format!("{} GPUs: {}", self.ranks.len(), names.join(", "))
     }
-    .map(|_| ())
-    .map_err(|e| nccl_error(Some(rank), "ncclAllGather", e))
+
+    /// Splits `lm_head` into one shard per rank ([`VocabShard::bounds`]) and uploads shard `r`
+    /// to rank `r`.
+    fn upload_lm_head(&self, lm_head: &Matrix) -> Result<LmHead> {
+        let bounds = VocabShard::bounds(lm_head.rows(), self.ranks.len())?;
+        self.head_of(|r, sampler| sampler.upload_lm_head(&lm_head.row_range(bounds[r], bounds[r + 1])))
+    }
+
+    /// Uploads shard `r` to rank `r`: one shard per rank.
+    fn upload_lm_head_shards(&self, shards: &[Matrix]) -> Result<LmHead> {
+        if shards.len() != self.ranks.len() {
+            return Err(invalid(
+                "shards",
+                format!("{} shards for {} ranks: one per rank", shards.len(), self.ranks.len()),
+            ));
+        }
+        self.head_of(|r, sampler| sampler.upload_lm_head(&shards[r]))
+    }
+
+    /// Uploads `hidden` and the batch to every GPU, queues a step, waits for it with the
+    /// timeout and returns rank 0's results, which every rank's equal (they merge the same parts
+    /// in the same order; a difference is reported as an error).
+    fn sample(&self, lm_head: &LmHead, hidden: &Matrix, batch: &Batch, draws: Draws) -> Result<Sampled> {
+        lm_head.check_owner(self.owner)?;
+        let draws = draws.check()?;
+        check_request_shape(lm_head.shape, hidden.shape(), batch.rows(), "params", draws.count)?;
+        let logprobs = batch.reports_logprobs();
+        let mut staged = Vec::with_capacity(self.ranks.len());
+        for rank in &self.ranks {
+            let sampler = &rank.sampler;
+            staged.push((
+                sampler.upload_hidden(hidden)?,
+                sampler.upload_batch(batch, lm_head.shape.vocab)?,
+                sampler.outputs(batch.rows(), draws.count, logprobs)?,
+            ));
+        }
+        let mut inputs: Vec<RankInputs> =
+            staged.iter_mut().map(|(hidden, batch, outputs)| RankInputs { hidden, batch, outputs }).collect();
+        self.sample_into(lm_head, &mut inputs, draws)?;
+        self.wait()?;
+        let mut results =
+            self.ranks.iter().zip(&staged).map(|(rank, (_, _, outputs))| match rank.sampler.read(outputs) {
+                Err(Error::RowsWithoutToken { sampled, .. }) => Ok(*sampled),
+                other => other,
+            });
+        let first = results.next().expect("at least one rank")?;
+        for (r, other) in results.enumerate() {
+            if other? != first {
+                return Err(Error::Nccl {
+                    rank: Some(r + 1),
+                    call: "the merge".into(),
+                    detail: "this rank's results differ from rank 0's".into(),
+                });
+            }
+        }
+        crate::error::sampled_or_row_status(first)
+    }
+
+    fn close(self: Box<Self>) -> Result<()> {
+        TensorParallelSampler::close(*self)
+    }
 }
 
-/// Queues NCCL's in-place all-reduce of `reduction`'s words, rank `rank`'s, on `stream`.
+impl Drop for TensorParallelSampler {
+    /// Destroys the communicators; an error here is reported on stderr (call
+    /// [`TensorParallelSampler::close`] to receive it instead).
+    fn drop(&mut self) {
+        if let Err(e) = self.destroy_comms() {
+            eprintln!("flashsample: dropping a TensorParallelSampler: {e}");
+        }
+    }
+}
+
+/// Queues NCCL's collective for `exchange` of rank `rank` on `stream`: an in-place
+/// all-reduce of the exchange's words, or the in-place all-gather of the parts.
 ///
 /// # Safety
-/// `comm` is a live communicator of the stream's device; the words lie in that device's
-/// memory, used on `stream` until the all-reduce has run.
-unsafe fn queue_all_reduce(
+/// `comm` is a live communicator of the stream's device; the exchange's memory lies in that
+/// device's memory, used on `stream` until the collective has run.
+unsafe fn queue_collective(
     comm: nccl_sys::ncclComm_t,
     stream: *mut c_void,
-    reduction: ShardReduction,
+    exchange: Exchange,
     rank: usize,
 ) -> Result<()> {
-    let (address, count, datatype, op) = match reduction {
-        ShardReduction::MaxU32 { address, count } => {
+    let stream = stream as nccl_sys::cudaStream_t;
+    let (address, count, datatype, op) = match exchange {
+        Exchange::AllGather { parts, part_bytes, index, .. } => {
+            let own = parts + (index * part_bytes) as u64;
+            // SAFETY: per this function's contract; the send buffer is this rank's part inside
+            // the receive buffer (NCCL's in-place all-gather).
+            return unsafe {
+                nccl::all_gather(
+                    own as *const _,
+                    parts as *mut _,
+                    part_bytes,
+                    nccl_sys::ncclDataType_t::ncclUint8,
+                    comm,
+                    stream,
+                )
+            }
+            .map(|_| ())
+            .map_err(|e| nccl_error(Some(rank), "ncclAllGather", e));
+        }
+        Exchange::MaxU32 { address, count } => {
             (address, count, nccl_sys::ncclDataType_t::ncclUint32, nccl_sys::ncclRedOp_t::ncclMax)
         }
-        ShardReduction::SumU64 { address, count } => {
+        Exchange::SumU64 { address, count } => {
             (address, count, nccl_sys::ncclDataType_t::ncclUint64, nccl_sys::ncclRedOp_t::ncclSum)
         }
     };
     // SAFETY: per this function's contract; in place (send and receive buffers the same).
-    unsafe {
-        nccl::all_reduce(
-            address as *const _,
-            address as *mut _,
-            count,
-            datatype,
-            op,
-            comm,
-            stream as nccl_sys::cudaStream_t,
-        )
-    }
-    .map(|_| ())
-    .map_err(|e| nccl_error(Some(rank), "ncclAllReduce", e))
+    unsafe { nccl::all_reduce(address as *const _, address as *mut _, count, datatype, op, comm, stream) }
+        .map(|_| ())
+        .map_err(|e| nccl_error(Some(rank), "ncclAllReduce", e))
 }
 
 /// NCCL's unique id of a communicator: one rank makes it ([`NcclId::new`]) and the engine
@@ -505,10 +512,12 @@ impl NcclId {
         nccl::get_uniqueid().map(NcclId).map_err(|e| nccl_error(None, "ncclGetUniqueId", e))
     }
 
+    /// The id's 128 bytes, to hand to the other ranks.
     pub fn to_bytes(&self) -> [u8; 128] {
         self.0.internal.map(|c| c as u8)
     }
 
+    /// The id another rank made, from its bytes.
     pub fn from_bytes(bytes: [u8; 128]) -> NcclId {
         NcclId(nccl_sys::ncclUniqueId { internal: bytes.map(|b| b as _) })
     }
@@ -516,9 +525,16 @@ impl NcclId {
 
 /// One rank of tensor-parallel sampling as engines run them: one process (or thread) per GPU,
 /// the engine's context, stream and device memory (borrowed mode), and one NCCL communicator.
-/// [`TensorParallelRank::sample`] queues stage 1 of the rank's vocabulary shard into its part
-/// of a gather buffer, the in-place all-gather and the shard merge on the caller's stream;
-/// every rank ends with the same tokens and log-probabilities.
+/// A call is a [`Request`] whose `shard` is this rank's (`index` the rank, `count` the ranks)
+/// and a [`Target`] with room for every rank's part; the rank queues its segments with NCCL's
+/// collectives between them, and every rank ends with the same tokens and log-probabilities.
+///
+/// Every rank queues the same calls in the same order (NCCL's collective order) with the same
+/// batch: the batch decides how many collectives a call queues and their sizes, and ranks given
+/// different ones would queue mismatched collectives, which hang (no rank can see another's
+/// batch; [`TensorParallelRank::abort`] is the way out). Nothing is allocated (but the growth of
+/// a safe workspace) and nothing waits; NCCL lets a CUDA graph capture the calls. A failed
+/// collective shows in [`TensorParallelRank::check`] or as the stream's error.
 pub struct TensorParallelRank {
     comm: nccl_sys::ncclComm_t,
     rank: usize,
@@ -530,30 +546,6 @@ pub struct TensorParallelRank {
 // SAFETY: a communicator may be used from any thread, one call at a time (`&self` calls only
 // queue work on the caller's stream).
 unsafe impl Send for TensorParallelRank {}
-
-/// One step of a [`TensorParallelRank`]: the rank's shard, the replicated inputs, the gather
-/// buffer and the outputs, all device memory of the rank's context.
-#[derive(Clone, Copy, Debug)]
-pub struct RankStep {
-    /// This rank's shard of `W`: its rows are the tokens `vocab_offset ..` (a multiple of 4).
-    pub lm_head: DeviceMatrix,
-    pub vocab_offset: usize,
-    /// The whole vocabulary.
-    pub vocab: usize,
-    pub hidden: DeviceMatrix,
-    pub row_params: u64,
-    pub draws: Draws,
-    pub variant: Variant,
-    pub processing: ProcessingRef,
-    /// `ranks` parts side by side ([`TensorParallelRank::parts_bytes`], 16-byte aligned).
-    pub parts: u64,
-    /// Whether the parts carry log-sum-exp terms and top entries (log-probabilities).
-    pub logprobs: bool,
-    /// The merge's outputs, as [`ShardMergeRequest`]'s.
-    pub tokens: u64,
-    pub out_logprobs: u64,
-    pub out_top_logprobs: u64,
-}
 
 impl TensorParallelRank {
     /// Joins the communicator of `ranks` ranks named by `id` as rank `rank`, on the GPU of
@@ -589,132 +581,82 @@ impl TensorParallelRank {
         Ok(TensorParallelRank { comm, rank, ranks, owned: false })
     }
 
+    /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// How many ranks the communicator joins.
     pub fn ranks(&self) -> usize {
         self.ranks
     }
 
-    /// Bytes of the gather buffer of `[rows, samples]` draws.
-    pub fn parts_bytes(&self, rows: usize, samples: u32, logprobs: bool) -> Result<usize> {
-        let rows = u32::try_from(rows).map_err(|_| invalid("rows", format!("{rows}: must be < 2^32")))?;
-        Ok(self.ranks * ShardPartLayout::of(rows, samples, logprobs).bytes as usize)
+    /// This rank's [`Shard`] of a vocabulary of `vocab` tokens split as
+    /// [`VocabShard::bounds`] splits it.
+    pub fn shard(&self, vocab: usize) -> Result<Shard> {
+        let bounds = VocabShard::bounds(vocab, self.ranks)?;
+        Ok(Shard { tokens: VocabShard { offset: bounds[self.rank], vocab }, index: self.rank, count: self.ranks })
     }
 
-    /// Workspace bytes `step` needs (its stage 1: the materialised logits when a row needs its
-    /// whole row, `B · V/N` floats or twice that, else the fused tiles' candidates and terms;
-    /// with truncations the exchange with the other ranks first).
-    pub fn workspace_bytes(&self, kernels: &StreamSampler, step: &RankStep) -> Result<usize> {
-        let part_bytes = self.parts_bytes(step.hidden.rows, step.draws.count, step.logprobs)? / self.ranks;
-        let exchange = exchange_bytes(&step.processing);
-        // The stage-1 request with its exchange where `sample` puts it (the plan needs only
-        // whether there is one).
-        let request = self.stage_one(step, part_bytes, exchange.map_or(0, |_| EXCHANGE_PLACEHOLDER));
-        Ok(exchange.unwrap_or(0) + kernels.processed_workspace_bytes(&request)?)
+    /// The rule that a call's shard is this rank's place among the ranks: `(index, count)`.
+    fn check_place(&self, place: Option<(usize, usize)>) -> Result<()> {
+        match place {
+            Some(place) if place == (self.rank, self.ranks) => Ok(()),
+            _ => Err(invalid(
+                "request.shard",
+                format!("must be this rank's: index {} of {} shards", self.rank, self.ranks),
+            )),
+        }
     }
 
-    /// Queues one step on `stream` (a stream of `kernels`' context): stage 1 of this rank's
-    /// shard into its part of `step.parts` (with min-p, top-k or top-p, in segments between
-    /// all-reduces of the rank's exchange, which lies at the workspace's start), the
-    /// all-gather of every rank's part, and the shard merge into the outputs. Every rank calls
-    /// it for the same step (NCCL's collective order) with the same rows' processing: the
-    /// processing decides how many all-reduces the step queues and their sizes, and ranks given
-    /// different ones would queue mismatched collectives, which hang (no rank can see another's
-    /// processing; [`TensorParallelRank::abort`] is the way out). Nothing is allocated and
-    /// nothing waits;
-    /// NCCL lets a CUDA graph capture it. A failed collective shows in
-    /// [`TensorParallelRank::check`] or as the stream's error.
+    /// Queues every segment of `plan` (this rank's request, planned by `kernels`) on `stream`,
+    /// with NCCL's collectives between them: the raw layer.
     ///
     /// # Safety
-    /// As [`StreamSampler::sample_processed`] and [`StreamSampler::merge_shards`] for the
-    /// step's buffers, with the workspace of [`TensorParallelRank::workspace_bytes`]; the
-    /// communicator's device is the context's.
-    pub unsafe fn sample(
+    /// As [`StreamSampler::enqueue`] for the plan and `workspace`; the communicator's device
+    /// is the context's.
+    pub unsafe fn enqueue(
         &self,
         kernels: &StreamSampler,
         stream: *mut c_void,
-        step: &RankStep,
+        plan: &Plan,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
-        let part_bytes = self.parts_bytes(step.hidden.rows, step.draws.count, step.logprobs)? / self.ranks;
-        let exchange = exchange_bytes(&step.processing).unwrap_or(0);
-        let request = self.stage_one(step, part_bytes, if exchange > 0 { workspace.address } else { 0 });
-        if workspace.bytes < exchange {
-            return Err(invalid(
-                "workspace",
-                format!("{} bytes: the exchange alone takes {exchange}", workspace.bytes),
-            ));
-        }
-        let stage_workspace =
-            DeviceWorkspace { address: workspace.address + exchange as u64, bytes: workspace.bytes - exchange };
-        let merge = ShardMergeRequest {
-            parts: step.parts,
-            shards: self.ranks,
-            rows: step.hidden.rows,
-            samples: step.draws.count,
-            logprobs: step.logprobs,
-            row_params: step.row_params,
-            processing: step.processing,
-            tokens: step.tokens,
-            out_logprobs: step.out_logprobs,
-            out_top_logprobs: step.out_top_logprobs,
-        };
-        // Planned once for all the segments.
-        let plan = kernels.plan_processed(&request)?;
-        // SAFETY: per this function's contract: the workspace holds the exchange, then the
-        // stage's workspace; the exchange is cleared on `stream` before segment 0, and each
-        // all-reduce is queued on `stream` between two segments.
+        self.check_place(plan.gather.map(|g| (g.index, g.count)))?;
+        let call = Planned { kernels: kernels.kernels(), stream: stream.cast(), plan: *plan, workspace };
+        // SAFETY: per this function's contract; each collective is queued on `stream`.
         unsafe {
-            driver::in_context(kernels.context().cast(), || {
-                if exchange > 0 {
-                    let words = exchange / 4;
-                    driver::fill_words_async(
-                        "shard exchange",
-                        DevicePtr::new(workspace.address),
-                        0,
-                        words,
-                        stream.cast(),
-                    )?;
-                }
-                for segment in 0..plan.segments() {
-                    let maps = TensorMaps::Store;
-                    let queued = kernels.enqueue_processed_segment(
-                        stream.cast(),
-                        &request,
-                        &plan,
-                        maps,
-                        stage_workspace,
-                        segment,
-                    )?;
-                    if let Some(reduction) = queued {
-                        queue_all_reduce(self.comm, stream, reduction, self.rank)?;
-                    }
-                }
-                queue_all_gather(self.comm, stream, step.parts, part_bytes, self.rank)
-            })?;
-            kernels.merge_shards(stream, &merge)
+            drive(std::slice::from_ref(&call), |ended| {
+                ended.iter().try_for_each(|&(_, exchange)| queue_collective(self.comm, stream, exchange, self.rank))
+            })
         }
     }
 
-    /// The stage-1 request of `step`: this rank's shard into its part, with the exchange at
-    /// `exchange` (0 for none).
-    fn stage_one(&self, step: &RankStep, part_bytes: usize, exchange: u64) -> ProcessedRequest {
-        ProcessedRequest {
-            lm_head: step.lm_head,
-            hidden: step.hidden,
-            row_params: step.row_params,
-            draws: step.draws,
-            variant: step.variant,
-            processing: step.processing,
-            target: ProcessedTarget::Shard {
-                vocab_offset: step.vocab_offset,
-                vocab: step.vocab,
-                part: step.parts + (self.rank * part_bytes) as u64,
-                logprobs: step.logprobs,
-                exchange,
-            },
+    /// Queues the call `request` → `target` on `stream` with NCCL's collectives between its
+    /// segments: the safe layer, as [`StreamSampler::enqueue_on`].
+    pub fn enqueue_on(
+        &self,
+        kernels: &StreamSampler,
+        stream: &Arc<CudaStream>,
+        request: &Request,
+        target: &Target,
+        workspace: &mut StreamWorkspace,
+    ) -> Result<()> {
+        self.check_place(request.shard.map(|s| (s.index, s.count)))?;
+        let raw: *mut c_void = stream.cu_stream().cast();
+        // SAFETY: the exchange's memory is the call's, on this rank's device and stream.
+        let mut collective = |exchange| unsafe { queue_collective(self.comm, raw, exchange, self.rank) };
+        // SAFETY: the views' memory lives through the call; each collective is queued on the
+        // call's stream.
+        unsafe {
+            kernels.enqueue_with(
+                stream,
+                request,
+                target,
+                workspace,
+                super::dispatch::Variant::Auto,
+                Some(&mut collective),
+            )
         }
     }
 
@@ -724,7 +666,7 @@ impl TensorParallelRank {
         let mut async_error = nccl_sys::ncclResult_t::ncclSuccess;
         // SAFETY: a live communicator and a place for its state.
         let polled = unsafe { nccl_sys::ncclCommGetAsyncError(self.comm, &mut async_error) }.result();
-        polled.and(async_error.result()).map(|_| ()).map_err(|e| nccl_error(Some(self.rank), "the all-gather", e))
+        polled.and(async_error.result()).map(|_| ()).map_err(|e| nccl_error(Some(self.rank), "a collective", e))
     }
 
     /// Aborts the communicator (NCCL's way out of a collective that hangs, for example when
@@ -761,16 +703,6 @@ impl Drop for TensorParallelRank {
     }
 }
 
-/// Bytes of a rank's exchange buffer for `processing` (a multiple of 256, so that the stage's
-/// workspace after it stays aligned), or `None` when no row truncates.
-fn exchange_bytes(processing: &ProcessingRef) -> Option<usize> {
-    processing.truncates().then(|| StreamSampler::shard_exchange_bytes(processing).next_multiple_of(256))
-}
-
-/// An aligned, non-null exchange address for planning only: a plan reads whether there is an
-/// exchange, never its memory.
-const EXCHANGE_PLACEHOLDER: u64 = 256;
-
 /// [`Error::Nccl`] unless NCCL can be opened.
 fn check_nccl_library() -> Result<()> {
     if nccl_library_present() {
@@ -782,14 +714,4 @@ fn check_nccl_library() -> Result<()> {
         call: "open the NCCL library".into(),
         detail: format!("none of {names:?} on the loader's path (LD_LIBRARY_PATH)"),
     })
-}
-
-impl Drop for TensorParallelSampler {
-    /// Destroys the communicators; an error here is reported on stderr (call
-    /// [`TensorParallelSampler::close`] to receive it instead).
-    fn drop(&mut self) {
-        if let Err(e) = self.destroy_comms() {
-            eprintln!("flashsample: dropping a TensorParallelSampler: {e}");
-        }
-    }
 }

@@ -15,7 +15,7 @@ const _: () = assert!(SumsStaging::bytes(4, 128) <= 4 * 128 * CANDIDATE_BYTES);
 const _: () = assert!(SumsStaging::bytes(TMA_CONSUMER_WARPS, 128) <= TMA_CONSUMER_WARPS * 128 * CANDIDATE_BYTES);
 
 /// Stands in for the row parameters of columns past the batch: greedy, so it draws no noise.
-pub(super) const PAD_ROW: RowParams = RowParams { seed: 0, stream: 0, step: 0, temperature: 0.0, greedy: 1 };
+pub(super) const PAD_ROW: RowParams = RowParams { seed: 0, sequence: 0, step: 0, temperature: 0.0, greedy: 1 };
 
 /// A [`RowParams`] as 8-byte words: copied word by word, it stays in registers (a struct copy
 /// across the mainloop went through local memory).

@@ -1,0 +1,224 @@
+//! What tests and benchmarks need of the owned sampler beyond sampling (feature `internals`):
+//! poisoned workspaces and outputs, inputs made on the device, copies back, the read-bandwidth
+//! probe, the check of the estimate's bound, and the unfused comparison pipeline.
+
+use flashsample_core::Candidate;
+use flashsample_core::abi::{EstimateErrorArgs, ReadProbeArgs};
+use flashsample_core::registry::Kernel;
+
+use super::{CudaHidden, CudaSampler, DeviceOutputs};
+use crate::cuda::batch::DeviceBatch;
+use crate::cuda::dispatch::Variant;
+use crate::cuda::driver;
+use crate::cuda::memory::{Allocation, ensure};
+use crate::cuda::plan::{FusedCall, TensorMaps};
+use crate::cuda::request::DeviceWorkspace;
+use crate::error::{Result, invalid};
+use crate::params::{Draws, HeadShape};
+use crate::sampler::{HeadStorage, LmHead};
+use crate::tensor::{DType, Elements, Matrix, MatrixShape};
+
+impl CudaSampler {
+    /// The index of the poisoned candidates of [`CudaSampler::poison_workspace`]: no token.
+    pub const POISON_INDEX: u32 = 0x7fff_fff0;
+
+    /// Fills the workspace with a candidate that wins every merge (score +∞, word
+    /// `u32::MAX`, index [`CudaSampler::POISON_INDEX`], not a token) and the shards' parts with
+    /// +∞ words: a tile kernel that leaves a slot unwritten then shows up as that index in the
+    /// tokens, and unwritten logits, terms or winners of the materialised path and the shard
+    /// merge as non-finite values or indices that are no token. Tests call this before sampling
+    /// (after a call of the same shape has grown the buffers).
+    pub fn poison_workspace(&self) -> Result<()> {
+        self.make_current()?;
+        let poison = Candidate { score: f32::INFINITY, word: u32::MAX, index: Self::POISON_INDEX };
+        let scratch = self.scratch.borrow();
+        if let Some(workspace) = scratch.workspace.as_ref() {
+            let host = vec![poison; workspace.len() / size_of::<Candidate>()];
+            // SAFETY: the workspace holds `len` bytes (at least this many candidates) and lives
+            // on our stream.
+            unsafe {
+                driver::copy_to_device_async(
+                    "poison candidates",
+                    workspace.ptr().cast(),
+                    &host,
+                    self.stream.cu_stream(),
+                )?
+            };
+        }
+        if let Some(parts) = scratch.parts.as_ref() {
+            // SAFETY: the parts hold `len` bytes on our stream.
+            unsafe {
+                driver::fill_words_async(
+                    "poison shard parts",
+                    parts.ptr().cast(),
+                    f32::INFINITY.to_bits(),
+                    parts.len() / 4,
+                    self.stream.cu_stream(),
+                )?
+            };
+        }
+        Ok(())
+    }
+
+    /// Sets every word of `outputs` (tokens, log-probabilities, top entries) to `word`: tests
+    /// poison the outputs to see unwritten slots.
+    pub fn fill_outputs(&self, outputs: &mut DeviceOutputs, word: u32) -> Result<()> {
+        self.make_current()?;
+        let stream = self.stream.cu_stream();
+        // SAFETY: each buffer holds `len` words and lives on our stream.
+        unsafe {
+            driver::fill_words_async("tokens", outputs.tokens.ptr(), word, outputs.tokens.len(), stream)?;
+            if let Some((values, top)) = &outputs.logprobs {
+                driver::fill_words_async("log-probabilities", values.ptr().cast(), word, values.len(), stream)?;
+                driver::fill_words_async("top log-probabilities", top.ptr(), word, top.len(), stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// An LM head of uniform values in `[-scale, scale)` made on the device (benchmarks, demo).
+    pub fn random_lm_head(&self, vocab: usize, dim: usize, dtype: DType, seed: u64, scale: f32) -> Result<LmHead> {
+        crate::params::check_head_shape(vocab, dim)?;
+        let shape = HeadShape { vocab, dim, dtype };
+        let buffer = self.random_buffer(vocab * dim, dtype, seed, scale)?;
+        LmHead::new(self.owner, &[shape], HeadStorage::Cuda(vec![self.resident_head(buffer, shape)?]))
+    }
+
+    /// Hidden states of uniform values made on the device.
+    pub fn random_hidden(&self, rows: usize, cols: usize, dtype: DType, seed: u64, scale: f32) -> Result<CudaHidden> {
+        let buffer = self.random_buffer(rows * cols, dtype, seed, scale)?;
+        self.resident_hidden(buffer, MatrixShape { rows, cols, dtype })
+    }
+
+    fn random_buffer(&self, count: usize, dtype: DType, seed: u64, scale: f32) -> Result<Allocation<u8>> {
+        self.make_current()?;
+        // SAFETY: the fill kernel writes every element before anything reads it.
+        let buffer = unsafe { Allocation::<u8>::uninitialized(&self.stream, count * dtype.bytes(), "random")? };
+        // SAFETY: the buffer holds `count` elements of `dtype` and lives on our stream.
+        unsafe {
+            self.kernels().fill_uniform(
+                self.stream.cu_stream().cast(),
+                buffer.ptr().address(),
+                count,
+                dtype,
+                seed,
+                scale,
+            )?
+        };
+        Ok(buffer)
+    }
+
+    /// Copies a device LM head of one shard back (the demo checks the GPU against the CPU on
+    /// it).
+    pub fn lm_head_to_host(&self, lm_head: &LmHead) -> Result<Matrix> {
+        let [head] = self.shards(lm_head)? else {
+            return Err(invalid("lm_head", "kept in several shards: copy them one by one"));
+        };
+        self.make_current()?;
+        let bytes = head.buffer.to_host(&self.stream, "lm_head")?;
+        Matrix::new("lm_head", head.shape.vocab, head.shape.dim, elements_from_bytes(&bytes, head.shape.dtype))
+    }
+
+    /// The device address of `W[0, 0]` of a head kept in one shard (a reference GEMM reads it).
+    pub fn lm_head_address(&self, lm_head: &LmHead) -> Result<u64> {
+        match self.shards(lm_head)? {
+            [head] => Ok(head.buffer.ptr().address()),
+            _ => Err(invalid("lm_head", "kept in several shards: it has no one address")),
+        }
+    }
+
+    /// Copies device hidden states back.
+    pub fn hidden_to_host(&self, hidden: &CudaHidden) -> Result<Matrix> {
+        self.make_current()?;
+        let bytes = hidden.buffer.to_host(&self.stream, "hidden")?;
+        Matrix::new("hidden", hidden.shape.rows, hidden.shape.cols, elements_from_bytes(&bytes, hidden.shape.dtype))
+    }
+
+    /// Queues one pass of 16-byte loads over the LM head's bytes (its first shard): the
+    /// read-bandwidth floor.
+    pub fn read_probe(&self, lm_head: &LmHead) -> Result<()> {
+        let head = &self.shards(lm_head)?[0];
+        self.make_current()?;
+        let sink = ensure(&self.stream, &mut self.scratch.borrow_mut().probe_sink, 1, "probe sink")?;
+        let bytes = (head.buffer.len() / 64 * 64) as u64;
+        let args = ReadProbeArgs { source: head.buffer.ptr().cast(), bytes, sink };
+        // SAFETY: `bytes` is within the buffer; the sink holds one u32.
+        unsafe {
+            driver::in_context(self.kernels().context().cast(), || {
+                self.kernels().kernels().launch(self.stream.cu_stream(), Kernel::ReadProbe, u64::MAX, &args)
+            })
+        }
+    }
+
+    /// The largest `|gumbel_estimate(x) − gumbel(x)|` over all 2³² words `x`, computed on this
+    /// device with its `lg2.approx`: what the fused kernels' filter assumes is at most
+    /// [`flashsample_core::estimate::GUMBEL_ESTIMATE_ERROR`].
+    pub fn gumbel_estimate_max_error(&self) -> Result<f32> {
+        self.make_current()?;
+        let out = Allocation::from_host(&self.stream, &[0u32], "estimate error")?;
+        let args = EstimateErrorArgs { out: out.ptr() };
+        // SAFETY: `out` is one zeroed u32.
+        unsafe {
+            driver::in_context(self.kernels().context().cast(), || {
+                self.kernels().kernels().launch(self.stream.cu_stream(), Kernel::GumbelEstimateError, u64::MAX, &args)
+            })?
+        };
+        self.synchronize("gumbel_estimate_error")?;
+        Ok(f32::from_bits(out.to_host(&self.stream, "estimate error")?[0]))
+    }
+
+    /// The unfused pipeline on the same inputs, plain rows only: a GEMM (the tile of
+    /// `variant`, an mma or TMA one) writes f32 logits `[B, V]`, a sampler reads them back. The
+    /// logits are bit-identical to the fused kernel's of the same variant, so are the tokens.
+    pub fn sample_unfused_into(
+        &self,
+        lm_head: &LmHead,
+        hidden: &CudaHidden,
+        batch: &DeviceBatch,
+        draws: Draws,
+        variant: Variant,
+        outputs: &mut DeviceOutputs,
+    ) -> Result<()> {
+        let [head] = self.shards(lm_head)? else {
+            return Err(invalid("lm_head", "kept in several shards: the unfused pipeline takes one"));
+        };
+        if batch.rows() != hidden.rows() || (outputs.rows, outputs.draws) != (hidden.rows(), draws.count) {
+            return Err(invalid("outputs", "the batch, the hidden states and the outputs must have the same rows"));
+        }
+        self.make_current()?;
+        let call = FusedCall {
+            lm_head: head.matrix(),
+            hidden: hidden.matrix(),
+            row_params: batch.row_params().address(),
+            tokens: outputs.tokens.ptr().address(),
+            draws,
+            variant,
+            processing: None,
+            shard: None,
+        };
+        let kernels = self.kernels().kernels();
+        let plan = kernels.plan_unfused(&call)?;
+        let maps = match (plan.variant.tma_boxes(), &head.maps, &hidden.maps) {
+            (Some(_), Some(w), Some(h)) => TensorMaps::Resident {
+                lm_head: crate::cuda::memory::ResidentMaps::LmHead(w.ptr()),
+                hidden: crate::cuda::memory::ResidentMaps::Hidden(h.ptr()),
+            },
+            _ => TensorMaps::Store,
+        };
+        let workspace: DeviceWorkspace = self.workspace(plan.workspace_bytes)?;
+        // SAFETY: every address comes from a live buffer of this sampler sized for the call.
+        unsafe {
+            driver::in_context(self.kernels().context().cast(), || {
+                kernels.enqueue_unfused(self.stream.cu_stream(), &call, &plan, maps, workspace)
+            })
+        }
+    }
+}
+
+fn elements_from_bytes(bytes: &[u8], dtype: DType) -> Elements {
+    match dtype {
+        DType::F32 => Elements::F32(bytemuck::pod_collect_to_vec(bytes)),
+        DType::F16 => Elements::F16(bytemuck::pod_collect_to_vec(bytes)),
+        DType::BF16 => Elements::BF16(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}

@@ -73,6 +73,13 @@ pub use sampled::{RowStatus, Sampled};
 pub use sampler::{LmHead, Sampler};
 pub use tensor::{DType, Elements, Matrix, MatrixShape};
 
+/// Every Rust block of the repository's README, compiled and run as a doc-test (with the
+/// features the workspace's tests turn on: candle's block needs `candle`, the tensor-parallel
+/// part `nccl`).
+#[cfg(all(doctest, feature = "candle", feature = "nccl"))]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
+
 /// The GPU `ordinal` if it is usable (a driver, a device, a module for it), else the CPU.
 /// Other failures of the GPU (a driver call that fails) are errors.
 pub fn gpu_or_cpu(ordinal: usize) -> Result<Box<dyn Sampler>> {

@@ -24,10 +24,13 @@ impl<T> DevicePtr<T> {
     /// The null address: an argument a kernel does not read.
     pub const NULL: DevicePtr<T> = DevicePtr::new(0);
 
+    /// The device address `address` as a pointer to `T` (0 is [`DevicePtr::NULL`]). Nothing
+    /// is checked: the launcher vouches for what the address holds.
     pub const fn new(address: u64) -> DevicePtr<T> {
         DevicePtr { address, points_to: PhantomData }
     }
 
+    /// The address itself, as the driver and the kernels take it.
     pub const fn address(self) -> u64 {
         self.address
     }
@@ -54,10 +57,14 @@ impl<T> DevicePtr<T> {
         DevicePtr::new(self.address)
     }
 
+    /// The address as a raw pointer for a kernel to read through (on the host it points into
+    /// device memory and must not be dereferenced).
     pub fn as_ptr(self) -> *const T {
         self.address as *const T
     }
 
+    /// The address as a raw pointer for a kernel to write through (on the host it points into
+    /// device memory and must not be dereferenced).
     pub fn as_mut_ptr(self) -> *mut T {
         self.address as *mut T
     }
@@ -278,13 +285,27 @@ pub struct TmaArgs {
     /// `[batch, tiles]` log-sum-exp terms of each (row, tile) (fused kernels that
     /// [write them](crate::registry::Kernel::writes_tile_sums); see [`FusedArgs::tile_sums`]), or null.
     pub tile_sums: DevicePtr<RowSums>,
+    /// Rows of `W`: the vocabulary entries of the shard (of the whole vocabulary when
+    /// unsharded). Entries at or past it take no part in the race or the terms, and the GEMM
+    /// writes no quad that starts past it.
     pub vocab: u32,
+    /// Columns of `W` and `H` (the hidden size): every item runs `⌈dim / TMA_K_BLOCK⌉`
+    /// pipeline stages.
     pub dim: u32,
     /// Rows of `H` this launch covers, starting at `hidden_row0`.
     pub batch: u32,
+    /// The row of `H` (in `hidden_map`, which spans all of `H`) that is this launch's batch
+    /// row 0: a pass over some of a call's rows starts at its first row, while `row_params`,
+    /// `processing` and `tile_sums` already point at that row.
     pub hidden_row0: u32,
+    /// The global draw index of the launch's draw 0 (fused kernels): draw `j` races with the
+    /// noise of draw `draw_offset + j` ([`crate::noise`]), so a call split into passes draws
+    /// the noise of one launch over all its draws.
     pub draw_offset: u32,
+    /// Draws per row in this launch (fused kernels): the candidates' middle dimension.
     pub samples: u32,
+    /// Vocabulary tiles, `⌈vocab / item height⌉`: the work items are `tiles × ⌈batch /
+    /// columns⌉`, and `tiles` is the last dimension of the candidates and of `tile_sums`.
     pub tiles: u32,
     /// Row stride of the logits in elements (GEMM), a multiple of 4 and at least `vocab`.
     pub logits_stride: u32,
@@ -329,11 +350,24 @@ pub struct FusedArgs {
     /// T = 1 and over its processed ones at the row's temperature (empty for a greedy row); null
     /// for none. A call asks for them in the launch of its first draws only.
     pub tile_sums: DevicePtr<RowSums>,
+    /// Rows of `W`: the vocabulary entries of the shard (of the whole vocabulary when
+    /// unsharded). Entries at or past it take no part in the race or the terms.
     pub vocab: u32,
+    /// Columns of `W` and `H` (the hidden size): a multiple of 8 for the `mma.sync` tiles, any
+    /// for the SIMT tile.
     pub dim: u32,
+    /// Rows of `H` in this launch (a pass's rows: `hidden`, `row_params`, `processing` and
+    /// `tile_sums` point at its first).
     pub batch: u32,
+    /// The global draw index of the launch's draw 0: draw `j` races with the noise of draw
+    /// `draw_offset + j` ([`crate::noise`]), so a call split into passes draws the noise of
+    /// one launch over all its draws.
     pub draw_offset: u32,
+    /// Draws per row in this launch: the candidates' middle dimension.
     pub samples: u32,
+    /// Vocabulary tiles of [`TILE_ROWS`] rows, `⌈vocab / TILE_ROWS⌉`: the work items are
+    /// `tiles × ⌈batch / columns⌉`, and `tiles` is the last dimension of the candidates and of
+    /// `tile_sums`.
     pub tiles: u32,
     /// Elements from one row of `W` to the next (at least `dim`).
     pub lm_head_stride: u32,
@@ -356,16 +390,25 @@ pub const SHARD_ALIGNMENT: u32 = crate::noise::ENTRIES_PER_BLOCK;
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsArgs {
+    /// `W[vocab, dim]`, rows `lm_head_stride` elements apart, bf16 or f16 as the kernel's name
+    /// says; 16-byte aligned, as are its rows (the tile loads 16 bytes at a time).
     pub lm_head: DevicePtr<Element>,
+    /// `H[batch, dim]`, rows `hidden_stride` elements apart, same element type and alignment.
     pub hidden: DevicePtr<Element>,
+    /// `[batch, logits_stride]` f32 logits, written in whole quads (16-byte stores), so a
+    /// row's entries from `vocab` up to the next multiple of 4 may be overwritten too.
     pub logits: DevicePtr<f32>,
+    /// Rows of `W`: the columns of `logits` computed.
     pub vocab: u32,
+    /// Columns of `W` and `H` (the hidden size), a multiple of 8.
     pub dim: u32,
+    /// Rows of `H`: the rows of `logits` written.
     pub batch: u32,
     /// Row stride of `logits` in elements, a multiple of 4 and at least `vocab`.
     pub logits_stride: u32,
-    /// Row strides of `W` and `H` in elements, as in [`FusedArgs`].
+    /// Row stride of `W` in elements, as in [`FusedArgs`].
     pub lm_head_stride: u32,
+    /// Row stride of `H` in elements, as in [`FusedArgs`].
     pub hidden_stride: u32,
 }
 
@@ -374,14 +417,27 @@ pub struct LogitsArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsSamplerArgs {
+    /// `[batch, logits_stride]` f32 logits the rows race with (on the processed path the
+    /// processing pipeline's `processed`, −∞ for every dropped token), read in 16-byte quads.
     pub logits: DevicePtr<f32>,
+    /// `[batch]` row parameters.
     pub row_params: DevicePtr<RowParams>,
+    /// `[batch · samples · tiles]` candidates, written in [`FusedArgs::candidates`]' layout
+    /// ([`candidate_slot`]).
     pub candidates: DevicePtr<Candidate>,
+    /// Logits per row that race (a shard's vocabulary entries); entries past it do not.
     pub vocab: u32,
+    /// Floats from one row of `logits` to the next: a multiple of 4 (so every quad is 16-byte
+    /// aligned) and at least `vocab`.
     pub logits_stride: u32,
+    /// Rows in this launch (a pass's rows: `logits` and `row_params` point at its first).
     pub batch: u32,
+    /// The global draw index of the launch's draw 0, as [`FusedArgs::draw_offset`].
     pub draw_offset: u32,
+    /// Draws per row in this launch: the candidates' middle dimension.
     pub samples: u32,
+    /// Tiles of [`LOGITS_SAMPLER_TILE`] entries per row, `⌈vocab / LOGITS_SAMPLER_TILE⌉`: one
+    /// block per (row, tile) item, one candidate per (row, draw, tile).
     pub tiles: u32,
     /// The global vocabulary index of the logits' column 0 (see [`FusedArgs`]).
     pub vocab_offset: u32,
@@ -397,8 +453,12 @@ pub struct LogitsSamplerArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ReduceArgs {
+    /// `[batch · samples · tiles]` candidates (the pass's tile kernel's or logits sampler's),
+    /// the tiles of one (row, draw) side by side ([`candidate_slot`]).
     pub candidates: DevicePtr<Candidate>,
+    /// `[batch, token_stride]` token slots, written when `winners` is null.
     pub tokens: DevicePtr<u32>,
+    /// `[batch, token_stride]` shard winners, written instead of `tokens` when not null.
     pub winners: DevicePtr<ShardWinner>,
     /// `[batch, logits_stride]` raw and processed logits of the shard (its column 0 at global
     /// index `vocab_offset`), from which the winners take their logits; null: NaN logits.
@@ -412,14 +472,26 @@ pub struct ReduceArgs {
     /// pipeline's slices, [`ProcessArgs::slice_sums`]), merged in part order into `sums[b]` by
     /// the block of each row's draw 0; null: none.
     pub part_sums: DevicePtr<RowSums>,
+    /// `[batch]` rows' merged log-sum-exp terms, written when `part_sums` is not null.
     pub sums: DevicePtr<RowSums>,
+    /// Rows in this launch (a pass's rows: every per-row pointer points at its first).
     pub batch: u32,
+    /// Draws per row in this launch: one block per (row, draw) item, `batch · samples` in all.
     pub samples: u32,
+    /// Candidates per (row, draw): the `tiles` of the kernel that wrote them.
     pub tiles: u32,
+    /// The slot of the launch's draw 0 in a row of `tokens` or `winners`: the pass's first
+    /// draw within the call. A slot, not a noise index (this kernel draws no noise).
     pub draw_offset: u32,
+    /// Slots per row of `tokens` and `winners`: the call's draws per row.
     pub token_stride: u32,
+    /// Floats from one row of `raw` and `processed` to the next; a winner whose column is not
+    /// below it gets NaN logits.
     pub logits_stride: u32,
+    /// The global index of column 0 of `raw` and `processed`: a winner's column is its index
+    /// minus this.
     pub vocab_offset: u32,
+    /// Parts per row in `part_sums` (the fused call's tiles or the pipeline's slices).
     pub sum_parts: u32,
 }
 
@@ -430,8 +502,13 @@ pub struct ReduceArgs {
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ShardWinner {
+    /// The shard's best candidate of the (row, draw): its index is a global token index,
+    /// [`NO_TOKEN`](crate::NO_TOKEN) or [`NON_FINITE_TOKEN`](crate::NON_FINITE_TOKEN).
     pub candidate: Candidate,
+    /// The token's raw logit, or NaN.
     pub raw: f32,
+    /// The token's processed logit (after the row's processing, before the temperature), or
+    /// NaN.
     pub processed: f32,
 }
 
@@ -460,23 +537,42 @@ pub struct WinnerLogitsArgs {
     pub lm_head: DevicePtr<Element>,
     /// `H[batch, dim]`, rows `hidden_stride` elements apart, same element type.
     pub hidden: DevicePtr<Element>,
+    /// `[batch · samples]` winners the merge kernel wrote; a shard's get their `raw` and
+    /// `processed` logits written here.
     pub winners: DevicePtr<ShardWinner>,
+    /// `[batch]` rows' per-entry processing, which turns the raw logit into the processed one;
+    /// null: the processed logit is the raw one.
     pub processing: DevicePtr<RowProcessing>,
     /// Null for a shard (the winners get their logits). Otherwise the unsharded call's `[batch,
     /// samples]` tokens and log-probabilities (raw, processed) from each row's merged terms
     /// `sums` (`[batch]`) and `row_params`, and, unless `top` is null, its `[batch,
     /// MAX_TOP_LOGPROBS]` top entries, all empty (a fused call has none).
     pub tokens: DevicePtr<u32>,
+    /// With `tokens`: `[batch, samples]` raw log-probabilities (T = 1), written unless null.
     pub logprobs: DevicePtr<f32>,
+    /// With `tokens` and `logprobs`: `[batch, samples]` log-probabilities under the
+    /// distribution each token was drawn from (0 for a greedy row), written.
     pub processed_logprobs: DevicePtr<f32>,
+    /// With `tokens`: `[batch, MAX_TOP_LOGPROBS]` top entries, each written as
+    /// [`TopLogprob::NONE`]; null: none.
     pub top: DevicePtr<TopLogprob>,
+    /// With `tokens`: `[batch]` rows' merged log-sum-exp terms (the merge kernel's), read.
     pub sums: DevicePtr<RowSums>,
+    /// `[batch]` row parameters: with `tokens`, the temperatures and greedy flags of the
+    /// log-probabilities.
     pub row_params: DevicePtr<RowParams>,
+    /// Rows of `W` (the shard's tokens): a winner whose index is not in `vocab_offset ..
+    /// vocab_offset + vocab` gets no logits.
     pub vocab: u32,
+    /// Columns of `W` and `H`: the length of each dot product.
     pub dim: u32,
+    /// Rows of `H`.
     pub batch: u32,
+    /// Draws per row: the winners are `[batch, samples]`, one block each.
     pub samples: u32,
+    /// Elements from one row of `W` to the next (at least `dim`).
     pub lm_head_stride: u32,
+    /// Elements from one row of `H` to the next (at least `dim`).
     pub hidden_stride: u32,
     /// The global index of `W`'s row 0 (see [`FusedArgs`]).
     pub vocab_offset: u32,
@@ -491,7 +587,9 @@ pub struct WinnerLogitsArgs {
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct RawTop {
+    /// The global token index, or `NO_TOKEN` in an unused slot.
     pub token: u32,
+    /// The token's raw logit; −∞ in an unused slot.
     pub logit: f32,
 }
 
@@ -510,6 +608,8 @@ pub struct ShardPartLayout {
 }
 
 impl ShardPartLayout {
+    /// The layout of a part of `batch` rows of `samples` draws each, with or without
+    /// log-probabilities.
     pub const fn of(batch: u32, samples: u32, logprobs: bool) -> ShardPartLayout {
         let winners = batch as u64 * samples as u64 * core::mem::size_of::<ShardWinner>() as u64;
         if !logprobs {
@@ -531,20 +631,36 @@ impl ShardPartLayout {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ShardMergeArgs {
+    /// The `shards` parts, each `part_bytes` long (and 16-byte aligned), side by side.
     pub parts: DevicePtr<u8>,
+    /// `[batch]` row parameters: the temperatures and greedy flags of the log-probabilities.
     pub row_params: DevicePtr<RowParams>,
     /// `[batch]` processing blocks (for the top counts), or null for none.
     pub processing: DevicePtr<RowProcessing>,
+    /// `[batch, samples]` tokens, written.
     pub tokens: DevicePtr<u32>,
+    /// `[batch, samples]` raw log-probabilities (T = 1), written; null: the parts have no
+    /// log-probabilities, and no log-probability is written.
     pub logprobs: DevicePtr<f32>,
+    /// `[batch, samples]` log-probabilities under the distribution each token was drawn from
+    /// (0 for a greedy row), written with `logprobs`.
     pub processed_logprobs: DevicePtr<f32>,
+    /// `[batch, MAX_TOP_LOGPROBS]` top raw log-probabilities, written with `logprobs` unless
+    /// null: the row's `top_logprobs` best of every shard's entries, then
+    /// [`TopLogprob::NONE`]s.
     pub top: DevicePtr<TopLogprob>,
-    /// [`ShardPartLayout`]'s fields.
+    /// Byte offset of the row sums within a part ([`ShardPartLayout::sums`]).
     pub part_sums: u64,
+    /// Byte offset of the top entries within a part ([`ShardPartLayout::top`]).
     pub part_top: u64,
+    /// Bytes of one part ([`ShardPartLayout::bytes`]): shard `s`'s part starts
+    /// `s · part_bytes` after `parts`.
     pub part_bytes: u64,
+    /// Parts in `parts`; their log-sum-exp terms merge in shard order.
     pub shards: u32,
+    /// Rows.
     pub batch: u32,
+    /// Draws per row: one thread per (row, draw), `batch · samples` in all.
     pub samples: u32,
     /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
     pub padding: u32,
@@ -566,13 +682,23 @@ pub struct RowProcessing {
     /// `⌈vocab / SPARSE_BLOCK⌉ + 1` offsets into `sparse`: block `k`'s entries are
     /// `sparse[blocks[k] .. blocks[k + 1]]` (see [`crate::process::SPARSE_BLOCK`]).
     pub sparse_blocks: DevicePtr<u32>,
+    /// Entries in `sparse`; 0: no listed token (`sparse` and `sparse_blocks` are then not
+    /// read).
     pub sparse_len: u32,
     /// The soft-cap, 0 for none.
     pub softcap: f32,
+    /// min-p, in `[0, 1]`, 0 for none: a sampling row keeps the entries at or above
+    /// [`crate::process::min_p_threshold`] of its largest processed logit.
     pub min_p: f32,
+    /// top-p, in `(0, 1]`, 1 for none: of the entries min-p and top-k keep, a sampling row
+    /// keeps the shortest prefix by decreasing processed logit, then increasing index, whose
+    /// integer mass reaches [`crate::process::top_p_target`] of their total.
     pub top_p: f32,
-    /// 0 for none.
+    /// top-k, 0 for none: of the entries min-p keeps, a sampling row keeps those at or above
+    /// the k-th largest processed logit (ties kept).
     pub top_k: u32,
+    /// The history penalties, applied to the listed tokens whose count is not 0
+    /// ([`crate::process::sparse_step`]).
     pub penalties: Penalties,
     /// How many of the row's top raw log-probabilities to write (at most
     /// [`crate::process::MAX_TOP_LOGPROBS`]).
@@ -587,7 +713,9 @@ pub struct RowProcessing {
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct TopLogprob {
+    /// The global token index, or `NO_TOKEN` past the row's count.
     pub token: u32,
+    /// The token's log-probability under the raw logits at T = 1; −∞ past the row's count.
     pub logprob: f32,
 }
 
@@ -602,7 +730,10 @@ impl TopLogprob {
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct RowSums {
+    /// Over the raw logits at T = 1: the raw log-probabilities and the top entries'.
     pub raw: LogSumExp,
+    /// Over the kept processed logits at the row's temperature: the processed
+    /// log-probabilities (empty for a greedy row).
     pub kept: LogSumExp,
 }
 
@@ -620,7 +751,10 @@ pub struct ProcessArgs {
     pub raw: DevicePtr<f32>,
     /// `[batch, logits_stride]`, written.
     pub processed: DevicePtr<f32>,
+    /// `[batch]` row parameters: the temperatures and greedy flags behind min-p's cut, top-p's
+    /// masses and the kept terms.
     pub row_params: DevicePtr<RowParams>,
+    /// `[batch]` rows' processing blocks, read for every row (never null).
     pub processing: DevicePtr<RowProcessing>,
     /// `[batch]` rows' selection state, zeroed before the pipeline's first step.
     pub state: DevicePtr<ProcessRowState>,
@@ -631,18 +765,29 @@ pub struct ProcessArgs {
     /// `[batch, MAX_TOP_LOGPROBS]`, each row's top raw entries by decreasing logit, then
     /// increasing index, as many as the row asks for (needs `slice_sums`); null: none.
     pub top: DevicePtr<RawTop>,
+    /// Logits per row (a shard's vocabulary entries); the rest of a row, up to
+    /// `logits_stride`, is padding, which [`ProcessStep::Entries`] sets to −∞ in `processed`
+    /// (the logits sampler loads whole quads).
     pub vocab: u32,
+    /// Floats from one row of `raw` and `processed` to the next: a multiple of 4 (16-byte
+    /// quads) and at least `vocab`.
     pub logits_stride: u32,
+    /// Rows: a launch's items are the `batch · slices` (row, slice) pairs, or the `batch` rows
+    /// for [`ProcessStep::Decide`].
     pub batch: u32,
     /// The global vocabulary index of the logits' column 0 (a shard's offset): mask bits,
     /// sparse entries and the written indices are global.
     pub vocab_offset: u32,
+    /// Slices per row, `1 ≤ slices ≤ ⌈vocab / 4⌉`: a row's quads split into runs of
+    /// `⌈quads / slices⌉` (the last ones may be short or empty), one block per (row, slice).
     pub slices: u32,
     /// The launch's [`ProcessStep`].
     pub step: u32,
     /// With [`ProcessStep::Select`] and [`ProcessStep::Decide`]: the [`Selection`] and its
     /// digit (0 = most significant).
     pub selection: u32,
+    /// With those steps: the digit of `selection`, 0 to `SELECT_DIGITS − 1`, most significant
+    /// first (bits `24 − 8·digit .. 32 − 8·digit` of the key).
     pub digit: u32,
     /// A vocabulary shard's exchange with the other shards ([`ShardExchangeLayout`]): its
     /// `[2, batch]` extrema (each row's largest `order_key`, then its non-finite flag), which
@@ -693,6 +838,7 @@ pub enum Selection {
 }
 
 impl Selection {
+    /// Every selection, in the order a pipeline runs them.
     pub const ALL: [Selection; 5] =
         [Selection::TopK, Selection::TopP, Selection::TopPTie, Selection::TopRaw, Selection::TopRawTie];
 
@@ -729,6 +875,7 @@ impl Selection {
 /// independent of the order of the shards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardExchangeLayout {
+    /// Rows.
     pub batch: u32,
     /// Exchanged digits: [`SELECT_DIGITS`] per exchanged selection some row needs.
     pub digits: u32,
@@ -772,14 +919,22 @@ pub const SELECT_DIGITS: u32 = 4;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ProcessRowState {
+    /// The running digit's histogram: per bucket the weight (a count, or top-p's integer
+    /// mass) of the row's members in it. With an exchange, an exchanged selection adds to the
+    /// exchange's histogram instead.
     pub histogram: [u64; SELECT_BUCKETS as usize],
     /// The running selection: the weight above its key prefix, and its target.
     pub above: u64,
+    /// The weight the running selection's members at or above its key must reach, set at its
+    /// digit 0: top-k's k, top-p's target mass, a tie selection's `tie_goal` or the number
+    /// of top raw entries.
     pub target: u64,
     /// The target of the next tie selection, set when its parent finds its key.
     pub tie_goal: u64,
     /// The running selection's key prefix (its decided digits).
     pub prefix: u32,
+    /// The row's slices that have finished this launch's step; the last to arrive sets it back
+    /// to 0.
     pub arrivals: u32,
     /// `order_key` of the row's largest processed logit (rows with truncations).
     pub max_key: u32,
@@ -793,7 +948,10 @@ pub struct ProcessRowState {
     pub keys: [u32; 5],
     /// The row's top raw entries as the slices gather them: their count, then the entries.
     pub top_count: u32,
+    /// The gathered entries in arrival order (at most `MAX_TOP_LOGPROBS`), which the row's
+    /// last slice sorts into [`ProcessArgs::top`].
     pub top: [RawTop; crate::process::MAX_TOP_LOGPROBS as usize],
+    /// Padding to a whole multiple of 128 bytes.
     pub padding: [u32; 6],
 }
 
@@ -816,9 +974,15 @@ const _: () = assert!(PROCESS_THREADS >= SELECT_BUCKETS);
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct FillArgs {
+    /// The `count` elements written, of the kernel's element type.
     pub out: DevicePtr<Element>,
+    /// Elements to write.
     pub count: u64,
+    /// The Philox key of the values ([`crate::noise::key`]): the same seed gives the same
+    /// values.
     pub seed: u64,
+    /// Half the range's width: values are uniform in `[-scale, scale)` before rounding to the
+    /// element type.
     pub scale: f32,
     /// Explicit tail padding (the block is 8-aligned), so that the block has no padding bytes.
     pub padding: u32,
@@ -830,8 +994,11 @@ pub struct FillArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ReadProbeArgs {
+    /// The bytes read, 16-byte aligned.
     pub source: DevicePtr<u8>,
+    /// Bytes to read, a multiple of 64.
     pub bytes: u64,
+    /// One `u32`, where the checksum would be written.
     pub sink: DevicePtr<u32>,
 }
 
@@ -842,6 +1009,8 @@ pub struct ReadProbeArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct EstimateErrorArgs {
+    /// The zeroed `u32` into which every warp merges its largest error's bits (an atomic
+    /// maximum: non-negative floats order as their bits do).
     pub out: DevicePtr<u32>,
 }
 
@@ -850,8 +1019,11 @@ pub struct EstimateErrorArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct AdvanceStepsArgs {
+    /// `[batch]` row parameters, updated in place.
     pub row_params: DevicePtr<RowParams>,
+    /// Rows to advance.
     pub batch: u32,
+    /// What each row's `step` grows by (wrapping).
     pub by: u32,
 }
 
@@ -865,7 +1037,11 @@ pub struct AdvanceStepsArgs {
 pub struct StoreTensorMapsArgs {
     /// Two 64-byte aligned tensor maps in global memory.
     pub destination: DevicePtr<TensorMap>,
+    /// The words of `W`'s [`TensorMap`], with boxes of [`TMA_K_BLOCK`] × the kernel's item
+    /// height.
     pub lm_head: [u64; 16],
+    /// The words of `H`'s [`TensorMap`], with boxes of [`TMA_K_BLOCK`] × the kernel's
+    /// columns.
     pub hidden: [u64; 16],
 }
 

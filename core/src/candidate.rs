@@ -18,9 +18,13 @@ pub const NON_FINITE_TOKEN: u32 = u32::MAX - 1;
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct Candidate {
+    /// The exact score the entry races with ([`perturbed_score`]; the plain logit for a
+    /// greedy row): −∞ in [`Candidate::NONE`], +∞ in [`Candidate::NON_FINITE`].
     pub score: f32,
-    /// 0 for greedy rows (no noise): their ties go to the lower index.
+    /// The Philox word the entry's noise came from. 0 for greedy rows (no noise): their ties go
+    /// to the lower index.
     pub word: u32,
+    /// The entry's global vocabulary index, or [`NO_TOKEN`] or [`NON_FINITE_TOKEN`].
     pub index: u32,
 }
 

@@ -107,6 +107,8 @@ pub fn score_estimate(logit: f32, temperature: f32, x: u32, log2: impl Fn(f32) -
 /// The Philox words of a four-entry block and the estimated racing scores of its entries.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockEstimate {
+    /// The block's Philox words: entry `r`'s noise comes from `words[r]` (all 0 in
+    /// [`BlockEstimate::plain`]), which [`exact_entry`] turns into its exact score.
     pub words: [u32; 4],
     /// [`score_estimate`]; the plain logit for a greedy row (exact);
     /// −∞ for entries past the vocabulary.

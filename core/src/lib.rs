@@ -19,6 +19,7 @@
 //! build has anyway), on the host the standard library's; both are the correctly rounded
 //! `fma`.
 #![no_std]
+#![warn(missing_docs)]
 #![cfg_attr(target_arch = "nvptx64", feature(core_float_math, link_llvm_intrinsics))]
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
 

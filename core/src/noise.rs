@@ -26,6 +26,7 @@ use crate::philox::{Counter, Key, philox4x32_10};
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct RowParams {
+    /// The row's seed: its low and high 32 bits are Philox's key ([`key`]).
     pub seed: u64,
     /// Which independent sequence of the seed's noise this row draws from, e.g. a request id.
     pub sequence: u32,
@@ -46,11 +47,15 @@ pub const MAX_TEMPERATURE: f32 = 1e36;
 /// Vocabulary entries served by one Philox call.
 pub const ENTRIES_PER_BLOCK: u32 = 4;
 
+/// Philox's key for a row's `seed`: its low 32 bits, then its high 32 bits.
 #[inline(always)]
 pub fn key(seed: u64) -> Key {
     [seed as u32, (seed >> 32) as u32]
 }
 
+/// Philox's counter for the vocabulary entries `4·philox_block .. 4·philox_block + 4` of
+/// draw number `draw` of a row at decode step `step` in sequence `sequence` (see the module
+/// docs).
 #[inline(always)]
 pub fn counter(philox_block: u32, draw: u32, step: u32, sequence: u32) -> Counter {
     [philox_block, draw, step, sequence]

@@ -177,6 +177,7 @@ pub struct Penalties {
 }
 
 impl Penalties {
+    /// No penalty: repetition 1, frequency and presence 0.
     pub const NONE: Penalties = Penalties { repetition: 1.0, frequency: 0.0, presence: 0.0 };
 }
 
@@ -209,7 +210,9 @@ pub fn min_p_threshold(max_logit: f32, temperature: f32, min_p: f32) -> f32 {
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogSumExp {
+    /// The largest logit added, in logit units; −∞ for the empty sum.
     pub max: f32,
+    /// `Σ exp((logit − max) / T)` over the logits added; 0 for the empty sum.
     pub sum: f32,
 }
 
@@ -279,8 +282,13 @@ impl LogSumExp {
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SparseEntry {
+    /// The token's global vocabulary index.
     pub token: u32,
+    /// The sum of the token's bias values, added to its logit after the soft-cap (0 for a
+    /// token listed for its history only).
     pub bias: f32,
+    /// The token's occurrences in the row's history; 0 (a token listed for its bias only)
+    /// leaves it unpenalised.
     pub count: u32,
 }
 
@@ -352,7 +360,13 @@ pub fn process_quad(
 /// may cut inside a tie, by index).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KeepRule {
+    /// min-p's cut ([`min_p_threshold`]): entries whose logit is below it are dropped; −∞
+    /// keeps every entry.
     pub min_cut: f32,
+    /// top-k's or top-p's cut as (logit, global index): an entry is kept when it comes no
+    /// later in the order of decreasing logit, then increasing index. top-k cuts at the k-th
+    /// largest logit with index `u32::MAX` (keeping its whole tie), top-p at its prefix's last
+    /// entry; `(−∞, u32::MAX)` keeps every entry.
     pub order_cut: (f32, u32),
 }
 
@@ -360,6 +374,8 @@ impl KeepRule {
     /// Keeps every entry.
     pub const ALL: KeepRule = KeepRule { min_cut: f32::NEG_INFINITY, order_cut: (f32::NEG_INFINITY, u32::MAX) };
 
+    /// Whether the entry of processed logit `logit` at global vocabulary index `index` is
+    /// kept.
     #[inline(always)]
     pub fn keeps(&self, logit: f32, index: u32) -> bool {
         logit >= self.min_cut && (logit > self.order_cut.0 || (logit == self.order_cut.0 && index <= self.order_cut.1))

@@ -18,8 +18,12 @@ use crate::abi::{
 /// The element type of `W` and `H` a kernel reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ElementType {
+    /// bfloat16, 2 bytes.
     Bf16,
+    /// IEEE half precision, 2 bytes.
     F16,
+    /// IEEE single precision, 4 bytes: the SIMT tile, `winner_logits` and the fill only (the
+    /// `mma.sync` and `wgmma` tiles take 16-bit elements).
     F32,
 }
 
@@ -27,24 +31,61 @@ pub enum ElementType {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
     /// Tile kernel, register-direct `mma.sync` tile of 128 rows × `columns` (`FusedArgs`).
-    FusedMma { element: ElementType, columns: u32 },
+    FusedMma {
+        /// The element type of `W` and `H`: bf16 or f16.
+        element: ElementType,
+        /// Batch columns per work item: 8, 16 or 32 (`columns / 8` mma n-tiles).
+        columns: u32,
+    },
     /// Tile kernel, CUDA-core tile (`FusedArgs`).
-    FusedSimt { element: ElementType },
+    FusedSimt {
+        /// The element type of `W` and `H`: any.
+        element: ElementType,
+    },
     /// The unfused pipeline's GEMM on the `mma.sync` tile (`LogitsArgs`).
-    LogitsMma { element: ElementType, columns: u32 },
+    LogitsMma {
+        /// The element type of `W` and `H`: bf16 or f16.
+        element: ElementType,
+        /// Batch columns per work item: 8, 16 or 32.
+        columns: u32,
+    },
     /// Tile kernel, TMA + `wgmma` tile of `rows` × `columns` (`TmaArgs`).
-    FusedTma { element: ElementType, rows: u32, columns: u32 },
+    FusedTma {
+        /// The element type of `W` and `H`: bf16 or f16.
+        element: ElementType,
+        /// Vocabulary rows per work item, the item height: 64 (ping-pong) or 128 (cooperative);
+        /// see [`TMA_ITEM_ROWS`](crate::abi::TMA_ITEM_ROWS).
+        rows: u32,
+        /// Batch columns per work item (the `wgmma` N): 8, 16, 32, 64 or 128.
+        columns: u32,
+    },
     /// The unfused pipeline's GEMM on the TMA + `wgmma` tile (`TmaArgs`).
-    LogitsTma { element: ElementType, rows: u32, columns: u32 },
+    LogitsTma {
+        /// The element type of `W` and `H`: bf16 or f16.
+        element: ElementType,
+        /// Vocabulary rows per work item: 64 or 128, as for [`Kernel::FusedTma`].
+        rows: u32,
+        /// Batch columns per work item: 8, 16, 32, 64 or 128.
+        columns: u32,
+    },
     /// Tile kernel, TMA + `wgmma` handoff tile: 128 rows × `columns`, epilogue in warps of its own
     /// (`TmaArgs`).
-    FusedHandoff { element: ElementType, columns: u32 },
+    FusedHandoff {
+        /// The element type of `W` and `H`: bf16 or f16.
+        element: ElementType,
+        /// Batch columns per work item: 64 or 128
+        /// ([`HANDOFF_COLUMNS`](crate::abi::HANDOFF_COLUMNS)).
+        columns: u32,
+    },
     /// The unfused pipeline's sampler over materialised logits (`LogitsSamplerArgs`).
     SampleLogits,
     /// The merge kernel: candidates → tokens, or a shard's winners (`ReduceArgs`).
     ReduceCandidates,
     /// The logits of a fused call's winners, one dot product each (`WinnerLogitsArgs`).
-    WinnerLogits { element: ElementType },
+    WinnerLogits {
+        /// The element type of `W` and `H`: any.
+        element: ElementType,
+    },
     /// Logit processing of materialised rows, one step of the processing pipeline per launch
     /// over (row, slice) items (`ProcessArgs`).
     ProcessRows,
@@ -52,7 +93,10 @@ pub enum Kernel {
     /// log-probabilities (`ShardMergeArgs`).
     MergeShards,
     /// Uniform benchmark inputs (`FillArgs`).
-    FillUniform { element: ElementType },
+    FillUniform {
+        /// The element type written.
+        element: ElementType,
+    },
     /// The read-bandwidth floor (`ReadProbeArgs`).
     ReadProbe,
     /// The exhaustive check of the noise estimate's bound (`EstimateErrorArgs`).
@@ -206,6 +250,7 @@ pub enum Module {
 }
 
 impl Module {
+    /// Every module, the portable one first.
     pub const ALL: [Module; 2] = [Module::Portable, Module::Hopper];
 
     /// Whether this module holds `kernel`.
@@ -265,7 +310,10 @@ impl Module {
 /// One entry point of the kernel crate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelEntry {
+    /// The entry point's name in the PTX, as [`for_each_kernel!`](crate::for_each_kernel)
+    /// lists it.
     pub name: &'static str,
+    /// What the entry point computes.
     pub kernel: Kernel,
 }
 

@@ -322,7 +322,7 @@ struct SampleArgs {
     /// Draws per row, 1 to 2^32 − 1 (independent; written in passes of bounded memory).
     #[arg(long)]
     samples: i64,
-    /// Seed of the noise, 0 to 2^64 − 1; row r draws from stream r of it.
+    /// Seed of the noise, 0 to 2^64 − 1; row r draws from sequence r of it.
     #[arg(long)]
     seed: i128,
     /// Temperature T >= 0; 0 is greedy argmax. (A negative, infinite or NaN value is read, then

@@ -4,9 +4,7 @@
 //! in `examples/candle`'s tests.
 
 use candle_core::{DType as CandleDType, Device, Tensor};
-use flashsample::{
-    Batch, CandleSampler, CpuSampler, DType, Draws, Error, Matrix, Processing, Sampler, SamplingParams,
-};
+use flashsample::{Batch, CandleSampler, CpuSampler, DType, Draws, Error, Matrix, Processing, Sampler, SamplingParams};
 use flashsample_tests::processing::each_mode;
 use flashsample_tests::random_matrix;
 
@@ -81,7 +79,8 @@ fn advance_steps_moves_the_noise_and_log_probabilities_follow_the_batch() {
     let first = sampler.sample(&tensor(&w), &tensor(&h), 4).unwrap();
     assert!(first.logprobs.is_none() && first.processed_logprobs.is_none() && first.top_logprobs.is_none());
     sampler.advance_steps(1).unwrap();
-    let second: Vec<u32> = sampler.sample(&tensor(&w), &tensor(&h), 4).unwrap().tokens.flatten_all().unwrap().to_vec1().unwrap();
+    let second: Vec<u32> =
+        sampler.sample(&tensor(&w), &tensor(&h), 4).unwrap().tokens.flatten_all().unwrap().to_vec1().unwrap();
     let later = Batch::new(params.iter().map(|p| SamplingParams { step: 11, ..*p }).collect());
     assert_eq!(second, cpu(&w, &h, &later, 4).tokens);
     assert_eq!(sampler.batch().params[0].step, 11);

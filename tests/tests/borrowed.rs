@@ -77,16 +77,28 @@ impl Caller {
         tokens: &mut CudaSlice<u32>,
         workspace: &mut StreamWorkspace,
     ) {
-        let rows = batch.rows();
-        let request = Request {
-            lm_head: DeviceMatrix::of_slice(w, stream, w.len() / DIM, DIM).unwrap(),
-            hidden: DeviceMatrix::of_slice(h, stream, rows, h.len() / rows).unwrap(),
-            batch: batch.view(stream),
-            draws: Draws::first(draws),
-            shard: None,
-        };
+        let request = request(stream, w, h, batch, draws);
         let target = Target::tokens(OutputSlice::of_slice(tokens, stream));
         self.sampler.enqueue_on_with_variant(stream, &request, &target, workspace, variant).unwrap();
+    }
+}
+
+/// The request for `draws` draws of every row of `batch` from `W[len / DIM, DIM]` and the
+/// contiguous `H` on `stream`.
+fn request<'a>(
+    stream: &'a Arc<CudaStream>,
+    w: &'a CudaSlice<bf16>,
+    h: &'a CudaSlice<bf16>,
+    batch: &'a DeviceBatch,
+    draws: u32,
+) -> Request<'a> {
+    let rows = batch.rows();
+    Request {
+        lm_head: DeviceMatrix::of_slice(w, stream, w.len() / DIM, DIM).unwrap(),
+        hidden: DeviceMatrix::of_slice(h, stream, rows, h.len() / rows).unwrap(),
+        batch: batch.view(stream),
+        draws: Draws::first(draws),
+        shard: None,
     }
 }
 
@@ -232,13 +244,7 @@ fn the_callers_current_context_is_restored() {
         context
     };
     let plan_and_space = |tokens: &mut CudaSlice<u32>, workspace: &mut StreamWorkspace| {
-        let request = Request {
-            lm_head: DeviceMatrix::of_slice(&w, stream, VOCAB, DIM).unwrap(),
-            hidden: DeviceMatrix::of_slice(&h, stream, batch, DIM).unwrap(),
-            batch: on_device.view(stream),
-            draws: Draws::first(1),
-            shard: None,
-        };
+        let request = request(stream, &w, &h, &on_device, 1);
         let plan = caller.sampler.plan(&request, &Target::tokens(OutputSlice::of_slice(tokens, stream))).unwrap();
         (plan, workspace.ensure(stream, plan.workspace_bytes()).unwrap())
     };
@@ -344,13 +350,7 @@ fn graph_replays_fresh_noise(processing: bool) {
     // One call captured, replayed every step.
     let mut on_device = DeviceBatch::upload(stream, &rows, VOCAB).unwrap();
     let mut workspace = StreamWorkspace::new();
-    let request = Request {
-        lm_head: DeviceMatrix::of_slice(&w, stream, VOCAB, DIM).unwrap(),
-        hidden: DeviceMatrix::of_slice(&h, stream, batch, DIM).unwrap(),
-        batch: on_device.view(stream),
-        draws: Draws::first(samples),
-        shard: None,
-    };
+    let request = request(stream, &w, &h, &on_device, samples);
     let target = Target::tokens(OutputSlice::of_slice(&mut tokens, stream));
     workspace.reserve(stream, &caller.sampler.plan(&request, &target).unwrap()).unwrap();
     stream.synchronize().unwrap();
@@ -403,13 +403,7 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
     // waits and records there.
     let call =
         |on_device: &DeviceBatch, outputs: &mut ProcessedOutputs, workspace: &mut StreamWorkspace, capture: bool| {
-            let request = Request {
-                lm_head: DeviceMatrix::of_slice(&w, stream, VOCAB, DIM).unwrap(),
-                hidden: DeviceMatrix::of_slice(&h, stream, batch, DIM).unwrap(),
-                batch: on_device.view(stream),
-                draws: Draws::first(samples),
-                shard: None,
-            };
+            let request = request(stream, &w, &h, on_device, samples);
             let target = Target {
                 tokens: OutputSlice::of_slice(&mut outputs.tokens, stream),
                 logprobs: Some(OutputSlice::of_slice(&mut outputs.logprobs, stream)),

@@ -1,5 +1,5 @@
 //! A small Qwen2 with random weights, built by candle-transformers' own model code, for the
-//! adapter's generation-loop example and its GPU tests.
+//! adapter's generation-loop example and its tests (on a CUDA device, and on the CPU).
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Activation, Init, VarBuilder, VarMap};

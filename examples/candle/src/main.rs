@@ -7,7 +7,7 @@
 //! `cargo run --release --manifest-path examples/candle/Cargo.toml`.
 
 use candle_core::{DType, Device, Tensor};
-use flashsample::{CandleSampler, SamplingParams};
+use flashsample::{Batch, CandleSampler, SamplingParams};
 use flashsample_candle_example::tiny_qwen2;
 
 const BATCH: usize = 4;
@@ -21,14 +21,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt: Vec<u32> = (0..BATCH * PROMPT).map(|i| (i as u32 * 2_654_435_761) % vocab).collect();
     let mut input = Tensor::from_vec(prompt, (BATCH, PROMPT), &device)?;
     // One noise stream per sequence; the step starts at the prompt's length.
-    let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.8, 42, b as u32, PROMPT as u32)).collect();
-    let mut sampler = CandleSampler::new(&device, &params)?;
+    let batch = Batch::new((0..BATCH).map(|b| SamplingParams::new(0.8, 42, b as u32, PROMPT as u32)).collect());
+    let mut sampler = CandleSampler::new(&device, &batch)?;
     let mut offset = 0;
     let mut generated = Vec::with_capacity(STEPS);
     for _ in 0..STEPS {
         let hidden = tiny.last_hidden(&input, offset)?;
         offset += input.dim(1)?;
-        let next = sampler.sample(&hidden, &tiny.lm_head, 1)?;
+        let next = sampler.sample(&tiny.lm_head, &hidden, 1)?.tokens;
         sampler.advance_steps(1)?;
         generated.push(next.clone());
         input = next;

@@ -1,21 +1,32 @@
-//! The candle adapter on the GPU with a real model's code: a Qwen2 from candle-transformers
-//! (random weights, D = 1024, V = 32,000) decodes a few steps, and the adapter draws each next
-//! token from the model's final hidden states. Ignored without a GPU.
+//! The candle adapter with a real model's code: a Qwen2 from candle-transformers (random
+//! weights, D = 1024, V = 32,000) decodes a few steps, and the adapter draws each next token
+//! from the model's final hidden states. The GPU tests are ignored without a GPU; the CPU test
+//! runs wherever the binary starts (it links the CUDA libraries candle's CUDA backend links,
+//! but only CUDA tensors call them).
 
 use candle_core::{DType, Device, Module as _, Tensor};
-use flashsample::{CandleSampler, CudaSampler, Elements, Matrix, SamplingParams};
+use flashsample::{
+    Batch, CandleSampled, CandleSampler, CpuSampler, CudaSampler, Draws, Elements, Matrix, NO_TOKEN, Penalties,
+    Processing, Sampled, Sampler, SamplingParams,
+};
 use flashsample_candle_example::{TinyQwen2, tiny_qwen2};
 use flashsample_tests::chi_square;
 
 const ALPHA: f64 = 1e-3;
 const BATCH: usize = 4;
 
-fn model() -> (Device, TinyQwen2, Tensor) {
-    let device = Device::new_cuda(0).expect("these tests need a CUDA GPU");
-    let tiny = tiny_qwen2(&device, DType::BF16).unwrap();
+/// The model on `device` and a prompt of 6 tokens per row.
+fn model_on(device: &Device) -> (TinyQwen2, Tensor) {
+    let tiny = tiny_qwen2(device, DType::BF16).unwrap();
     let vocab = tiny.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..BATCH * 6).map(|i| (i as u32 * 40_503 + 7) % vocab).collect();
-    let input = Tensor::from_vec(prompt, (BATCH, 6), &device).unwrap();
+    let input = Tensor::from_vec(prompt, (BATCH, 6), device).unwrap();
+    (tiny, input)
+}
+
+fn gpu_model() -> (Device, TinyQwen2, Tensor) {
+    let device = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let (tiny, input) = model_on(&device);
     (device, tiny, input)
 }
 
@@ -31,20 +42,60 @@ fn to_matrix(name: &str, tensor: &Tensor) -> Matrix {
     Matrix::new(name, rows, cols, Elements::BF16(values)).unwrap()
 }
 
+fn flat_u32(tensor: &Tensor) -> Vec<u32> {
+    tensor.flatten_all().unwrap().to_vec1::<u32>().unwrap()
+}
+
+/// Bits, so that NaN and signed zeros compare too.
+fn flat_bits(tensor: &Tensor) -> Vec<u32> {
+    tensor.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The adapter's tensors hold what `want` holds: the tokens, and the log-probabilities exactly
+/// when `want` has them (the batch reports them), bit for bit, with each row's top entries as
+/// (token, bits) pairs followed by unused slots of `NO_TOKEN` and −∞.
+fn assert_same_results(got: &CandleSampled, want: &Sampled) {
+    assert_eq!(flat_u32(&got.tokens), want.tokens, "tokens");
+    let (Some(logprobs), Some(processed), Some(top)) = (&got.logprobs, &got.processed_logprobs, &got.top_logprobs)
+    else {
+        assert!(want.logprobs.is_empty(), "the batch reports log-probabilities; the adapter returned none");
+        assert!(
+            got.logprobs.is_none() && got.processed_logprobs.is_none() && got.top_logprobs.is_none(),
+            "log-probabilities come all together or not at all"
+        );
+        return;
+    };
+    assert!(!want.logprobs.is_empty(), "log-probabilities for a batch that reports none");
+    assert_eq!(flat_bits(logprobs), bits(&want.logprobs), "raw log-probabilities");
+    assert_eq!(flat_bits(processed), bits(&want.processed_logprobs), "processed log-probabilities");
+    let (rows, slots, pair) = top.dims3().unwrap();
+    assert_eq!((rows, pair), (want.rows(), 2), "top log-probabilities' shape");
+    let top = flat_u32(top);
+    for (b, row) in want.top_logprobs.iter().enumerate() {
+        let unused = std::iter::repeat_n((NO_TOKEN, f32::NEG_INFINITY), slots - row.len());
+        let expected: Vec<u32> = row.iter().copied().chain(unused).flat_map(|(t, lp)| [t, lp.to_bits()]).collect();
+        assert_eq!(&top[b * 2 * slots..(b + 1) * 2 * slots], &expected[..], "row {b}'s top log-probabilities");
+    }
+}
+
 /// (a) Greedy rows equal the argmax of candle's logits, step after step (a token may differ
 /// only where two logits tie within f32 rounding of the two summation orders).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn greedy_tokens_are_the_argmax_of_candles_logits() {
-    let (device, mut tiny, mut input) = model();
-    let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.0, 1, b as u32, 0)).collect();
-    let mut sampler = CandleSampler::new(&device, &params).unwrap();
+    let (device, mut tiny, mut input) = gpu_model();
+    let batch = Batch::new((0..BATCH).map(|b| SamplingParams::new(0.0, 1, b as u32, 0)).collect());
+    let mut sampler = CandleSampler::new(&device, &batch).unwrap();
     let mut offset = 0;
     let (mut exact, mut near_ties) = (0, 0);
     for step in 0..4 {
         let hidden = tiny.last_hidden(&input, offset).unwrap();
         offset += input.dim(1).unwrap();
-        let tokens = sampler.sample(&hidden, &tiny.lm_head, 1).unwrap();
+        let tokens = sampler.sample(&tiny.lm_head, &hidden, 1).unwrap().tokens;
         let got = tokens.to_vec2::<u32>().unwrap();
         for (b, logits) in candle_logits(&hidden, &tiny.lm_head).iter().enumerate() {
             let argmax = (0..logits.len()).max_by(|&i, &j| logits[i].total_cmp(&logits[j])).unwrap();
@@ -71,15 +122,15 @@ fn greedy_tokens_are_the_argmax_of_candles_logits() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn draws_follow_the_softmax_of_candles_logits() {
-    let (device, mut tiny, input) = model();
+    let (device, mut tiny, input) = gpu_model();
     let hidden = tiny.last_hidden(&input, 0).unwrap();
     let logits = candle_logits(&hidden, &tiny.lm_head);
     let draws = 200_000u32;
     for (row, temperature) in [(0usize, 1.0f32), (2, 0.6)] {
-        let params = [SamplingParams::new(temperature, 1234, row as u32, 3)];
-        let mut sampler = CandleSampler::new(&device, &params).unwrap();
+        let batch = Batch::new(vec![SamplingParams::new(temperature, 1234, row as u32, 3)]);
+        let mut sampler = CandleSampler::new(&device, &batch).unwrap();
         let one = hidden.narrow(0, row, 1).unwrap();
-        let tokens = sampler.sample(&one, &tiny.lm_head, draws).unwrap().to_vec2::<u32>().unwrap();
+        let tokens = sampler.sample(&tiny.lm_head, &one, draws).unwrap().tokens.to_vec2::<u32>().unwrap();
         let mut counts = vec![0u64; logits[row].len()];
         for &t in &tokens[0] {
             counts[t as usize] += 1;
@@ -100,47 +151,54 @@ fn draws_follow_the_softmax_of_candles_logits() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn adapter_tokens_equal_the_owned_apis() {
-    let (device, mut tiny, input) = model();
+    let (device, mut tiny, input) = gpu_model();
     let hidden = tiny.last_hidden(&input, 0).unwrap();
     assert!(!hidden.is_contiguous(), "the model's last position is a strided view");
-    let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.9, 77, b as u32, 5)).collect();
-    let mut sampler = CandleSampler::new(&device, &params).unwrap();
-    let adapter = sampler.sample(&hidden, &tiny.lm_head, 64).unwrap();
-    let adapter = adapter.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let batch = Batch::new((0..BATCH).map(|b| SamplingParams::new(0.9, 77, b as u32, 5)).collect());
+    let mut sampler = CandleSampler::new(&device, &batch).unwrap();
+    let adapter = flat_u32(&sampler.sample(&tiny.lm_head, &hidden, 64).unwrap().tokens);
     let owned = CudaSampler::new().unwrap();
     let head = owned.upload_lm_head(&to_matrix("lm_head", &tiny.lm_head)).unwrap();
-    let tokens = owned.sample(&head, &to_matrix("hidden", &hidden), &params, 64).unwrap();
+    let tokens = owned.sample(&head, &to_matrix("hidden", &hidden), &batch, Draws::first(64)).unwrap().tokens;
     assert_eq!(adapter, tokens);
 }
 
-/// CPU tensors go to the CPU sampler: the same tokens as `CpuSampler` on the same values.
+/// CPU tensors go to the CPU sampler: the same tokens as `CpuSampler` on the same values, on
+/// the CPU, with no log-probabilities for a plain batch; then, with one row asking for its top
+/// raw entries (and a top-k), the batch's log-probabilities and top entries as `CpuSampler`
+/// reports them. The model runs on candle's CPU backend: no GPU needed.
 #[test]
-#[ignore = "needs a CUDA GPU"]
 fn cpu_tensors_are_sampled_on_the_cpu() {
-    let (_, mut tiny, input) = model();
-    let hidden = tiny.last_hidden(&input, 0).unwrap().to_device(&Device::Cpu).unwrap();
-    let lm_head = tiny.lm_head.to_device(&Device::Cpu).unwrap();
+    let (mut tiny, input) = model_on(&Device::Cpu);
+    let hidden = tiny.last_hidden(&input, 0).unwrap();
     let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(1.0, 5, b as u32, 0)).collect();
-    let mut sampler = CandleSampler::new(&Device::Cpu, &params).unwrap();
-    let got = sampler.sample(&hidden, &lm_head, 8).unwrap();
-    assert!(got.device().is_cpu());
-    let cpu = flashsample::CpuSampler::new();
-    let head = cpu.upload_lm_head(&to_matrix("lm_head", &lm_head)).unwrap();
-    let expected = cpu.sample(&head, &to_matrix("hidden", &hidden), &params, 8).unwrap();
-    assert_eq!(got.flatten_all().unwrap().to_vec1::<u32>().unwrap(), expected);
+    let plain = Batch::new(params.clone());
+    let mut processing = vec![Processing::default(); BATCH];
+    processing[1] = Processing { top_k: Some(40), top_logprobs: 3, ..Processing::default() };
+    let reporting = Batch::with_processing(params, processing);
+    let cpu = CpuSampler::new();
+    let head = cpu.upload_lm_head(&to_matrix("lm_head", &tiny.lm_head)).unwrap();
+    let mut sampler = CandleSampler::new(&Device::Cpu, &plain).unwrap();
+    for batch in [&plain, &reporting] {
+        sampler.set_batch(batch).unwrap();
+        let got = sampler.sample(&tiny.lm_head, &hidden, 8).unwrap();
+        assert!(got.tokens.device().is_cpu());
+        let want = cpu.sample(&head, &to_matrix("hidden", &hidden), batch, Draws::first(8)).unwrap();
+        assert_eq!(want.logprobs.is_empty(), !batch.reports_logprobs());
+        assert_same_results(&got, &want);
+    }
 }
 
 /// Per-row processing in the adapter on candle's stream gives the owned API's results: every
 /// mode (soft-cap alone stays in the fused tiles, with log-probabilities too; bias with top-k,
 /// the mask with top-p and top raw log-probabilities, penalties with min-p take the
-/// materialised path), tokens from
-/// `sample`, and tokens, both log-probabilities (bit for bit) and the top entries from
-/// `sample_with_logprobs`, against `CudaSampler::sample_processed_into`.
+/// materialised path). A batch that reports no log-probabilities gives tokens alone, equal to
+/// the owned API's; with every row reporting them, the tokens, both log-probabilities (bit
+/// for bit) and the top entries equal `CudaSampler`'s.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn adapter_processing_equals_the_owned_apis() {
-    use flashsample::{Draws, Penalties, Processing, Variant};
-    let (device, mut tiny, input) = model();
+    let (device, mut tiny, input) = gpu_model();
     let hidden = tiny.last_hidden(&input, 0).unwrap();
     let vocab = tiny.config.vocab_size;
     let params: Vec<_> = (0..BATCH).map(|b| SamplingParams::new(0.9, 78, b as u32, 2)).collect();
@@ -162,39 +220,25 @@ fn adapter_processing_equals_the_owned_apis() {
     truncating[3].min_p = 0.1;
     let owned = CudaSampler::new().unwrap();
     let head = owned.upload_lm_head(&to_matrix("lm_head", &tiny.lm_head)).unwrap();
-    let device_hidden = owned.upload_hidden(&to_matrix("hidden", &hidden)).unwrap();
-    let rows = owned.upload_rows(&params).unwrap();
-    let owned_sample = |processing: &[Processing], logprobs: bool| {
-        let device_processing = owned.upload_processing(processing, vocab).unwrap();
-        let mut out = owned.processed_outputs(BATCH, 32, logprobs).unwrap();
-        let draws = Draws::first(32);
-        owned
-            .sample_processed_into(&head, &device_hidden, &rows, &device_processing, draws, Variant::Auto, &mut out)
-            .unwrap();
-        owned.processed_to_host(&out).unwrap()
-    };
-    let mut sampler = CandleSampler::new(&device, &params).unwrap();
-    let flat_u32 = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u32>().unwrap();
-    let flat_bits =
-        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let owned_hidden = to_matrix("hidden", &hidden);
+    let owned_sample = |batch: &Batch| owned.sample(&head, &owned_hidden, batch, Draws::first(32)).unwrap();
+    let mut sampler = CandleSampler::new(&device, &Batch::new(params.clone())).unwrap();
     for processing in [&per_entry, &truncating] {
-        sampler.set_processing(processing).unwrap();
-        let want = owned_sample(processing, true);
-        if processing.iter().all(|p| p.top_logprobs == 0) {
-            let tokens = flat_u32(&sampler.sample(&hidden, &tiny.lm_head, 32).unwrap());
-            assert_eq!(tokens, owned_sample(processing, false).tokens);
+        let silent = Batch::with_processing(params.clone(), processing.clone());
+        // A row that asks for top entries reports log-probabilities: no tokens-only call then.
+        if !silent.reports_logprobs() {
+            sampler.set_batch(&silent).unwrap();
+            let got = sampler.sample(&tiny.lm_head, &hidden, 32).unwrap();
+            assert_same_results(&got, &owned_sample(&silent));
         }
-        let got = sampler.sample_with_logprobs(&hidden, &tiny.lm_head, 32).unwrap();
-        assert_eq!(flat_u32(&got.tokens), want.tokens);
-        assert_eq!(flat_bits(&got.logprobs), want.logprobs.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-        let processed: Vec<u32> = want.processed_logprobs.iter().map(|v| v.to_bits()).collect();
-        assert_eq!(flat_bits(&got.processed_logprobs), processed);
-        // Per row 20 (token, bits) pairs.
-        let top = flat_u32(&got.top_logprobs);
+        let reported = processing.iter().map(|p| Processing { logprobs: true, ..p.clone() }).collect();
+        let reporting = Batch::with_processing(params.clone(), reported);
+        sampler.set_batch(&reporting).unwrap();
+        let got = sampler.sample(&tiny.lm_head, &hidden, 32).unwrap();
+        let want = owned_sample(&reporting);
         for (b, row) in want.top_logprobs.iter().enumerate() {
             assert_eq!(row.len(), processing[b].top_logprobs as usize, "row {b}");
-            let expected: Vec<u32> = row.iter().flat_map(|&(t, lp)| [t, lp.to_bits()]).collect();
-            assert_eq!(&top[b * 40..b * 40 + expected.len()], &expected[..], "row {b}");
         }
+        assert_same_results(&got, &want);
     }
 }

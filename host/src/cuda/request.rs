@@ -266,7 +266,7 @@ pub struct DeviceWorkspace {
 
 /// What the shards of a call exchange between two of its segments, each shard over the same
 /// words of its own memory, in place, every shard receiving the result: NCCL's collectives
-/// ([`crate::TensorParallelRank`] makes them).
+/// (`TensorParallelRank`, feature `nccl`, makes them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Exchange {
     /// The maximum over the shards of `count` `u32` words at `address`.

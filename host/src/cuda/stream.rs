@@ -191,7 +191,7 @@ impl StreamSampler {
     /// [`StreamWorkspace::reserve`]), since an allocation made during capture would belong to
     /// the graph. A workspace remembers the tensor maps it holds, so a decode loop over the
     /// same `W` and `H` writes them once. Requests sharded over several shards exchange
-    /// between their segments: [`crate::TensorParallelRank`] queues those.
+    /// between their segments: `TensorParallelRank` (feature `nccl`) queues those.
     pub fn enqueue_on(
         &self,
         stream: &Arc<CudaStream>,

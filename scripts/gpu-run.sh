@@ -9,7 +9,9 @@
 # A100.
 # `processing` runs the logit-processing tests (processing, borrowed mode, tensor parallelism
 # over the GPUs the machine has, the CLI) with each module, then times every processing mode
-# beside torch's unfused pipeline (scripts/peers.py --processing) on the Hopper module. `quick`
+# beside torch's unfused pipeline (scripts/peers.py --processing) on the Hopper module, and
+# beside FlashInfer's pipeline when OUT/flashinfer.csv holds its benchmark's timings of the
+# same run (`bench --flashinfer`). `quick`
 # runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
 # tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
 # `ncu-processing` times each kernel of every processing mode alone under ncu (one call per
@@ -91,8 +93,10 @@ for stage in $stages; do
             FLASHSAMPLE_MODULE=$module run_tests "$out/gpu-processing.log" "$here/tests/tests-processing" "$here/tests/tests-borrowed" "$here/tests/tests-tensor_parallel" "$here/tests/cli-cli"
         done
         libs=$(cublas_path)
+        flashinfer=""
+        [ -f "$out/flashinfer.csv" ] && flashinfer="--flashinfer '$out/flashinfer.csv'"
         step processing-peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers-processing.csv' --shapes 4096x151936,8192x128256 --batches 1,16,64,256 --processing --runs 30 > '$out/peers-processing.log' 2>&1"
-        step processing-bench timeout 300 bash -c "LD_LIBRARY_PATH='$libs' '$here/flashsample' bench --out '$out/bench-processing' --modules hopper --shapes 4096x151936,8192x128256 --batches 1,16,64,256 ${libs:+--cublas} --processing --runs 30 --peers '$out/peers-processing.csv' > '$out/bench-processing.log' 2>&1"
+        step processing-bench timeout 300 bash -c "LD_LIBRARY_PATH='$libs' '$here/flashsample' bench --out '$out/bench-processing' --modules hopper --shapes 4096x151936,8192x128256 --batches 1,16,64,256 ${libs:+--cublas} --processing --runs 30 --peers '$out/peers-processing.csv' $flashinfer > '$out/bench-processing.log' 2>&1"
         tail -40 "$out/bench-processing.log"
         ;;
     quick|smoke)

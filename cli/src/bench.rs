@@ -262,7 +262,8 @@ pub fn read_csv(path: &Path) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// One peer timing from `scripts/peers.py` (`cublas_gemm` or `torch_sample`).
+/// One peer timing: from `scripts/peers.py` (`cublas_gemm`, `torch_sample`, …) or FlashInfer's
+/// benchmark (`fi_<mode>`, `fi_<mode>_after_logits`, `torch_mm_f32`).
 #[derive(Clone, Debug)]
 pub struct PeerTiming {
     pub dim: usize,
@@ -308,6 +309,7 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     let mut out = format!("{} module:\n\n", primary.name());
     out.push_str(&primary_table(&primary_rows, peers, dtype));
     out.push_str(&processing_table(&primary_rows, peers));
+    out.push_str(&flashinfer_table(&primary_rows, peers));
     for module in Module::ALL.into_iter().filter(|&m| m != primary) {
         let module_rows = of(module);
         if !module_rows.is_empty() {
@@ -345,6 +347,51 @@ fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
             write!(out, " {} |", show(peer_median(peers, d, v, b, name))).unwrap();
         }
         out.push('\n');
+    }
+    out
+}
+
+/// Our sampling and truncations against FlashInfer's pipeline at the same settings (rows
+/// `fi_<mode>` of its CSV), when both were timed.
+const AGAINST_FLASHINFER: [(&str, &str); 5] = [
+    ("sample", "fused_sample"),
+    ("min_p", "processed_min_p"),
+    ("top_k", "processed_top_k"),
+    ("top_p", "processed_top_p"),
+    ("top_k_top_p", "processed_top_k_top_p"),
+];
+
+/// Per (shape, B) and mode: our µs, FlashInfer's whole pipeline and its part after the
+/// logits, and our time over its pipeline's.
+fn flashinfer_table(rows: &[Row], peers: &[PeerTiming]) -> String {
+    if !peers.iter().any(|p| p.variant.starts_with("fi_")) {
+        return String::new();
+    }
+    let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
+    let mut out = String::from(
+        "\nAgainst FlashInfer (torch's GEMM into f32 logits, FlashInfer's softmax and sampling kernel), µs:\n\n| D | V | B | mode | ours | FlashInfer | FlashInfer after the logits | ours / FlashInfer |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let mut points: Vec<(usize, usize, usize)> =
+        peers.iter().filter(|p| p.variant.starts_with("fi_")).map(|p| (p.dim, p.vocab, p.batch)).collect();
+    points.sort_unstable();
+    points.dedup();
+    for (d, v, b) in points {
+        for (mode, ours) in AGAINST_FLASHINFER {
+            let (ours, theirs) = (our_median(rows, d, v, b, ours), peer_median(peers, d, v, b, &format!("fi_{mode}")));
+            let after = peer_median(peers, d, v, b, &format!("fi_{mode}_after_logits"));
+            let ratio = match (ours, theirs) {
+                (Some(a), Some(b)) => format!("{:.3}", a / b),
+                _ => "-".into(),
+            };
+            writeln!(
+                out,
+                "| {d} | {v} | {b} | {mode} | {} | {} | {} | {ratio} |",
+                show(ours),
+                show(theirs),
+                show(after)
+            )
+            .unwrap();
+        }
     }
     out
 }
@@ -618,6 +665,25 @@ mod tests {
             variant: variant.into(),
             timing: Timing { median_us: us, min_us: us, max_us: us, runs: 1 },
         }
+    }
+
+    /// FlashInfer's rows sit beside ours per mode, with our time over its pipeline's.
+    #[test]
+    fn the_report_sets_flashinfer_beside_our_truncations() {
+        let rows = vec![row(16, "fused_sample", 440.0), row(16, "processed_top_k", 552.0)];
+        let fi = |variant: &str, us: f64| PeerTiming {
+            dim: 64,
+            vocab: 1000,
+            batch: 16,
+            variant: variant.into(),
+            median_us: us,
+        };
+        let peers = vec![fi("fi_top_k", 733.0), fi("fi_top_k_after_logits", 250.0), fi("fi_top_p", 536.0)];
+        let text = flashinfer_table(&rows, &peers);
+        assert!(text.contains("| 64 | 1000 | 16 | top_k | 552.0 | 733.0 | 250.0 | 0.753 |"), "{text}");
+        assert!(text.contains("| 64 | 1000 | 16 | top_p | - | 536.0 | - | - |"), "{text}");
+        assert!(text.contains("| 64 | 1000 | 16 | sample | 440.0 | - | - | - |"), "{text}");
+        assert!(flashinfer_table(&rows, &[]).is_empty());
     }
 
     /// A written CSV reads back to the same points.

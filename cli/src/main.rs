@@ -98,6 +98,11 @@ enum Command {
         /// CSV from scripts/peers.py (cuBLAS and torch in the same GPU run) for the report.
         #[arg(long)]
         peers: Option<PathBuf>,
+        /// CSV from FlashInfer's benchmark in the same GPU run (`d,v,b,impl,median_us`, rows
+        /// `fi_<mode>`: torch's GEMM into f32 logits, FlashInfer's softmax and its sampling
+        /// kernel, the pipeline vLLM runs), shown beside processed sampling.
+        #[arg(long)]
+        flashinfer: Option<PathBuf>,
         /// Also time fused sampling and greedy decoding with every tensor-core kernel variant
         /// (CSV rows `fused_sample@<variant>`, `fused_greedy@<variant>`), to check the
         /// dispatcher.
@@ -150,6 +155,9 @@ enum Command {
         /// peers.csv from scripts/peers.py.
         #[arg(long)]
         peers: Option<PathBuf>,
+        /// FlashInfer's CSV, as `bench --flashinfer` takes it.
+        #[arg(long)]
+        flashinfer: Option<PathBuf>,
         /// Folder for report.md and bench.png.
         #[arg(long)]
         out: PathBuf,
@@ -210,7 +218,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Sample(args) => sample(*args),
         Command::Demo { device, gpu } => gpu_flag(gpu).and_then(|gpu| demo(device, gpu)),
-        Command::Report { bench, peers, out, dtype } => report(&bench, peers.as_deref(), &out, dtype.into()),
+        Command::Report { bench, peers, flashinfer, out, dtype } => {
+            report(&bench, &Peers { peers, flashinfer }, &out, dtype.into())
+        }
         #[cfg(feature = "nccl")]
         Command::BenchTp { out, gpus, shapes, batches, dtype, warmup, runs, peers } => {
             parse_shapes(&shapes).and_then(|shapes| {
@@ -228,6 +238,7 @@ fn main() -> ExitCode {
             warmup,
             runs,
             peers,
+            flashinfer,
             all_variants,
             cublas,
             processing,
@@ -251,7 +262,7 @@ fn main() -> ExitCode {
                 cublas,
                 processing,
             };
-            run_bench(out, shapes, options, peers)
+            run_bench(out, shapes, options, &Peers { peers, flashinfer })
         }
     };
     match result {
@@ -669,18 +680,35 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     sampler.close()
 }
 
-fn report(bench: &Path, peers: Option<&Path>, out: &Path, dtype: DType) -> Result<()> {
+fn report(bench: &Path, peers: &Peers, out: &Path, dtype: DType) -> Result<()> {
     let rows = bench::read_csv(bench)?;
-    let peers = read_optional_peers(peers)?;
+    let peers = peers.read()?;
     std::fs::create_dir_all(out)
         .map_err(|e| Error::File { path: out.display().to_string(), message: e.to_string() })?;
     bench::plot(&out.join("bench.png"), &rows, &peers)?;
     write_report(out, &rows, &peers, dtype)
 }
 
-/// The peers' CSV when one is named, else none.
-fn read_optional_peers(peers: Option<&Path>) -> Result<Vec<bench::PeerTiming>> {
-    peers.map_or(Ok(Vec::new()), bench::read_peers)
+/// The peers' CSVs a bench or report command names.
+struct Peers {
+    /// `--peers`: scripts/peers.py's cuBLAS and torch timings.
+    peers: Option<PathBuf>,
+    /// `--flashinfer`: FlashInfer's pipeline timings.
+    flashinfer: Option<PathBuf>,
+}
+
+impl Peers {
+    /// Every named CSV's timings (their names do not overlap), an error naming the flag of a
+    /// file that cannot be read.
+    fn read(&self) -> Result<Vec<bench::PeerTiming>> {
+        let mut timings = Vec::new();
+        for (flag, path) in [("--peers", &self.peers), ("--flashinfer", &self.flashinfer)] {
+            if let Some(path) = path {
+                timings.extend(bench::read_peers(path).map_err(input_file_error(flag))?);
+            }
+        }
+        Ok(timings)
+    }
 }
 
 /// Writes `report.md` into `out` and prints it.
@@ -699,9 +727,11 @@ fn run_bench(
     out: PathBuf,
     shapes: Vec<String>,
     options: impl FnOnce(Vec<(usize, usize)>) -> bench::Options,
-    peers: Option<PathBuf>,
+    peers: &Peers,
 ) -> Result<()> {
     let options = options(parse_shapes(&shapes)?);
+    // Read first: a missing file is an error before the GPU run, not after it.
+    let peers = peers.read()?;
     let (dtype, runs, warmup) = (options.dtype, options.runs, options.warmup);
     if runs == 0 {
         return Err(Error::InvalidArgument { argument: "--runs".into(), rule: "0: at least one timed run".into() });
@@ -719,7 +749,6 @@ fn run_bench(
     );
     let rows = bench::run(&samplers, &options)?;
     bench::write_csv(&out.join("bench.csv"), &rows, dtype)?;
-    let peers = read_optional_peers(peers.as_deref())?;
     // After a GPU run a failed plot costs only the picture: the CSV and report still stand.
     if let Err(e) = bench::plot(&out.join("bench.png"), &rows, &peers) {
         eprintln!("warning: no plot: {e}");

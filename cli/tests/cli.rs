@@ -60,6 +60,32 @@ fn flashsample(args: &[&str]) -> Output {
     flashsample_command().args(args).output().unwrap()
 }
 
+/// `report` re-renders a bench run with FlashInfer's timings beside our truncations; a peers
+/// file that cannot be read is an error naming its flag.
+#[test]
+fn report_sets_flashinfer_beside_processed_sampling() {
+    let scratch = Scratch::new("report");
+    let bench = scratch.path("bench.csv");
+    std::fs::write(
+        &bench,
+        "dim,vocab,batch,variant,median_us,min_us,max_us,runs,weight_gbps,tflops,module\n\
+         64,1000,16,fused_sample,440.00,440.00,440.00,30,0.3,0.00,hopper\n\
+         64,1000,16,processed_top_p,610.00,610.00,610.00,30,0.2,0.00,hopper\n",
+    )
+    .unwrap();
+    let fi = scratch.path("fi.csv");
+    std::fs::write(&fi, "d,v,b,impl,median_us\n64,1000,16,fi_top_p,536.00\n64,1000,16,fi_top_p_after_logits,90.00\n")
+        .unwrap();
+    let out = scratch.path("report");
+    let done = flashsample(&["report", "--bench", &bench, "--flashinfer", &fi, "--out", &out]);
+    let stdout = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert!(stdout.contains("| 64 | 1000 | 16 | top_p | 610.0 | 536.0 | 90.0 | 1.138 |"), "{stdout}");
+    let missing = scratch.path("missing.csv");
+    let refused = flashsample(&["report", "--bench", &bench, "--flashinfer", &missing, "--out", &out]);
+    assert_clean_failure(&refused, "--flashinfer");
+}
+
 /// The binary under test: cargo's build, or `$FLASHSAMPLE_BIN` where the test binary runs on
 /// another machine (the GPU bundle).
 fn flashsample_command() -> Command {

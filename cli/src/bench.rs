@@ -58,11 +58,11 @@ pub struct Options {
 type ModeFor = fn(usize) -> Processing;
 
 /// The processing modes the bench times, each on every row of the batch: its label and the
-/// row's processing. `plain` processes nothing (the materialised path's own cost);
-/// `logprobs` is `plain` with log-probabilities, which the other modes go without.
+/// row's processing. `plain` processes nothing; `logprobs` is `plain` with log-probabilities,
+/// which the other modes go without.
 pub const PROCESSING_MODES: [(&str, ModeFor); 10] = [
     ("plain", |_| Processing::default()),
-    ("logprobs", |_| Processing::default()),
+    ("logprobs", |_| Processing { logprobs: true, ..Processing::default() }),
     ("softcap", |_| Processing { softcap: Some(30.0), ..Processing::default() }),
     ("bias", |v| Processing {
         bias: (0..v as u32).step_by(v / 100).map(|t| (t, 2.0)).collect(),
@@ -139,12 +139,12 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
             progress.inc(1);
             for &batch in &options.batches {
                 let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
-                let mut tokens = sampler.outputs(batch, 1, false)?;
                 // The batch stays on the device, as the hidden states do: the timed region holds
                 // kernels only, like the cuBLAS GEMM it is compared with.
                 let params = |t: f32| (0..batch).map(|r| SamplingParams::new(t, 7, r as u32, 0)).collect::<Vec<_>>();
                 let sampling = sampler.upload_batch(&Batch::new(params(1.0)), vocab)?;
                 let greedy = sampler.upload_batch(&Batch::new(params(0.0)), vocab)?;
+                let mut tokens = sampler.outputs(&sampling, 1)?;
                 let auto = Variant::Auto.resolve(module, options.dtype, dim, batch)?;
                 let one = Draws::first(1);
                 let mut time = |name: &str, work: &mut dyn FnMut() -> Result<()>| -> Result<()> {
@@ -172,14 +172,12 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
                     progress.inc(1);
                 }
                 if first && options.processing {
-                    let mut plain = sampler.outputs(batch, 1, false)?;
-                    let mut logprobs = sampler.outputs(batch, 1, true)?;
                     for (label, mode) in PROCESSING_MODES {
                         let rows = Batch::with_processing(params(1.0), vec![mode(vocab); batch]);
                         let processing = sampler.upload_batch(&rows, vocab)?;
-                        let out = if label == "logprobs" { &mut logprobs } else { &mut plain };
+                        let mut out = sampler.outputs(&processing, 1)?;
                         time(&format!("processed_{label}"), &mut || {
-                            sampler.sample_into(&head, &hidden, &processing, one, out)
+                            sampler.sample_into(&head, &hidden, &processing, one, &mut out)
                         })?;
                     }
                 }

@@ -11,8 +11,8 @@ use std::path::Path;
 use cudarc::driver::CudaEvent;
 use flashsample::internals::check;
 use flashsample::{
-    Batch, CudaSampler, DType, Draws, Error, LmHead, RankInputs, Result, SamplingParams, TensorParallelSampler,
-    cuda_device_count,
+    Batch, CudaSampler, DType, Draws, Error, LmHead, Processing, RankInputs, Result, SamplingParams,
+    TensorParallelSampler, cuda_device_count,
 };
 
 use crate::timing::{L2Flush, event};
@@ -110,7 +110,7 @@ fn single_gpu(sampler: &CudaSampler, options: &Options, dim: usize, vocab: usize
     for &batch in &options.batches {
         let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
         let on_device = sampler.upload_batch(&Batch::new(params(batch)), vocab)?;
-        let mut tokens = sampler.outputs(batch, 1, false)?;
+        let mut tokens = sampler.outputs(&on_device, 1)?;
         let timing = timer.time(sampler, options.warmup, options.runs, || {
             sampler.sample_into(&head, &hidden, &on_device, Draws::first(1), &mut tokens)
         })?;
@@ -148,8 +148,9 @@ fn time_step(
     for r in 0..ranks {
         let s = sampler.sampler(r);
         let hidden = s.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
-        let rows = s.upload_batch(&Batch::new(params(batch)), vocab)?;
-        let out = s.outputs(batch, 1, logprobs)?;
+        let processing = Processing { logprobs, ..Processing::default() };
+        let rows = s.upload_batch(&Batch::with_processing(params(batch), vec![processing; batch]), vocab)?;
+        let out = s.outputs(&rows, 1)?;
         staged.push((hidden, rows, out));
         clocks.push(RankClock::new(s)?);
     }

@@ -65,7 +65,7 @@ pub fn measure(
         let hidden = sampler.random_hidden(batch, dim, dtype, batch as u64, 2.0)?;
         let params: Vec<_> = (0..batch).map(|r| SamplingParams::new(1.0, 7, r as u32, 0)).collect();
         let rows = sampler.upload_batch(&Batch::new(params), vocab)?;
-        let tokens = sampler.outputs(batch, 1, false)?;
+        let tokens = sampler.outputs(&rows, 1)?;
         let w = sampler.lm_head_address(&head)?;
         // SAFETY: the sampler's buffers live through the timing, used on its stream only.
         let request = unsafe {

@@ -642,7 +642,7 @@ fn gpu_demo(sampler: CudaSampler) -> Result<()> {
     let params: Vec<SamplingParams> = (0..batch).map(|r| SamplingParams::new(1.0, 42, r as u32, 0)).collect();
 
     let rows = sampler.upload_batch(&Batch::new(params.clone()), vocab)?;
-    let mut tokens = sampler.outputs(batch, 1, false)?;
+    let mut tokens = sampler.outputs(&rows, 1)?;
     let one = Draws::first(1);
     sampler.sample_into(&head, &hidden, &rows, one, &mut tokens)?;
     let fused = sampler.read(&tokens)?.tokens;

@@ -1027,6 +1027,43 @@ pub struct AdvanceStepsArgs {
     pub by: u32,
 }
 
+/// One verified sequence of a verification batch: its positions are the rows `first_row ..=
+/// first_row + drafts` of the call, its drafted tokens `drafts[draft_offset ..][.. drafts]` of
+/// [`AcceptDraftsArgs::drafts`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct VerifiedSequence {
+    /// The row of the sequence's first drafted position.
+    pub first_row: u32,
+    /// How many tokens it drafted.
+    pub drafts: u32,
+    /// Where its drafted tokens start in the batch's drafts.
+    pub draft_offset: u32,
+    /// Keeps the size a multiple of 8.
+    pub padding: u32,
+}
+
+/// The verdict of each verified sequence ([`crate::speculative::accepted_drafts`]) over the
+/// call's tokens (one draw per row): `accepted[s]` drafts of sequence `s` kept.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AcceptDraftsArgs {
+    /// `[rows]` the call's tokens, written before on the stream.
+    pub tokens: DevicePtr<u32>,
+    /// `[sequences]` the verified sequences.
+    pub verified: DevicePtr<VerifiedSequence>,
+    /// Every sequence's drafted tokens, sequence after sequence.
+    pub drafts: DevicePtr<u32>,
+    /// `[sequences]` the verdicts written.
+    pub accepted: DevicePtr<u32>,
+    /// How many sequences.
+    pub sequences: u32,
+    /// Keeps the size a multiple of 8.
+    pub padding: u32,
+}
+
 /// Writes `lm_head` to `destination[0]` and `hidden` to `destination[1]`, then releases them to
 /// the tensor-map proxy, which the TMA kernels acquire before their first load. The maps travel
 /// by value in the argument block, which the driver copies at launch, so a call may be queued

@@ -104,6 +104,9 @@ pub enum Kernel {
     /// Adds to the decode step of every row parameter (`AdvanceStepsArgs`): how a loop, or a
     /// replayed CUDA graph, draws fresh noise without a host copy.
     AdvanceSteps,
+    /// Each verified sequence's count of kept drafts over the call's tokens
+    /// (`AcceptDraftsArgs`).
+    AcceptDrafts,
     /// Writes a call's two tensor maps into device memory (`StoreTensorMapsArgs`), ordered on
     /// the stream before the TMA kernel that reads them.
     StoreTensorMaps,
@@ -136,6 +139,7 @@ impl Kernel {
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
+            | Kernel::AcceptDrafts
             | Kernel::MergeShards => UTILITY_THREADS,
             Kernel::WinnerLogits { .. } => WINNER_LOGITS_THREADS,
             Kernel::StoreTensorMaps => STORE_TENSOR_MAPS_THREADS,
@@ -161,6 +165,7 @@ impl Kernel {
             | Kernel::ReadProbe
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
+            | Kernel::AcceptDrafts
             | Kernel::StoreTensorMaps => 0,
         }
     }
@@ -397,6 +402,7 @@ macro_rules! for_each_kernel {
             read_probe => ReadProbe {};
             gumbel_estimate_error => GumbelEstimateError {};
             advance_steps => AdvanceSteps {};
+            accept_drafts => AcceptDrafts {};
             store_tensor_maps => StoreTensorMaps {};
         }
     };

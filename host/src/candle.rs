@@ -40,6 +40,9 @@ pub struct CandleSampled {
     /// `Processing::top_logprobs`) as (token, bits of the f32 log-probability), by decreasing
     /// log-probability; the other slots hold `NO_TOKEN` and −∞. With `logprobs`.
     pub top_logprobs: Option<Tensor>,
+    /// `[S]` u32: with a verification batch ([`Batch::verify`]), how many drafts each of its
+    /// `S` sequences keeps; its tokens are those of its first `accepted + 1` rows.
+    pub accepted: Option<Tensor>,
 }
 
 /// A sampler a generation loop keeps: one device and one batch (each row's parameters and
@@ -207,10 +210,23 @@ impl CandleSampler {
         };
         let (rows, count) = (h.rows(), draws as usize);
         let cpu = |result: candle_core::Result<Tensor>| result.map_err(|e| candle_error("Tensor::from_vec", e));
-        let Sampled { tokens, logprobs, processed_logprobs, top_logprobs, .. } = sampled;
+        let Sampled { tokens, logprobs, processed_logprobs, top_logprobs, verdicts, .. } = sampled;
         let tokens = cpu(Tensor::from_vec(tokens, (rows, count), &Device::Cpu))?;
+        let accepted = match verdicts.len() {
+            0 => None,
+            sequences => {
+                let counts = verdicts.iter().map(|verdict| verdict.accepted).collect();
+                Some(cpu(Tensor::from_vec(counts, sequences, &Device::Cpu))?)
+            }
+        };
         if logprobs.is_empty() {
-            return Ok(CandleSampled { tokens, logprobs: None, processed_logprobs: None, top_logprobs: None });
+            return Ok(CandleSampled {
+                tokens,
+                logprobs: None,
+                processed_logprobs: None,
+                top_logprobs: None,
+                accepted,
+            });
         }
         let mut top = Vec::with_capacity(rows * MAX_TOP_LOGPROBS as usize * 2);
         for row in &top_logprobs {
@@ -222,6 +238,7 @@ impl CandleSampler {
             logprobs: Some(cpu(Tensor::from_vec(logprobs, (rows, count), &Device::Cpu))?),
             processed_logprobs: Some(cpu(Tensor::from_vec(processed_logprobs, (rows, count), &Device::Cpu))?),
             top_logprobs: Some(cpu(Tensor::from_vec(top, (rows, MAX_TOP_LOGPROBS as usize, 2), &Device::Cpu))?),
+            accepted,
         })
     }
 }
@@ -398,6 +415,8 @@ mod cuda {
                 logprobs.then(|| allocate::<f32>(stream, 2 * rows * count, "log-probabilities")).transpose()?;
             let top_len = crate::cuda::Target::top_logprobs_len(rows);
             let mut top = logprobs.then(|| allocate::<u32>(stream, top_len, "top log-probabilities")).transpose()?;
+            let sequences = on_device.verified_sequences();
+            let mut accepted = (sequences > 0).then(|| allocate::<u32>(stream, sequences, "verdicts")).transpose()?;
             {
                 let (h_storage, _) = hidden.storage_and_layout();
                 let (w_storage, _) = lm_head.storage_and_layout();
@@ -414,6 +433,7 @@ mod cuda {
                     logprobs: values.as_mut().map(|v| OutputSlice::of_slice(v, stream)),
                     top_logprobs: top.as_mut().map(|t| OutputSlice::of_slice(t, stream)),
                     parts: None,
+                    accepted: accepted.as_mut().map(|a| OutputSlice::of_slice(a, stream)),
                 };
                 // The tensors' storages stay read-locked through the call, and candle frees on
                 // this same stream, after this work.
@@ -437,6 +457,7 @@ mod cuda {
                 logprobs,
                 processed_logprobs,
                 top_logprobs: top.map(|t| wrap(t, device, &[rows, MAX_TOP_LOGPROBS as usize, 2])),
+                accepted: accepted.map(|a| wrap(a, device, &[sequences])),
             })
         }
     }

@@ -47,7 +47,7 @@ mod sampled;
 mod sampler;
 mod tensor;
 
-pub use batch::Batch;
+pub use batch::{Batch, Drafted};
 #[cfg(feature = "candle")]
 pub use candle::{CandleSampled, CandleSampler};
 pub use cpu::CpuSampler;
@@ -69,7 +69,7 @@ pub use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 pub use half;
 pub use params::{Draws, HeadShape, SamplingParams, VocabShard};
 pub use processing::Processing;
-pub use sampled::{RowStatus, Sampled};
+pub use sampled::{RowStatus, Sampled, Verdict};
 pub use sampler::{LmHead, Sampler};
 pub use tensor::{DType, Elements, Matrix, MatrixShape};
 

@@ -1,7 +1,10 @@
 //! What a call returns on the host: the tokens, their log-probabilities when a row asked for
-//! them, and why a row has no token.
+//! them, why a row has no token, and what a verification decided.
 
+use flashsample_core::speculative::accepted_drafts;
 use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN};
+
+use crate::batch::Batch;
 
 /// `[B, N]` drawn tokens, row-major, with their log-probabilities when a row of the batch
 /// asked for them ([`crate::Processing::reports_logprobs`]).
@@ -22,6 +25,19 @@ pub struct Sampled {
     /// Per row, its `top_logprobs` most likely tokens under the raw logits with their raw
     /// log-probabilities, by decreasing logit, then increasing index (empty where not asked).
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// Per verified sequence of a batch from [`Batch::verify`], what the verification decided;
+    /// empty for sampling.
+    pub verdicts: Vec<Verdict>,
+}
+
+/// What a verification decided for one sequence: its tokens are those of rows `first_row ..=
+/// first_row + accepted` ([`Sampled::emitted`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// The row of the sequence's first drafted position.
+    pub first_row: usize,
+    /// How many of its drafts equal the target's tokens at their positions, from the first.
+    pub accepted: u32,
 }
 
 impl Sampled {
@@ -34,7 +50,28 @@ impl Sampled {
             logprobs: Vec::new(),
             processed_logprobs: Vec::new(),
             top_logprobs: vec![Vec::new(); rows],
+            verdicts: Vec::new(),
         }
+    }
+
+    /// The verdicts of `batch`'s verified sequences over these tokens (one draw per row), by
+    /// `flashsample_core::speculative`'s rule.
+    pub(crate) fn judge(&mut self, batch: &Batch) {
+        self.verdicts = batch
+            .verified
+            .iter()
+            .map(|sequence| {
+                let positions = &self.tokens[sequence.first_row..=sequence.first_row + sequence.drafts.len()];
+                Verdict { first_row: sequence.first_row, accepted: accepted_drafts(&sequence.drafts, positions) }
+            })
+            .collect();
+    }
+
+    /// The tokens verified sequence `sequence` emits: its accepted drafts, then the target's
+    /// token at the next position (the tokens plain decoding draws there).
+    pub fn emitted(&self, sequence: usize) -> &[u32] {
+        let verdict = self.verdicts[sequence];
+        &self.tokens[verdict.first_row..=verdict.first_row + verdict.accepted as usize]
     }
 
     /// B, the rows.

@@ -38,6 +38,7 @@ mod fill;
 mod hopper;
 mod process;
 mod sample;
+mod speculative;
 mod state;
 mod tile;
 #[cfg(flashsample_module = "hopper")]
@@ -45,9 +46,9 @@ mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE, ProcessArgs,
-    ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs, TILE_ROWS, WARP_ROWS, WinnerLogitsArgs,
-    fused_mma_shared_bytes,
+    AcceptDraftsArgs, AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE,
+    ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs, TILE_ROWS, WARP_ROWS,
+    WinnerLogitsArgs, fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -381,6 +382,18 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: `row_params` holds `batch`
             // entries.
             unsafe { state::advance_steps(&args) }
+        }
+    };
+    ($name:ident, AcceptDrafts {}) => {
+        /// Each verified sequence's count of kept drafts over the call's tokens.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: AcceptDraftsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the sequences' rows and
+            // drafts lie inside the tokens and drafts, `accepted` holds `sequences` slots.
+            unsafe { speculative::accept_drafts(&args) }
         }
     };
     ($name:ident, StoreTensorMaps {}) => {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _};
 use flashsample::{
     Batch, DeviceBatch, DeviceMatrix, DeviceWorkspace, Draws, Elements, Exchange, Matrix, ModuleChoice, OutputSlice,
-    Request, Result, Sampled, Shard, StreamSampler, StreamWorkspace, Target, VocabShard,
+    Request, Result, Sampled, Shard, StreamSampler, StreamWorkspace, Target, Verdict, VocabShard,
 };
 
 use crate::{Backend, UNWRITTEN, check_written, with_row_statuses};
@@ -49,21 +49,33 @@ impl Borrowed {
         self.stream.synchronize().unwrap();
     }
 
-    /// Reads a call's outputs back.
-    fn read(&self, draws: u32, outputs: &Outputs) -> Result<Sampled> {
+    /// Reads a call's outputs back; a verification's verdicts are those of `batch`'s sequences.
+    fn read(&self, draws: u32, outputs: &Outputs, batch: &Batch) -> Result<Sampled> {
         self.stream.synchronize().unwrap();
         let tokens = self.stream.clone_dtoh(&outputs.tokens).unwrap();
         let values = outputs.logprobs.as_ref().map(|v| self.stream.clone_dtoh(v).unwrap());
         let top = outputs.top.as_ref().map(|t| self.stream.clone_dtoh(t).unwrap());
-        Sampled::from_outputs(draws as usize, tokens, values.as_deref(), top.as_deref())
+        let mut sampled = Sampled::from_outputs(draws as usize, tokens, values.as_deref(), top.as_deref())?;
+        if let Some(accepted) = &outputs.accepted {
+            let accepted = self.stream.clone_dtoh(accepted).unwrap();
+            sampled.verdicts = batch
+                .first_rows()
+                .into_iter()
+                .zip(accepted)
+                .map(|(first_row, accepted)| Verdict { first_row, accepted })
+                .collect();
+        }
+        Ok(sampled)
     }
 
-    /// Room for a call's outputs, poisoned.
-    fn outputs(&self, rows: usize, draws: u32, logprobs: bool) -> Outputs {
+    /// Room for the outputs of a call with `batch` making `draws` draws of each row, poisoned.
+    fn outputs(&self, batch: &DeviceBatch, draws: u32) -> Outputs {
+        let (rows, logprobs, sequences) = (batch.rows(), batch.reports_logprobs(), batch.verified_sequences());
         Outputs {
             tokens: self.poisoned(rows * draws as usize),
             logprobs: logprobs.then(|| self.poisoned_f32(Target::logprobs_len(rows, draws))),
             top: logprobs.then(|| self.poisoned(Target::top_logprobs_len(rows))),
+            accepted: (sequences > 0).then(|| self.poisoned(sequences)),
         }
     }
 }
@@ -79,6 +91,7 @@ struct Outputs {
     tokens: CudaSlice<u32>,
     logprobs: Option<CudaSlice<f32>>,
     top: Option<CudaSlice<u32>>,
+    accepted: Option<CudaSlice<u32>>,
 }
 
 impl Outputs {
@@ -88,6 +101,7 @@ impl Outputs {
             logprobs: self.logprobs.as_mut().map(|v| OutputSlice::of_slice(v, stream)),
             top_logprobs: self.top.as_mut().map(|t| OutputSlice::of_slice(t, stream)),
             parts: None,
+            accepted: self.accepted.as_mut().map(|a| OutputSlice::of_slice(a, stream)),
         }
     }
 }
@@ -131,10 +145,9 @@ impl Backend for Borrowed {
         let on_device = DeviceBatch::upload(stream, batch, vocab)?;
         let h = DeviceValues::upload(stream, hidden);
         let (rows, dim) = (hidden.rows(), hidden.cols());
-        let logprobs = batch.reports_logprobs();
         if let [lm_head] = shards {
             let w = DeviceValues::upload(stream, lm_head);
-            let mut outputs = self.outputs(rows, draws.count, logprobs);
+            let mut outputs = self.outputs(&on_device, draws.count);
             let mut workspace = StreamWorkspace::new();
             let request = Request {
                 lm_head: w.view(stream, vocab, dim),
@@ -148,11 +161,11 @@ impl Backend for Borrowed {
             self.poison(workspace.ensure(stream, plan.workspace_bytes())?);
             self.kernels.enqueue_on(stream, &request, &target, &mut workspace)?;
             drop((request, target));
-            let got = self.read(draws.count, &outputs)?;
+            let got = self.read(draws.count, &outputs, batch)?;
             check_written(&self.name(), &got, vocab);
             return with_row_statuses(got);
         }
-        self.sample_raw_shards(shards, &h, &on_device, rows, dim, draws, logprobs)
+        self.sample_raw_shards(shards, &h, (batch, &on_device), rows, dim, draws)
     }
 }
 
@@ -167,19 +180,19 @@ impl Borrowed {
         &self,
         shards: &[Matrix],
         h: &DeviceValues,
-        on_device: &DeviceBatch,
+        (batch, on_device): (&Batch, &DeviceBatch),
         rows: usize,
         dim: usize,
         draws: Draws,
-        logprobs: bool,
     ) -> Result<Sampled> {
+        let logprobs = on_device.reports_logprobs();
         let stream = &self.stream;
         let vocab: usize = shards.iter().map(Matrix::rows).sum();
         let heads: Vec<DeviceValues> = shards.iter().map(|w| DeviceValues::upload(stream, w)).collect();
         let parts_bytes = Target::parts_bytes(shards.len(), rows, draws.count, logprobs)?;
         let parts = self.poisoned(parts_bytes.div_ceil(4));
         let parts_address = parts.device_ptr(stream).0;
-        let mut outputs: Vec<Outputs> = shards.iter().map(|_| self.outputs(rows, draws.count, logprobs)).collect();
+        let mut outputs: Vec<Outputs> = shards.iter().map(|_| self.outputs(on_device, draws.count)).collect();
         let mut workspaces: Vec<StreamWorkspace> = shards.iter().map(|_| StreamWorkspace::new()).collect();
         let mut calls = Vec::new();
         let mut offset = 0;
@@ -212,7 +225,7 @@ impl Borrowed {
             self.exchange_on_the_host(&ended, parts_address);
         }
         drop(calls);
-        let results: Vec<Result<Sampled>> = outputs.iter().map(|out| self.read(draws.count, out)).collect();
+        let results: Vec<Result<Sampled>> = outputs.iter().map(|out| self.read(draws.count, out, batch)).collect();
         let first = results[0]
             .as_ref()
             .map_err(|e| flashsample::Error::Framework { call: "read".into(), detail: e.to_string() })?;

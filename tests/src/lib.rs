@@ -15,6 +15,7 @@ use rand::{Rng, SeedableRng};
 
 pub mod borrowed;
 pub mod processing;
+pub mod speculative;
 pub mod suite;
 
 pub use borrowed::Borrowed;
@@ -125,7 +126,7 @@ impl Backend for Cuda {
         let vocab = head.shape().vocab;
         let on_device = sampler.upload_batch(batch, vocab)?;
         let device_hidden = sampler.upload_hidden(hidden)?;
-        let mut outputs = sampler.outputs(hidden.rows(), draws.count, batch.reports_logprobs())?;
+        let mut outputs = sampler.outputs(&on_device, draws.count)?;
         // Grow the workspace to this problem, then poison it and the outputs, then sample.
         sampler.sample_into(&head, &device_hidden, &on_device, draws, &mut outputs)?;
         sampler.poison_workspace()?;

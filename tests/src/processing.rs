@@ -18,6 +18,8 @@ pub struct OnDevice {
     pub head: LmHead,
     pub hidden: CudaHidden,
     pub batch: DeviceBatch,
+    /// The batch on the host, from which [`OnDevice::sample`] makes its variants.
+    host: Batch,
 }
 
 impl OnDevice {
@@ -33,14 +35,27 @@ impl OnDevice {
             head: sampler.upload_lm_head(lm_head).unwrap(),
             hidden: sampler.upload_hidden(hidden).unwrap(),
             batch: sampler.upload_batch(&batch, lm_head.rows()).unwrap(),
+            host: batch,
         }
     }
 
-    /// `n` draws per row with the sampler's tile, with or without log-probabilities; rows
-    /// without a token keep their sentinels.
+    /// The batch with every row reporting its drawn tokens' log-probabilities, or none but
+    /// those asking for top entries.
+    pub fn batch_reporting(&self, sampler: &CudaSampler, logprobs: bool) -> Result<DeviceBatch> {
+        let mut host = self.host.clone();
+        if host.processing.is_empty() {
+            host.processing = vec![Processing::default(); host.rows()];
+        }
+        host.processing.iter_mut().for_each(|p| p.logprobs = logprobs);
+        sampler.upload_batch(&host, self.head.shape().vocab)
+    }
+
+    /// `n` draws per row with the sampler's tile, with the batch
+    /// [`OnDevice::batch_reporting`] `logprobs`; rows without a token keep their sentinels.
     pub fn sample(&self, sampler: &CudaSampler, n: u32, logprobs: bool) -> Result<Sampled> {
-        let mut out = sampler.outputs(self.hidden.rows(), n, logprobs)?;
-        sampler.sample_into(&self.head, &self.hidden, &self.batch, Draws::first(n), &mut out)?;
+        let batch = self.batch_reporting(sampler, logprobs)?;
+        let mut out = sampler.outputs(&batch, n)?;
+        sampler.sample_into(&self.head, &self.hidden, &batch, Draws::first(n), &mut out)?;
         match sampler.read(&out) {
             Err(flashsample::Error::RowsWithoutToken { sampled, .. }) => Ok(*sampled),
             other => other,
@@ -372,6 +387,7 @@ pub fn check_mixed_batch(backend: &dyn Backend, lm_head: &Matrix, hidden: &Matri
             logprobs: batch.logprobs[slots.clone()].to_vec(),
             processed_logprobs: batch.processed_logprobs[slots].to_vec(),
             top_logprobs: Vec::new(),
+            verdicts: Vec::new(),
         };
         let worst = largest_log_probability_difference(&in_batch, &alone, true);
         assert!(worst <= 1e-6, "{}: row {r} ({}): log-probabilities differ by {worst}", backend.name(), modes[r].0);
@@ -471,6 +487,7 @@ mod tests {
             processed_logprobs: logprobs.clone(),
             logprobs,
             top_logprobs: vec![Vec::new()],
+            verdicts: Vec::new(),
         }
     }
 

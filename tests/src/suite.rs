@@ -1,7 +1,7 @@
 //! One list of test bodies every backend runs ([`suite!`](crate::suite!)), at a [`Scale`] of
 //! draws the backend affords: sampling against the exact softmax, the statuses of non-finite
 //! rows, every processing mode against its f64 target, the boundary cases, log-probabilities,
-//! the mixed batch and vocabulary shards. χ² tests use α = [`ALPHA`] and fixed seeds, so each
+//! the mixed batch, vocabulary shards and speculative verification. χ² tests use α = [`ALPHA`] and fixed seeds, so each
 //! is deterministic and fails with probability α under a correct sampler.
 
 use flashsample::DType;
@@ -10,6 +10,7 @@ use crate::processing::{
     check_every_mode, check_log_probabilities, check_mixed_batch, check_processing_edges, check_shards,
     check_top_k_keeps_ties, each_mode, integer_matrix,
 };
+use crate::speculative::{check_same_key_drafting_agrees_as_coupled, check_verification_is_drafter_invariant};
 use crate::{
     Backend, check_batch_independence, check_distribution, check_draws_split_across_calls, check_extreme_temperatures,
     check_greedy_is_argmax, check_identical_rows_independent, check_matches_cpu, check_non_finite_logits, matrix_of,
@@ -157,6 +158,18 @@ pub fn shards_give_the_unsharded_tokens_and_log_probabilities(backend: &dyn Back
     check_shards(backend, &w.to_dtype(DType::BF16), &h.to_dtype(DType::BF16), &modes, 4, true);
 }
 
+/// Verification emits plain decoding's tokens whatever the drafts (the target's own, one
+/// changed at each position, random), sequences of every kind in one batch, whole and sharded.
+pub fn verification_is_drafter_invariant(backend: &dyn Backend, _: &Scale) {
+    check_verification_is_drafter_invariant(backend);
+}
+
+/// A drafter sampling with the target's keys agrees with it as often as the Gumbel coupling
+/// predicts, and neither marginal changes.
+pub fn same_key_drafting_agrees_as_coupled(backend: &dyn Backend, _: &Scale) {
+    check_same_key_drafting_agrees_as_coupled(backend);
+}
+
 /// The suite's tests for `$backend` (an expression making the backend) at `$scale`, each with
 /// the attributes given (`#[ignore = "needs a CUDA GPU"]` for the GPU's): the same list, the
 /// same names, on every backend.
@@ -180,6 +193,8 @@ macro_rules! suite {
             log_probabilities_match_f64
             every_row_of_a_mixed_batch_gets_what_it_gets_alone
             shards_give_the_unsharded_tokens_and_log_probabilities
+            verification_is_drafter_invariant
+            same_key_drafting_agrees_as_coupled
         );
     };
     (@tests ($backend:expr, $scale:expr, $attributes:tt) $($name:ident)*) => {

@@ -108,7 +108,7 @@ fn owned_tokens(batch: usize, samples: u32, w_seed: u64, h_seed: u64, params: &[
     let head = owned.random_lm_head(VOCAB, DIM, DType::BF16, w_seed, 0.05).unwrap();
     let hidden = owned.random_hidden(batch, DIM, DType::BF16, h_seed, 1.0).unwrap();
     let on_device = owned.upload_batch(&Batch::new(params.to_vec()), VOCAB).unwrap();
-    let mut out = owned.outputs(batch, samples, false).unwrap();
+    let mut out = owned.outputs(&on_device, samples).unwrap();
     owned.sample_into(&head, &hidden, &on_device, Draws::first(samples), &mut out).unwrap();
     owned.read(&out).unwrap().tokens
 }
@@ -409,6 +409,7 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
                 logprobs: Some(OutputSlice::of_slice(&mut outputs.logprobs, stream)),
                 top_logprobs: Some(OutputSlice::of_slice(&mut outputs.top, stream)),
                 parts: None,
+                accepted: None,
             };
             if !capture {
                 caller.sampler.enqueue_on(stream, &request, &target, workspace).unwrap();
@@ -449,7 +450,7 @@ fn a_captured_graph_of_processed_sampling_with_log_probabilities_replays_fresh_n
     let head = owned.random_lm_head(VOCAB, DIM, DType::BF16, 17, 0.05).unwrap();
     let hidden = owned.random_hidden(batch, DIM, DType::BF16, 18, 1.0).unwrap();
     let owned_batch = owned.upload_batch(&rows, VOCAB).unwrap();
-    let mut out = owned.outputs(batch, samples, true).unwrap();
+    let mut out = owned.outputs(&owned_batch, samples).unwrap();
     owned.sample_into(&head, &hidden, &owned_batch, Draws::first(samples), &mut out).unwrap();
     let want = owned.read(&out).unwrap();
     let (tokens, values, top) = &uncaptured[0];

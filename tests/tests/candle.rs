@@ -86,6 +86,48 @@ fn advance_steps_moves_the_noise_and_log_probabilities_follow_the_batch() {
     assert_eq!(sampler.batch().params[0].step, 11);
 }
 
+/// A verification batch set on the adapter gives the CPU backend's verdicts as a `[S]` u32
+/// tensor beside the tokens: the target's own drafts all kept, a wrong first draft none.
+#[test]
+fn a_verification_returns_its_verdicts_as_a_tensor() {
+    let (vocab, dim) = (500, 16);
+    let w = random_matrix(vocab, dim, DType::F32, 1.0, 7);
+    let h = random_matrix(5, dim, DType::F32, 1.0, 8);
+    let params = |sequence: u32| SamplingParams::new(0.8, 9, sequence, 3);
+    let positions = |drafts: &[u32]| drafts.len() + 1;
+    // What plain decoding draws at the first sequence's first two positions.
+    let step = |row: usize, step: u32| {
+        let batch = Batch::new(vec![SamplingParams { step, ..params(0) }]);
+        cpu(&w, &h.row_range(row, row + 1), &batch, 1).tokens[0]
+    };
+    let own = vec![step(0, 3), step(1, 4)];
+    let wrong = vec![(own[0] + 1) % vocab as u32, 7];
+    let verify = |first: Vec<u32>, second: Vec<u32>| {
+        let rows = positions(&first) + positions(&second);
+        let sequences = [(0, first), (1, second)].map(|(s, drafts)| flashsample::Drafted {
+            params: params(s),
+            processing: Processing::default(),
+            drafts,
+        });
+        (Batch::verify(sequences.into()).unwrap(), rows)
+    };
+    for (batch, rows) in [verify(own.clone(), vec![]), verify(wrong, vec![4])] {
+        let want = cpu(&w, &h.row_range(0, rows), &batch, 1);
+        let mut sampler = CandleSampler::new(&Device::Cpu, &batch).unwrap();
+        let got = sampler.sample(&tensor(&w), &tensor(&h.row_range(0, rows)), 1).unwrap();
+        let accepted: Vec<u32> = got.accepted.expect("verdicts").to_vec1().unwrap();
+        assert_eq!(accepted, want.verdicts.iter().map(|v| v.accepted).collect::<Vec<_>>());
+        let tokens: Vec<u32> = got.tokens.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(tokens, want.tokens);
+    }
+    let (batch, rows) = verify(own.clone(), vec![]);
+    let kept = cpu(&w, &h.row_range(0, rows), &batch, 1);
+    assert_eq!(kept.verdicts[0].accepted, 2);
+    assert_eq!(kept.emitted(0), &[own[0], own[1], kept.tokens[2]]);
+    let (batch, rows) = verify(vec![(own[0] + 1) % vocab as u32, 7], vec![4]);
+    assert_eq!(cpu(&w, &h.row_range(0, rows), &batch, 1).verdicts[0].accepted, 0);
+}
+
 /// Tensors the adapter cannot take are typed errors naming them: differing dtypes, an
 /// integer dtype, a batch of another size.
 #[test]

@@ -3,8 +3,8 @@
 
 use flashsample::internals::Variant;
 use flashsample::{
-    Batch, CpuSampler, CudaSampler, DType, Draws, Elements, Error, LmHead, Matrix, Module, Processing, Sampler,
-    SamplingParams, cuda_device_count,
+    Batch, CpuSampler, CudaSampler, DType, Drafted, Draws, Elements, Error, LmHead, Matrix, Module, Processing,
+    Sampler, SamplingParams, cuda_device_count,
 };
 use flashsample_tests::random_matrix;
 
@@ -74,6 +74,31 @@ fn zero_draws_zero_rows_and_missing_params_are_rejected() {
     assert_eq!(invalid_argument(sampler.sample(&head, &no_rows, &plain(&[]), Draws::first(1))), "hidden");
     let past = Draws { first: u32::MAX, count: 2 };
     assert_eq!(invalid_argument(sampler.sample(&head, &h, &plain(&params), past)), "draws");
+}
+
+/// A verification draws one token per position, its drafts are tokens, its positions' steps
+/// fit in 32 bits, and its rows are its positions.
+#[test]
+fn verification_rules_name_their_argument() {
+    let (sampler, head, _) = setup();
+    let sequence = |drafts: Vec<u32>, step: u32| Drafted {
+        params: SamplingParams::new(1.0, 0, 0, step),
+        processing: Processing::default(),
+        drafts,
+    };
+    let h = random_matrix(3, 4, DType::F32, 1.0, 3);
+    let batch = Batch::verify(vec![sequence(vec![1], 0), sequence(vec![], 0)]).unwrap();
+    assert!(sampler.sample(&head, &h, &batch, Draws::first(1)).is_ok());
+    assert_eq!(invalid_argument(sampler.sample(&head, &h, &batch, Draws::first(2))), "draws");
+    let past_vocab = Batch::verify(vec![sequence(vec![1], 0), sequence(vec![10], 0)]).unwrap();
+    let h4 = random_matrix(4, 4, DType::F32, 1.0, 4);
+    assert_eq!(invalid_argument(sampler.sample(&head, &h4, &past_vocab, Draws::first(1))), "sequences[1].drafts");
+    assert_eq!(invalid_argument(Batch::verify(vec![sequence(vec![1, 2], u32::MAX - 1)])), "sequences[0].drafts");
+    assert!(Batch::verify(vec![sequence(vec![1], u32::MAX - 1)]).is_ok());
+    let mut cut = batch.clone();
+    cut.params.pop();
+    let h2 = random_matrix(2, 4, DType::F32, 1.0, 5);
+    assert_eq!(invalid_argument(sampler.sample(&head, &h2, &cut, Draws::first(1))), "params");
 }
 
 #[test]

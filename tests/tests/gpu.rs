@@ -134,8 +134,8 @@ fn unfused_pipeline_gives_the_same_tokens() {
         let head = sampler.upload_lm_head(&w).unwrap();
         let hidden = sampler.upload_hidden(&h).unwrap();
         let batch = sampler.upload_batch(&Batch::new(params), 3001).unwrap();
-        let mut fused = sampler.outputs(45, 5, false).unwrap();
-        let mut unfused = sampler.outputs(45, 5, false).unwrap();
+        let mut fused = sampler.outputs(&batch, 5).unwrap();
+        let mut unfused = sampler.outputs(&batch, 5).unwrap();
         sampler.sample_into(&head, &hidden, &batch, Draws::first(5), &mut fused).unwrap();
         sampler.sample_unfused_into(&head, &hidden, &batch, Draws::first(5), variant, &mut unfused).unwrap();
         sampler.poison_workspace().unwrap();

@@ -26,6 +26,7 @@ impl Backend for Fixed {
             logprobs: Vec::new(),
             processed_logprobs: Vec::new(),
             top_logprobs: Vec::new(),
+            verdicts: Vec::new(),
         })
     }
 }
@@ -130,7 +131,7 @@ fn ten_thousand_decode_steps_change_shapes_and_leak_nothing() {
         let params: Vec<_> =
             (0..batch).map(|b| SamplingParams::new(temperatures[(s as usize + b) % 4], 41, b as u32, s)).collect();
         let rows = sampler.upload_batch(&Batch::new(params.clone()), vocab).unwrap();
-        let mut tokens = sampler.outputs(batch, 1, false).unwrap();
+        let mut tokens = sampler.outputs(&rows, 1).unwrap();
         sampler.sample_into(&head, &hidden, &rows, Draws::first(1), &mut tokens).unwrap();
         let host = sampler.read(&tokens).unwrap().tokens;
         assert!(host.iter().all(|&t| (t as usize) < vocab), "step {s}");
@@ -186,7 +187,7 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     let head = sampler.upload_lm_head(&w).unwrap();
     let hidden = sampler.upload_hidden(&h).unwrap();
     let rows = sampler.upload_batch(&Batch::new(params_for(1023, 0.7, 56)), 1009).unwrap();
-    let mut tokens = sampler.outputs(1023, 2, false).unwrap();
+    let mut tokens = sampler.outputs(&rows, 2).unwrap();
     sampler.sample_unfused_into(&head, &hidden, &rows, Draws::first(2), Variant::Auto, &mut tokens).unwrap();
     assert!(sampler.read(&tokens).unwrap().tokens.iter().all(|&t| t < 1009));
     let modes = flashsample_tests::processing::each_mode(1009);
@@ -242,8 +243,9 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     assert_eq!(sharded.tokens, sampled.tokens);
     for (&variant, logprobs) in variants.iter().flat_map(|v| [(v, false), (v, true)]) {
         sampler.set_variant(variant);
-        let mut out = sampler.outputs(modes.len(), 3, logprobs).unwrap();
-        match sampler.sample_into(&sharded_head, &fused.hidden, &fused.batch, Draws::first(3), &mut out) {
+        let reporting = fused.batch_reporting(&sampler, logprobs).unwrap();
+        let mut out = sampler.outputs(&reporting, 3).unwrap();
+        match sampler.sample_into(&sharded_head, &fused.hidden, &reporting, Draws::first(3), &mut out) {
             Ok(()) => {}
             Err(e) if e.to_string().contains("does not apply per-row processing") => continue,
             Err(e) => panic!("{variant:?}: {e}"),

@@ -264,7 +264,7 @@ fn fused_shards_give_the_unsharded_tokens_on_every_variant() {
             }
             sampler.set_variant(variant);
             let whole = on_device.sample(&sampler, n, false).unwrap().tokens;
-            let mut out = sampler.outputs(batch, n, false).unwrap();
+            let mut out = sampler.outputs(&on_device.batch, n).unwrap();
             sampler.sample_into(&sharded, &on_device.hidden, &on_device.batch, Draws::first(n), &mut out).unwrap();
             sampler.poison_workspace().unwrap();
             sampler.sample_into(&sharded, &on_device.hidden, &on_device.batch, Draws::first(n), &mut out).unwrap();

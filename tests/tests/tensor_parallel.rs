@@ -147,6 +147,7 @@ fn rank_step(r: usize, n: usize, id: &NcclId, w: &Matrix, h: &Matrix, batch: &Ba
             logprobs: Some(OutputSlice::of_slice(&mut logprobs, &stream)),
             top_logprobs: Some(OutputSlice::of_slice(&mut top, &stream)),
             parts: Some(OutputSlice::of_slice(&mut parts, &stream)),
+            accepted: None,
         };
         rank.enqueue_on(&kernels, &stream, &request, &target, &mut workspace).unwrap();
     }

@@ -116,6 +116,7 @@ impl Sampler for CpuSampler {
         let draws = draws.check()?;
         check_request_shape(lm_head.shape, hidden.shape(), batch.rows(), "params", draws.count)?;
         let (rows, processing) = batch.check(lm_head.shape.vocab)?;
+        batch.check_draws(draws)?;
         check_hidden_values(hidden)?;
         let offsets: Vec<u32> = lm_head.offsets.iter().map(|&o| o as u32).collect();
         let raw: Vec<Vec<Vec<f32>>> =
@@ -139,6 +140,7 @@ impl Sampler for CpuSampler {
             })
             .collect();
         let mut sampled = Sampled::tokens_only(tokens, n);
+        sampled.judge(batch);
         if !batch.reports_logprobs() {
             return sampled_or_row_status(sampled);
         }

@@ -1,23 +1,25 @@
-//! A batch in device memory: each row's kernel parameters and its processing image, uploaded
-//! once and read by every call of a decode loop, and the view a request takes of it.
+//! A batch in device memory: each row's kernel parameters and its processing image (with a
+//! verification's sequences and drafts), uploaded once and read by every call of a decode
+//! loop, and the view a request takes of it.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr as _, DevicePtrMut as _, SyncOnDrop, sys};
 use flashsample_core::RowParams;
-use flashsample_core::abi::{DevicePtr, RowProcessing, Selection};
+use flashsample_core::abi::{DevicePtr, RowProcessing, Selection, VerifiedSequence};
 use flashsample_core::process::{SPARSE_BLOCK, SparseEntry};
 
 use super::memory::{Allocation, check_address};
-use crate::batch::Batch;
+use crate::batch::{Batch, Verified};
 use crate::error::{Result, invalid};
 use crate::params::SamplingParams;
 use crate::processing::Processing;
 
 /// A [`Batch`] in device memory for a vocabulary of `vocab` tokens: per row its kernel
 /// parameters ([`RowParams`]) and a processing block, then the rows' sparse entries (bias and
-/// penalties), their per-row index of [`SPARSE_BLOCK`]-entry blocks and the mask words. A
+/// penalties), their per-row index of [`SPARSE_BLOCK`]-entry blocks and the mask words, and
+/// for a verification ([`Batch::verify`]) its sequences and their drafted tokens. A
 /// decode loop uploads it once, moves the rows' decode step on the device
 /// ([`crate::StreamSampler::advance_steps`]), and uploads again when the processing changes
 /// (histories change every step).
@@ -36,6 +38,20 @@ pub struct DeviceBatch {
     image: Allocation<u8>,
     summary: ProcessingRef,
     logprobs: bool,
+    verified: Option<VerifiedRef>,
+    /// Each verified sequence's first row, for the verdicts read back.
+    first_rows: Vec<usize>,
+}
+
+/// Where a verification batch's sequences and drafts lie in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct VerifiedRef {
+    /// `[count]` [`VerifiedSequence`].
+    pub sequences: u64,
+    /// Every sequence's drafted tokens, sequence after sequence.
+    pub drafts: u64,
+    /// How many sequences.
+    pub count: usize,
 }
 
 /// What a request needs to know of a batch's processing image in device memory.
@@ -122,24 +138,48 @@ fn selections(processing: &Processing) -> u32 {
 }
 
 /// Where the parts of a batch's device image lie, in bytes from its start: `[B]` row blocks,
-/// the rows' sparse entries, their block offsets, the mask words.
+/// the rows' sparse entries, their block offsets, the mask words, the verified sequences and
+/// their drafts.
 struct ImageLayout {
     sparse: usize,
     offsets: usize,
     masks: usize,
+    verified: usize,
+    drafts: usize,
     len: usize,
 }
 
 impl ImageLayout {
-    fn of(sparse: &[Vec<SparseEntry>], processing: &[Processing], vocab: usize) -> ImageLayout {
+    fn of(sparse: &[Vec<SparseEntry>], processing: &[Processing], verified: &[Verified], vocab: usize) -> ImageLayout {
         let listed: usize = sparse.iter().map(Vec::len).sum();
         let indexed = sparse.iter().filter(|entries| !entries.is_empty()).count();
         let masked = processing.iter().filter(|p| p.mask.is_some()).count();
+        let drafted: usize = verified.iter().map(|sequence| sequence.drafts.len()).sum();
         let sparse_at = processing.len() * size_of::<RowProcessing>();
         let offsets = sparse_at + listed * size_of::<SparseEntry>();
         let masks = offsets + indexed * (vocab.div_ceil(SPARSE_BLOCK as usize) + 1) * 4;
-        ImageLayout { sparse: sparse_at, offsets, masks, len: masks + masked * vocab.div_ceil(32) * 4 }
+        let verified_at = masks + masked * vocab.div_ceil(32) * 4;
+        let drafts = verified_at + verified.len() * size_of::<VerifiedSequence>();
+        ImageLayout { sparse: sparse_at, offsets, masks, verified: verified_at, drafts, len: drafts + drafted * 4 }
     }
+}
+
+/// The image's verification part: each sequence's rows and drafts, then the drafts.
+fn verified_image(verified: &[Verified]) -> Vec<u8> {
+    let mut sequences = Vec::with_capacity(verified.len());
+    let mut drafts = Vec::new();
+    for sequence in verified {
+        sequences.push(VerifiedSequence {
+            first_row: sequence.first_row as u32,
+            drafts: sequence.drafts.len() as u32,
+            draft_offset: drafts.len() as u32,
+            padding: 0,
+        });
+        drafts.extend_from_slice(&sequence.drafts);
+    }
+    let mut bytes = bytemuck::cast_slice(&sequences).to_vec();
+    bytes.extend_from_slice(bytemuck::cast_slice(&drafts));
+    bytes
 }
 
 /// The device image of a batch's processing (see [`DeviceBatch`]) laid out as `layout`
@@ -193,7 +233,7 @@ fn processing_image(
     bytes.extend_from_slice(bytemuck::cast_slice(&entries));
     bytes.extend_from_slice(bytemuck::cast_slice(&offsets));
     bytes.extend_from_slice(bytemuck::cast_slice(&words));
-    debug_assert_eq!(bytes.len(), layout.len);
+    debug_assert_eq!(bytes.len(), layout.verified);
     bytes
 }
 
@@ -205,13 +245,22 @@ impl DeviceBatch {
         let (row_params, processing) = batch.check(vocab)?;
         let rows = Allocation::from_host(stream, &row_params, "row parameters")?;
         let sparse: Vec<Vec<SparseEntry>> = processing.iter().map(Processing::sparse_entries).collect();
-        let layout = ImageLayout::of(&sparse, &processing, vocab);
+        let layout = ImageLayout::of(&sparse, &processing, &batch.verified, vocab);
         // SAFETY: every byte is copied from the host below, before any kernel reads it.
         let mut image = unsafe { Allocation::<u8>::uninitialized(stream, layout.len.max(1), "processing")? };
         let address = image.ptr().address();
-        image.write(stream, &processing_image(&processing, &sparse, &layout, vocab, address), "processing")?;
+        let mut bytes = processing_image(&processing, &sparse, &layout, vocab, address);
+        bytes.extend_from_slice(&verified_image(&batch.verified));
+        debug_assert_eq!(bytes.len(), layout.len);
+        image.write(stream, &bytes, "processing")?;
         let summary = ProcessingRef::summarize(&processing, &sparse, vocab, address);
-        Ok(DeviceBatch { rows, image, summary, logprobs: batch.reports_logprobs() })
+        let verified = (!batch.verified.is_empty()).then(|| VerifiedRef {
+            sequences: address + layout.verified as u64,
+            drafts: address + layout.drafts as u64,
+            count: batch.verified.len(),
+        });
+        let first_rows = batch.verified.iter().map(|sequence| sequence.first_row).collect();
+        Ok(DeviceBatch { rows, image, summary, logprobs: batch.reports_logprobs(), verified, first_rows })
     }
 
     /// B, the rows.
@@ -227,6 +276,17 @@ impl DeviceBatch {
     /// Whether a row reports log-probabilities (a call's target must then have room for them).
     pub fn reports_logprobs(&self) -> bool {
         self.logprobs
+    }
+
+    /// The sequences a verification batch checks (0 for sampling): a call's target then needs
+    /// [`crate::Target::accepted`].
+    pub fn verified_sequences(&self) -> usize {
+        self.first_rows.len()
+    }
+
+    /// Each verified sequence's first row.
+    pub(crate) fn first_rows(&self) -> &[usize] {
+        &self.first_rows
     }
 
     /// Replaces the rows' sampling parameters (one per row, checked), queued on `stream`; the
@@ -250,6 +310,7 @@ impl DeviceBatch {
             rows: self.rows(),
             processing: Some(self.summary),
             logprobs: self.logprobs,
+            verified: self.verified,
             stream: Some(stream.cu_stream()),
             _uses: [Some(rows_use), Some(image_use)],
             _batch: PhantomData,
@@ -290,6 +351,8 @@ pub struct BatchRef<'a> {
     pub(crate) rows: usize,
     pub(crate) processing: Option<ProcessingRef>,
     pub(crate) logprobs: bool,
+    /// A verification's sequences and drafts.
+    pub(crate) verified: Option<VerifiedRef>,
     /// The stream the uses below were recorded for (none for raw memory).
     pub(crate) stream: Option<sys::CUstream>,
     _uses: [Option<SyncOnDrop<'a>>; 2],
@@ -311,6 +374,7 @@ impl BatchRef<'static> {
             rows,
             processing: None,
             logprobs: false,
+            verified: None,
             stream: None,
             _uses: [None, None],
             _batch: PhantomData,
@@ -327,6 +391,7 @@ impl BatchRef<'_> {
             rows: processing.rows,
             processing: Some(processing),
             logprobs: false,
+            verified: None,
             stream: None,
             _uses: [None, None],
             _batch: PhantomData,

@@ -45,7 +45,7 @@ impl Kernels {
             };
         }
         let stages = plan.path.segments();
-        if segment < stages {
+        let exchange = if segment < stages {
             // SAFETY: per this function's contract; `stage` is the call's own scratch.
             let exchange = unsafe {
                 match &plan.path {
@@ -70,13 +70,23 @@ impl Kernels {
                 }),
                 _ => None,
             };
-            return Ok(exchange.or(gathered));
+            exchange.or(gathered)
+        } else {
+            let merge = plan.merge.expect("a call's segment past stage 1 is its merge");
+            let layout = part_layout(merge.rows, merge.samples, merge.logprobs)?;
+            // SAFETY: every shard's part was written (stage 1) and gathered before this segment
+            // on `stream`; the outputs hold their extents (this function's contract).
+            unsafe { self.queue_merge(stream, &layout, &merge)? };
+            None
+        };
+        if segment + 1 == plan.segments()
+            && let Some(verdicts) = &plan.verdicts
+        {
+            // SAFETY: the call's tokens were written before on `stream` (its last segment); the
+            // sequences, drafts and verdicts hold their extents (this function's contract).
+            unsafe { self.queue_verdicts(stream, verdicts)? };
         }
-        let merge = plan.merge.expect("a call's segment past stage 1 is its merge");
-        let layout = part_layout(merge.rows, merge.samples, merge.logprobs)?;
-        // SAFETY: every shard's part was written (stage 1) and gathered before this segment on
-        // `stream`; the outputs hold their extents (this function's contract).
-        unsafe { self.queue_merge(stream, &layout, &merge) }.map(|_| None)
+        Ok(exchange)
     }
 }
 

@@ -7,7 +7,7 @@
 use flashsample_core::abi::{DevicePtr, Selection};
 use flashsample_core::registry::Module;
 
-use super::batch::{BatchRef, ProcessingRef};
+use super::batch::{BatchRef, ProcessingRef, VerifiedRef};
 use super::dispatch::Variant;
 use super::driver::trace;
 use super::memory::ResidentMaps;
@@ -29,6 +29,9 @@ const PARTS: u64 = 0x70_0000_0000;
 const EXCHANGE: u64 = 0x80_0000_0000;
 const PROCESSING: u64 = 0x90_0000_0000;
 const WORKSPACE: u64 = 0xA0_0000_0000;
+const VERIFIED: u64 = 0xD0_0000_0000;
+const DRAFTS: u64 = 0xD1_0000_0000;
+const ACCEPTED: u64 = 0xE0_0000_0000;
 /// Room every output has: more than any case writes.
 const ROOM: usize = 1 << 30;
 
@@ -69,8 +72,17 @@ fn target(logprobs: bool, top: bool, parts: bool) -> Target<'static> {
             logprobs: logprobs.then(|| OutputSlice::from_raw(LOGPROBS, ROOM)),
             top_logprobs: top.then(|| OutputSlice::from_raw(TOP_LOGPROBS, ROOM)),
             parts: parts.then(|| OutputSlice::from_raw(PARTS, ROOM)),
+            accepted: None,
         }
     }
+}
+
+/// `request` as a verification of `sequences` sequences, `target` with room for its verdicts.
+fn verifying<'a>(mut request: Request<'a>, mut target: Target<'a>, sequences: usize) -> (Request<'a>, Target<'a>) {
+    request.batch.verified = Some(VerifiedRef { sequences: VERIFIED, drafts: DRAFTS, count: sequences });
+    // SAFETY: recorded, never launched.
+    target.accepted = Some(unsafe { OutputSlice::from_raw(ACCEPTED, ROOM) });
+    (request, target)
 }
 
 /// A row's processing of each kind the paths tell apart, for a vocabulary of `vocab`.
@@ -280,6 +292,46 @@ fn record_all() -> String {
                 Ok(Vec::new())
             });
         }
+        // Verification: the verdicts after the tokens, unsharded (plain and truncating rows) and
+        // after a sharded call's merge; one draw per position only.
+        let positions = Shape { dtype: DType::BF16, vocab: 5003, dim: 200, batch: 9, draws: Draws::first(1) };
+        for kind in ["plain", "truncating"] {
+            let processing = processing_ref(kind, positions.vocab, positions.batch);
+            case(format!("{m} verification {kind}"), &|| {
+                let (request, target) =
+                    verifying(positions.request(Some(processing), None), target(false, false, false), 3);
+                let plan = Plan::new(kernels, &request, &target, Variant::Auto)?;
+                // SAFETY: recorded, not launched.
+                unsafe { sampler.enqueue(stream, &plan, workspace(plan.workspace_bytes()), 0)? };
+                Ok(Vec::new())
+            });
+        }
+        case(format!("{m} verification sharded call shard 1 of 2"), &|| {
+            let processing = processing_ref("mixed", 5005, positions.batch);
+            let shard = Shard { tokens, index: 1, count: 2 };
+            let request = Shape { vocab: 3001, ..positions }.request(Some(processing), Some(shard));
+            let (request, target) = verifying(request, target(true, true, true), 3);
+            let plan = Plan::new(kernels, &request, &target, Variant::Auto)?;
+            for segment in 0..plan.segments() {
+                // SAFETY: recorded, not launched.
+                let ended = unsafe { sampler.enqueue(stream, &plan, workspace(plan.workspace_bytes()), segment)? };
+                trace::record(|| format!("exchange {ended:?}"));
+            }
+            Ok(Vec::new())
+        });
+        case(format!("{m} verification of two draws"), &|| {
+            let shape = Shape { draws: Draws::first(2), ..positions };
+            let (request, target) = verifying(shape.request(None, None), target(false, false, false), 3);
+            Plan::new(kernels, &request, &target, Variant::Auto).map(|_| Vec::new())
+        });
+        case(format!("{m} verification without verdicts"), &|| {
+            let (request, _) = verifying(positions.request(None, None), target(false, false, false), 3);
+            Plan::new(kernels, &request, &target(false, false, false), Variant::Auto).map(|_| Vec::new())
+        });
+        case(format!("{m} verdicts without a verification"), &|| {
+            let (_, target) = verifying(positions.request(None, None), target(false, false, false), 3);
+            Plan::new(kernels, &positions.request(None, None), &target, Variant::Auto).map(|_| Vec::new())
+        });
         // Matrices with resident tensor maps (the owned sampler's buffers): no map is written.
         if module == Module::Hopper {
             for (batch, kind) in [(1usize, "plain"), (100, "per-entry"), (9, "truncating")] {

@@ -9,8 +9,9 @@
 //!   processing on the device.
 //! - [`request`], [`plan`]: what a call samples and where its results go (views of any
 //!   memory), checked once into a [`Plan`].
-//! - [`tiles`], [`materialised`], [`merge`], with [`schedule`] and [`passes`]: the launches of
-//!   the fused path, the materialised path and the shard merge.
+//! - [`tiles`], [`materialised`], [`merge`], [`verdicts`], with [`schedule`] and [`passes`]:
+//!   the launches of the fused path, the materialised path, the shard merge and a
+//!   verification's verdicts.
 //! - [`enqueue`]: one segment of a plan, and the one driver of every call's segments.
 //! - [`stream`]: [`StreamSampler`], borrowed mode (the caller's context, stream and memory).
 //! - [`owned`]: [`CudaSampler`], the owned sampler (its own stream and buffers).
@@ -35,6 +36,7 @@ mod stream;
 #[cfg(feature = "nccl")]
 mod tensor_parallel;
 mod tiles;
+mod verdicts;
 
 pub use batch::{BatchRef, DeviceBatch};
 #[cfg(feature = "internals")]

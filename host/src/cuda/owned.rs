@@ -25,7 +25,7 @@ use super::stream::StreamSampler;
 use crate::batch::Batch;
 use crate::error::{Result, invalid, sampled_or_row_status};
 use crate::params::{Draws, HeadShape, VocabShard, check_hidden_values, check_lm_head, check_request_shape};
-use crate::sampled::Sampled;
+use crate::sampled::{Sampled, Verdict};
 use crate::sampler::{HeadStorage, LmHead, Owner, Sampler};
 use crate::tensor::{Matrix, MatrixShape};
 
@@ -47,7 +47,7 @@ use crate::tensor::{Matrix, MatrixShape};
 /// let head = sampler.upload_lm_head(&w)?;
 /// let batch = Batch::new((0..2).map(|r| SamplingParams::new(0.8, 1, r, 0)).collect());
 /// let mut on_device = sampler.upload_batch(&batch, 4096)?;
-/// let mut outputs = sampler.outputs(2, 1, false)?;
+/// let mut outputs = sampler.outputs(&on_device, 1)?;
 /// for step in 0..3 {
 ///     let h = Matrix::new("hidden", 2, 64, Elements::F32(vec![step as f32; 128]))?;
 ///     let hidden = sampler.upload_hidden(&h)?;
@@ -137,12 +137,14 @@ impl CudaHidden {
     }
 }
 
-/// What a call writes in device memory: `[B, N]` tokens and, when asked for, their raw and
-/// processed log-probabilities and each row's top raw log-probabilities (the layouts of
-/// [`Target`]).
+/// What a call writes in device memory: `[B, N]` tokens and, when the batch asks for them,
+/// their raw and processed log-probabilities and each row's top raw log-probabilities, and a
+/// verification's verdicts (the layouts of [`Target`]).
 pub struct DeviceOutputs {
     tokens: Allocation<u32>,
     logprobs: Option<(Allocation<f32>, Allocation<u32>)>,
+    /// A verification's `[S]` counts of kept drafts, and each sequence's first row.
+    verdicts: Option<(Allocation<u32>, Vec<usize>)>,
     rows: usize,
     draws: u32,
 }
@@ -164,6 +166,22 @@ impl DeviceOutputs {
         self.tokens.ptr().address()
     }
 
+    /// The target of a call with `batch` making `draws` draws of each of `rows` rows: its
+    /// shape must be the outputs' and a verification's sequences those they were made for.
+    fn target_of(&self, batch: &DeviceBatch, rows: usize, draws: u32) -> Result<Target<'_>> {
+        if (self.rows, self.draws) != (rows, draws) {
+            return Err(invalid(
+                "outputs",
+                format!("room for [{}, {}] draws, the call makes [{rows}, {draws}]", self.rows, self.draws),
+            ));
+        }
+        let first_rows = self.verdicts.as_ref().map_or(&[][..], |(_, first_rows)| first_rows.as_slice());
+        if first_rows != batch.first_rows() {
+            return Err(invalid("outputs", "made for a batch that verifies other sequences: make them for this one"));
+        }
+        Ok(self.target())
+    }
+
     fn target(&self) -> Target<'_> {
         let (logprobs, top_logprobs) = match &self.logprobs {
             Some((values, top)) => (
@@ -177,6 +195,10 @@ impl DeviceOutputs {
             logprobs,
             top_logprobs,
             parts: None,
+            accepted: self
+                .verdicts
+                .as_ref()
+                .map(|(accepted, _)| OutputSlice::resident(accepted.ptr().address(), accepted.len())),
         }
     }
 }
@@ -348,10 +370,12 @@ impl CudaSampler {
         DeviceBatch::upload(&self.stream, batch, vocab)
     }
 
-    /// Room for a call's outputs of `rows × draws` draws, with their log-probabilities and
-    /// top log-probabilities if `logprobs`. Without them no log-sum-exp is summed and the logits
-    /// are processed in place: less work, and half the workspace on the materialised path.
-    pub fn outputs(&self, rows: usize, draws: u32, logprobs: bool) -> Result<DeviceOutputs> {
+    /// Room for the outputs of calls with `batch` making `draws` draws of each row: the tokens,
+    /// the log-probabilities and top log-probabilities if a row reports them (without them no
+    /// log-sum-exp is summed and the logits are processed in place: less work, and half the
+    /// workspace on the materialised path), and a verification's verdicts.
+    pub fn outputs(&self, batch: &DeviceBatch, draws: u32) -> Result<DeviceOutputs> {
+        let (rows, logprobs) = (batch.rows(), batch.reports_logprobs());
         crate::params::check_token_count(rows, draws)?;
         self.make_current()?;
         let slots = rows * draws as usize;
@@ -367,7 +391,15 @@ impl CudaSampler {
             }),
             false => None,
         };
-        Ok(DeviceOutputs { tokens, logprobs, rows, draws })
+        let verdicts = match batch.verified_sequences() {
+            0 => None,
+            // SAFETY: the verdicts kernel writes every slot before it is read.
+            sequences => Some((
+                unsafe { Allocation::uninitialized(&self.stream, sequences, "verdicts")? },
+                batch.first_rows().to_vec(),
+            )),
+        };
+        Ok(DeviceOutputs { tokens, logprobs, verdicts, rows, draws })
     }
 
     /// Queues the draws `draws` of each row of `hidden` from `lm_head` with `batch`'s
@@ -391,18 +423,7 @@ impl CudaSampler {
     ) -> Result<()> {
         let shards = self.shards(lm_head)?;
         let draws = draws.check()?;
-        if (outputs.rows, outputs.draws) != (hidden.rows(), draws.count) {
-            return Err(invalid(
-                "outputs",
-                format!(
-                    "room for [{}, {}] draws, the call makes [{}, {}]",
-                    outputs.rows,
-                    outputs.draws,
-                    hidden.rows(),
-                    draws.count
-                ),
-            ));
-        }
+        outputs.target_of(batch, hidden.rows(), draws.count)?;
         self.make_current()?;
         let stream: &CudaStream = &self.stream;
         let kernels = self.kernels().kernels();
@@ -466,8 +487,10 @@ impl CudaSampler {
             let mut plan =
                 Plan::new(kernels, &request, &target, self.variant.get())?.share_exchange(exchange.address());
             if index > 0 {
-                // The parts lie side by side in one buffer: the first shard merges them all.
+                // The parts lie side by side in one buffer: the first shard merges them all,
+                // then judges a verification.
                 plan.merge = None;
+                plan.verdicts = None;
             }
             // Each shard's workspace starts on a 256-byte boundary, as an allocation does.
             let at = workspace_bytes;
@@ -530,7 +553,7 @@ impl CudaSampler {
             draws,
             shard: Some(shard),
         };
-        let mut target = outputs.target();
+        let mut target = outputs.target_of(batch, hidden.rows(), draws.count)?;
         target.parts = Some(OutputSlice::resident(parts.address(), parts_bytes));
         let kernels = self.kernels().kernels();
         let plan = Plan::new(kernels, &request, &target, self.variant.get())?;
@@ -559,7 +582,7 @@ impl CudaSampler {
         self.synchronize("sampling")?;
         let tokens = outputs.tokens.to_host(&self.stream, "tokens")?;
         let draws = outputs.draws as usize;
-        let sampled = match &outputs.logprobs {
+        let mut sampled = match &outputs.logprobs {
             None => Sampled::tokens_only(tokens, draws),
             Some((values, top)) => {
                 let values = values.to_host(&self.stream, "log-probabilities")?;
@@ -567,6 +590,11 @@ impl CudaSampler {
                 Sampled::from_outputs(draws, tokens, Some(&values), Some(&top))?
             }
         };
+        if let Some((accepted, first_rows)) = &outputs.verdicts {
+            let accepted = accepted.to_host(&self.stream, "verdicts")?;
+            sampled.verdicts =
+                first_rows.iter().zip(accepted).map(|(&first_row, accepted)| Verdict { first_row, accepted }).collect();
+        }
         sampled_or_row_status(sampled)
     }
 
@@ -620,7 +648,7 @@ impl Sampler for CudaSampler {
         check_request_shape(lm_head.shape, hidden.shape(), batch.rows(), "params", draws.count)?;
         let on_device = self.upload_batch(batch, lm_head.shape.vocab)?;
         let hidden = self.upload_hidden(hidden)?;
-        let mut outputs = self.outputs(batch.rows(), draws.count, batch.reports_logprobs())?;
+        let mut outputs = self.outputs(&on_device, draws.count)?;
         self.sample_into(lm_head, &hidden, &on_device, draws, &mut outputs)?;
         self.read(&outputs)
     }

@@ -12,7 +12,7 @@
 //!   logits sampler draws from them with the plain path's noise.
 //!
 //! A sharded call's stage 1 ends in its part of the gathered parts; after the gather its last
-//! segment merges the parts into tokens. The truncations of rows split over shards are decided
+//! segment merges the parts into tokens. A verification's last segment ends in its verdicts. The truncations of rows split over shards are decided
 //! by the shards together: stage 1 then runs in segments, between which the shards reduce
 //! what their processing kernels merged into their exchange buffers (each row's largest logit,
 //! then per digit of each selection the row's histogram).
@@ -23,7 +23,7 @@ use flashsample_core::abi::{
 };
 use flashsample_core::registry::Kernel;
 
-use super::batch::ProcessingRef;
+use super::batch::{ProcessingRef, VerifiedRef};
 use super::dispatch::Variant;
 use super::memory::{MatrixRef, ResidentMaps, check_address};
 use super::modules::Kernels;
@@ -336,6 +336,17 @@ pub struct Plan {
     pub(crate) merge: Option<MergeCall>,
     pub(crate) gather: Option<GatherPlan>,
     pub(crate) exchange: Option<ExchangeAt>,
+    /// With a verification batch: the verdicts after the tokens.
+    pub(crate) verdicts: Option<VerdictCall>,
+}
+
+/// A verification's verdicts: over the call's `[B]` tokens, each of `sequences`' count of kept
+/// drafts into `accepted`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct VerdictCall {
+    pub tokens: u64,
+    pub sequences: VerifiedRef,
+    pub accepted: u64,
 }
 
 /// A sharded call's gather: `count` parts of `part_bytes` at `parts`, this shard's the
@@ -426,6 +437,23 @@ impl Plan {
                 (call_target, Some(merge), Some(gather), exchange)
             }
         };
+        let verdicts = match (batch.verified, &target.accepted) {
+            (None, None) => None,
+            (None, Some(_)) => return Err(invalid("target.accepted", "given, but the batch verifies no drafts")),
+            (Some(_), None) => {
+                return Err(invalid("target.accepted", "none: a verification writes each sequence's verdict there"));
+            }
+            (Some(sequences), Some(accepted)) => {
+                if count != 1 {
+                    return Err(invalid(
+                        "request.draws",
+                        format!("{count} draws: a verification draws one token per position"),
+                    ));
+                }
+                check_len("target.accepted", accepted.len, sequences.count)?;
+                Some(VerdictCall { tokens, sequences, accepted: accepted.address })
+            }
+        };
         let call =
             Call { lm_head, hidden, row_params: batch.row_params, draws, variant, processing, target: call_target };
         let path = plan_path(kernels, &call)?;
@@ -433,7 +461,7 @@ impl Plan {
             (Some(_), Some(lm_head), Some(hidden)) => TensorMaps::Resident { lm_head, hidden },
             _ => TensorMaps::Store,
         };
-        Ok(Plan { call, path, maps, merge, gather, exchange })
+        Ok(Plan { call, path, maps, merge, gather, exchange, verdicts })
     }
 
     /// Bytes of workspace the call needs (64-byte aligned): the exchange with the other

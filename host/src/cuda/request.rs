@@ -223,12 +223,16 @@ pub struct Target<'a> {
     /// With a sharded request: room for every shard's part side by side
     /// ([`Target::parts_bytes`]); stage 1 writes this shard's, the gather fills the others.
     pub parts: Option<OutputSlice<'a, u8>>,
+    /// `[S]` u32: with a verification batch ([`crate::Batch::verify`]), how many drafts each
+    /// of its `S` sequences keeps ([`crate::Verdict::accepted`]); the sequence's tokens are
+    /// those of its first `accepted + 1` rows. Needed exactly when the batch verifies.
+    pub accepted: Option<OutputSlice<'a, u32>>,
 }
 
 impl<'a> Target<'a> {
     /// Tokens only.
     pub fn tokens(tokens: OutputSlice<'a, u32>) -> Target<'a> {
-        Target { tokens, logprobs: None, top_logprobs: None, parts: None }
+        Target { tokens, logprobs: None, top_logprobs: None, parts: None, accepted: None }
     }
 
     /// Floats of the log-probabilities of `rows × draws` draws.

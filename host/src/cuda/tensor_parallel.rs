@@ -409,15 +409,12 @@ impl Sampler for TensorParallelSampler {
         lm_head.check_owner(self.owner)?;
         let draws = draws.check()?;
         check_request_shape(lm_head.shape, hidden.shape(), batch.rows(), "params", draws.count)?;
-        let logprobs = batch.reports_logprobs();
         let mut staged = Vec::with_capacity(self.ranks.len());
         for rank in &self.ranks {
             let sampler = &rank.sampler;
-            staged.push((
-                sampler.upload_hidden(hidden)?,
-                sampler.upload_batch(batch, lm_head.shape.vocab)?,
-                sampler.outputs(batch.rows(), draws.count, logprobs)?,
-            ));
+            let on_device = sampler.upload_batch(batch, lm_head.shape.vocab)?;
+            let outputs = sampler.outputs(&on_device, draws.count)?;
+            staged.push((sampler.upload_hidden(hidden)?, on_device, outputs));
         }
         let mut inputs: Vec<RankInputs> =
             staged.iter_mut().map(|(hidden, batch, outputs)| RankInputs { hidden, batch, outputs }).collect();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [unpack] [quick] [smoke] [tests] [portable] [processing] [demo] [example] [bench] [peers] [ncu] [ncu-processing] [iso] [sanitizer] [candle] [tp]
+#   bash bundle/run.sh OUT [unpack] [quick] [smoke] [tests] [portable] [processing] [verification] [demo] [example] [bench] [peers] [ncu] [ncu-processing] [iso] [sanitizer] [candle] [tp]
 # (none named = tests portable demo bench ncu). The bundle's binaries travel compressed
 # (`NAME.xz`, so the whole bundle fits what a device call carries): every run first unpacks
 # those not unpacked yet beside them; `unpack` does only that. `tests` runs every test binary
@@ -11,7 +11,10 @@
 # over the GPUs the machine has, the CLI) with each module, then times every processing mode
 # beside torch's unfused pipeline (scripts/peers.py --processing) on the Hopper module, and
 # beside FlashInfer's pipeline when OUT/flashinfer.csv holds its benchmark's timings of the
-# same run (`bench --flashinfer`). `quick`
+# same run (`bench --flashinfer`). `verification` runs the suite's verification bodies with
+# each module, then times speculative verification (1, 3, 7 drafts for 1, 16, 64 sequences)
+# beside plain sampling of the same rows and torch's rejection-sampling verifier
+# (scripts/peers.py --verification) on the Hopper module. `quick`
 # runs the three GPU tests that exercise every kernel variant (CPU agreement, unfused = fused,
 # tile width); `smoke` adds a short benchmark of every variant on the two headline shapes.
 # `ncu-processing` times each kernel of every processing mode alone under ncu (one call per
@@ -98,6 +101,18 @@ for stage in $stages; do
         step processing-peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers-processing.csv' --shapes 4096x151936,8192x128256 --batches 1,16,64,256 --processing --runs 30 > '$out/peers-processing.log' 2>&1"
         step processing-bench timeout 300 bash -c "LD_LIBRARY_PATH='$libs' '$here/flashsample' bench --out '$out/bench-processing' --modules hopper --shapes 4096x151936,8192x128256 --batches 1,16,64,256 ${libs:+--cublas} --processing --runs 30 --peers '$out/peers-processing.csv' $flashinfer > '$out/bench-processing.log' 2>&1"
         tail -40 "$out/bench-processing.log"
+        ;;
+    verification)
+        for module in hopper portable; do
+            for binary in tests-gpu tests-borrowed; do
+                step "verification $binary $module" timeout 300 bash -c "FLASHSAMPLE_MODULE=$module '$here/tests/$binary' --include-ignored --test-threads=1 --nocapture verification same_key >> '$out/gpu-verification.log' 2>&1"
+            done
+        done
+        grep -E "test result|FAILED|panicked|agrees" "$out/gpu-verification.log" | tail -20
+        libs=$(cublas_path)
+        step verification-peers timeout 300 bash -c "python3 '$here/peers.py' '$out/peers-verification.csv' --shapes 4096x151936,8192x128256 --batches 1 --verification --runs 30 > '$out/peers-verification.log' 2>&1"
+        step verification-bench timeout 300 bash -c "LD_LIBRARY_PATH='$libs' '$here/flashsample' bench --out '$out/bench-verification' --modules hopper --shapes 4096x151936,8192x128256 --batches 1 ${libs:+--cublas} --verification --runs 30 --peers '$out/peers-verification.csv' > '$out/bench-verification.log' 2>&1"
+        tail -30 "$out/bench-verification.log"
         ;;
     quick|smoke)
         step quick-tests timeout 120 "$here/tests/tests-gpu" --include-ignored --test-threads=1 --nocapture same_tokens unfused tile_width >> "$out/smoke.log" 2>&1

@@ -2,12 +2,15 @@
 
 cuBLAS `x @ W.T` alone (the GEMM floor a fused sampler should match), the usual torch
 pipeline (mm, softmax, multinomial) and, with `--processing`, vLLM-style unfused truncations
-on materialised logits (top-k 50, top-p 0.9 by sort and cumulative sum, min-p 0.05) on the
+on materialised logits (top-k 50, top-p 0.9 by sort and cumulative sum, min-p 0.05) and,
+with `--verification`, speculative decoding's rejection-sampling verifier (S sequences of k
+drafts, S in 1, 16, 64 and k in 1, 3, 7, rows `torch_verify_k<k>` with batch S) on the
 same shapes, bf16, CUDA events, L2 flushed before
 every run (256 MB write), median of RUNS runs after warm-up, random inputs drawn like the
 bench's (see `uniform`).
 
     python3 peers.py OUT.csv [--shapes 4096x151936,...] [--batches 1,2,...] [--runs 50] [--processing]
+        [--verification]
 """
 import argparse
 
@@ -57,6 +60,24 @@ def min_p(x, w, p=0.05):
     return torch.multinomial(probabilities.masked_fill(probabilities < cut, 0.0), 1)
 
 
+def rejection_verify(x, w, drafts, q):
+    """The verifier engines run for speculative decoding, at T = 1: the target's probabilities
+    `p` at every position of S sequences (x holds their S * (k + 1) hidden states), each draft
+    kept with probability min(1, p / q) under the drafter's materialised probabilities `q`
+    [S, k, V], and at the first refused draft a token redrawn from the normalised residual
+    max(p - q, 0), or after k kept drafts one drawn from p at position k. Returns the kept
+    counts and the last token of each sequence."""
+    sequences, k = drafts.shape
+    p = torch.softmax((x @ w.T).float(), dim=-1).view(sequences, k + 1, -1)
+    p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]
+    kept = (torch.rand_like(p_draft) * q_draft <= p_draft).int().cumprod(dim=-1).sum(dim=-1)
+    rows = torch.arange(sequences, device=x.device)
+    residual = (p[:, :k] - q).clamp_min(0)[rows, kept.clamp(max=k - 1)]
+    last = torch.where((kept < k)[:, None], residual, p[rows, k])
+    return kept, torch.multinomial(last, 1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -65,6 +86,7 @@ def main():
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--processing", action="store_true")
+    parser.add_argument("--verification", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -86,6 +108,16 @@ def main():
                     t = timed(lambda: fn(x, w), args.runs, args.warmup, flush)
                     rows.append(f"{d},{v},{b},{name},{t[0]:.2f},{t[1]:.2f},{t[2]:.2f}")
                     print(rows[-1], flush=True)
+        if args.verification:
+            for sequences in (1, 16, 64):
+                for k in (1, 3, 7):
+                    x = uniform(sequences * (k + 1), d, 2.0)
+                    drafts = torch.randint(0, v, (sequences, k), device="cuda")
+                    q = torch.softmax(torch.randn(sequences, k, v, device="cuda"), dim=-1)
+                    t = timed(lambda: rejection_verify(x, w, drafts, q), args.runs, args.warmup, flush)
+                    rows.append(f"{d},{v},{sequences},torch_verify_k{k},{t[0]:.2f},{t[1]:.2f},{t[2]:.2f}")
+                    print(rows[-1], flush=True)
+                    del q
         del w
     with open(args.out, "w") as f:
         f.write("\n".join(rows) + "\n")

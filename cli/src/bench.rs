@@ -9,7 +9,8 @@ use std::path::Path;
 use flashsample::internals::Variant;
 use flashsample::internals::check;
 use flashsample::{
-    Batch, CudaSampler, DType, Draws, Error, Module, ModuleChoice, Penalties, Processing, Result, SamplingParams,
+    Batch, CudaSampler, DType, Drafted, Draws, Error, LmHead, Module, ModuleChoice, Penalties, Processing, Result,
+    SamplingParams,
 };
 use flashsample_core::abi::{DevicePtr, HANDOFF_ROWS};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -52,7 +53,16 @@ pub struct Options {
     /// Time processed sampling with each of [`PROCESSING_MODES`] on the first module (rows
     /// `processed_<mode>`).
     pub processing: bool,
+    /// Time speculative verification of each of [`VERIFIED_DRAFTS`] drafts for each of
+    /// [`VERIFIED_SEQUENCES`] sequences on the first module, and plain sampling of the same
+    /// rows (rows `verify_k<k>` and `plain_k<k>`, B the sequences).
+    pub verification: bool,
 }
+
+/// Drafts per sequence the verification bench times.
+pub const VERIFIED_DRAFTS: [usize; 3] = [1, 3, 7];
+/// Sequences the verification bench times.
+pub const VERIFIED_SEQUENCES: [usize; 3] = [1, 16, 64];
 
 /// A row's processing for a vocabulary of `V` tokens.
 type ModeFor = fn(usize) -> Processing;
@@ -122,8 +132,11 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
     let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 }
         + if options.processing { PROCESSING_MODES.len() } else { 0 };
     let reference = usize::from(cublas.is_some());
+    let verification = if options.verification { 2 * VERIFIED_DRAFTS.len() * VERIFIED_SEQUENCES.len() } else { 0 };
     let points = options.shapes.len()
-        * (samplers.len() * (1 + 3 * options.batches.len()) + (reference + extra) * options.batches.len());
+        * (samplers.len() * (1 + 3 * options.batches.len())
+            + (reference + extra) * options.batches.len()
+            + verification);
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
     let mut rows = Vec::new();
@@ -137,6 +150,10 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
             let timing = timer.time(sampler, options.warmup, options.runs, || sampler.read_probe(&head))?;
             rows.push(Row { module, dim, vocab, batch: 0, variant: "read_floor".into(), timing });
             progress.inc(1);
+            if first && options.verification {
+                let point = (dim, vocab);
+                rows.extend(time_verification(sampler, timer, &head, point, options, &progress)?);
+            }
             for &batch in &options.batches {
                 let hidden = sampler.random_hidden(batch, dim, options.dtype, batch as u64, 2.0)?;
                 // The batch stays on the device, as the hidden states do: the timed region holds
@@ -201,6 +218,48 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
         }
     }
     progress.finish_and_clear();
+    Ok(rows)
+}
+
+/// Speculative verification of `k` drafts for each of `S` sequences (`S · (k + 1)` rows, the
+/// drafts random, plain sampling at T = 1) beside plain sampling of as many rows, for every
+/// `k` of [`VERIFIED_DRAFTS`] and `S` of [`VERIFIED_SEQUENCES`].
+fn time_verification(
+    sampler: &CudaSampler,
+    timer: &mut Timer,
+    head: &LmHead,
+    (dim, vocab): (usize, usize),
+    options: &Options,
+    progress: &ProgressBar,
+) -> Result<Vec<Row>> {
+    let module = sampler.module();
+    let one = Draws::first(1);
+    let mut rows = Vec::new();
+    for sequences in VERIFIED_SEQUENCES {
+        for k in VERIFIED_DRAFTS {
+            let positions = sequences * (k + 1);
+            let hidden = sampler.random_hidden(positions, dim, options.dtype, positions as u64, 2.0)?;
+            let drafted = (0..sequences)
+                .map(|s| Drafted {
+                    params: SamplingParams::new(1.0, 7, s as u32, 0),
+                    processing: Processing::default(),
+                    drafts: (0..k).map(|j| ((s * 7919 + j * 104_729) % vocab) as u32).collect(),
+                })
+                .collect();
+            let verifying = sampler.upload_batch(&Batch::verify(drafted)?, vocab)?;
+            let params = (0..positions).map(|r| SamplingParams::new(1.0, 7, r as u32, 0)).collect();
+            let plain = sampler.upload_batch(&Batch::new(params), vocab)?;
+            for (name, batch) in [(format!("verify_k{k}"), &verifying), (format!("plain_k{k}"), &plain)] {
+                progress.set_message(format!("{} D={dim} V={vocab} S={sequences} {name}", module.name()));
+                let mut out = sampler.outputs(batch, 1)?;
+                let timing = timer.time(sampler, options.warmup, options.runs, || {
+                    sampler.sample_into(head, &hidden, batch, one, &mut out)
+                })?;
+                rows.push(Row { module, dim, vocab, batch: sequences, variant: name, timing });
+                progress.inc(1);
+            }
+        }
+    }
     Ok(rows)
 }
 
@@ -308,6 +367,7 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     out.push_str(&primary_table(&primary_rows, peers, dtype));
     out.push_str(&processing_table(&primary_rows, peers));
     out.push_str(&flashinfer_table(&primary_rows, peers));
+    out.push_str(&verification_table(&primary_rows, peers));
     for module in Module::ALL.into_iter().filter(|&m| m != primary) {
         let module_rows = of(module);
         if !module_rows.is_empty() {
@@ -390,6 +450,41 @@ fn flashinfer_table(rows: &[Row], peers: &[PeerTiming]) -> String {
             )
             .unwrap();
         }
+    }
+    out
+}
+
+/// Speculative verification per (shape, S sequences, k drafts): ours, plain sampling of the
+/// same `S · (k + 1)` rows, and torch's rejection-sampling verifier (`torch_verify_k<k>` from
+/// `scripts/peers.py --verification`), when the bench timed it.
+fn verification_table(rows: &[Row], peers: &[PeerTiming]) -> String {
+    if !rows.iter().any(|r| r.variant.starts_with("verify_k")) {
+        return String::new();
+    }
+    let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.3}", a / b),
+        _ => "-".into(),
+    };
+    let mut out = String::from(
+        "\nSpeculative verification, µs (S sequences of k drafts: S · (k + 1) rows):\n\n| D | V | S | k | verify | plain, same rows | verify / plain | torch rejection sampling | verify / torch |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows.iter().filter(|r| r.variant.starts_with("verify_k")) {
+        let (d, v, s) = (r.dim, r.vocab, r.batch);
+        let k = &r.variant["verify_k".len()..];
+        let ours = Some(r.timing.median_us);
+        let plain = our_median(rows, d, v, s, &format!("plain_k{k}"));
+        let torch = peer_median(peers, d, v, s, &format!("torch_verify_k{k}"));
+        writeln!(
+            out,
+            "| {d} | {v} | {s} | {k} | {} | {} | {} | {} | {} |",
+            show(ours),
+            show(plain),
+            ratio(ours, plain),
+            show(torch),
+            ratio(ours, torch)
+        )
+        .unwrap();
     }
     out
 }
@@ -663,6 +758,16 @@ mod tests {
             variant: variant.into(),
             timing: Timing { median_us: us, min_us: us, max_us: us, runs: 1 },
         }
+    }
+
+    /// Verification sits beside plain sampling of the same rows and torch's verifier.
+    #[test]
+    fn the_report_sets_verification_beside_plain_rows_and_torch() {
+        let rows = vec![row(16, "verify_k3", 460.0), row(16, "plain_k3", 450.0)];
+        let torch = PeerTiming { dim: 64, vocab: 1000, batch: 16, variant: "torch_verify_k3".into(), median_us: 920.0 };
+        let text = verification_table(&rows, &[torch]);
+        assert!(text.contains("| 64 | 1000 | 16 | 3 | 460.0 | 450.0 | 1.022 | 920.0 | 0.500 |"), "{text}");
+        assert!(verification_table(&rows[1..], &[]).is_empty());
     }
 
     /// FlashInfer's rows sit beside ours per mode, with our time over its pipeline's.

@@ -118,6 +118,11 @@ enum Command {
         /// on the first module (CSV rows `processed_<mode>`; see `bench::PROCESSING_MODES`).
         #[arg(long)]
         processing: bool,
+        /// Also time speculative verification of 1, 3 and 7 drafts for 1, 16 and 64
+        /// sequences on the first module, beside plain sampling of as many rows (CSV rows
+        /// `verify_k<k>`, `plain_k<k>`, B the sequences).
+        #[arg(long)]
+        verification: bool,
     },
     /// Time tensor-parallel sampling over 1, 2, 4, 8 GPUs of this machine (NCCL): the step,
     /// its phases and the all-gather's share, with and without log-probabilities, beside one
@@ -242,6 +247,7 @@ fn main() -> ExitCode {
             all_variants,
             cublas,
             processing,
+            verification,
         } => {
             let gpu = match gpu_flag(gpu) {
                 Ok(gpu) => gpu,
@@ -261,6 +267,7 @@ fn main() -> ExitCode {
                 all_variants,
                 cublas,
                 processing,
+                verification,
             };
             run_bench(out, shapes, options, &Peers { peers, flashinfer })
         }

@@ -23,9 +23,9 @@
 # `sanitizer` runs compute-sanitizer's memcheck, racecheck, synccheck and initcheck over every
 # kernel variant on odd shapes, with each module. `example` launches nvptx-builder's example
 # kernel and checks it against the CPU, and runs the borrowed-mode decode loop with both
-# modules; `candle` runs the candle adapter's tests and
-# example (from the folder `cargo xtask bundle --candle` makes). `bench` times
-# both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py). `tp` times
+# modules; `candle` runs the candle adapter's tests, its example and the
+# speculative-decoding example (from the folder `cargo xtask bundle --candle` makes). `bench`
+# times both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py). `tp` times
 # tensor-parallel sampling over 1, 2, 4 and 8 GPUs (as many as the machine has) beside torch's
 # all-gather of logits (scripts/tp_peers.py).
 # Logs and CSVs go to OUT; a summary table is printed last.
@@ -147,17 +147,21 @@ for stage in $stages; do
         # CUDA runtime, cuBLAS and cuRAND, which torch's wheels carry.
         libs=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)) + "/nvidia/cu13/lib")')
         candle=/tmp/flashsample-candle && mkdir -p $candle
-        for packed in "$here"/*adapter*.xz "$here"/candle-example.xz "$here"/../bundle-candle/*.xz; do
+        for packed in "$here"/*adapter*.xz "$here"/candle-example.xz "$here"/speculative-example.xz "$here"/../bundle-candle/*.xz; do
             [ -f "$packed" ] || continue
             unpack "$packed" "$candle/$(basename "$packed" .xz)"
         done
         for module in auto portable; do
+            # Speculative decoding through the adapter: its checks (every emitted token equals
+            # one-token decoding, the target's own drafts all kept) fail the step.
+            [ -x "$candle/speculative-example" ] && step "speculative $module" timeout 300 bash -c "FLASHSAMPLE_MODULE=$module LD_LIBRARY_PATH='$libs' '$candle/speculative-example' cuda >> '$out/speculative.log' 2>&1"
             step "candle-example $module" timeout 200 bash -c "FLASHSAMPLE_MODULE=$module LD_LIBRARY_PATH='$libs' '$candle/candle-example' 2>&1 | tail -6 | tee -a '$out/candle.log'"
             for t in "$candle"/*adapter*; do
                 step "candle-tests $module" timeout 400 bash -c "FLASHSAMPLE_MODULE=$module LD_LIBRARY_PATH='$libs' '$t' --include-ignored --test-threads=1 --nocapture >> '$out/candle.log' 2>&1"
             done
         done
         grep -E "test result|FAILED|panicked|chi2|tokens drawn" "$out/candle.log" | tail -20
+        [ -f "$out/speculative.log" ] && tail -12 "$out/speculative.log"
         ;;
     peers) step peers timeout 200 bash -c "python3 '$here/peers.py' '$out/peers.csv' > '$out/peers.log' 2>&1" ;;
     tp)

@@ -92,9 +92,9 @@ fn copy(from: &Path, to: &Path) -> Result<(), String> {
     std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("cannot copy {} to {}: {e}", from.display(), to.display()))
 }
 
-/// `cargo xtask bundle --candle`: the candle adapter's GPU tests and generation-loop example,
-/// in a folder of their own (default `bundle-candle/`; candle's kernels make the binaries too
-/// big to travel with the main bundle). Needs candle's CUDA build environment
+/// `cargo xtask bundle --candle`: the candle adapter's GPU tests, its generation-loop example
+/// and the speculative-decoding example, in a folder of their own (default `bundle-candle/`;
+/// candle's kernels make the binaries too big to travel with the main bundle). Needs candle's CUDA build environment
 /// (`source scripts/candle-cuda-env.sh`).
 pub fn build_candle(out: Option<&str>) -> Result<(), String> {
     let root = toolchain::workspace_root();
@@ -119,6 +119,17 @@ pub fn build_candle(out: Option<&str>) -> Result<(), String> {
     if !status.success() {
         return Err("building the candle example failed".into());
     }
+    // The speculative-decoding example is a workspace member; built in the candle crate's
+    // target folder, it reuses the CUDA build of candle made just above.
+    let status = nvptx_builder::clean_command(&cargo)
+        .current_dir(&root)
+        .env("CARGO_TARGET_DIR", crate_dir.join("target"))
+        .args(["build", "--release", "-p", "flashsample-speculative-example", "--features", "cuda"])
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err("building the speculative-decoding example failed".into());
+    }
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     // xz shrinks each binary from about 57 MB (candle's kernels) to about 8, so this folder
@@ -127,6 +138,7 @@ pub fn build_candle(out: Option<&str>) -> Result<(), String> {
         compress(path, &out.join(format!("{name}.xz")))?;
     }
     compress(&crate_dir.join("target/release/flashsample-candle-example"), &out.join("candle-example.xz"))?;
+    compress(&crate_dir.join("target/release/flashsample-speculative-example"), &out.join("speculative-example.xz"))?;
     copy(&root.join("scripts/gpu-run.sh"), &out.join("run.sh"))?;
     println!("candle bundle in {}; on the GPU machine: bash {}/run.sh OUT candle", out.display(), out.display());
     Ok(())

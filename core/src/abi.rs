@@ -1064,6 +1064,25 @@ pub struct AcceptDraftsArgs {
     pub padding: u32,
 }
 
+/// Moves every verified sequence past the tokens its verification emitted: the `step` of each
+/// of its rows grows by [`crate::speculative::steps_emitted`] of its verdict (wrapping), so the
+/// same batch, with the next drafts written into it, verifies the positions that follow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AdvanceVerifiedArgs {
+    /// The batch's row parameters, updated in place.
+    pub row_params: DevicePtr<RowParams>,
+    /// `[sequences]` the verified sequences.
+    pub verified: DevicePtr<VerifiedSequence>,
+    /// `[sequences]` each sequence's count of kept drafts.
+    pub accepted: DevicePtr<u32>,
+    /// How many sequences.
+    pub sequences: u32,
+    /// Keeps the size a multiple of 8.
+    pub padding: u32,
+}
+
 /// Writes `lm_head` to `destination[0]` and `hidden` to `destination[1]`, then releases them to
 /// the tensor-map proxy, which the TMA kernels acquire before their first load. The maps travel
 /// by value in the argument block, which the driver copies at launch, so a call may be queued

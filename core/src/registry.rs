@@ -107,6 +107,9 @@ pub enum Kernel {
     /// Each verified sequence's count of kept drafts over the call's tokens
     /// (`AcceptDraftsArgs`).
     AcceptDrafts,
+    /// Moves each verified sequence's decode steps past the tokens it emitted
+    /// (`AdvanceVerifiedArgs`).
+    AdvanceVerified,
     /// Writes a call's two tensor maps into device memory (`StoreTensorMapsArgs`), ordered on
     /// the stream before the TMA kernel that reads them.
     StoreTensorMaps,
@@ -140,6 +143,7 @@ impl Kernel {
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
             | Kernel::AcceptDrafts
+            | Kernel::AdvanceVerified
             | Kernel::MergeShards => UTILITY_THREADS,
             Kernel::WinnerLogits { .. } => WINNER_LOGITS_THREADS,
             Kernel::StoreTensorMaps => STORE_TENSOR_MAPS_THREADS,
@@ -166,6 +170,7 @@ impl Kernel {
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
             | Kernel::AcceptDrafts
+            | Kernel::AdvanceVerified
             | Kernel::StoreTensorMaps => 0,
         }
     }
@@ -403,6 +408,7 @@ macro_rules! for_each_kernel {
             gumbel_estimate_error => GumbelEstimateError {};
             advance_steps => AdvanceSteps {};
             accept_drafts => AcceptDrafts {};
+            advance_verified => AdvanceVerified {};
             store_tensor_maps => StoreTensorMaps {};
         }
     };

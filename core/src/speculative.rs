@@ -18,6 +18,13 @@ pub fn accepted_drafts(drafts: &[u32], targets: &[u32]) -> u32 {
     drafts.iter().zip(targets).take_while(|(draft, target)| draft == target).count() as u32
 }
 
+/// How far a verified sequence's decode step moves after a verdict of `accepted` kept drafts:
+/// it emitted `accepted + 1` tokens, so its next position is that many steps on (wrapping, as
+/// every step counter).
+pub fn steps_emitted(accepted: u32) -> u32 {
+    accepted.wrapping_add(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -30,6 +37,13 @@ mod tests {
         assert_eq!(accepted_drafts(&[5, 8, 2], &targets), 1);
         assert_eq!(accepted_drafts(&[6, 9, 2], &targets), 0);
         assert_eq!(accepted_drafts(&[], &targets), 0);
+    }
+
+    #[test]
+    fn a_verdict_moves_the_step_past_every_emitted_token() {
+        assert_eq!(steps_emitted(0), 1);
+        assert_eq!(steps_emitted(3), 4);
+        assert_eq!(steps_emitted(u32::MAX), 0);
     }
 
     #[test]

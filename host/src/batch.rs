@@ -49,6 +49,9 @@ pub struct Drafted {
 pub(crate) struct Verified {
     pub first_row: usize,
     pub drafts: Vec<u32>,
+    /// Whether its rows' penalties count the drafts in their history (then only the host can
+    /// change the drafts, by building a new batch).
+    pub drafts_in_history: bool,
 }
 
 impl Batch {
@@ -113,7 +116,8 @@ impl Batch {
                     batch.processing.push(processing);
                 }
             }
-            batch.verified.push(Verified { first_row, drafts: sequence.drafts });
+            let drafts_in_history = processed && counts_history(&sequence.processing);
+            batch.verified.push(Verified { first_row, drafts: sequence.drafts, drafts_in_history });
         }
         Ok(batch)
     }

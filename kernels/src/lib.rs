@@ -46,7 +46,7 @@ mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    AcceptDraftsArgs, AdvanceStepsArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE,
+    AcceptDraftsArgs, AdvanceStepsArgs, AdvanceVerifiedArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE,
     ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs, TILE_ROWS, WARP_ROWS,
     WinnerLogitsArgs, fused_mma_shared_bytes,
 };
@@ -394,6 +394,18 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the sequences' rows and
             // drafts lie inside the tokens and drafts, `accepted` holds `sequences` slots.
             unsafe { speculative::accept_drafts(&args) }
+        }
+    };
+    ($name:ident, AdvanceVerified {}) => {
+        /// Moves each verified sequence's decode steps past the tokens it emitted.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: AdvanceVerifiedArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the sequences' rows lie
+            // inside the row parameters, `accepted` holds `sequences` verdicts.
+            unsafe { speculative::advance_verified(&args) }
         }
     };
     ($name:ident, StoreTensorMaps {}) => {

@@ -11,12 +11,13 @@ use std::sync::Arc;
 use flashsample::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, sys};
 use flashsample::internals::Variant;
 use flashsample::{
-    Batch, CudaSampler, DType, DeviceBatch, DeviceMatrix, Draws, ModuleChoice, OutputSlice, Processing, Request,
-    RowStatus, Sampled, SamplingParams, StreamSampler, StreamWorkspace, Target,
+    Batch, CudaSampler, DType, DeviceBatch, DeviceMatrix, Drafted, Draws, ModuleChoice, OutputSlice, Processing,
+    Request, RowStatus, Sampled, SamplingParams, StreamSampler, StreamWorkspace, Target,
 };
 use flashsample_tests::suite::Scale;
 use flashsample_tests::{Borrowed, gpu_cases, uniform_values};
 use half::{bf16, f16};
+use rand::{Rng, SeedableRng};
 
 flashsample_tests::suite!(Borrowed::new(), Scale::GPU, #[ignore = "needs a CUDA GPU"]);
 
@@ -547,5 +548,159 @@ fn non_finite_hidden_states_give_row_statuses_in_every_variant() {
         }
         assert!(want.iter().all(|&t| (t as usize) < vocab), "{variant:?} {dtype:?}: {want:?}");
     }
+    stream.synchronize().unwrap();
+}
+
+/// A speculative loop with no host copy in it: one verification round (the drafts copied from
+/// the drafter's device buffer into the batch, the verification with its verdicts, the steps
+/// moved past the emitted tokens) captured once in a CUDA graph and replayed round after
+/// round. Each round's emitted tokens are the next tokens of plain decoding, token for token,
+/// and each verdict keeps exactly the drafts that equal them: one sequence drafts plain
+/// decoding's tokens (every draft kept), one random tokens, one a correct prefix of a length
+/// that changes every round, and one drafts nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_captured_speculative_round_replays_plain_decoding_as_drafts_change_on_the_device() {
+    let caller = Caller::new();
+    let stream = &caller.stream;
+    let (rounds, drafts_per_sequence) = (24usize, [4usize, 4, 3, 0]);
+    let sequences = drafts_per_sequence.len();
+    let params: Vec<_> = (0..sequences).map(|s| SamplingParams::new(0.9, 21, s as u32, 0)).collect();
+    let w = caller.random(stream, VOCAB, DIM, 31, 0.05);
+    let hidden: Vec<Vec<bf16>> = (0..sequences)
+        .map(|s| uniform_values(DIM, 1.0, 40 + s as u64).into_iter().map(bf16::from_f32).collect())
+        .collect();
+    // Plain decoding: one row per sequence (its hidden state is the same at every position),
+    // one step per call, the step moved on the device.
+    let steps = rounds * (drafts_per_sequence.iter().max().unwrap() + 1);
+    let h_plain = stream.clone_htod(&hidden.concat()).unwrap();
+    let mut plain_batch = DeviceBatch::upload(stream, &Batch::new(params.clone()), VOCAB).unwrap();
+    let mut tokens = caller.tokens(stream, sequences);
+    let mut workspace = StreamWorkspace::new();
+    let mut plain = vec![Vec::new(); sequences];
+    for _ in 0..steps {
+        caller.sample(stream, &w, &h_plain, &plain_batch, 1, Variant::Auto, &mut tokens, &mut workspace);
+        for (s, token) in read_words(stream, &tokens).into_iter().enumerate() {
+            plain[s].push(token);
+        }
+        caller.sampler.advance_steps_on(stream, &mut plain_batch, 1).unwrap();
+    }
+
+    // The verification batch, built once with placeholder drafts.
+    let drafted: Vec<Drafted> = (0..sequences)
+        .map(|s| Drafted {
+            params: params[s],
+            processing: Processing::default(),
+            drafts: vec![0; drafts_per_sequence[s]],
+        })
+        .collect();
+    let batch = Batch::verify(drafted).unwrap();
+    let first_rows = batch.first_rows();
+    let h_verify: Vec<bf16> = (0..sequences).flat_map(|s| hidden[s].repeat(drafts_per_sequence[s] + 1)).collect();
+    let h_verify = stream.clone_htod(&h_verify).unwrap();
+    let mut on_device = DeviceBatch::upload(stream, &batch, VOCAB).unwrap();
+    let mut drafts = stream.alloc_zeros::<u32>(drafts_per_sequence.iter().sum::<usize>()).unwrap();
+    let mut tokens = caller.tokens(stream, batch.rows());
+    let mut accepted = caller.tokens(stream, sequences);
+    let mut workspace = StreamWorkspace::new();
+
+    stream.synchronize().unwrap();
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    on_device.write_drafts(stream, &drafts).unwrap();
+    {
+        let request = request(stream, &w, &h_verify, &on_device, 1);
+        let target = Target {
+            accepted: Some(OutputSlice::of_slice(&mut accepted, stream)),
+            ..Target::tokens(OutputSlice::of_slice(&mut tokens, stream))
+        };
+        workspace.reserve(stream, &caller.sampler.plan(&request, &target).unwrap()).unwrap();
+        caller.sampler.enqueue_on(stream, &request, &target, &mut workspace).unwrap();
+    }
+    caller.sampler.advance_verified_on(stream, &mut on_device, &accepted).unwrap();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("one captured round");
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(77);
+    let mut position = vec![0usize; sequences];
+    let mut kept = 0;
+    for round in 0..rounds {
+        // The drafter's proposals for each sequence's next positions, written to its buffer.
+        let proposals: Vec<u32> = (0..sequences)
+            .flat_map(|s| {
+                let truth = &plain[s][position[s]..position[s] + drafts_per_sequence[s]];
+                let correct = match s {
+                    0 => truth.len(),
+                    1 => 0,
+                    _ => round % (truth.len() + 1),
+                };
+                let mut proposal = truth.to_vec();
+                for (j, token) in proposal.iter_mut().enumerate().skip(correct) {
+                    // A token that differs from plain decoding's at its position.
+                    *token = (truth[j] + rng.random_range(1..VOCAB as u32)) % VOCAB as u32;
+                }
+                proposal
+            })
+            .collect();
+        stream.memcpy_htod(&proposals, &mut drafts).unwrap();
+        graph.launch().unwrap();
+        let (tokens, accepted) = (read_words(stream, &tokens), read_words(stream, &accepted));
+        let mut offset = 0;
+        for s in 0..sequences {
+            let proposal = &proposals[offset..offset + drafts_per_sequence[s]];
+            offset += drafts_per_sequence[s];
+            let truth = &plain[s][position[s]..=position[s] + drafts_per_sequence[s]];
+            let expected = proposal.iter().zip(truth).take_while(|(a, b)| a == b).count();
+            assert_eq!(accepted[s] as usize, expected, "round {round}, sequence {s}");
+            let emitted = &tokens[first_rows[s]..=first_rows[s] + expected];
+            assert_eq!(emitted, &truth[..=expected], "round {round}, sequence {s}");
+            position[s] += expected + 1;
+            kept += expected;
+        }
+    }
+    assert_eq!(position[0], rounds * (drafts_per_sequence[0] + 1), "the exact drafter had a draft refused");
+    assert_eq!(position[3], rounds, "a sequence without drafts emits one token a round");
+    assert!(kept > position[0], "only the exact drafter's drafts were kept");
+    stream.synchronize().unwrap();
+}
+
+/// The device-side speculative loop's rules name their argument: drafts for a batch that
+/// verifies nothing, of another length, or counted in a penalty's history; verdicts of another
+/// length.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_drafts_and_verdicts_check_their_shapes() {
+    let caller = Caller::new();
+    let stream = &caller.stream;
+    let drafted = |penalties: flashsample::Penalties| Drafted {
+        params: SamplingParams::new(1.0, 1, 0, 0),
+        processing: Processing { penalties, history: vec![5], ..Processing::default() },
+        drafts: vec![1, 2, 3],
+    };
+    let three = stream.alloc_zeros::<u32>(3).unwrap();
+    let two = stream.alloc_zeros::<u32>(2).unwrap();
+    let name = |e: flashsample::Error| match e {
+        flashsample::Error::InvalidArgument { argument, .. } => Some(argument),
+        _ => None,
+    };
+
+    let mut plain = DeviceBatch::upload(stream, &Batch::new(params(2, 1)), VOCAB).unwrap();
+    assert_eq!(name(plain.write_drafts(stream, &three).unwrap_err()).as_deref(), Some("drafts"));
+    assert_eq!(
+        name(caller.sampler.advance_verified_on(stream, &mut plain, &two).unwrap_err()).as_deref(),
+        Some("batch")
+    );
+
+    let mut verified =
+        DeviceBatch::upload(stream, &Batch::verify(vec![drafted(flashsample::Penalties::NONE)]).unwrap(), VOCAB)
+            .unwrap();
+    assert_eq!(name(verified.write_drafts(stream, &two).unwrap_err()).as_deref(), Some("drafts"));
+    verified.write_drafts(stream, &three).unwrap();
+    assert_eq!(
+        name(caller.sampler.advance_verified_on(stream, &mut verified, &two).unwrap_err()).as_deref(),
+        Some("accepted")
+    );
+
+    let repetition = flashsample::Penalties { repetition: 1.2, ..flashsample::Penalties::NONE };
+    let mut penalised = DeviceBatch::upload(stream, &Batch::verify(vec![drafted(repetition)]).unwrap(), VOCAB).unwrap();
+    assert_eq!(name(penalised.write_drafts(stream, &three).unwrap_err()).as_deref(), Some("drafts"));
     stream.synchronize().unwrap();
 }

@@ -5,11 +5,12 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr as _, DevicePtrMut as _, SyncOnDrop, sys};
+use cudarc::driver::{CudaStream, DevicePtr as CudaDevicePtr, DevicePtrMut as _, SyncOnDrop, sys};
 use flashsample_core::RowParams;
 use flashsample_core::abi::{DevicePtr, RowProcessing, Selection, VerifiedSequence};
 use flashsample_core::process::{SPARSE_BLOCK, SparseEntry};
 
+use super::driver;
 use super::memory::{Allocation, check_address};
 use crate::batch::{Batch, Verified};
 use crate::error::{Result, invalid};
@@ -41,6 +42,8 @@ pub struct DeviceBatch {
     verified: Option<VerifiedRef>,
     /// Each verified sequence's first row, for the verdicts read back.
     first_rows: Vec<usize>,
+    /// Whether a verified sequence's penalties count its drafts in their history.
+    drafts_in_history: bool,
 }
 
 /// Where a verification batch's sequences and drafts lie in device memory.
@@ -52,6 +55,8 @@ pub(crate) struct VerifiedRef {
     pub drafts: u64,
     /// How many sequences.
     pub count: usize,
+    /// How many drafted tokens, all sequences together.
+    pub drafted: usize,
 }
 
 /// What a request needs to know of a batch's processing image in device memory.
@@ -258,9 +263,19 @@ impl DeviceBatch {
             sequences: address + layout.verified as u64,
             drafts: address + layout.drafts as u64,
             count: batch.verified.len(),
+            drafted: batch.verified.iter().map(|sequence| sequence.drafts.len()).sum(),
         });
         let first_rows = batch.verified.iter().map(|sequence| sequence.first_row).collect();
-        Ok(DeviceBatch { rows, image, summary, logprobs: batch.reports_logprobs(), verified, first_rows })
+        let drafts_in_history = batch.verified.iter().any(|sequence| sequence.drafts_in_history);
+        Ok(DeviceBatch {
+            rows,
+            image,
+            summary,
+            logprobs: batch.reports_logprobs(),
+            verified,
+            first_rows,
+            drafts_in_history,
+        })
     }
 
     /// B, the rows.
@@ -287,6 +302,51 @@ impl DeviceBatch {
     /// Each verified sequence's first row.
     pub(crate) fn first_rows(&self) -> &[usize] {
         &self.first_rows
+    }
+
+    /// Copies a verification's drafted tokens from `drafts` (a cudarc `CudaSlice` or
+    /// `CudaView`: every sequence's drafts one after another, as many as the batch was built
+    /// with) into the batch, queued on `stream`: a decode loop whose drafter leaves its tokens
+    /// in device memory verifies them with no host copy, and a CUDA graph captures the copy
+    /// (pair it with [`crate::CudaSampler::advance_verified`]). Each sequence keeps the number of
+    /// drafts the batch was built with. Errors name `drafts`: the batch verifies no sequence,
+    /// `drafts` holds another number of tokens, or a sequence's penalties count the drafts in
+    /// their history (which only a batch built on the host holds). A draft `≥ V` equals no
+    /// target token, so it is refused by the verdict.
+    pub fn write_drafts(&mut self, stream: &Arc<CudaStream>, drafts: &impl CudaDevicePtr<u32>) -> Result<()> {
+        let Some(verified) = self.verified else {
+            return Err(invalid("drafts", "the batch verifies no sequence (build it with Batch::verify)"));
+        };
+        if drafts.len() != verified.drafted {
+            return Err(invalid(
+                "drafts",
+                format!("{} tokens: the batch's sequences drafted {}", drafts.len(), verified.drafted),
+            ));
+        }
+        if self.drafts_in_history {
+            return Err(invalid(
+                "drafts",
+                "a sequence's penalties count its drafts in their history: build a new batch with Batch::verify",
+            ));
+        }
+        if verified.drafted == 0 {
+            return Ok(());
+        }
+        let (source, _read) = drafts.device_ptr(stream);
+        let (_, _write) = self.image.slice_mut().device_ptr_mut(stream);
+        // SAFETY: the image holds `drafted` drafts at `verified.drafts` and `drafts` as many
+        // tokens, both live on `stream` until the copy has run (cudarc's tracking, where the
+        // context has it, orders their other uses); a slice and the batch's own image are
+        // distinct allocations.
+        unsafe {
+            driver::copy_on_device_async(
+                "drafts",
+                DevicePtr::<u32>::new(verified.drafts),
+                DevicePtr::new(source),
+                verified.drafted,
+                stream.cu_stream(),
+            )
+        }
     }
 
     /// Replaces the rows' sampling parameters (one per row, checked), queued on `stream`; the
@@ -325,6 +385,11 @@ impl DeviceBatch {
     /// The row parameters' device address (`[rows]` [`RowParams`]).
     pub(crate) fn row_params(&self) -> DevicePtr<RowParams> {
         self.rows.ptr()
+    }
+
+    /// Where the verified sequences lie (none for sampling).
+    pub(crate) fn verified(&self) -> Option<VerifiedRef> {
+        self.verified
     }
 
     /// Records a write of the row parameters on `stream` for cudarc's event tracking (where

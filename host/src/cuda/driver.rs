@@ -104,6 +104,29 @@ pub unsafe fn copy_to_device_async<T: bytemuck::Pod>(
     check(&format!("cuMemcpyHtoDAsync({what})"), result)
 }
 
+/// Copies `count` values from `source` to `destination` in device memory, ordered on `stream`.
+///
+/// # Safety
+/// `source` and `destination` are device allocations of at least `count` elements that do not
+/// overlap, and `stream` a live stream of the current context.
+pub unsafe fn copy_on_device_async<T>(
+    what: &str,
+    destination: DevicePtr<T>,
+    source: DevicePtr<T>,
+    count: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let bytes = count * size_of::<T>();
+    #[cfg(test)]
+    if trace::record(|| format!("copy to={:#x} from={:#x} bytes={bytes}", destination.address(), source.address())) {
+        return Ok(());
+    }
+    // SAFETY: per this function's contract.
+    let result =
+        unsafe { cudarc::driver::result::memcpy_dtod_async(destination.address(), source.address(), bytes, stream) };
+    check(&format!("cuMemcpyDtoDAsync({what})"), result)
+}
+
 /// Sets `count` 32-bit words at `destination` to `value`, ordered on `stream`.
 ///
 /// # Safety

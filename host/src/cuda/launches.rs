@@ -79,7 +79,8 @@ fn target(logprobs: bool, top: bool, parts: bool) -> Target<'static> {
 
 /// `request` as a verification of `sequences` sequences, `target` with room for its verdicts.
 fn verifying<'a>(mut request: Request<'a>, mut target: Target<'a>, sequences: usize) -> (Request<'a>, Target<'a>) {
-    request.batch.verified = Some(VerifiedRef { sequences: VERIFIED, drafts: DRAFTS, count: sequences });
+    request.batch.verified =
+        Some(VerifiedRef { sequences: VERIFIED, drafts: DRAFTS, count: sequences, drafted: 3 * sequences });
     // SAFETY: recorded, never launched.
     target.accepted = Some(unsafe { OutputSlice::from_raw(ACCEPTED, ROOM) });
     (request, target)

@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr as _};
 use flashsample_core::abi::{ShardExchangeLayout, TensorMap};
 use flashsample_core::registry::Module;
 
@@ -572,6 +572,19 @@ impl CudaSampler {
     pub fn advance_steps(&self, batch: &mut DeviceBatch, by: u32) -> Result<()> {
         self.make_current()?;
         self.kernels().advance_steps_on(&self.stream, batch, by)
+    }
+
+    /// Queues the verification `batch`'s steps moved past the tokens each sequence emitted in
+    /// the call that wrote `outputs` (its verdicts plus one), on the sampler's stream: with
+    /// [`DeviceBatch::write_drafts`], a speculative loop verifies each round's drafts with no
+    /// host copy. Errors name `outputs` when they hold no verdicts for the batch's sequences.
+    pub fn advance_verified(&self, batch: &mut DeviceBatch, outputs: &DeviceOutputs) -> Result<()> {
+        self.make_current()?;
+        let Some((accepted, _)) = &outputs.verdicts else {
+            return Err(invalid("outputs", "hold no verdicts: they were made for a batch that verifies nothing"));
+        };
+        let (_, _read) = accepted.slice().device_ptr(&self.stream);
+        self.kernels().queue_advance_verified(&self.stream, batch, accepted.ptr().address(), accepted.len())
     }
 
     /// Waits for a call and copies its tokens and log-probabilities (empty if `outputs` has

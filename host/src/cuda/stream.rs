@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr as _, sys};
 use flashsample_core::RowParams;
-use flashsample_core::abi::{AdvanceStepsArgs, DevicePtr};
+use flashsample_core::abi::{AdvanceStepsArgs, AdvanceVerifiedArgs, DevicePtr};
 use flashsample_core::registry::{Kernel, Module};
 
 use super::batch::DeviceBatch;
@@ -308,6 +308,66 @@ impl StreamSampler {
         // SAFETY: the batch holds `rows` row parameters of this context, borrowed mutably here,
         // and its memory is freed on its stream after the work queued before.
         unsafe { self.advance_steps(stream.cu_stream().cast(), address, rows, by) }
+    }
+
+    /// Queues, for every sequence of the verification `batch`, its rows' steps `+=` its
+    /// count of kept drafts in `accepted` (a cudarc slice or view of the call's
+    /// [`Target::accepted`]) plus one, on `stream`: the batch then verifies the positions after
+    /// the tokens each sequence emitted, with no host copy (a CUDA graph captures it). Errors
+    /// name `batch` (it verifies no sequence), `accepted` (not one verdict per sequence) or
+    /// `stream` (another context).
+    pub fn advance_verified_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        batch: &mut DeviceBatch,
+        accepted: &impl cudarc::driver::DevicePtr<u32>,
+    ) -> Result<()> {
+        let (address, _read) = accepted.device_ptr(stream);
+        self.queue_advance_verified(stream, batch, address, accepted.len())
+    }
+
+    /// [`StreamSampler::advance_verified_on`] with the verdicts at device address `accepted`,
+    /// `len` of them, whose use on `stream` the caller has recorded.
+    pub(crate) fn queue_advance_verified(
+        &self,
+        stream: &Arc<CudaStream>,
+        batch: &mut DeviceBatch,
+        accepted: u64,
+        len: usize,
+    ) -> Result<()> {
+        if stream.context().cu_ctx() != self.kernels.context {
+            return Err(invalid("stream", "belongs to another context than the sampler's"));
+        }
+        let Some(verified) = batch.verified() else {
+            return Err(invalid("batch", "verifies no sequence (build it with Batch::verify)"));
+        };
+        if len != verified.count {
+            return Err(invalid(
+                "accepted",
+                format!("{len} verdicts for a batch of {} verified sequences", verified.count),
+            ));
+        }
+        let args = AdvanceVerifiedArgs {
+            row_params: batch.row_params(),
+            verified: DevicePtr::new(verified.sequences),
+            accepted: DevicePtr::new(accepted),
+            sequences: verified.count as u32,
+            padding: 0,
+        };
+        let _write = batch.row_params_written_on(stream);
+        // SAFETY: the batch's sequences lie inside its row parameters (checked when it was
+        // built), `accepted` holds one verdict per sequence; both live on `stream` until the
+        // kernel has run, and the batch is borrowed mutably here.
+        unsafe {
+            driver::in_context(self.kernels.context, || {
+                self.kernels.launch(
+                    stream.cu_stream().cast(),
+                    Kernel::AdvanceVerified,
+                    (verified.count as u64).div_ceil(Kernel::AdvanceVerified.threads() as u64),
+                    &args,
+                )
+            })
+        }
     }
 
     /// Queues `count` values of `dtype`, uniform in `[-scale, scale)` and drawn from Philox

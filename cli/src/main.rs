@@ -526,26 +526,9 @@ fn sample_command(args: &SampleArgs) -> Result<Done> {
     };
     let shard_count = args.processing.shard_count(vocab)?;
     let shard_bounds = VocabShard::bounds(vocab, shard_count)?;
-    // The GPU truncates (on materialised logits) BF16/F16 heads with D % 8 == 0 (every head
-    // takes the per-entry steps and log-probabilities in the fused tiles); `auto` takes the CPU
-    // for the rest, `cuda` reports why not.
-    let gpu_refusal = (args.processing.truncates() && (common == DType::F32 || w.cols() % 8 != 0)).then(|| {
-        format!("{common}, D = {}: min-p, top-k and top-p on the GPU need BF16 or F16 with D % 8 == 0", w.cols())
-    });
-    let device = match (args.device, gpu_refusal) {
-        (DeviceKind::Cuda, Some(rule)) => {
-            return Err(Error::InvalidArgument { argument: "--lm-head".into(), rule });
-        }
-        (DeviceKind::Auto, Some(rule)) => {
-            eprintln!("flashsample: logit processing runs on the CPU for this request ({rule})");
-            DeviceKind::Cpu
-        }
-        (device, None) => device,
-        (DeviceKind::Cpu, Some(_)) => DeviceKind::Cpu,
-    };
     let per_call = (TOKENS_PER_CALL / rows).max(1) as u32;
     let (sampler, sampled_on, per_call, bar): (Box<dyn Sampler>, String, u32, ProgressBar) =
-        match gpu_sampler(device, gpu)? {
+        match gpu_sampler(args.device, gpu)? {
             Some(sampler) => {
                 let name = gpu_name(gpu, &sampler);
                 (Box::new(sampler), name, per_call, ProgressBar::hidden())

@@ -120,11 +120,6 @@ impl ProcessingArgs {
             || self.shards.is_some()
     }
 
-    /// Whether `--min-p`, `--top-k` or `--top-p` was given (rows that need their whole row).
-    pub fn truncates(&self) -> bool {
-        self.top_k.is_some() || self.top_p.is_some() || self.min_p.is_some()
-    }
-
     /// `--shards`, checked against V: the number of vocabulary shards (1 without the flag).
     pub fn shard_count(&self, vocab: usize) -> Result<usize> {
         match self.shards {

@@ -158,6 +158,12 @@ pub const fn fused_simt_shared_bytes() -> u32 {
     fused_mma_shared_bytes(N_TILE) + TILE_KERNEL_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
 }
 
+/// Dynamic shared memory of the unfused pipeline's SIMT GEMM: the SIMT tile's scratch, one
+/// area per warp.
+pub const fn logits_simt_shared_bytes() -> u32 {
+    TILE_KERNEL_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
+}
+
 /// Bytes of one row's pair of log-sum-exp terms ([`RowSums`]).
 const ROW_SUMS_BYTES: u32 = core::mem::size_of::<RowSums>() as u32;
 /// Dynamic shared memory of the unfused logits sampler: its candidate staging.

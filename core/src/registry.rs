@@ -12,7 +12,8 @@
 use crate::abi::{
     LOGITS_SAMPLER_SHARED_BYTES, PROCESS_SHARED_BYTES, PROCESS_THREADS, REDUCE_SHARED_BYTES, REDUCE_THREADS,
     TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS, WINNER_LOGITS_SHARED_BYTES, WINNER_LOGITS_THREADS,
-    fused_mma_shared_bytes, fused_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
+    fused_mma_shared_bytes, fused_simt_shared_bytes, logits_simt_shared_bytes, tma_handoff_shared_bytes,
+    tma_shared_bytes,
 };
 
 /// The element type of `W` and `H` a kernel reads.
@@ -48,6 +49,12 @@ pub enum Kernel {
         element: ElementType,
         /// Batch columns per work item: 8, 16 or 32.
         columns: u32,
+    },
+    /// The unfused pipeline's GEMM on the CUDA-core tile, for any element type, `dim` and
+    /// alignment (`LogitsArgs`).
+    LogitsSimt {
+        /// The element type of `W` and `H`: any.
+        element: ElementType,
     },
     /// Tile kernel, TMA + `wgmma` tile of `rows` × `columns` (`TmaArgs`).
     FusedTma {
@@ -131,9 +138,11 @@ impl Kernel {
     /// Threads per block.
     pub const fn threads(self) -> u32 {
         match self {
-            Kernel::FusedMma { .. } | Kernel::FusedSimt { .. } | Kernel::LogitsMma { .. } | Kernel::SampleLogits => {
-                TILE_KERNEL_WARPS * 32
-            }
+            Kernel::FusedMma { .. }
+            | Kernel::FusedSimt { .. }
+            | Kernel::LogitsMma { .. }
+            | Kernel::LogitsSimt { .. }
+            | Kernel::SampleLogits => TILE_KERNEL_WARPS * 32,
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
             Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,
             Kernel::ReduceCandidates => REDUCE_THREADS,
@@ -155,6 +164,7 @@ impl Kernel {
         match self {
             Kernel::FusedMma { columns, .. } => fused_mma_shared_bytes(columns),
             Kernel::FusedSimt { .. } => fused_simt_shared_bytes(),
+            Kernel::LogitsSimt { .. } => logits_simt_shared_bytes(),
             Kernel::FusedTma { rows, columns, .. } | Kernel::LogitsTma { rows, columns, .. } => {
                 tma_shared_bytes(rows, columns)
             }
@@ -350,6 +360,9 @@ macro_rules! for_each_kernel {
             logits_gemm_f16_n8 => LogitsMma { element: F16, columns: 8 };
             logits_gemm_f16_n16 => LogitsMma { element: F16, columns: 16 };
             logits_gemm_f16_n32 => LogitsMma { element: F16, columns: 32 };
+            logits_simt_f32 => LogitsSimt { element: F32 };
+            logits_simt_bf16 => LogitsSimt { element: Bf16 };
+            logits_simt_f16 => LogitsSimt { element: F16 };
             fused_tma_bf16_m64_n8 => FusedTma { element: Bf16, rows: 64, columns: 8 };
             fused_tma_bf16_m64_n16 => FusedTma { element: Bf16, rows: 64, columns: 16 };
             fused_tma_bf16_m64_n32 => FusedTma { element: Bf16, rows: 64, columns: 32 };

@@ -153,12 +153,10 @@ unsafe fn fused_simt<T: Element>(args: FusedArgs) {
 ///
 /// # Safety
 /// As the crate-level safety section (a launch of a `logits_gemm_*` kernel).
-#[allow(clippy::needless_range_loop)] // constant indices once unrolled keep `logits` in registers
 #[inline(always)]
 unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     let columns = N_TILE * NT as u32;
     let items = args.vocab.div_ceil(TILE_ROWS) * args.batch.div_ceil(columns);
-    let t = arch::thread_index() % 4;
     let mut item = arch::block_index();
     while item < items {
         let (_, row0, col0) = work_item(item, columns, args.batch);
@@ -166,19 +164,57 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
         // SAFETY: all 32 lanes of every warp run the item loop together, and `input` describes the
         // launch's valid matrices.
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
-        for nt in 0..NT {
-            for c in 0..2 {
-                let b = col0 + N_TILE * nt as u32 + 2 * t + c as u32;
-                if b < args.batch && row0 < args.vocab {
-                    let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
-                    // SAFETY: `b < batch` and `row0 < vocab`: inside the logits buffer of `batch ×
-                    // logits_stride` floats, 16-byte aligned (the stride and `row0` are multiples
-                    // of 4).
-                    unsafe { arch::store_global_v4(address, logits[nt][c]) };
-                }
+        // SAFETY: `args.logits` holds `batch × logits_stride` floats (the crate-level contract).
+        unsafe { store_logits::<NT>(&logits, &args, row0, col0) };
+        item += arch::grid_size();
+    }
+}
+
+/// The unfused pipeline's GEMM on the SIMT tile: any element type, `dim` and alignment.
+///
+/// # Safety
+/// As the crate-level safety section (a launch of a `logits_simt_*` kernel).
+#[inline(always)]
+unsafe fn logits_simt<T: Element>(args: LogitsArgs) {
+    let items = args.vocab.div_ceil(TILE_ROWS) * args.batch.div_ceil(N_TILE);
+    let thread = arch::thread_index();
+    // SAFETY: the block's shared memory holds one scratch area per warp
+    // (`logits_simt_shared_bytes`).
+    let scratch = unsafe { shared::<f32>().add(((thread / 32) * SIMT_WARP_SCRATCH_FLOATS) as usize) };
+    let mut item = arch::block_index();
+    while item < items {
+        let (_, row0, col0) = work_item(item, N_TILE, args.batch);
+        let input = tile_input!(args, row0, col0);
+        // SAFETY: all 32 lanes of every warp run the item loop together; `scratch` is this
+        // warp's area and `input` describes the launch's valid matrices.
+        let logits = unsafe { tile::simt_tile::<T>(&input, thread % 32, scratch) };
+        // SAFETY: `args.logits` holds `batch × logits_stride` floats (the crate-level contract).
+        unsafe { store_logits::<1>(&logits, &args, row0, col0) };
+        item += arch::grid_size();
+    }
+}
+
+/// The unfused pipeline's epilogue: a thread's logits tile (rows `row0 .. row0 + 4` of its
+/// batch columns from `col0`) stored to `args.logits`, 16 bytes at a time.
+///
+/// # Safety
+/// `args.logits` holds `batch × logits_stride` floats, 16-byte aligned, with
+/// `logits_stride` a multiple of 4.
+#[allow(clippy::needless_range_loop)] // constant indices once unrolled keep `logits` in registers
+#[inline(always)]
+unsafe fn store_logits<const NT: usize>(logits: &tile::ThreadLogits<NT>, args: &LogitsArgs, row0: u32, col0: u32) {
+    let t = arch::thread_index() % 4;
+    for nt in 0..NT {
+        for c in 0..2 {
+            let b = col0 + N_TILE * nt as u32 + 2 * t + c as u32;
+            if b < args.batch && row0 < args.vocab {
+                let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
+                // SAFETY: `b < batch` and `row0 < vocab`: inside the logits buffer of `batch ×
+                // logits_stride` floats, 16-byte aligned (the stride and `row0` are multiples
+                // of 4).
+                unsafe { arch::store_global_v4(address, logits[nt][c]) };
             }
         }
-        item += arch::grid_size();
     }
 }
 
@@ -219,6 +255,18 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { logits_gemm::<element::$element, { $columns / 8 }>(args) }
+        }
+    };
+    ($name:ident, LogitsSimt { element: $element:ident }) => {
+        /// The unfused pipeline's GEMM on the CUDA-core tile: writes f32 logits.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: LogitsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
+            unsafe { logits_simt::<element::$element>(args) }
         }
     };
     ($name:ident, FusedTma { element: $element:ident, rows: $rows:tt, columns: $columns:tt }) => {

@@ -143,6 +143,20 @@ pub fn every_row_of_a_mixed_batch_gets_what_it_gets_alone(backend: &dyn Backend,
     check_mixed_batch(backend, &w, &h);
 }
 
+/// Heads the tensor cores do not take (F32, and BF16 with D % 8 ≠ 0; the SIMT tile on the
+/// GPU, whose GEMM writes the logits the truncations select on): every mode against its f64
+/// target distribution, and a mixed batch whose rows each get what they get alone.
+pub fn every_mode_on_heads_of_any_dtype_and_width(backend: &dyn Backend, scale: &Scale) {
+    let w = random_matrix(1000, 13, DType::F32, 0.5, 55);
+    let h = random_matrix(1, 13, DType::F32, 1.0, 56);
+    check_every_mode(backend, &w, &h, 0.8, scale.mode_draws_small_vocab, ALPHA);
+    for (dtype, dim) in [(DType::F32, 16), (DType::BF16, 21)] {
+        let w = random_matrix(3001, dim, dtype, 0.5, 57);
+        let h = random_matrix(8, dim, dtype, 1.0, 58);
+        check_mixed_batch(backend, &w, &h);
+    }
+}
+
 /// W split by vocabulary into 2, 3 and 8 uneven shards (bounds multiples of 4, the Philox
 /// block): every mode in one batch gives the unsharded tokens and log-probabilities, with top
 /// raw entries and without, the truncations decided by the shards together; on integer logits
@@ -192,6 +206,7 @@ macro_rules! suite {
             top_k_keeps_every_token_tied_at_the_kth_value
             log_probabilities_match_f64
             every_row_of_a_mixed_batch_gets_what_it_gets_alone
+            every_mode_on_heads_of_any_dtype_and_width
             shards_give_the_unsharded_tokens_and_log_probabilities
             verification_is_drafter_invariant
             same_key_drafting_agrees_as_coupled

@@ -169,15 +169,15 @@ impl Variant {
         }
     }
 
-    /// The unfused pipeline's GEMM for a resolved tensor-core variant (the handoff tile's is
-    /// the cooperative TMA GEMM of its width); `None` for the SIMT tile, which has none.
-    pub(crate) fn logits_kernel(self, dtype: DType) -> Option<Kernel> {
+    /// The unfused pipeline's GEMM for a resolved variant (the handoff tile's is the
+    /// cooperative TMA GEMM of its width; [`Variant::Auto`], unresolved, is the SIMT tile's).
+    pub(crate) fn logits_kernel(self, dtype: DType) -> Kernel {
         let element = element_type(dtype);
         match self {
-            Variant::Mma { columns } => Some(Kernel::LogitsMma { element, columns }),
-            Variant::Tma { rows, columns } => Some(Kernel::LogitsTma { element, rows, columns }),
-            Variant::TmaHandoff { columns } => Some(Kernel::LogitsTma { element, rows: HANDOFF_ROWS, columns }),
-            Variant::Simt | Variant::Auto => None,
+            Variant::Mma { columns } => Kernel::LogitsMma { element, columns },
+            Variant::Tma { rows, columns } => Kernel::LogitsTma { element, rows, columns },
+            Variant::TmaHandoff { columns } => Kernel::LogitsTma { element, rows: HANDOFF_ROWS, columns },
+            Variant::Simt | Variant::Auto => Kernel::LogitsSimt { element },
         }
     }
 }
@@ -206,12 +206,13 @@ mod tests {
                 for variant in Variant::tensor_core(module) {
                     let variant = variant.resolve(module, dtype, 4096, 16).unwrap();
                     assert!(listed(variant.fused_kernel(dtype)) && module.holds(variant.fused_kernel(dtype)));
-                    let logits = variant.logits_kernel(dtype).unwrap();
+                    let logits = variant.logits_kernel(dtype);
                     assert!(listed(logits) && module.holds(logits), "{variant:?}");
                 }
             }
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 assert!(module.holds(Variant::Simt.fused_kernel(dtype)));
+                assert!(module.holds(Variant::Simt.logits_kernel(dtype)));
             }
             // The dispatcher's tiles apply the per-entry steps and sum log-sum-exp terms, so
             // processed calls and log-probabilities stay fused at every B.

@@ -409,7 +409,8 @@ impl CudaSampler {
     /// log-probabilities) the fused tiles apply the steps to each logits tile on chip: no
     /// logits in memory. Otherwise the logits are materialised in the workspace (`B · V`
     /// floats; twice that when log-probabilities keep the raw logits beside the processed
-    /// ones), which needs a BF16 or F16 head with `D % 8 == 0`. A head kept in several shards
+    /// ones), by the tensor-core GEMM for a BF16 or F16 head with `D % 8 == 0` and by the
+    /// CUDA-core tile for any other. A head kept in several shards
     /// runs each shard's stage 1, the shards deciding min-p, top-k and top-p together through
     /// one exchange buffer, then merges them: the tokens of the whole head. Allocates nothing
     /// once the workspace has grown to the problem, and never waits for the device.

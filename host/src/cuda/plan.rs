@@ -627,15 +627,6 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
     }
     let (lm_head, hidden) = (&call.lm_head, &call.hidden);
     let variant = resolve(kernels, lm_head, hidden, call.variant)?;
-    if variant.logits_kernel(lm_head.dtype).is_none() {
-        return Err(invalid(
-            "lm_head",
-            format!(
-                "{}, D = {}: min-p, top-k, top-p and top log-probabilities on the GPU need BF16 or F16 with D % 8 == 0",
-                lm_head.dtype, lm_head.cols
-            ),
-        ));
-    }
     let process_slices = match processing.whole_row {
         Some(_) => Some(process_slices(kernels.resident_blocks(Kernel::ProcessRows)?, batch, lm_head.rows)),
         None => None,

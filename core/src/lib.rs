@@ -35,6 +35,7 @@ pub mod philox;
 pub mod process;
 pub mod registry;
 pub mod speculative;
+pub mod truncation;
 
 pub use candidate::{Candidate, NO_TOKEN, NON_FINITE_TOKEN, perturbed_score};
 pub use noise::{RowParams, block_candidate, block_scores, noise_block};

@@ -3,9 +3,8 @@
 //! per-shard log-sum-exp terms); the unsharded row is the one-shard case.
 
 use flashsample_core::RowParams;
-use flashsample_core::process::{
-    KeepRule, LogSumExp, dense_step, mask_allows, min_p_threshold, order_key, sparse_step, top_p_target, top_p_units,
-};
+use flashsample_core::process::{KeepRule, LogSumExp, dense_step, mask_allows, order_key, sparse_step};
+use flashsample_core::truncation::select;
 
 use crate::processing::Processing;
 
@@ -81,41 +80,16 @@ fn summarize(logits: &[f32], offset: u32, processing: &Processing) -> ShardSumma
     ShardSummary { max, non_finite, ordered }
 }
 
-/// min-p, then top-k, then top-p over the merged summaries of every shard of a row, as one
-/// [`KeepRule`]. A greedy row, a row with a NaN or +∞ logit and a row with nothing allowed
-/// keep everything: their race ends in the argmax or the row's status.
+/// min-p, then top-k, then top-p over the merged summaries of every shard of a row
+/// (`flashsample_core::truncation::select`). A greedy row, a row with a NaN or +∞ logit and a
+/// row with nothing allowed keep everything: their race ends in the argmax or the row's status.
 fn keep_rule(summaries: &[ShardSummary], row: &RowParams, processing: &Processing) -> KeepRule {
     let max = summaries.iter().map(|s| s.max).fold(f32::NEG_INFINITY, f32::max);
     if row.greedy != 0 || summaries.iter().any(|s| s.non_finite) || max == f32::NEG_INFINITY {
         return KeepRule::ALL;
     }
-    let t = row.temperature;
-    let min_cut = min_p_threshold(max, t, processing.min_p);
-    if !processing.orders() {
-        return KeepRule { min_cut, ..KeepRule::ALL };
-    }
-    let mut order: Vec<(f32, u32)> =
-        summaries.iter().flat_map(|s| s.ordered.iter().copied()).filter(|e| e.0 >= min_cut).collect();
-    rank(&mut order);
-    if let Some(k) = processing.top_k {
-        truncate_to_top_k(&mut order, k);
-    }
-    let mut order_cut = match order.last() {
-        Some(&(last, _)) if processing.top_k.is_some() => (last, u32::MAX),
-        _ => KeepRule::ALL.order_cut,
-    };
-    if processing.top_p < 1.0 {
-        let units: Vec<u64> = order.iter().map(|e| top_p_units(e.0, max, t)).collect();
-        let target = top_p_target(units.iter().sum(), processing.top_p);
-        let mut mass = 0;
-        if let Some(last) = units.iter().position(|&u| {
-            mass += u;
-            mass >= target
-        }) {
-            order_cut = order[last];
-        }
-    }
-    KeepRule { min_cut, order_cut }
+    let mut entries: Vec<(f32, u32)> = summaries.iter().flat_map(|s| s.ordered.iter().copied()).collect();
+    select(&mut entries, max, row.temperature, processing.min_p, processing.top_k, processing.top_p).rule
 }
 
 /// Drops (sets to −∞) every entry of a shard the rule does not keep.

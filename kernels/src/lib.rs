@@ -46,9 +46,9 @@ mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    AcceptDraftsArgs, AdvanceStepsArgs, AdvanceVerifiedArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs, LogitsSamplerArgs, N_TILE,
-    ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs, TILE_ROWS, WARP_ROWS,
-    WinnerLogitsArgs, fused_mma_shared_bytes,
+    AcceptDraftsArgs, AdvanceStepsArgs, AdvanceVerifiedArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs,
+    LogitsSamplerArgs, N_TILE, ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs,
+    TILE_ROWS, WARP_ROWS, WinnerLogitsArgs, fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};

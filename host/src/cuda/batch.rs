@@ -308,7 +308,9 @@ impl DeviceBatch {
     /// `CudaView`: every sequence's drafts one after another, as many as the batch was built
     /// with) into the batch, queued on `stream`: a decode loop whose drafter leaves its tokens
     /// in device memory verifies them with no host copy, and a CUDA graph captures the copy
-    /// (pair it with [`crate::CudaSampler::advance_verified`]). Each sequence keeps the number of
+    /// (pair it with [`crate::CudaSampler::advance_verified`]; under capture, turn off the
+    /// context's event tracking, `CudaContext::disable_event_tracking`, since cudarc would
+    /// otherwise wait inside the capture on events recorded before it). Each sequence keeps the number of
     /// drafts the batch was built with. Errors name `drafts`: the batch verifies no sequence,
     /// `drafts` holds another number of tokens, or a sequence's penalties count the drafts in
     /// their history (which only a batch built on the host holds). A draft `≥ V` equals no
@@ -332,20 +334,24 @@ impl DeviceBatch {
         if verified.drafted == 0 {
             return Ok(());
         }
-        let (source, _read) = drafts.device_ptr(stream);
-        let (_, _write) = self.image.slice_mut().device_ptr_mut(stream);
-        // SAFETY: the image holds `drafted` drafts at `verified.drafts` and `drafts` as many
-        // tokens, both live on `stream` until the copy has run (cudarc's tracking, where the
-        // context has it, orders their other uses); a slice and the batch's own image are
-        // distinct allocations.
+        let image = &mut self.image;
+        // SAFETY: the stream's context is live; cudarc's tracking makes it current, and leaving
+        // restores the caller's. The image holds `drafted` drafts at `verified.drafts` and
+        // `drafts` as many tokens, both live on `stream` until the copy has run (cudarc's
+        // tracking, where the context has it, orders their other uses); a slice and the
+        // batch's own image are distinct allocations.
         unsafe {
-            driver::copy_on_device_async(
-                "drafts",
-                DevicePtr::<u32>::new(verified.drafts),
-                DevicePtr::new(source),
-                verified.drafted,
-                stream.cu_stream(),
-            )
+            driver::in_context(stream.context().cu_ctx(), || {
+                let (source, _read) = drafts.device_ptr(stream);
+                let (_, _write) = image.slice_mut().device_ptr_mut(stream);
+                driver::copy_on_device_async(
+                    "drafts",
+                    DevicePtr::<u32>::new(verified.drafts),
+                    DevicePtr::new(source),
+                    verified.drafted,
+                    stream.cu_stream(),
+                )
+            })
         }
     }
 

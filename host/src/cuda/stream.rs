@@ -304,10 +304,17 @@ impl StreamSampler {
         }
         let rows = batch.rows();
         let address = batch.row_params().address();
-        let _write = batch.row_params_written_on(stream);
-        // SAFETY: the batch holds `rows` row parameters of this context, borrowed mutably here,
-        // and its memory is freed on its stream after the work queued before.
-        unsafe { self.advance_steps(stream.cu_stream().cast(), address, rows, by) }
+        // SAFETY: the sampler's context is live. Inside it, cudarc's tracking of the write
+        // (which makes the context current) leaves the caller's context as it was.
+        unsafe {
+            driver::in_context(self.kernels.context, || {
+                let _write = batch.row_params_written_on(stream);
+                // SAFETY: the batch holds `rows` row parameters of this context, borrowed
+                // mutably here, and its memory is freed on its stream after the work queued
+                // before.
+                self.advance_steps(stream.cu_stream().cast(), address, rows, by)
+            })
+        }
     }
 
     /// Queues, for every sequence of the verification `batch`, its rows' steps `+=` its
@@ -322,8 +329,14 @@ impl StreamSampler {
         batch: &mut DeviceBatch,
         accepted: &impl cudarc::driver::DevicePtr<u32>,
     ) -> Result<()> {
-        let (address, _read) = accepted.device_ptr(stream);
-        self.queue_advance_verified(stream, batch, address, accepted.len())
+        // SAFETY: the sampler's context is live; cudarc's tracking of the read makes it
+        // current, and leaving restores the caller's.
+        unsafe {
+            driver::in_context(self.kernels.context, || {
+                let (address, _read) = accepted.device_ptr(stream);
+                self.queue_advance_verified(stream, batch, address, accepted.len())
+            })
+        }
     }
 
     /// [`StreamSampler::advance_verified_on`] with the verdicts at device address `accepted`,
@@ -354,12 +367,13 @@ impl StreamSampler {
             sequences: verified.count as u32,
             padding: 0,
         };
-        let _write = batch.row_params_written_on(stream);
         // SAFETY: the batch's sequences lie inside its row parameters (checked when it was
         // built), `accepted` holds one verdict per sequence; both live on `stream` until the
-        // kernel has run, and the batch is borrowed mutably here.
+        // kernel has run, and the batch is borrowed mutably here. cudarc's tracking of the
+        // write runs inside the sampler's context, which is then left as the caller had it.
         unsafe {
             driver::in_context(self.kernels.context, || {
+                let _write = batch.row_params_written_on(stream);
                 self.kernels.launch(
                     stream.cu_stream().cast(),
                     Kernel::AdvanceVerified,

@@ -536,8 +536,14 @@ fn primary_table(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     shapes.dedup();
     for (d, v) in shapes {
         let floor = ours(d, v, 0, "read_floor");
-        let mut batches: Vec<usize> =
-            rows.iter().filter(|r| r.dim == d && r.vocab == v && r.batch > 0).map(|r| r.batch).collect();
+        // The batches this table times (a verification run's rows are tabled apart), each once.
+        let headline = ["fused_sample", "fused_greedy", "unfused_sample", "cublas_gemm"];
+        let mut batches: Vec<usize> = rows
+            .iter()
+            .filter(|r| r.dim == d && r.vocab == v && r.batch > 0 && headline.contains(&r.variant.as_str()))
+            .map(|r| r.batch)
+            .collect();
+        batches.sort_unstable();
         batches.dedup();
         for b in batches {
             let sample = ours(d, v, b, "fused_sample");
@@ -768,6 +774,24 @@ mod tests {
         let text = verification_table(&rows, &[torch]);
         assert!(text.contains("| 64 | 1000 | 16 | 3 | 460.0 | 450.0 | 1.022 | 920.0 | 0.500 |"), "{text}");
         assert!(verification_table(&rows[1..], &[]).is_empty());
+    }
+
+    /// A verification run's batches stay out of the headline table, and a batch timed by
+    /// several variants has one line.
+    #[test]
+    fn the_headline_table_lists_each_timed_batch_once_and_no_verification_batch() {
+        let rows = vec![
+            row(1, "fused_sample", 440.0),
+            row(1, "verify_k1", 441.0),
+            row(16, "verify_k1", 445.0),
+            row(64, "plain_k7", 1085.0),
+            row(1, "fused_greedy", 439.0),
+        ];
+        let report = report(&rows, &[], DType::BF16);
+        let table = &report[..report.find("Targets").expect("the targets follow the table")];
+        let lines: Vec<&str> = table.lines().filter(|l| l.starts_with("| 64 | 1000 |")).collect();
+        assert_eq!(lines.len(), 1, "{report}");
+        assert!(lines[0].starts_with("| 64 | 1000 | 1 | 440.0 | 439.0 |"), "{report}");
     }
 
     /// FlashInfer's rows sit beside ours per mode, with our time over its pipeline's.

@@ -47,6 +47,66 @@ fn gpu_and_cpu_draw_the_same_tokens_from_exact_logits() {
     gpu_matches_cpu(&w, &h, &params, &processing, 256);
 }
 
+/// A verification gives the CPU's emitted tokens, verdicts and log-probabilities: integer
+/// inputs make every logit exact on both backends; six sequences (plain, greedy, top-p with a
+/// repetition penalty, min-p, top-k with frequency and presence penalties, log-probabilities on
+/// every row) of 0 to 5 drafts, some equal to the CPU's tokens, some not, whole and over 3
+/// shards.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_verification_gives_the_cpus_tokens_and_verdicts() {
+    let (vocab, dim) = (4099, 16);
+    let w = integer_matrix(vocab, dim, 61).to_dtype(DType::BF16);
+    let repetition = flashsample::Penalties { repetition: 1.3, ..flashsample::Penalties::NONE };
+    let counting = flashsample::Penalties { frequency: 0.4, presence: 0.3, ..flashsample::Penalties::NONE };
+    let history = vec![3, 17, 17, 400];
+    let kinds = [
+        (1.0, Processing::default()),
+        (0.0, Processing::default()),
+        (0.8, Processing { top_p: 0.9, penalties: repetition, history: history.clone(), ..Processing::default() }),
+        (1.3, Processing { min_p: 0.05, ..Processing::default() }),
+        (0.7, Processing { top_k: Some(20), penalties: counting, history, ..Processing::default() }),
+        (2.0, Processing::default()),
+    ];
+    let batch = |drafts: &dyn Fn(usize) -> Vec<u32>| {
+        let sequences = kinds
+            .iter()
+            .enumerate()
+            .map(|(s, (t, processing))| flashsample::Drafted {
+                params: SamplingParams::new(*t, 9, s as u32, 3),
+                processing: Processing { logprobs: true, ..processing.clone() },
+                drafts: drafts(s),
+            })
+            .collect();
+        Batch::verify(sequences).unwrap()
+    };
+    let counts = [3usize, 2, 5, 0, 4, 1];
+    let probe = batch(&|s| vec![0; counts[s]]);
+    let h = integer_matrix(probe.rows(), dim, 62).to_dtype(DType::BF16);
+    // The CPU's tokens at every position (whatever the drafts, as verification promises), then
+    // drafts agreeing with them up to a position that differs per sequence.
+    let cpu_probe = Cpu.sample_shards(std::slice::from_ref(&w), &h, &probe, Draws::first(1)).unwrap();
+    let first_rows = probe.first_rows();
+    let drafted = batch(&|s| {
+        (0..counts[s])
+            .map(|j| {
+                let target = cpu_probe.tokens[first_rows[s] + j];
+                if j == s % (counts[s] + 1) { (target + 1) % vocab as u32 } else { target }
+            })
+            .collect()
+    });
+    let shards = split_rows(&w, &uneven_bounds(vocab, 3, 4));
+    for (name, heads) in [("whole", std::slice::from_ref(&w)), ("3 shards", &shards[..])] {
+        let cpu = Cpu.sample_shards(heads, &h, &drafted, Draws::first(1)).unwrap();
+        let gpu = cuda().sample_shards(heads, &h, &drafted, Draws::first(1)).unwrap();
+        assert_eq!(gpu.tokens, cpu.tokens, "{name}");
+        assert_eq!(gpu.verdicts, cpu.verdicts, "{name}");
+        assert!(cpu.verdicts.iter().any(|v| v.accepted > 0), "{name}: some drafts are kept");
+        let worst = largest_log_probability_difference(&gpu, &cpu, true);
+        assert!(worst <= 1e-5, "{name}: log-probabilities differ by {worst} (relative above 1)");
+    }
+}
+
 /// Without log-probabilities the logits are processed in place and no log-sum-exp is summed:
 /// the same tokens, every mode in one batch, and no log-probabilities returned.
 #[test]

@@ -153,6 +153,12 @@ pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
     SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * columns * CANDIDATE_BYTES
 }
 
+// A tile's lists of its warps (one `TileTop` per warp and column) fit the block's candidate
+// staging, which they reuse.
+const _: () = assert!(
+    SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::truncation::TileTop>() as u32
+);
+
 /// Dynamic shared memory of the SIMT fused kernel: staging for 8 columns, then the scratch.
 pub const fn fused_simt_shared_bytes() -> u32 {
     fused_mma_shared_bytes(N_TILE) + TILE_KERNEL_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
@@ -356,6 +362,10 @@ pub struct FusedArgs {
     /// T = 1 and over its processed ones at the row's temperature (empty for a greedy row); null
     /// for none. A call asks for them in the launch of its first draws only.
     pub tile_sums: DevicePtr<RowSums>,
+    /// `[batch, tiles]` lists of each (row, tile)'s first processed entries
+    /// ([`crate::truncation::TileTop`]), from which the truncations can be decided without the
+    /// row's logits; null for none. Written in the launch of a call's first draws only.
+    pub tile_tops: DevicePtr<crate::truncation::TileTop>,
     /// Rows of `W`: the vocabulary entries of the shard (of the whole vocabulary when
     /// unsharded). Entries at or past it take no part in the race or the terms.
     pub vocab: u32,

@@ -8,6 +8,7 @@ use flashsample_core::abi::{
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS};
+use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::element::Element;
@@ -144,6 +145,11 @@ pub unsafe fn sample_tile<const NT: usize>(
         // `2·NT` slots each; the staging (`fused_mma_shared_bytes`) holds the sums' staging.
         unsafe { tile_column_sums(2 * NT, quad, place, sums_staging, sync, write) };
     }
+    if args.tile_tops.address() != 0 {
+        // SAFETY: every thread of the block runs it together (the item loop is per block); the
+        // staging holds a list per warp and column (checked in `flashsample_core::abi`).
+        unsafe { write_tile_tops::<NT>(logits, args, tile, row0, col0, staging.cast()) };
+    }
     let mut first = 0;
     while first < args.samples {
         for slot in 0..SAMPLES_PER_MERGE {
@@ -207,6 +213,90 @@ pub unsafe fn sample_tile<const NT: usize>(
         // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };
         first += SAMPLES_PER_MERGE;
+    }
+}
+
+/// Writes the tile's list of each batch column's first processed entries
+/// ([`TileTop`]) to `args.tile_tops`: each thread lists its four rows, the eight lanes of a
+/// column merge their lists by shuffles, the warps' lists meet in `staging`, and one thread
+/// per column merges them.
+///
+/// # Safety
+/// Every thread of the block calls it together; `staging` holds `TILE_KERNEL_WARPS · 8·NT`
+/// lists; `args.tile_tops` holds `[batch, tiles]` lists; the caller's item is `tile`.
+#[inline(always)]
+unsafe fn write_tile_tops<const NT: usize>(
+    logits: &ThreadLogits<NT>,
+    args: &FusedArgs,
+    tile: u32,
+    row0: u32,
+    col0: u32,
+    staging: *mut TileTop,
+) {
+    let thread = arch::thread_index();
+    let (lane, warp) = (thread % 32, thread / 32);
+    let (g, t) = (lane / 4, lane % 4);
+    let columns = N_TILE * NT as u32;
+    let index0 = args.vocab_offset + row0;
+    let rows_valid = args.vocab.saturating_sub(row0).min(4);
+    let vocab_end = args.vocab_offset + args.vocab;
+    // A run-time loop over the columns, as the race's, keeps one copy of the merge code.
+    let mut column_slot = 0;
+    while column_slot < 2 * NT {
+        let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
+        let mut top = TileTop::EMPTY;
+        if col0 + column < args.batch {
+            let mut quad = pick(logits, column_slot);
+            if args.processing.address() != 0 {
+                // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
+                quad = unsafe { process::fused_quad(args.processing, col0 + column, index0, vocab_end, quad) };
+            }
+            for (r, &logit) in quad.iter().enumerate() {
+                if (r as u32) < rows_valid {
+                    top.offer(logit, index0 + r as u32);
+                }
+            }
+        }
+        // The lanes of one column differ in `g`, lane bits 2 to 4.
+        let mut mask = 4;
+        while mask <= 16 {
+            // SAFETY: every lane of the warp reaches it: the loops' bounds are the same for all.
+            top = top.merge(unsafe { shuffle_top(top, mask) });
+            mask <<= 1;
+        }
+        if g == 0 {
+            // SAFETY: warp < TILE_KERNEL_WARPS, column < columns: inside the staging.
+            unsafe { *staging.add((warp * columns + column) as usize) = top };
+        }
+        column_slot += 1;
+    }
+    // SAFETY: every thread of the block reaches it (uniform loops).
+    unsafe { arch::sync_threads() };
+    let b = col0 + thread;
+    if thread < columns && b < args.batch {
+        let mut top = TileTop::EMPTY;
+        for w in 0..TILE_KERNEL_WARPS {
+            // SAFETY: inside the staging, written by every warp before the barrier above.
+            top = top.merge(unsafe { *staging.add((w * columns + thread) as usize) });
+        }
+        // SAFETY: `b < batch`, `tile < tiles`: inside the `[batch, tiles]` lists.
+        unsafe { *args.tile_tops.as_mut_ptr().add((b * args.tiles + tile) as usize) = top };
+    }
+    // SAFETY: every thread of the block reaches it; the staging is reused after it.
+    unsafe { arch::sync_threads() };
+}
+
+/// Lane `lane ^ mask`'s list.
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn shuffle_top(top: TileTop, mask: u32) -> TileTop {
+    // SAFETY: per this function's contract all 32 lanes are here together.
+    let word = |x: u32| unsafe { arch::shuffle_xor(x, mask) };
+    TileTop {
+        logits: core::array::from_fn(|slot| f32::from_bits(word(top.logits[slot].to_bits()))),
+        indices: core::array::from_fn(|slot| word(top.indices[slot])),
     }
 }
 

@@ -4,15 +4,17 @@
 //! CPU on exact logits, borrowed mode against the owned sampler bit for bit. Ignored without a
 //! GPU.
 
-use flashsample::internals::Variant;
+use flashsample::internals::{MMA_COLUMNS, Variant};
 use flashsample::{
     Batch, CudaSampler, DType, DeviceMatrix, Draws, Error, Matrix, OutputSlice, Processing, Request, Sampler,
     SamplingParams, Shard, StreamWorkspace, Target, VocabShard,
 };
 use flashsample_tests::processing::{
-    OnDevice, assert_log_probabilities, each_mode, integer_matrix, largest_log_probability_difference, split_rows,
-    uneven_bounds,
+    OnDevice, assert_log_probabilities, each_mode, integer_matrix, largest_log_probability_difference,
+    reference_logits, split_rows, uneven_bounds,
 };
+use flashsample_core::abi::TILE_ROWS;
+use flashsample_core::truncation::TileTop;
 use flashsample_tests::{Backend, Borrowed, Cpu, Cuda, random_matrix};
 
 fn cuda() -> Cuda {
@@ -104,6 +106,61 @@ fn a_verification_gives_the_cpus_tokens_and_verdicts() {
         assert!(cpu.verdicts.iter().any(|v| v.accepted > 0), "{name}: some drafts are kept");
         let worst = largest_log_probability_difference(&gpu, &cpu, true);
         assert!(worst <= 1e-5, "{name}: log-probabilities differ by {worst} (relative above 1)");
+    }
+}
+
+/// The fused `mma.sync` and SIMT tiles list each (row, tile)'s first four processed entries
+/// (`TileTop`, what fused truncation decides from) as the CPU does from the same logits:
+/// integer inputs (every logit exact on both backends), plain rows, rows with a bias (one of
+/// −∞) and rows with a mask; V = 1003 (a partial last tile), B = 37 (a partial column group);
+/// every list poisoned first, so one left unwritten fails.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_tiles_list_their_first_entries_as_the_cpu_does() {
+    let (vocab, dim, rows) = (1003, 16, 37);
+    let (w, h) = (integer_matrix(vocab, dim, 71), integer_matrix(rows, dim, 72));
+    let mut mask = vec![u32::MAX; vocab.div_ceil(32)];
+    mask[1] = 0x0f0f_0f0f;
+    let processing: Vec<Processing> = (0..rows)
+        .map(|r| match r % 3 {
+            0 => Processing::default(),
+            1 => Processing { bias: vec![(5, 1.5), (130, -2.5), (600, f32::NEG_INFINITY)], ..Processing::default() },
+            _ => Processing { mask: Some(mask.clone()), ..Processing::default() },
+        })
+        .collect();
+    let params: Vec<SamplingParams> = (0..rows).map(|r| SamplingParams::new(0.8, 1, r as u32, 0)).collect();
+    // The CPU's lists: the processed logits (exact here) offered tile by tile.
+    let tiles = vocab.div_ceil(TILE_ROWS as usize);
+    let expected: Vec<TileTop> = (0..rows)
+        .flat_map(|r| {
+            let raw: Vec<f32> =
+                (0..vocab).map(|v| (0..dim).map(|k| (w.get(v, k) * h.get(r, k)) as f64).sum::<f64>() as f32).collect();
+            let processed = reference_logits(&raw, &processing[r]);
+            (0..tiles)
+                .map(|tile| {
+                    let mut top = TileTop::EMPTY;
+                    let start = tile * TILE_ROWS as usize;
+                    for v in start..(start + TILE_ROWS as usize).min(vocab) {
+                        top.offer(processed[v] as f32, v as u32);
+                    }
+                    top
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let cuda = cuda();
+    let sampler = &cuda.sampler;
+    let (w, h) = (w.to_dtype(DType::BF16), h.to_dtype(DType::BF16));
+    let head = sampler.upload_lm_head(&w).unwrap();
+    let hidden = sampler.upload_hidden(&h).unwrap();
+    let batch = sampler.upload_batch(&Batch::with_processing(params, processing), vocab).unwrap();
+    let variants = MMA_COLUMNS.iter().map(|&columns| Variant::Mma { columns }).chain([Variant::Simt]);
+    for variant in variants {
+        let got = sampler.tile_tops(&head, &hidden, &batch, variant).unwrap();
+        assert_eq!(got.len(), expected.len(), "{variant:?}");
+        for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(got, want, "{variant:?}: row {}, tile {}", i / tiles, i % tiles);
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use flashsample_core::abi::{
     WinnerLogitsArgs,
 };
 use flashsample_core::registry::Kernel;
+use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, RowParams};
 
 use super::dispatch::{Variant, element_type};
@@ -18,7 +19,7 @@ use super::modules::Kernels;
 use super::passes::{Pass, Passes};
 use super::plan::{Call, CallTarget, FusedCall, FusedPlan, FusedSums, TensorMaps, WORKSPACE_MAPS_BYTES};
 use super::request::DeviceWorkspace;
-use crate::error::Result;
+use crate::error::{Result, invalid};
 
 /// The tensor maps' pair (`W`'s, `H`'s).
 pub(crate) type MapPair = (DevicePtr<TensorMap>, DevicePtr<TensorMap>);
@@ -67,7 +68,7 @@ impl WinnerTarget {
 
 impl ReduceTarget {
     /// The target of a fused call: its tokens, or its shard's winners without logits.
-    fn of(call: &FusedCall) -> ReduceTarget {
+    pub(crate) fn of(call: &FusedCall) -> ReduceTarget {
         match call.shard {
             None => ReduceTarget::Tokens(DevicePtr::new(call.tokens)),
             Some(shard) => {
@@ -139,17 +140,30 @@ impl Kernels {
         workspace: DeviceWorkspace,
     ) -> Result<()> {
         // SAFETY: per this function's contract.
-        unsafe { self.enqueue_tiles(stream, call, plan, maps, workspace, ReduceTarget::of(call), DevicePtr::NULL) }
+        unsafe {
+            self.enqueue_tiles(
+                stream,
+                call,
+                plan,
+                maps,
+                workspace,
+                ReduceTarget::of(call),
+                DevicePtr::NULL,
+                DevicePtr::NULL,
+            )
+        }
     }
 
     /// Queues the tile kernel and the merge kernel of a planned fused call, the merge kernel
     /// writing into `target`; with `tile_sums` (`[B, tiles]` terms) not null, the tile kernel
-    /// writes each (row, tile)'s log-sum-exp terms there in the pass of the row's first draws.
+    /// writes each (row, tile)'s log-sum-exp terms there in the pass of the row's first draws,
+    /// and with `tile_tops` (`[B, tiles]` lists) its first processed entries.
     ///
     /// # Safety
     /// As [`Kernels::enqueue_fused`]; `target` holds `B · draws.count` slots (and its terms `B`
     /// rows), `tile_sums` (if not null) `B · tiles` terms and the plan's variant writes them
-    /// (`Kernel::writes_tile_sums`).
+    /// (`Kernel::writes_tile_sums`), `tile_tops` (if not null) `B · tiles` lists and the
+    /// variant is an `mma.sync` or SIMT tile (the TMA tiles do not write them).
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn enqueue_tiles(
         &self,
@@ -160,11 +174,15 @@ impl Kernels {
         workspace: DeviceWorkspace,
         target: ReduceTarget,
         tile_sums: DevicePtr<RowSums>,
+        tile_tops: DevicePtr<TileTop>,
     ) -> Result<()> {
         let vocab_offset = call.shard.map_or(0, |shard| shard.vocab_offset as u32);
         let FusedPlan { variant, tiles, samples, .. } = *plan;
         let (lm_head, hidden) = (&call.lm_head, &call.hidden);
         let kernel = variant.fused_kernel(lm_head.dtype);
+        if tile_tops.address() != 0 && variant.tma_boxes().is_some() {
+            return Err(invalid("variant", format!("{variant:?}: the TMA tiles do not write tile lists")));
+        }
         // SAFETY: the workspace holds the plan's bytes; the maps per this function's contract.
         let maps = unsafe { self.tensor_maps(stream, variant, lm_head, hidden, maps, workspace)? };
         let candidates = DevicePtr::<Candidate>::new(workspace.address + WORKSPACE_MAPS_BYTES as u64);
@@ -179,9 +197,12 @@ impl Kernels {
                 let draw_offset = call.draws.first + pass.first_sample as u32;
                 let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
                 // The terms are written once per row, in the pass of its first draws.
-                let tile_sums = match pass.first_sample {
-                    0 => tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
-                    _ => DevicePtr::NULL,
+                let (tile_sums, tile_tops) = match pass.first_sample {
+                    0 => (
+                        tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
+                        tile_tops.add_unless_null(pass.first_row as u64 * tiles as u64),
+                    ),
+                    _ => (DevicePtr::NULL, DevicePtr::NULL),
                 };
                 if let Some((lm_head_map, hidden_map)) = maps {
                     let args = TmaArgs {
@@ -215,6 +236,7 @@ impl Kernels {
                     candidates,
                     processing: processing.add_unless_null(pass.first_row as u64),
                     tile_sums,
+                    tile_tops,
                     vocab: lm_head.rows as u32,
                     dim: lm_head.cols as u32,
                     batch: launch.batch,
@@ -296,7 +318,16 @@ impl Kernels {
         // `W`, `H`, the processing and the outputs hold their extents (this function's
         // contract).
         unsafe {
-            self.enqueue_tiles(stream, fused, plan, maps, workspace, ReduceTarget::Winners(target), tile_sums)?;
+            self.enqueue_tiles(
+                stream,
+                fused,
+                plan,
+                maps,
+                workspace,
+                ReduceTarget::Winners(target),
+                tile_sums,
+                DevicePtr::NULL,
+            )?;
             self.launch(stream, kernel, winners, &args)
         }
     }

@@ -1,9 +1,11 @@
 //! What tests and benchmarks need of the owned sampler beyond sampling (feature `internals`):
 //! poisoned workspaces and outputs, inputs made on the device, copies back, the read-bandwidth
-//! probe, the check of the estimate's bound, and the unfused comparison pipeline.
+//! probe, the check of the estimate's bound, the unfused comparison pipeline, and the fused
+//! tiles' lists of their first entries.
 
 use flashsample_core::Candidate;
-use flashsample_core::abi::{EstimateErrorArgs, ReadProbeArgs};
+use flashsample_core::abi::{DevicePtr, EstimateErrorArgs, ReadProbeArgs};
+use flashsample_core::truncation::{TILE_TOP, TileTop};
 use flashsample_core::registry::Kernel;
 
 use super::{CudaHidden, CudaSampler, DeviceOutputs};
@@ -11,7 +13,8 @@ use crate::cuda::batch::DeviceBatch;
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::memory::{Allocation, ensure};
-use crate::cuda::plan::{FusedCall, TensorMaps};
+use crate::cuda::plan::{FusedCall, TensorMaps, plan_fused};
+use crate::cuda::tiles::ReduceTarget;
 use crate::cuda::request::DeviceWorkspace;
 use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape};
@@ -212,6 +215,66 @@ impl CudaSampler {
                 kernels.enqueue_unfused(self.stream.cu_stream(), &call, &plan, maps, workspace)
             })
         }
+    }
+}
+
+impl CudaSampler {
+    /// The tile lists ([`TileTop`]) the fused `mma.sync` or SIMT tile of `variant` writes for
+    /// each row of `hidden` with `batch`'s per-entry processing, `[B, tiles]` in tiles of
+    /// [`flashsample_core::abi::TILE_ROWS`] entries: what fused truncation decides from.
+    /// Every list is poisoned first (NaN logits at [`CudaSampler::POISON_INDEX`]), so one a
+    /// tile leaves unwritten shows. The TMA tiles do not write them (an error naming
+    /// `variant`).
+    pub fn tile_tops(
+        &self,
+        lm_head: &LmHead,
+        hidden: &CudaHidden,
+        batch: &DeviceBatch,
+        variant: Variant,
+    ) -> Result<Vec<TileTop>> {
+        let [head] = self.shards(lm_head)? else {
+            return Err(invalid("lm_head", "kept in several shards: the tile lists are of one head"));
+        };
+        if batch.rows() != hidden.rows() {
+            return Err(invalid("batch", "the batch and the hidden states must have the same rows"));
+        }
+        self.make_current()?;
+        // SAFETY: the merge kernel writes every token before anyone reads it.
+        let tokens = unsafe { Allocation::<u32>::uninitialized(&self.stream, hidden.rows(), "tokens")? };
+        let per_entry = batch.summary().per_entry_blocks();
+        let call = FusedCall {
+            lm_head: head.matrix(),
+            hidden: hidden.matrix(),
+            row_params: batch.row_params().address(),
+            tokens: tokens.ptr().address(),
+            draws: Draws::first(1),
+            variant,
+            processing: (per_entry.address() != 0).then_some(per_entry.address()),
+            shard: None,
+        };
+        let kernels = self.kernels().kernels();
+        let plan = plan_fused(kernels, &call)?;
+        let poison = TileTop { logits: [f32::NAN; TILE_TOP], indices: [Self::POISON_INDEX; TILE_TOP] };
+        let tops = Allocation::from_host(&self.stream, &vec![poison; hidden.rows() * plan.tiles], "tile lists")?;
+        let workspace: DeviceWorkspace = self.workspace(plan.workspace_bytes)?;
+        // SAFETY: every address comes from a live buffer of this sampler sized for the call: the
+        // lists hold `B · tiles` entries.
+        unsafe {
+            driver::in_context(self.kernels().context().cast(), || {
+                kernels.enqueue_tiles(
+                    self.stream.cu_stream(),
+                    &call,
+                    &plan,
+                    TensorMaps::Store,
+                    workspace,
+                    ReduceTarget::of(&call),
+                    DevicePtr::NULL,
+                    tops.ptr(),
+                )
+            })?
+        };
+        self.synchronize("tile lists")?;
+        tops.to_host(&self.stream, "tile lists")
     }
 }
 

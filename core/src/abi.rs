@@ -155,9 +155,7 @@ pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
 
 // A tile's lists of its warps (one `TileTop` per warp and column) fit the block's candidate
 // staging, which they reuse.
-const _: () = assert!(
-    SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::truncation::TileTop>() as u32
-);
+const _: () = assert!(SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::truncation::TileTop>() as u32);
 
 /// Dynamic shared memory of the SIMT fused kernel: staging for 8 columns, then the scratch.
 pub const fn fused_simt_shared_bytes() -> u32 {

@@ -9,12 +9,12 @@ use flashsample::{
     Batch, CudaSampler, DType, DeviceMatrix, Draws, Error, Matrix, OutputSlice, Processing, Request, Sampler,
     SamplingParams, Shard, StreamWorkspace, Target, VocabShard,
 };
+use flashsample_core::abi::TILE_ROWS;
+use flashsample_core::truncation::TileTop;
 use flashsample_tests::processing::{
     OnDevice, assert_log_probabilities, each_mode, integer_matrix, largest_log_probability_difference,
     reference_logits, split_rows, uneven_bounds,
 };
-use flashsample_core::abi::TILE_ROWS;
-use flashsample_core::truncation::TileTop;
 use flashsample_tests::{Backend, Borrowed, Cpu, Cuda, random_matrix};
 
 fn cuda() -> Cuda {
@@ -140,8 +140,9 @@ fn the_tiles_list_their_first_entries_as_the_cpu_does() {
                 .map(|tile| {
                     let mut top = TileTop::EMPTY;
                     let start = tile * TILE_ROWS as usize;
-                    for v in start..(start + TILE_ROWS as usize).min(vocab) {
-                        top.offer(processed[v] as f32, v as u32);
+                    let end = (start + TILE_ROWS as usize).min(vocab);
+                    for (v, &logit) in processed.iter().enumerate().take(end).skip(start) {
+                        top.offer(logit as f32, v as u32);
                     }
                     top
                 })

@@ -5,8 +5,8 @@
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{DevicePtr, EstimateErrorArgs, ReadProbeArgs};
-use flashsample_core::truncation::{TILE_TOP, TileTop};
 use flashsample_core::registry::Kernel;
+use flashsample_core::truncation::{TILE_TOP, TileTop};
 
 use super::{CudaHidden, CudaSampler, DeviceOutputs};
 use crate::cuda::batch::DeviceBatch;
@@ -14,8 +14,8 @@ use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::memory::{Allocation, ensure};
 use crate::cuda::plan::{FusedCall, TensorMaps, plan_fused};
-use crate::cuda::tiles::ReduceTarget;
 use crate::cuda::request::DeviceWorkspace;
+use crate::cuda::tiles::ReduceTarget;
 use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape};
 use crate::sampler::{HeadStorage, LmHead};

@@ -97,6 +97,21 @@ impl TileTop {
     }
 }
 
+/// Sorts entries (`(logit, index)`, finite) into the truncations' order: decreasing logit (−0
+/// and +0 equal), then increasing index.
+pub fn rank(entries: &mut [(f32, u32)]) {
+    entries.sort_unstable_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(core::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
+}
+
+/// How many of `ranked` entries ([`rank`]) top-k keeps: the first `k` and every entry tied with
+/// the k-th (all of them when there are fewer than `k`).
+pub fn top_k_kept(ranked: &[(f32, u32)], k: u32) -> usize {
+    match ranked.get(k as usize - 1) {
+        Some(&(kth, _)) => ranked.partition_point(|e| e.0 >= kth),
+        None => ranked.len(),
+    }
+}
+
 /// A row's truncations as [`select`] finds them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Selected {
@@ -134,13 +149,8 @@ pub fn select(
         }
     }
     let order = &mut entries[..kept];
-    order.sort_unstable_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(core::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
-    let mut kept = order.len();
-    if let Some(k) = top_k
-        && let Some(&(kth, _)) = order.get(k as usize - 1)
-    {
-        kept = order.partition_point(|e| e.0 >= kth);
-    }
+    rank(order);
+    let kept = top_k.map_or(order.len(), |k| top_k_kept(order, k));
     let order = &order[..kept];
     let order_cut = match order.last() {
         Some(&(last, _)) if top_k.is_some() => (last, u32::MAX),

@@ -4,7 +4,7 @@
 
 use flashsample_core::RowParams;
 use flashsample_core::process::{KeepRule, LogSumExp, dense_step, mask_allows, order_key, sparse_step};
-use flashsample_core::truncation::select;
+use flashsample_core::truncation::{rank, select, top_k_kept};
 
 use crate::processing::Processing;
 
@@ -47,20 +47,6 @@ struct ShardSummary {
     ordered: Vec<(f32, u32)>,
 }
 
-/// Sorts finite entries by decreasing logit (−0 and +0 equal), then increasing index: the
-/// order top-k and top-p read.
-fn rank(entries: &mut [(f32, u32)]) {
-    entries.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
-}
-
-/// Keeps the first `k` of ranked entries and every entry tied with the k-th.
-fn truncate_to_top_k(ranked: &mut Vec<(f32, u32)>, k: u32) {
-    if let Some(&(kth, _)) = ranked.get(k as usize - 1) {
-        let keep = ranked.partition_point(|e| e.0 >= kth);
-        ranked.truncate(keep);
-    }
-}
-
 /// A shard's summary of its processed logits (indices `offset ..`).
 fn summarize(logits: &[f32], offset: u32, processing: &Processing) -> ShardSummary {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -74,7 +60,7 @@ fn summarize(logits: &[f32], offset: u32, processing: &Processing) -> ShardSumma
         rank(&mut ordered);
         // The row's top k after min-p are among the shards' own top k (top-p acts after top-k).
         if let Some(k) = processing.top_k {
-            truncate_to_top_k(&mut ordered, k);
+            ordered.truncate(top_k_kept(&ordered, k));
         }
     }
     ShardSummary { max, non_finite, ordered }

@@ -216,9 +216,7 @@ impl CudaSampler {
             })
         }
     }
-}
 
-impl CudaSampler {
     /// The tile lists ([`TileTop`]) the fused `mma.sync` or SIMT tile of `variant` writes for
     /// each row of `hidden` with `batch`'s per-entry processing, `[B, tiles]` in tiles of
     /// [`flashsample_core::abi::TILE_ROWS`] entries: what fused truncation decides from.

@@ -404,6 +404,9 @@ pub const SHARD_ALIGNMENT: u32 = crate::noise::ENTRIES_PER_BLOCK;
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsArgs {
+    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
+    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
+    pub gate: DevicePtr<u32>,
     /// `W[vocab, dim]`, rows `lm_head_stride` elements apart, bf16 or f16 as the kernel's name
     /// says; 16-byte aligned, as are its rows (the tile loads 16 bytes at a time).
     pub lm_head: DevicePtr<Element>,
@@ -431,6 +434,9 @@ pub struct LogitsArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsSamplerArgs {
+    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
+    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
+    pub gate: DevicePtr<u32>,
     /// `[batch, logits_stride]` f32 logits the rows race with (on the processed path the
     /// processing pipeline's `processed`, −∞ for every dropped token), read in 16-byte quads.
     pub logits: DevicePtr<f32>,
@@ -467,6 +473,9 @@ pub struct LogitsSamplerArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ReduceArgs {
+    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
+    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
+    pub gate: DevicePtr<u32>,
     /// `[batch · samples · tiles]` candidates (the pass's tile kernel's or logits sampler's),
     /// the tiles of one (row, draw) side by side ([`candidate_slot`]).
     pub candidates: DevicePtr<Candidate>,
@@ -645,6 +654,9 @@ impl ShardPartLayout {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ShardMergeArgs {
+    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
+    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
+    pub gate: DevicePtr<u32>,
     /// The `shards` parts, each `part_bytes` long (and 16-byte aligned), side by side.
     pub parts: DevicePtr<u8>,
     /// `[batch]` row parameters: the temperatures and greedy flags of the log-probabilities.
@@ -761,6 +773,9 @@ pub struct RowSums {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ProcessArgs {
+    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
+    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
+    pub gate: DevicePtr<u32>,
     /// `[batch, logits_stride]` raw logits.
     pub raw: DevicePtr<f32>,
     /// `[batch, logits_stride]`, written.
@@ -1095,6 +1110,49 @@ pub struct AdvanceVerifiedArgs {
     pub sequences: u32,
     /// Keeps the size a multiple of 8.
     pub padding: u32,
+}
+
+/// Threads of the listed sampler ([`SampleListedArgs`]): one block per row.
+pub const LISTED_THREADS: u32 = 256;
+
+/// The most entries the listed sampler ranks for a row's top-p: the entries min-p and top-k
+/// keep among the row's tile lists. A row with more is left to the materialised path
+/// (counted in [`SampleListedArgs::unsettled`]).
+pub const LISTED_RANK_CAP: u32 = 2048;
+
+/// Dynamic shared memory of the listed sampler: the ranked entries, a digit's histogram, and
+/// per-warp slots for the block's reductions (see the kernel's `ListedShared`).
+pub const LISTED_SHARED_BYTES: u32 =
+    LISTED_RANK_CAP * 8 + LISTED_THREADS * 8 + 256 * 4 + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES) + 32;
+
+/// The listed sampler: each row's min-p, top-k and top-p decided from its tiles' lists
+/// ([`crate::truncation`]) and its draws raced among the entries they keep, one candidate per
+/// (row, draw) in [`FusedArgs::candidates`]' layout with one tile. A row whose lists do not
+/// settle, or whose top-p would rank more than [`LISTED_RANK_CAP`] entries, gets
+/// [`Candidate::NONE`] for every draw and adds 1 to `unsettled`: the materialised path, gated
+/// on that count, samples the call again.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SampleListedArgs {
+    /// `[batch, tiles]` the tiles' lists ([`FusedArgs::tile_tops`]).
+    pub tile_tops: DevicePtr<crate::truncation::TileTop>,
+    /// `[batch]` row parameters.
+    pub row_params: DevicePtr<RowParams>,
+    /// `[batch]` rows' processing: min-p, top-k and top-p are read (not null).
+    pub processing: DevicePtr<RowProcessing>,
+    /// `[batch · samples]` candidates, one per (row, draw) ([`candidate_pair`]).
+    pub candidates: DevicePtr<Candidate>,
+    /// Rows left to the materialised path, added to.
+    pub unsettled: DevicePtr<u32>,
+    /// Rows.
+    pub batch: u32,
+    /// Lists per row.
+    pub tiles: u32,
+    /// The global draw index of draw 0, as [`FusedArgs::draw_offset`].
+    pub draw_offset: u32,
+    /// Draws per row.
+    pub samples: u32,
 }
 
 /// Writes `lm_head` to `destination[0]` and `hidden` to `destination[1]`, then releases them to

@@ -10,10 +10,10 @@
 //! with the launch shape `Kernel` gives, in every module that [`Module::holds`] it.
 
 use crate::abi::{
-    LOGITS_SAMPLER_SHARED_BYTES, PROCESS_SHARED_BYTES, PROCESS_THREADS, REDUCE_SHARED_BYTES, REDUCE_THREADS,
-    TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS, WINNER_LOGITS_SHARED_BYTES, WINNER_LOGITS_THREADS,
-    fused_mma_shared_bytes, fused_simt_shared_bytes, logits_simt_shared_bytes, tma_handoff_shared_bytes,
-    tma_shared_bytes,
+    LISTED_SHARED_BYTES, LISTED_THREADS, LOGITS_SAMPLER_SHARED_BYTES, PROCESS_SHARED_BYTES, PROCESS_THREADS,
+    REDUCE_SHARED_BYTES, REDUCE_THREADS, TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS,
+    WINNER_LOGITS_SHARED_BYTES, WINNER_LOGITS_THREADS, fused_mma_shared_bytes, fused_simt_shared_bytes,
+    logits_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
 };
 
 /// The element type of `W` and `H` a kernel reads.
@@ -88,6 +88,9 @@ pub enum Kernel {
     SampleLogits,
     /// The merge kernel: candidates → tokens, or a shard's winners (`ReduceArgs`).
     ReduceCandidates,
+    /// Each row's truncations decided from its tiles' lists and its draws raced among the
+    /// entries they keep, one block per row (`SampleListedArgs`).
+    SampleListed,
     /// The logits of a fused call's winners, one dot product each (`WinnerLogitsArgs`).
     WinnerLogits {
         /// The element type of `W` and `H`: any.
@@ -146,6 +149,7 @@ impl Kernel {
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
             Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,
             Kernel::ReduceCandidates => REDUCE_THREADS,
+            Kernel::SampleListed => LISTED_THREADS,
             Kernel::ProcessRows => PROCESS_THREADS,
             Kernel::FillUniform { .. }
             | Kernel::ReadProbe
@@ -171,6 +175,7 @@ impl Kernel {
             Kernel::FusedHandoff { columns, .. } => tma_handoff_shared_bytes(columns),
             Kernel::SampleLogits => LOGITS_SAMPLER_SHARED_BYTES,
             Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
+            Kernel::SampleListed => LISTED_SHARED_BYTES,
             Kernel::ProcessRows => PROCESS_SHARED_BYTES,
             Kernel::WinnerLogits { .. } => WINNER_LOGITS_SHARED_BYTES,
             Kernel::LogitsMma { .. }
@@ -409,6 +414,7 @@ macro_rules! for_each_kernel {
             logits_tma_f16_m128_n128 => LogitsTma { element: F16, rows: 128, columns: 128 };
             sample_logits => SampleLogits {};
             reduce_candidates => ReduceCandidates {};
+            sample_listed => SampleListed {};
             winner_logits_bf16 => WinnerLogits { element: Bf16 };
             winner_logits_f16 => WinnerLogits { element: F16 };
             winner_logits_f32 => WinnerLogits { element: F32 };

@@ -47,11 +47,15 @@ impl TileTop {
     pub const EMPTY: TileTop = TileTop { logits: [f32::NEG_INFINITY; TILE_TOP], indices: [crate::NO_TOKEN; TILE_TOP] };
 
     /// Offers the entry `(logit, index)`: listed if it comes before the last listed entry. A
-    /// −∞ entry is dropped by the processing and never listed; NaN and +∞ are not listed
-    /// either (they make the row's race report the row as non-finite).
+    /// −∞ entry is dropped by the processing and never listed; NaN or +∞ is not listed either
+    /// but marks the list non-finite ([`TileTop::is_non_finite`]), as it makes the row's race
+    /// report the row as non-finite.
     #[inline(always)]
     pub fn offer(&mut self, logit: f32, index: u32) {
         if !(logit > f32::NEG_INFINITY && logit < f32::INFINITY) {
+            if logit != f32::NEG_INFINITY {
+                self.logits[0] = f32::NAN;
+            }
             return;
         }
         let mut entry = (logit, index);
@@ -72,6 +76,12 @@ impl TileTop {
             self.offer(other.logits[slot], other.indices[slot]);
         }
         self
+    }
+
+    /// Whether the tile holds a NaN or +∞ entry: its first slot is NaN (an offer never lists an
+    /// entry before NaN, and merging offers that NaN on).
+    pub fn is_non_finite(&self) -> bool {
+        self.logits[0].is_nan()
     }
 
     /// The listed entries, in order.
@@ -275,14 +285,21 @@ mod tests {
     #[test]
     fn a_list_keeps_the_first_entries_in_order_whatever_the_offer_order() {
         let mut top = TileTop::EMPTY;
-        for (l, i) in
-            [(1.0, 9), (3.0, 4), (f32::NEG_INFINITY, 0), (3.0, 2), (f32::NAN, 1), (-0.0, 7), (0.0, 3), (2.5, 8)]
-        {
+        for (l, i) in [(1.0, 9), (3.0, 4), (f32::NEG_INFINITY, 0), (3.0, 2), (-0.0, 7), (0.0, 3), (2.5, 8)] {
             top.offer(l, i);
         }
         assert_eq!(top.logits, [3.0, 3.0, 2.5, 1.0]);
         assert_eq!(top.indices, [2, 4, 8, 9]);
         assert_eq!(top.floor(), Some((1.0, 9)));
+        assert!(!top.is_non_finite());
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut non_finite = TileTop::EMPTY;
+            non_finite.offer(2.0, 1);
+            non_finite.offer(bad, 2);
+            non_finite.offer(5.0, 3);
+            assert!(non_finite.is_non_finite());
+            assert!(TileTop::EMPTY.merge(non_finite).is_non_finite() && top.merge(non_finite).is_non_finite());
+        }
         let mut short = TileTop::EMPTY;
         short.offer(-0.0, 7);
         short.offer(0.0, 3);

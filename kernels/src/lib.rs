@@ -36,6 +36,7 @@ mod element;
 mod fill;
 #[cfg(flashsample_module = "hopper")]
 mod hopper;
+mod listed;
 mod process;
 mod sample;
 mod speculative;
@@ -46,9 +47,9 @@ mod tma;
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    AcceptDraftsArgs, AdvanceStepsArgs, AdvanceVerifiedArgs, EstimateErrorArgs, FillArgs, FusedArgs, LogitsArgs,
-    LogitsSamplerArgs, N_TILE, ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS, ShardMergeArgs,
-    TILE_ROWS, WARP_ROWS, WinnerLogitsArgs, fused_mma_shared_bytes,
+    AcceptDraftsArgs, AdvanceStepsArgs, AdvanceVerifiedArgs, DevicePtr, EstimateErrorArgs, FillArgs, FusedArgs,
+    LogitsArgs, LogitsSamplerArgs, N_TILE, ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
+    SampleListedArgs, ShardMergeArgs, TILE_ROWS, WARP_ROWS, WinnerLogitsArgs, fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -58,6 +59,17 @@ use tile::TileInput;
 fn panic(_: &core::panic::PanicInfo) -> ! {
     // SAFETY: aborting the kernel is the only thing a panic can do on the device.
     unsafe { core::arch::nvptx::trap() }
+}
+
+/// Whether a launch's gate holds it back: set, and its word 0 (see the `gate` of its
+/// arguments).
+///
+/// # Safety
+/// A set gate points at a readable word.
+#[inline(always)]
+unsafe fn held_back(gate: DevicePtr<u32>) -> bool {
+    // SAFETY: per this function's contract.
+    gate.address() != 0 && unsafe { *gate.as_ptr() } == 0
 }
 
 /// The block's dynamic shared memory.
@@ -252,6 +264,10 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: LogitsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { logits_gemm::<element::$element, { $columns / 8 }>(args) }
@@ -264,6 +280,10 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: LogitsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { logits_simt::<element::$element>(args) }
@@ -329,6 +349,10 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: LogitsSamplerArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { sample::sample_logits(&args, shared::<Candidate>()) }
@@ -341,9 +365,26 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ReduceArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
+        }
+    };
+    ($name:ident, SampleListed {}) => {
+        /// The listed sampler: each row's truncations from its tiles' lists, its draws among
+        /// the entries they keep.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: SampleListedArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
+            unsafe { listed::sample_listed(&args, shared::<listed::ListedShared>()) }
         }
     };
     ($name:ident, WinnerLogits { element: $element:ident }) => {
@@ -365,6 +406,10 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ProcessArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers whose sparse lists it checked.
             unsafe { process::process_rows(&args, shared::<process::ProcessShared>()) }
@@ -378,6 +423,10 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ShardMergeArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
             // SAFETY: the launcher keeps the crate-level contract: an argument block of valid
             // device buffers.
             unsafe { process::merge_shards(&args) }

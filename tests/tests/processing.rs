@@ -9,8 +9,8 @@ use flashsample::{
     Batch, CudaSampler, DType, DeviceMatrix, Draws, Error, Matrix, OutputSlice, Processing, Request, Sampler,
     SamplingParams, Shard, StreamWorkspace, Target, VocabShard,
 };
-use flashsample_core::abi::TILE_ROWS;
-use flashsample_core::truncation::TileTop;
+use flashsample_core::abi::{LISTED_RANK_CAP, TILE_ROWS};
+use flashsample_core::truncation::{TileTop, select};
 use flashsample_tests::processing::{
     OnDevice, assert_log_probabilities, each_mode, integer_matrix, largest_log_probability_difference,
     reference_logits, split_rows, uneven_bounds,
@@ -161,6 +161,134 @@ fn the_tiles_list_their_first_entries_as_the_cpu_does() {
         assert_eq!(got.len(), expected.len(), "{variant:?}");
         for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
             assert_eq!(got, want, "{variant:?}: row {}, tile {}", i / tiles, i % tiles);
+        }
+    }
+}
+
+/// `rows × cols` integers in [−3, 3] from a splitmix64 stream: exact in every dtype, and with
+/// `cols` large their dot products spread over many values (few ties).
+fn spread_integers(rows: usize, cols: usize, seed: u64) -> Matrix {
+    let mut state = seed;
+    let values = (0..rows * cols)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % 7) as f32 - 3.0
+        })
+        .collect();
+    flashsample_tests::matrix_of(rows, cols, DType::F32, values)
+}
+
+/// Rows of every mode the listed path takes (top-k or min-p, alone, together, with top-p
+/// after them), with a bias, a mask or a repetition penalty on some, and one greedy row.
+fn listed_rows(vocab: usize) -> (Vec<SamplingParams>, Vec<Processing>) {
+    let mut mask = vec![u32::MAX; vocab.div_ceil(32)];
+    mask[3] = 0x5555_5555;
+    let repetition = flashsample::Penalties { repetition: 1.3, ..flashsample::Penalties::NONE };
+    let base = Processing::default;
+    let processing = vec![
+        Processing { top_k: Some(8), ..base() },
+        Processing { min_p: 0.05, bias: vec![(11, 6.0), (4000, f32::NEG_INFINITY)], ..base() },
+        Processing { top_k: Some(16), top_p: 0.9, ..base() },
+        Processing { min_p: 0.1, top_p: 0.8, mask: Some(mask), ..base() },
+        Processing { top_k: Some(1), min_p: 0.2, ..base() },
+        Processing { top_k: Some(8), penalties: repetition, history: vec![5, 5, 90, 2000], ..base() },
+        Processing { top_k: Some(12), min_p: 0.02, top_p: 0.95, ..base() },
+        Processing { top_k: Some(8), ..base() },
+    ];
+    let params = (0..processing.len())
+        .map(|r| SamplingParams::new([6.0, 9.0, 4.0, 12.0, 5.0, 7.0, 8.0, 0.0][r], 13, r as u32, 2))
+        .collect();
+    (params, processing)
+}
+
+/// How many rows the listed sampler leaves to the materialised path, as the CPU finds it from
+/// exact logits (`reference_logits` holds them exactly for these inputs and steps): each tile's
+/// `TileTop`, the selection from their union, and a row that does not settle or whose top-p
+/// would rank more than `LISTED_RANK_CAP` entries.
+fn unsettled_on_cpu(w: &Matrix, h: &Matrix, params: &[SamplingParams], processing: &[Processing]) -> usize {
+    let (vocab, dim) = (w.rows(), w.cols());
+    (0..h.rows())
+        .filter(|&r| {
+            if params[r].temperature == 0.0 {
+                return false;
+            }
+            let raw: Vec<f32> =
+                (0..vocab).map(|v| (0..dim).map(|k| (w.get(v, k) * h.get(r, k)) as f64).sum::<f64>() as f32).collect();
+            let logits: Vec<f32> = reference_logits(&raw, &processing[r]).iter().map(|&l| l as f32).collect();
+            let tops: Vec<TileTop> = logits
+                .chunks(TILE_ROWS as usize)
+                .enumerate()
+                .map(|(tile, chunk)| {
+                    let mut top = TileTop::EMPTY;
+                    for (i, &l) in chunk.iter().enumerate() {
+                        top.offer(l, (tile * TILE_ROWS as usize + i) as u32);
+                    }
+                    top
+                })
+                .collect();
+            let max = tops.iter().map(|top| top.logits[0]).fold(f32::NEG_INFINITY, f32::max);
+            let union: Vec<(f32, u32)> = tops.iter().flat_map(|top| top.listed().collect::<Vec<_>>()).collect();
+            let p = &processing[r];
+            let selected = select(&mut union.clone(), max, params[r].temperature, p.min_p, p.top_k, p.top_p);
+            let ranked = union.iter().filter(|e| selected.bound.keeps(e.0, e.1)).count();
+            tops.iter().any(|top| !top.settles(&selected.bound)) || (p.top_p < 1.0 && ranked > LISTED_RANK_CAP as usize)
+        })
+        .count()
+}
+
+/// The inputs of the listed path's tests: `spread` (dot products of 256 integers: every row
+/// settles) and `tied` (9 distinct rows of `W`: many ties, rows left to the materialised path).
+fn listed_inputs(vocab: usize, rows: usize) -> [(&'static str, Matrix, Matrix); 2] {
+    [
+        ("spread", spread_integers(vocab, 256, 81), spread_integers(rows, 256, 82)),
+        ("tied", integer_matrix(vocab, 16, 83), integer_matrix(rows, 16, 84)),
+    ]
+}
+
+/// The listed path's tests take the cases they mean to: every spread row settles, some tied
+/// row does not.
+#[test]
+fn the_listed_inputs_settle_as_their_tests_need() {
+    let vocab = 5003;
+    let (params, processing) = listed_rows(vocab);
+    let [(_, w, h), (_, tied_w, tied_h)] = listed_inputs(vocab, params.len());
+    assert_eq!(unsettled_on_cpu(&w, &h, &params, &processing), 0);
+    assert!(unsettled_on_cpu(&tied_w, &tied_h, &params, &processing) > 0);
+}
+
+/// The listed path (every row with top-k or min-p, no log-probabilities) gives the CPU's
+/// tokens, in BF16 (the `mma.sync` tile) and F32 (the SIMT tile), 4 draws per row, outputs and
+/// workspace poisoned first: on spread logits every row settles (the GPU's count of unsettled
+/// rows is the CPU's, 0), so the listed sampler's own tokens are the ones checked; on tied
+/// logits some rows do not, and the materialised path behind it samples the call again.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_listed_path_gives_the_cpus_tokens_and_falls_back_where_lists_do_not_settle() {
+    let vocab = 5003;
+    let (params, processing) = listed_rows(vocab);
+    let cuda = cuda();
+    let sampler = &cuda.sampler;
+    for dtype in [DType::BF16, DType::F32] {
+        for (name, w, h) in listed_inputs(vocab, params.len()) {
+            let (w, h) = (w.to_dtype(dtype), h.to_dtype(dtype));
+            let head = sampler.upload_lm_head(&w).unwrap();
+            let hidden = sampler.upload_hidden(&h).unwrap();
+            let batch =
+                sampler.upload_batch(&Batch::with_processing(params.clone(), processing.clone()), vocab).unwrap();
+            let mut out = sampler.outputs(&batch, 4).unwrap();
+            sampler.sample_into(&head, &hidden, &batch, Draws::first(4), &mut out).unwrap();
+            sampler.poison_workspace().unwrap();
+            sampler.fill_outputs(&mut out, 0xffff_fffe).unwrap();
+            let unsettled = sampler.sample_listed_into(&head, &hidden, &batch, Draws::first(4), &mut out).unwrap();
+            let expected = unsettled_on_cpu(&w, &h, &params, &processing) as u32;
+            assert_eq!(unsettled, Some(expected), "{name} {dtype:?}: rows left to the materialised path");
+            let gpu = sampler.read(&out).unwrap();
+            let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 4).unwrap();
+            assert_eq!(gpu.tokens, cpu.tokens, "{name} {dtype:?}");
+            println!("{name} {dtype:?}: {expected} of {} rows unsettled; tokens equal", params.len());
         }
     }
 }

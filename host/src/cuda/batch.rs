@@ -74,12 +74,24 @@ pub(crate) struct ProcessingRef {
     pub per_entry: bool,
     /// [`Selection::bit`]s of the selections some row needs.
     pub selections: u32,
+    /// Whether every row has top-k or min-p, so that its truncations can be decided from the
+    /// tiles' lists ([`flashsample_core::truncation`]); top-p alone can keep most of a row.
+    pub listable: bool,
 }
 
 impl ProcessingRef {
     /// `rows` rows of plain sampling over `vocab` tokens, with no image.
     pub fn plain(rows: usize, vocab: usize) -> ProcessingRef {
-        ProcessingRef { address: 0, rows, vocab, whole_row: None, truncating: None, per_entry: false, selections: 0 }
+        ProcessingRef {
+            address: 0,
+            rows,
+            vocab,
+            whole_row: None,
+            truncating: None,
+            per_entry: false,
+            selections: 0,
+            listable: false,
+        }
     }
 
     /// What a request needs to know of `processing` (whose sparse lists are `sparse`) in an
@@ -101,6 +113,7 @@ impl ProcessingRef {
                 .zip(sparse)
                 .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty()),
             selections: processing.iter().fold(0, |bits, p| bits | selections(p)),
+            listable: processing.iter().all(|p| p.top_k.is_some() || p.min_p > 0.0),
         }
     }
 

@@ -22,7 +22,7 @@ use super::plan::{Call, CallTarget, MaterialisedPlan, MergeCall, TensorMaps, WOR
 use super::request::{DeviceWorkspace, Exchange};
 use super::schedule::{ProcessLaunch, SegmentEnd, process_segment};
 use super::tiles::{MapPair, ReduceTarget, WinnerTarget};
-use crate::error::Result;
+use crate::error::{Result, invalid};
 use crate::params::Draws;
 
 /// Materialised logits the logits sampler draws from.
@@ -31,6 +31,8 @@ struct LogitsSampling {
     stride: usize,
     vocab: u32,
     vocab_offset: u32,
+    /// The word that gates the launches, or null.
+    gate: DevicePtr<u32>,
 }
 
 impl Kernels {
@@ -59,12 +61,13 @@ impl Kernels {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let logits_len = (batch * plan.stride) as u64;
         let (raw, processed) = (logits, logits.add((plan.copies as u64 - 1) * logits_len));
+        let gate = plan.gate_at.map_or(DevicePtr::NULL, |at| base.byte_add(at as u64).cast::<u32>());
         if segment == 0 {
             // SAFETY: the workspace holds the plan's extents and the call's buffers hold theirs
             // (this function's contract).
             unsafe {
                 let maps = self.tensor_maps(stream, plan.variant, &call.lm_head, &call.hidden, maps, workspace)?;
-                self.queue_logits(stream, plan.variant, &call.lm_head, &call.hidden, maps, raw, plan.stride)?;
+                self.queue_logits(stream, plan.variant, &call.lm_head, &call.hidden, maps, raw, plan.stride, gate)?;
             }
         }
         let (sums, top) = match call.logprobs() {
@@ -88,6 +91,7 @@ impl Kernels {
             _ => None,
         };
         let args = ProcessArgs {
+            gate,
             raw,
             processed,
             row_params,
@@ -126,7 +130,7 @@ impl Kernels {
             (target.raw, target.processed) = (raw, processed);
         }
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
-        let sampling = LogitsSampling { logits: processed, stride: plan.stride, vocab, vocab_offset };
+        let sampling = LogitsSampling { logits: processed, stride: plan.stride, vocab, vocab_offset, gate };
         // SAFETY: as above; the candidates of the largest pass fit the workspace.
         unsafe {
             self.queue_logits_sampling(
@@ -151,6 +155,7 @@ impl Kernels {
             tokens,
             out_logprobs: logprobs,
             out_top_logprobs: top_logprobs,
+            gate: gate.address(),
         };
         // SAFETY: stage 1 just wrote the one part on this stream.
         unsafe { self.queue_merge(stream, &part_layout, &merge) }.map(|_| None)
@@ -244,9 +249,11 @@ impl Kernels {
                 candidates,
                 target,
                 draws.count,
+                sampling.gate,
                 |pass, launch| {
                     let first_row = pass.first_row as u64;
                     let args = LogitsSamplerArgs {
+                        gate: sampling.gate,
                         logits: sampling.logits.add(first_row * stride),
                         row_params: launch.row_params,
                         candidates,
@@ -289,11 +296,20 @@ impl Kernels {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
         let vocab = call.lm_head.rows as u32;
-        let sampling = LogitsSampling { logits, stride: plan.stride, vocab, vocab_offset: 0 };
+        let sampling = LogitsSampling { logits, stride: plan.stride, vocab, vocab_offset: 0, gate: DevicePtr::NULL };
         // SAFETY: per this function's contract.
         unsafe {
             let maps = self.tensor_maps(stream, plan.variant, &call.lm_head, &call.hidden, maps, workspace)?;
-            self.queue_logits(stream, plan.variant, &call.lm_head, &call.hidden, maps, logits, plan.stride)?;
+            self.queue_logits(
+                stream,
+                plan.variant,
+                &call.lm_head,
+                &call.hidden,
+                maps,
+                logits,
+                plan.stride,
+                DevicePtr::NULL,
+            )?;
             self.queue_logits_sampling(
                 stream,
                 &sampling,
@@ -314,11 +330,13 @@ impl Kernels {
         Ok(super::plan::materialised_plan(variant, call.lm_head.rows, call.hidden.rows, samples, None, false, false))
     }
 
-    /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`).
+    /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`),
+    /// gated on `gate` unless null (the `mma.sync` and SIMT tiles only).
     ///
     /// # Safety
     /// The context is current; `logits` holds `B × stride` floats; `maps` (TMA variants)
-    /// describe `W` and `H` and are written before on `stream`.
+    /// describe `W` and `H` and are written before on `stream`; `gate`, if not null, is a word
+    /// written before on `stream`.
     #[allow(clippy::too_many_arguments)]
     unsafe fn queue_logits(
         &self,
@@ -329,11 +347,15 @@ impl Kernels {
         maps: Option<MapPair>,
         logits: DevicePtr<f32>,
         stride: usize,
+        gate: DevicePtr<u32>,
     ) -> Result<()> {
         let gemm = variant.logits_kernel(lm_head.dtype);
         let gemm_tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
         if let Some((lm_head_map, hidden_map)) = maps {
+            if gate.address() != 0 {
+                return Err(invalid("variant", format!("{variant:?}: the TMA GEMM takes no gate")));
+            }
             let args = TmaArgs {
                 lm_head_map,
                 hidden_map,
@@ -356,6 +378,7 @@ impl Kernels {
             return unsafe { self.launch(stream, gemm, items, &args) };
         }
         let args = LogitsArgs {
+            gate,
             lm_head: DevicePtr::new(lm_head.address),
             hidden: DevicePtr::new(hidden.address),
             logits,

@@ -23,6 +23,7 @@ pub(crate) mod driver;
 mod enqueue;
 #[cfg(test)]
 mod launches;
+mod listed;
 mod materialised;
 mod memory;
 mod merge;

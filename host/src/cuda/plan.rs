@@ -2,10 +2,14 @@
 //! [`Plan`], which says which path the call takes, how its workspace is laid out and in how
 //! many segments it runs. Enqueueing a plan (`super::enqueue`) only launches.
 //!
-//! A call takes one of two paths, with the same tokens for the same logits:
+//! A call takes one of three paths, with the same tokens for the same logits:
 //! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) go through the
 //!   tile kernels of plain sampling, which apply the steps to each logits quad; with
 //!   log-probabilities the tiles also write each (row, tile)'s log-sum-exp terms;
+//! - listed, for one shard's rows that all have top-k or min-p, without log-probabilities,
+//!   on the `mma.sync` and SIMT tiles: the tiles write each (row, tile)'s first entries and
+//!   the listed sampler decides and draws from them ([`ListedPlan`]), with the materialised
+//!   path behind it for the rows whose lists do not settle;
 //! - materialised, for rows that need their whole row (min-p, top-k, top-p, top entries): the
 //!   unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice with
 //!   log-probabilities: raw and processed), the processing pipeline processes them, and the
@@ -22,9 +26,10 @@ use flashsample_core::abi::{
     LOGITS_SAMPLER_TILE, ProcessRowState, RowSums, ShardExchangeLayout, ShardPartLayout, TENSOR_MAP_BYTES,
 };
 use flashsample_core::registry::Kernel;
+use flashsample_core::truncation::TileTop;
 
 use super::batch::{ProcessingRef, VerifiedRef};
-use super::dispatch::Variant;
+use super::dispatch::{MMA_COLUMNS, Variant};
 use super::memory::{MatrixRef, ResidentMaps, check_address};
 use super::modules::Kernels;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Passes};
@@ -219,14 +224,44 @@ pub(crate) struct MaterialisedPlan {
     pub exchange: Option<ShardExchangeLayout>,
     /// The unsharded call's one part.
     pub part_at: usize,
+    /// The word that gates every kernel of the path ([`ListedPlan::fallback`]), if any.
+    pub gate_at: Option<usize>,
     pub workspace_bytes: usize,
 }
 
-/// A call's path: the fused tiles' (with their terms when the call has log-probabilities) or
-/// the materialised pipeline's.
+/// A listed call's plan (one shard, no log-probabilities, every row with top-k or min-p): the
+/// tile kernel of `variant` writes each (row, tile)'s list of first processed entries, the
+/// listed sampler decides each row's truncations from its lists and draws its tokens, and
+/// the materialised path of the same tile runs behind it, gated on the count of rows whose
+/// lists did not settle: for those (rare on real logits) it samples the call again, every
+/// row as the listed sampler would have (the same logits, bit for bit).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ListedPlan {
+    /// The tiles' call: the per-entry steps applied, the lists written, no draws.
+    pub tiles_call: FusedCall,
+    /// An `mma.sync` or SIMT tile (the TMA tiles write no lists).
+    pub variant: Variant,
+    pub tiles: usize,
+    /// The listed sampler's passes: one candidate per (row, draw).
+    pub passes: Passes,
+    pub samples: u32,
+    /// `[B, tiles]` lists.
+    pub tops_at: usize,
+    /// The largest pass's candidates.
+    pub candidates_at: usize,
+    /// The count of unsettled rows: the fallback's gate.
+    pub unsettled_at: usize,
+    /// The materialised path of `variant`, gated on that count.
+    pub fallback: MaterialisedPlan,
+    pub workspace_bytes: usize,
+}
+
+/// A call's path: the fused tiles' (with their terms when the call has log-probabilities), the
+/// listed sampler's, or the materialised pipeline's.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum PathPlan {
     Fused(FusedCall, FusedPlan, Option<FusedSums>),
+    Listed(ListedPlan),
     Materialised(MaterialisedPlan),
 }
 
@@ -234,6 +269,7 @@ impl PathPlan {
     pub fn workspace_bytes(&self) -> usize {
         match self {
             PathPlan::Fused(_, plan, sums) => sums.map_or(plan.workspace_bytes, |sums| sums.workspace_bytes),
+            PathPlan::Listed(plan) => plan.workspace_bytes,
             PathPlan::Materialised(plan) => plan.workspace_bytes,
         }
     }
@@ -242,6 +278,7 @@ impl PathPlan {
     pub fn variant(&self) -> Variant {
         match self {
             PathPlan::Fused(_, plan, _) => plan.variant,
+            PathPlan::Listed(plan) => plan.variant,
             PathPlan::Materialised(plan) => plan.variant,
         }
     }
@@ -275,6 +312,8 @@ pub(crate) struct MergeCall {
     pub tokens: u64,
     pub out_logprobs: u64,
     pub out_top_logprobs: u64,
+    /// The word that gates the launch (see [`MaterialisedPlan::gate_at`]), or 0.
+    pub gate: u64,
 }
 
 impl MergeCall {
@@ -421,6 +460,7 @@ impl Plan {
                     tokens,
                     out_logprobs,
                     out_top_logprobs: out_top,
+                    gate: 0,
                 };
                 merge.check()?;
                 let gather = GatherPlan { parts: parts.address, part_bytes, index, count: shards };
@@ -626,7 +666,9 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
         VocabShard { offset: vocab_offset, vocab }.check(call.lm_head.rows)?;
     }
     let (lm_head, hidden) = (&call.lm_head, &call.hidden);
-    let variant = resolve(kernels, lm_head, hidden, call.variant)?;
+    let resolved = resolve(kernels, lm_head, hidden, call.variant)?;
+    let listed = listed_variant(call, resolved);
+    let variant = listed.unwrap_or(resolved);
     let process_slices = match processing.whole_row {
         Some(_) => Some(process_slices(kernels.resident_blocks(Kernel::ProcessRows)?, batch, lm_head.rows)),
         None => None,
@@ -643,7 +685,58 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
     if exchange_at != 0 && processing.truncating.is_some() {
         plan.exchange = Some(ShardExchangeLayout::of(batch as u32, processing.selections));
     }
-    Ok(PathPlan::Materialised(plan))
+    Ok(match listed {
+        Some(variant) => PathPlan::Listed(listed_plan(call, variant, plan, samples)),
+        None => PathPlan::Materialised(plan),
+    })
+}
+
+/// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one
+/// shard, no log-probabilities, every row with top-k or min-p, and a tile that writes lists:
+/// the resolved `mma.sync` or SIMT tile, or in place of the dispatcher's TMA tile at B ≤ 32
+/// the `mma.sync` tile of the narrowest width that holds B (the read of `W` bounds both
+/// there). Past B = 32 on the Hopper module the TMA tiles run, which write no lists.
+fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
+    let processing = &call.processing;
+    let listable = matches!(call.target, CallTarget::Tokens { .. })
+        && !call.logprobs()
+        && processing.truncates()
+        && processing.listable
+        && !processing.top_logprobs();
+    match resolved {
+        _ if !listable => None,
+        Variant::Mma { .. } | Variant::Simt => Some(resolved),
+        _ if call.variant == Variant::Auto => {
+            MMA_COLUMNS.into_iter().find(|&c| call.hidden.rows <= c as usize).map(|columns| Variant::Mma { columns })
+        }
+        _ => None,
+    }
+}
+
+/// The listed plan of `call` on `variant`, with `fallback` (the materialised plan of the same
+/// variant) gated on its count of unsettled rows; its own scratch follows the fallback's.
+fn listed_plan(call: &Call, variant: Variant, mut fallback: MaterialisedPlan, samples: u32) -> ListedPlan {
+    let batch = call.hidden.rows;
+    let tiles = call.lm_head.rows.div_ceil(variant.tile_rows() as usize);
+    let passes = Passes::new(batch, samples as usize, 1, CANDIDATE_BUDGET_BYTES);
+    let tops_at = align(fallback.workspace_bytes);
+    let candidates_at = align(tops_at + batch * tiles * size_of::<TileTop>());
+    let unsettled_at = align(candidates_at + passes.candidate_pairs() * size_of::<Candidate>());
+    fallback.gate_at = Some(unsettled_at);
+    let processing = call.processing.per_entry.then_some(call.processing.address);
+    let tiles_call = FusedCall { variant, processing, ..call.plain(0) };
+    ListedPlan {
+        tiles_call,
+        variant,
+        tiles,
+        passes,
+        samples,
+        tops_at,
+        candidates_at,
+        unsettled_at,
+        fallback,
+        workspace_bytes: unsettled_at + 64,
+    }
 }
 
 /// Checks a fused call and plans it.
@@ -768,6 +861,7 @@ pub(crate) fn materialised_plan(
         part_sums_at,
         states_at,
         part_at,
+        gate_at: None,
         workspace_bytes: part_at + part,
     }
 }

@@ -10,7 +10,6 @@ use flashsample_core::abi::{
     WinnerLogitsArgs,
 };
 use flashsample_core::registry::Kernel;
-use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, RowParams};
 
 use super::dispatch::{Variant, element_type};
@@ -19,7 +18,7 @@ use super::modules::Kernels;
 use super::passes::{Pass, Passes};
 use super::plan::{Call, CallTarget, FusedCall, FusedPlan, FusedSums, TensorMaps, WORKSPACE_MAPS_BYTES};
 use super::request::DeviceWorkspace;
-use crate::error::{Result, invalid};
+use crate::error::Result;
 
 /// The tensor maps' pair (`W`'s, `H`'s).
 pub(crate) type MapPair = (DevicePtr<TensorMap>, DevicePtr<TensorMap>);
@@ -140,30 +139,17 @@ impl Kernels {
         workspace: DeviceWorkspace,
     ) -> Result<()> {
         // SAFETY: per this function's contract.
-        unsafe {
-            self.enqueue_tiles(
-                stream,
-                call,
-                plan,
-                maps,
-                workspace,
-                ReduceTarget::of(call),
-                DevicePtr::NULL,
-                DevicePtr::NULL,
-            )
-        }
+        unsafe { self.enqueue_tiles(stream, call, plan, maps, workspace, ReduceTarget::of(call), DevicePtr::NULL) }
     }
 
     /// Queues the tile kernel and the merge kernel of a planned fused call, the merge kernel
     /// writing into `target`; with `tile_sums` (`[B, tiles]` terms) not null, the tile kernel
-    /// writes each (row, tile)'s log-sum-exp terms there in the pass of the row's first draws,
-    /// and with `tile_tops` (`[B, tiles]` lists) its first processed entries.
+    /// writes each (row, tile)'s log-sum-exp terms there in the pass of the row's first draws.
     ///
     /// # Safety
     /// As [`Kernels::enqueue_fused`]; `target` holds `B · draws.count` slots (and its terms `B`
     /// rows), `tile_sums` (if not null) `B · tiles` terms and the plan's variant writes them
-    /// (`Kernel::writes_tile_sums`), `tile_tops` (if not null) `B · tiles` lists and the
-    /// variant is an `mma.sync` or SIMT tile (the TMA tiles do not write them).
+    /// (`Kernel::writes_tile_sums`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn enqueue_tiles(
         &self,
@@ -174,15 +160,11 @@ impl Kernels {
         workspace: DeviceWorkspace,
         target: ReduceTarget,
         tile_sums: DevicePtr<RowSums>,
-        tile_tops: DevicePtr<TileTop>,
     ) -> Result<()> {
         let vocab_offset = call.shard.map_or(0, |shard| shard.vocab_offset as u32);
         let FusedPlan { variant, tiles, samples, .. } = *plan;
         let (lm_head, hidden) = (&call.lm_head, &call.hidden);
         let kernel = variant.fused_kernel(lm_head.dtype);
-        if tile_tops.address() != 0 && variant.tma_boxes().is_some() {
-            return Err(invalid("variant", format!("{variant:?}: the TMA tiles do not write tile lists")));
-        }
         // SAFETY: the workspace holds the plan's bytes; the maps per this function's contract.
         let maps = unsafe { self.tensor_maps(stream, variant, lm_head, hidden, maps, workspace)? };
         let candidates = DevicePtr::<Candidate>::new(workspace.address + WORKSPACE_MAPS_BYTES as u64);
@@ -192,65 +174,72 @@ impl Kernels {
         // SAFETY: the candidates of the largest pass fit the workspace (the plan); the row
         // parameters and tokens hold the call's extents (this function's contract).
         unsafe {
-            self.queue_passes(stream, &plan.passes, tiles, row_params, candidates, target, samples, |pass, launch| {
-                // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
-                let draw_offset = call.draws.first + pass.first_sample as u32;
-                let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
-                // The terms are written once per row, in the pass of its first draws.
-                let (tile_sums, tile_tops) = match pass.first_sample {
-                    0 => (
-                        tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
-                        tile_tops.add_unless_null(pass.first_row as u64 * tiles as u64),
-                    ),
-                    _ => (DevicePtr::NULL, DevicePtr::NULL),
-                };
-                if let Some((lm_head_map, hidden_map)) = maps {
-                    let args = TmaArgs {
-                        lm_head_map,
-                        hidden_map,
+            self.queue_passes(
+                stream,
+                &plan.passes,
+                tiles,
+                row_params,
+                candidates,
+                target,
+                samples,
+                DevicePtr::NULL,
+                |pass, launch| {
+                    // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
+                    let draw_offset = call.draws.first + pass.first_sample as u32;
+                    let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
+                    // The terms are written once per row, in the pass of its first draws.
+                    let tile_sums = match pass.first_sample {
+                        0 => tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
+                        _ => DevicePtr::NULL,
+                    };
+                    if let Some((lm_head_map, hidden_map)) = maps {
+                        let args = TmaArgs {
+                            lm_head_map,
+                            hidden_map,
+                            row_params: launch.row_params,
+                            out: candidates.cast(),
+                            // A pass's rows start at its first row, in the processing blocks as in
+                            // the row parameters.
+                            processing: processing.add_unless_null(pass.first_row as u64),
+                            tile_sums,
+                            vocab: lm_head.rows as u32,
+                            dim: lm_head.cols as u32,
+                            batch: launch.batch,
+                            hidden_row0: pass.first_row as u32,
+                            draw_offset,
+                            samples: pass.samples as u32,
+                            tiles: tiles as u32,
+                            logits_stride: 0,
+                            vocab_offset,
+                            padding: 0,
+                        };
+                        // SAFETY: the maps describe the call's matrices.
+                        return self.launch(stream, kernel, items, &args);
+                    }
+                    let first_row_bytes = pass.first_row as u64 * hidden.row_stride as u64 * element_bytes;
+                    let args = FusedArgs {
+                        lm_head: DevicePtr::new(lm_head.address),
+                        hidden: DevicePtr::new(hidden.address + first_row_bytes),
                         row_params: launch.row_params,
-                        out: candidates.cast(),
-                        // A pass's rows start at its first row, in the processing blocks as in
-                        // the row parameters.
+                        candidates,
                         processing: processing.add_unless_null(pass.first_row as u64),
                         tile_sums,
+                        tile_tops: DevicePtr::NULL,
                         vocab: lm_head.rows as u32,
                         dim: lm_head.cols as u32,
                         batch: launch.batch,
-                        hidden_row0: pass.first_row as u32,
                         draw_offset,
                         samples: pass.samples as u32,
                         tiles: tiles as u32,
-                        logits_stride: 0,
+                        lm_head_stride: lm_head.row_stride as u32,
+                        hidden_stride: hidden.row_stride as u32,
                         vocab_offset,
                         padding: 0,
                     };
-                    // SAFETY: the maps describe the call's matrices.
-                    return self.launch(stream, kernel, items, &args);
-                }
-                let first_row_bytes = pass.first_row as u64 * hidden.row_stride as u64 * element_bytes;
-                let args = FusedArgs {
-                    lm_head: DevicePtr::new(lm_head.address),
-                    hidden: DevicePtr::new(hidden.address + first_row_bytes),
-                    row_params: launch.row_params,
-                    candidates,
-                    processing: processing.add_unless_null(pass.first_row as u64),
-                    tile_sums,
-                    tile_tops,
-                    vocab: lm_head.rows as u32,
-                    dim: lm_head.cols as u32,
-                    batch: launch.batch,
-                    draw_offset,
-                    samples: pass.samples as u32,
-                    tiles: tiles as u32,
-                    lm_head_stride: lm_head.row_stride as u32,
-                    hidden_stride: hidden.row_stride as u32,
-                    vocab_offset,
-                    padding: 0,
-                };
-                // SAFETY: the matrices hold their extents (this function's contract).
-                self.launch(stream, kernel, items, &args)
-            })
+                    // SAFETY: the matrices hold their extents (this function's contract).
+                    self.launch(stream, kernel, items, &args)
+                },
+            )
         }
     }
 
@@ -318,28 +307,20 @@ impl Kernels {
         // `W`, `H`, the processing and the outputs hold their extents (this function's
         // contract).
         unsafe {
-            self.enqueue_tiles(
-                stream,
-                fused,
-                plan,
-                maps,
-                workspace,
-                ReduceTarget::Winners(target),
-                tile_sums,
-                DevicePtr::NULL,
-            )?;
+            self.enqueue_tiles(stream, fused, plan, maps, workspace, ReduceTarget::Winners(target), tile_sums)?;
             self.launch(stream, kernel, winners, &args)
         }
     }
 
     /// Queues, for each pass of `passes`, `tile_kernel` (which writes the pass's candidates)
-    /// and the merge kernel into the pass's slots of the `[B, samples]` tokens or winners.
+    /// and the merge kernel into the pass's slots of the `[B, samples]` tokens or winners,
+    /// gated on `gate` unless null.
     ///
     /// # Safety
     /// The context is current; `candidates` holds the largest pass's `rows × samples × tiles`
     /// candidates, `row_params` `B` entries, `target` `B × samples` slots (and its logits, if
     /// any, `B` rows); `tile_kernel` queues a kernel that writes every candidate of its pass on
-    /// `stream`.
+    /// `stream`; `gate`, if not null, is a word written before on `stream`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn queue_passes(
         &self,
@@ -350,6 +331,7 @@ impl Kernels {
         candidates: DevicePtr<Candidate>,
         target: ReduceTarget,
         samples: u32,
+        gate: DevicePtr<u32>,
         mut tile_kernel: impl FnMut(&Pass, &TileLaunch) -> Result<()>,
     ) -> Result<()> {
         for pass in passes.passes() {
@@ -357,6 +339,7 @@ impl Kernels {
             tile_kernel(&pass, &launch)?;
             let first_slot = (pass.first_row * samples as usize) as u64;
             let mut reduce = ReduceArgs {
+                gate,
                 candidates,
                 tokens: DevicePtr::NULL,
                 winners: DevicePtr::NULL,

@@ -4,7 +4,7 @@
 //! tiles' lists of their first entries.
 
 use flashsample_core::Candidate;
-use flashsample_core::abi::{DevicePtr, EstimateErrorArgs, ReadProbeArgs};
+use flashsample_core::abi::{EstimateErrorArgs, ReadProbeArgs};
 use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::{TILE_TOP, TileTop};
 
@@ -13,9 +13,8 @@ use crate::cuda::batch::DeviceBatch;
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::memory::{Allocation, ensure};
-use crate::cuda::plan::{FusedCall, TensorMaps, plan_fused};
-use crate::cuda::request::DeviceWorkspace;
-use crate::cuda::tiles::ReduceTarget;
+use crate::cuda::plan::{FusedCall, PathPlan, Plan, TensorMaps, plan_fused};
+use crate::cuda::request::{DeviceWorkspace, Request};
 use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape};
 use crate::sampler::{HeadStorage, LmHead};
@@ -219,7 +218,7 @@ impl CudaSampler {
 
     /// The tile lists ([`TileTop`]) the fused `mma.sync` or SIMT tile of `variant` writes for
     /// each row of `hidden` with `batch`'s per-entry processing, `[B, tiles]` in tiles of
-    /// [`flashsample_core::abi::TILE_ROWS`] entries: what fused truncation decides from.
+    /// [`flashsample_core::abi::TILE_ROWS`] entries: what the listed path decides from.
     /// Every list is poisoned first (NaN logits at [`CudaSampler::POISON_INDEX`]), so one a
     /// tile leaves unwritten shows. The TMA tiles do not write them (an error naming
     /// `variant`).
@@ -237,14 +236,12 @@ impl CudaSampler {
             return Err(invalid("batch", "the batch and the hidden states must have the same rows"));
         }
         self.make_current()?;
-        // SAFETY: the merge kernel writes every token before anyone reads it.
-        let tokens = unsafe { Allocation::<u32>::uninitialized(&self.stream, hidden.rows(), "tokens")? };
         let per_entry = batch.summary().per_entry_blocks();
         let call = FusedCall {
             lm_head: head.matrix(),
             hidden: hidden.matrix(),
             row_params: batch.row_params().address(),
-            tokens: tokens.ptr().address(),
+            tokens: 0,
             draws: Draws::first(1),
             variant,
             processing: (per_entry.address() != 0).then_some(per_entry.address()),
@@ -252,27 +249,52 @@ impl CudaSampler {
         };
         let kernels = self.kernels().kernels();
         let plan = plan_fused(kernels, &call)?;
+        let call = FusedCall { variant: plan.variant, ..call };
         let poison = TileTop { logits: [f32::NAN; TILE_TOP], indices: [Self::POISON_INDEX; TILE_TOP] };
         let tops = Allocation::from_host(&self.stream, &vec![poison; hidden.rows() * plan.tiles], "tile lists")?;
-        let workspace: DeviceWorkspace = self.workspace(plan.workspace_bytes)?;
         // SAFETY: every address comes from a live buffer of this sampler sized for the call: the
         // lists hold `B · tiles` entries.
         unsafe {
             driver::in_context(self.kernels().context().cast(), || {
-                kernels.enqueue_tiles(
-                    self.stream.cu_stream(),
-                    &call,
-                    &plan,
-                    TensorMaps::Store,
-                    workspace,
-                    ReduceTarget::of(&call),
-                    DevicePtr::NULL,
-                    tops.ptr(),
-                )
+                kernels.queue_tile_lists(self.stream.cu_stream(), &call, plan.tiles, tops.ptr())
             })?
         };
         self.synchronize("tile lists")?;
         tops.to_host(&self.stream, "tile lists")
+    }
+
+    /// [`CudaSampler::sample_into`], returning for a call on the listed path how many rows its
+    /// tiles' lists did not settle (the rows for which the materialised path behind it
+    /// sampled the call again), and `None` for a call on another path.
+    pub fn sample_listed_into(
+        &self,
+        lm_head: &LmHead,
+        hidden: &CudaHidden,
+        batch: &DeviceBatch,
+        draws: Draws,
+        outputs: &mut DeviceOutputs,
+    ) -> Result<Option<u32>> {
+        let [head] = self.shards(lm_head)? else {
+            return Err(invalid("lm_head", "kept in several shards: the listed path takes one shard"));
+        };
+        let draws = draws.check()?;
+        outputs.target_of(batch, hidden.rows(), draws.count)?;
+        let request = Request {
+            lm_head: head.view(),
+            hidden: hidden.view(),
+            batch: batch.view(&self.stream),
+            draws,
+            shard: None,
+        };
+        let plan = Plan::new(self.kernels().kernels(), &request, &outputs.target(), self.variant.get())?;
+        self.sample_into(lm_head, hidden, batch, draws, outputs)?;
+        let PathPlan::Listed(listed) = &plan.path else { return Ok(None) };
+        let at = plan.stage_offset() + listed.unsettled_at;
+        self.synchronize("listed call")?;
+        let scratch = self.scratch.borrow();
+        let workspace = scratch.workspace.as_ref().ok_or_else(|| invalid("workspace", "none after a call"))?;
+        let bytes = workspace.to_host(&self.stream, "unsettled rows")?;
+        Ok(Some(u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes"))))
     }
 }
 

@@ -1,0 +1,121 @@
+//! The listed path's launches ([`ListedPlan`]): the tile kernel writes each (row, tile)'s
+//! list of first processed entries and no candidates, the listed sampler decides each row's
+//! truncations from its lists and writes one candidate per (row, draw), the merge kernel turns
+//! them into tokens, and the materialised path of the same tile follows, every kernel of it
+//! gated on the count of rows whose lists did not settle.
+
+use cudarc::driver::sys;
+use flashsample_core::abi::{DevicePtr, FusedArgs, SampleListedArgs};
+use flashsample_core::registry::Kernel;
+use flashsample_core::truncation::TileTop;
+use flashsample_core::{Candidate, RowParams};
+
+use super::driver;
+use super::modules::Kernels;
+use super::plan::{Call, CallTarget, FusedCall, ListedPlan, TensorMaps};
+use super::request::DeviceWorkspace;
+use super::tiles::ReduceTarget;
+use crate::error::{Result, invalid};
+
+impl Kernels {
+    /// Queues a listed call.
+    ///
+    /// # Safety
+    /// The context is current; the call's buffers hold its extents and the workspace the
+    /// plan's, only this stream's.
+    pub(crate) unsafe fn enqueue_listed(
+        &self,
+        stream: sys::CUstream,
+        call: &Call,
+        plan: &ListedPlan,
+        workspace: DeviceWorkspace,
+    ) -> Result<()> {
+        let CallTarget::Tokens { tokens, .. } = call.target else {
+            return Err(invalid("target", "a listed call writes tokens, not a shard's part"));
+        };
+        let base = DevicePtr::<u8>::new(workspace.address);
+        let tops = base.byte_add(plan.tops_at as u64).cast::<TileTop>();
+        let candidates = base.byte_add(plan.candidates_at as u64).cast::<Candidate>();
+        let unsettled = base.byte_add(plan.unsettled_at as u64).cast::<u32>();
+        let row_params = DevicePtr::<RowParams>::new(call.row_params);
+        let processing = call.processing.blocks();
+        // SAFETY: the workspace holds the plan's regions, the call's buffers their extents
+        // (this function's contract); the lists are written before the listed sampler reads
+        // them, its count before the gated fallback reads it, all on `stream`.
+        unsafe {
+            driver::fill_words_async("unsettled rows", unsettled, 0, 1, stream)?;
+            self.queue_tile_lists(stream, &plan.tiles_call, plan.tiles, tops)?;
+            self.queue_passes(
+                stream,
+                &plan.passes,
+                1,
+                row_params,
+                candidates,
+                ReduceTarget::Tokens(DevicePtr::new(tokens)),
+                plan.samples,
+                DevicePtr::NULL,
+                |pass, launch| {
+                    let first_row = pass.first_row as u64;
+                    let args = SampleListedArgs {
+                        tile_tops: tops.add(first_row * plan.tiles as u64),
+                        row_params: launch.row_params,
+                        processing: processing.add(first_row),
+                        candidates,
+                        unsettled,
+                        batch: launch.batch,
+                        tiles: plan.tiles as u32,
+                        // The noise is keyed by the draw's index: the pass's first draw, after
+                        // `draws.first`.
+                        draw_offset: call.draws.first + pass.first_sample as u32,
+                        samples: pass.samples as u32,
+                    };
+                    self.launch(stream, Kernel::SampleListed, launch.batch as u64, &args)
+                },
+            )?;
+            self.enqueue_materialised(stream, call, &plan.fallback, TensorMaps::Store, workspace, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the tile kernel of `call.variant` over every row with no draws: each (row, tile)'s
+    /// list into `tops` (`[B, tiles]`).
+    ///
+    /// # Safety
+    /// The context is current; the call's matrices, row parameters and processing hold their
+    /// extents, `tops` `B · tiles` lists; the variant is an `mma.sync` or SIMT tile.
+    pub(crate) unsafe fn queue_tile_lists(
+        &self,
+        stream: sys::CUstream,
+        call: &FusedCall,
+        tiles: usize,
+        tops: DevicePtr<TileTop>,
+    ) -> Result<()> {
+        let variant = call.variant;
+        if variant.tma_boxes().is_some() {
+            return Err(invalid("variant", format!("{variant:?}: the TMA tiles do not write tile lists")));
+        }
+        let (lm_head, hidden) = (&call.lm_head, &call.hidden);
+        let args = FusedArgs {
+            lm_head: DevicePtr::new(lm_head.address),
+            hidden: DevicePtr::new(hidden.address),
+            row_params: DevicePtr::new(call.row_params),
+            candidates: DevicePtr::NULL,
+            processing: DevicePtr::new(call.processing.unwrap_or(0)),
+            tile_sums: DevicePtr::NULL,
+            tile_tops: tops,
+            vocab: lm_head.rows as u32,
+            dim: lm_head.cols as u32,
+            batch: hidden.rows as u32,
+            draw_offset: 0,
+            samples: 0,
+            tiles: tiles as u32,
+            lm_head_stride: lm_head.row_stride as u32,
+            hidden_stride: hidden.row_stride as u32,
+            vocab_offset: 0,
+            padding: 0,
+        };
+        let items = tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
+        // SAFETY: per this function's contract.
+        unsafe { self.launch(stream, variant.fused_kernel(lm_head.dtype), items, &args) }
+    }
+}

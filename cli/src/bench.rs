@@ -90,6 +90,12 @@ pub const PROCESSING_MODES: [(&str, ModeFor); 10] = [
     ("top_k_top_p", |_| Processing { top_k: Some(50), top_p: 0.9, ..Processing::default() }),
 ];
 
+/// The processing modes the listed path takes (top-k on every row).
+pub const LISTED_MODES: [&str; 2] = ["top_k", "top_k_top_p"];
+
+/// The suffix of a listed mode's label when timed on materialised logits.
+const MATERIALISED: &str = "@materialised";
+
 /// Every tensor-core tile variant of `module`, with its label in the CSV.
 fn tensor_core_variants(module: Module) -> Vec<(String, Variant)> {
     Variant::tensor_core(module)
@@ -130,7 +136,7 @@ pub fn run(samplers: &[CudaSampler], options: &Options) -> Result<Vec<Row>> {
 
 fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cublas>) -> Result<Vec<Row>> {
     let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 }
-        + if options.processing { PROCESSING_MODES.len() } else { 0 };
+        + if options.processing { PROCESSING_MODES.len() + LISTED_MODES.len() } else { 0 };
     let reference = usize::from(cublas.is_some());
     let verification = if options.verification { 2 * VERIFIED_DRAFTS.len() * VERIFIED_SEQUENCES.len() } else { 0 };
     let points = options.shapes.len()
@@ -196,6 +202,17 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
                         time(&format!("processed_{label}"), &mut || {
                             sampler.sample_into(&head, &hidden, &processing, one, &mut out)
                         })?;
+                        // A TMA tile forced by name keeps the truncations on materialised
+                        // logits: the listed path's same-run reference on the Hopper module.
+                        if LISTED_MODES.contains(&label)
+                            && matches!(auto, Variant::Tma { .. } | Variant::TmaHandoff { .. })
+                        {
+                            sampler.set_variant(auto);
+                            time(&format!("processed_{label}{MATERIALISED}"), &mut || {
+                                sampler.sample_into(&head, &hidden, &processing, one, &mut out)
+                            })?;
+                            sampler.set_variant(Variant::Auto);
+                        }
                     }
                 }
                 if first && options.all_variants {
@@ -366,6 +383,7 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     let mut out = format!("{} module:\n\n", primary.name());
     out.push_str(&primary_table(&primary_rows, peers, dtype));
     out.push_str(&processing_table(&primary_rows, peers));
+    out.push_str(&listed_table(&primary_rows));
     out.push_str(&flashinfer_table(&primary_rows, peers));
     out.push_str(&verification_table(&primary_rows, peers));
     for module in Module::ALL.into_iter().filter(|&m| m != primary) {
@@ -386,7 +404,7 @@ fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
     let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
     let torch = ["torch_sample", "torch_top_k", "torch_top_p", "torch_min_p"];
     let mut out = String::from(
-        "\nProcessed sampling, µs (per-entry modes and log-probabilities fused; truncations on materialised logits):\n\n| D | V | B | fused sample |",
+        "\nProcessed sampling, µs (per-entry modes and log-probabilities fused; top-k from the tiles' lists where the plan lists it, other truncations on materialised logits):\n\n| D | V | B | fused sample |",
     );
     for (label, _) in PROCESSING_MODES {
         write!(out, " {label} |").unwrap();
@@ -405,6 +423,32 @@ fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
             write!(out, " {} |", show(peer_median(peers, d, v, b, name))).unwrap();
         }
         out.push('\n');
+    }
+    out
+}
+
+/// The listed modes on the listed path (what the plan picks) and on materialised logits, per
+/// (shape, B), when the bench timed both.
+fn listed_table(rows: &[Row]) -> String {
+    if !rows.iter().any(|r| r.variant.ends_with(MATERIALISED)) {
+        return String::new();
+    }
+    let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
+    let mut out = String::from(
+        "\nTruncations as the plan runs them (listed where it applies) and on materialised logits (a TMA tile forced), µs:\n\n| D | V | B | mode | planned | materialised | planned / materialised |\n|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows.iter().filter(|r| r.variant == "processed_plain") {
+        let (d, v, b) = (r.dim, r.vocab, r.batch);
+        for mode in LISTED_MODES {
+            let planned = our_median(rows, d, v, b, &format!("processed_{mode}"));
+            let materialised = our_median(rows, d, v, b, &format!("processed_{mode}{MATERIALISED}"));
+            let ratio = match (planned, materialised) {
+                (Some(a), Some(b)) => format!("{:.3}", a / b),
+                _ => "-".into(),
+            };
+            writeln!(out, "| {d} | {v} | {b} | {mode} | {} | {} | {ratio} |", show(planned), show(materialised))
+                .unwrap();
+        }
     }
     out
 }

@@ -1123,7 +1123,7 @@ pub const LISTED_RANK_CAP: u32 = 2048;
 /// Dynamic shared memory of the listed sampler: the ranked entries, a digit's histogram, and
 /// per-warp slots for the block's reductions (see the kernel's `ListedShared`).
 pub const LISTED_SHARED_BYTES: u32 =
-    LISTED_RANK_CAP * 8 + LISTED_THREADS * 8 + 256 * 4 + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES) + 32;
+    LISTED_RANK_CAP * 8 + 256 * 4 + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES) + 32;
 
 /// The listed sampler: each row's min-p, top-k and top-p decided from its tiles' lists
 /// ([`crate::truncation`]) and its draws raced among the entries they keep, one candidate per

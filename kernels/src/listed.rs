@@ -33,15 +33,13 @@ const DIGIT_BUCKETS: usize = 256;
 pub struct ListedShared {
     /// The entries top-p ranks: `order_key << 32 | !index`, sorted in decreasing order.
     ranked: [u64; LISTED_RANK_CAP as usize],
-    /// Each thread's sum of top-p units, then its exclusive prefix.
-    sums: [u64; LISTED_THREADS as usize],
     /// A digit's histogram.
     histogram: [u32; DIGIT_BUCKETS],
     warp_u64: [u64; WARPS],
     warp_u32: [u32; WARPS],
     warp_best: [Candidate; WARPS],
-    /// Thread 0's decisions for the block: a digit's prefix and remaining rank, whether the
-    /// k-th entry exists, the ranked count, top-p's cut (logit bits, index).
+    /// Decisions for the block: a digit's prefix and remaining rank, whether the k-th entry
+    /// exists, the ranked count, top-p's last rank.
     words: [u32; 8],
 }
 
@@ -183,6 +181,30 @@ impl Block {
     }
 }
 
+/// The sum of `value` over the lanes below this one and over the whole warp, by a butterfly
+/// over lane masks 1 to 16 (shuffles only).
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn warp_prefix(value: u64, lane: u32) -> (u64, u64) {
+    let (mut before, mut total) = (0u64, value);
+    let mut mask = 1;
+    while mask < 32 {
+        // SAFETY: all 32 lanes are here together (this function's contract).
+        let other = unsafe {
+            (arch::shuffle_xor(total as u32, mask) as u64)
+                | (arch::shuffle_xor((total >> 32) as u32, mask) as u64) << 32
+        };
+        if lane & mask != 0 {
+            before += other;
+        }
+        total += other;
+        mask <<= 1;
+    }
+    (before, total)
+}
+
 /// The k-th largest [`order_key`] among this row's entries at or above `min_cut`, by a radix
 /// selection of four 8-bit digits; `None` when fewer than `k` entries are.
 ///
@@ -212,24 +234,31 @@ unsafe fn kth_key(lists: &RowLists, block: &Block, min_cut: f32, k: u32) -> Opti
                 }
             });
             arch::sync_threads();
-            if thread == 0 {
-                let mut found = 0;
-                let mut above = 0u32;
-                let mut bucket = DIGIT_BUCKETS;
-                while bucket > 0 {
-                    bucket -= 1;
-                    let count = (*shared).histogram[bucket];
-                    if above + count >= rank {
-                        prefix |= (bucket as u32) << shift;
-                        rank -= above;
-                        found = 1;
-                        break;
-                    }
-                    above += count;
+            // Warp 0 decides: lane `l` holds buckets `255 − 8l` down to `248 − 8l`, and the
+            // lane whose run of counts (from the top) reaches `rank` walks its own.
+            if thread < 32 {
+                let top = DIGIT_BUCKETS - 1 - 8 * thread as usize;
+                let mut run = 0u32;
+                for i in 0..8 {
+                    run += (*shared).histogram[top - i];
                 }
-                (*shared).words[0] = prefix;
-                (*shared).words[1] = rank;
-                (*shared).words[2] = found;
+                let (above, total) = warp_prefix(run as u64, thread);
+                let above = above as u32;
+                if thread == 0 {
+                    (*shared).words[2] = (total >= rank as u64) as u32;
+                }
+                if above < rank && above + run >= rank {
+                    let mut above = above;
+                    for i in 0..8 {
+                        let count = (*shared).histogram[top - i];
+                        if above + count >= rank {
+                            (*shared).words[0] = prefix | ((top - i) as u32) << shift;
+                            (*shared).words[1] = rank - above;
+                            break;
+                        }
+                        above += count;
+                    }
+                }
             }
             arch::sync_threads();
             prefix = (*shared).words[0];
@@ -329,32 +358,34 @@ unsafe fn top_p_cut(
         let word = unsafe { *ranked.add(slot as usize) };
         (key_logit((word >> 32) as u32), !(word as u32))
     };
-    // Each thread sums a run of consecutive ranks; thread 0 turns the sums into prefixes.
+    // Each thread sums a run of consecutive ranks; the block's scan turns the sums into
+    // prefixes.
     let run = count.div_ceil(LISTED_THREADS);
     let (first, end) = ((thread * run).min(count), ((thread + 1) * run).min(count));
     let mut sum = 0u64;
     for slot in first..end {
         sum += top_p_units(entry(slot).0, max, temperature);
     }
-    // SAFETY: every thread of the block is here; each thread's slot, then thread 0 alone, then
-    // every thread reads, separated by barriers.
+    // SAFETY: every thread of the block is here; each warp's slot, then every thread reads,
+    // separated by barriers.
     unsafe {
-        let sums = &raw mut (*shared).sums as *mut u64;
-        *sums.add(thread as usize) = sum;
-        arch::sync_threads();
+        let (in_warp, warp_total) = warp_prefix(sum, block.lane());
+        if block.lane() == 0 {
+            (*shared).warp_u64[block.warp()] = warp_total;
+        }
         if thread == 0 {
-            let mut total = 0u64;
-            for t in 0..LISTED_THREADS as usize {
-                let own = *sums.add(t);
-                *sums.add(t) = total;
-                total += own;
-            }
-            (*shared).warp_u64[0] = top_p_target(total, top_p);
             (*shared).words[4] = u32::MAX;
         }
         arch::sync_threads();
-        let target = (*shared).warp_u64[0];
-        let before = *sums.add(thread as usize);
+        let (mut before, mut total) = (in_warp, 0u64);
+        for w in 0..WARPS {
+            let part = (*shared).warp_u64[w];
+            if w < block.warp() {
+                before += part;
+            }
+            total += part;
+        }
+        let target = top_p_target(total, top_p);
         if before < target && before + sum >= target {
             let mut mass = before;
             for slot in first..end {

@@ -181,8 +181,8 @@ fn spread_integers(rows: usize, cols: usize, seed: u64) -> Matrix {
     flashsample_tests::matrix_of(rows, cols, DType::F32, values)
 }
 
-/// Rows of every mode the listed path takes (top-k or min-p, alone, together, with top-p
-/// after them), with a bias, a mask or a repetition penalty on some, and one greedy row.
+/// Rows of every mode the listed path takes (top-k alone, with min-p before it, with top-p
+/// after it), with a bias, a mask or a repetition penalty on some, and one greedy row.
 fn listed_rows(vocab: usize) -> (Vec<SamplingParams>, Vec<Processing>) {
     let mut mask = vec![u32::MAX; vocab.div_ceil(32)];
     mask[3] = 0x5555_5555;
@@ -190,9 +190,9 @@ fn listed_rows(vocab: usize) -> (Vec<SamplingParams>, Vec<Processing>) {
     let base = Processing::default;
     let processing = vec![
         Processing { top_k: Some(8), ..base() },
-        Processing { min_p: 0.05, bias: vec![(11, 6.0), (4000, f32::NEG_INFINITY)], ..base() },
+        Processing { min_p: 0.05, top_k: Some(200), bias: vec![(11, 6.0), (4000, f32::NEG_INFINITY)], ..base() },
         Processing { top_k: Some(16), top_p: 0.9, ..base() },
-        Processing { min_p: 0.1, top_p: 0.8, mask: Some(mask), ..base() },
+        Processing { min_p: 0.1, top_k: Some(64), top_p: 0.8, mask: Some(mask), ..base() },
         Processing { top_k: Some(1), min_p: 0.2, ..base() },
         Processing { top_k: Some(8), penalties: repetition, history: vec![5, 5, 90, 2000], ..base() },
         Processing { top_k: Some(12), min_p: 0.02, top_p: 0.95, ..base() },
@@ -259,7 +259,7 @@ fn the_listed_inputs_settle_as_their_tests_need() {
     assert!(unsettled_on_cpu(&tied_w, &tied_h, &params, &processing) > 0);
 }
 
-/// The listed path (every row with top-k or min-p, no log-probabilities) gives the CPU's
+/// The listed path (every row with top-k, no log-probabilities) gives the CPU's
 /// tokens, in BF16 (the `mma.sync` tile) and F32 (the SIMT tile), 4 draws per row, outputs and
 /// workspace poisoned first: on spread logits every row settles (the GPU's count of unsettled
 /// rows is the CPU's, 0), so the listed sampler's own tokens are the ones checked; on tied

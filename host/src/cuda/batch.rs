@@ -74,8 +74,9 @@ pub(crate) struct ProcessingRef {
     pub per_entry: bool,
     /// [`Selection::bit`]s of the selections some row needs.
     pub selections: u32,
-    /// Whether every row has top-k or min-p, so that its truncations can be decided from the
-    /// tiles' lists ([`flashsample_core::truncation`]); top-p alone can keep most of a row.
+    /// Whether every row has top-k, so that its truncations can be decided from the tiles'
+    /// lists ([`flashsample_core::truncation`]): top-k bounds what a row keeps, while min-p and
+    /// top-p alone can keep most of a flat row, whose lists never settle.
     pub listable: bool,
 }
 
@@ -113,7 +114,7 @@ impl ProcessingRef {
                 .zip(sparse)
                 .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty()),
             selections: processing.iter().fold(0, |bits, p| bits | selections(p)),
-            listable: processing.iter().all(|p| p.top_k.is_some() || p.min_p > 0.0),
+            listable: processing.iter().all(|p| p.top_k.is_some()),
         }
     }
 

@@ -106,7 +106,7 @@ fn processing_kind(kind: &str, vocab: usize, row: usize) -> Processing {
         ("truncating", 1) => Processing { top_k: Some(50), ..base() },
         ("truncating", 2) => Processing { top_p: 0.9, ..base() },
         ("truncating", _) => base(),
-        ("listed", 0) => Processing { min_p: 0.05, ..base() },
+        ("listed", 0) => Processing { min_p: 0.05, top_k: Some(100), ..base() },
         ("listed", 1) => Processing { top_k: Some(50), top_p: 0.9, bias: vec![(3, 1.0)], ..base() },
         ("listed", _) => Processing { top_k: Some(20), ..base() },
         ("top", r) => Processing { top_logprobs: [20, 0, 5, 1][r], ..base() },

@@ -6,7 +6,7 @@
 //! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) go through the
 //!   tile kernels of plain sampling, which apply the steps to each logits quad; with
 //!   log-probabilities the tiles also write each (row, tile)'s log-sum-exp terms;
-//! - listed, for one shard's rows that all have top-k or min-p, without log-probabilities,
+//! - listed, for one shard's rows that all have top-k, without log-probabilities,
 //!   on the `mma.sync` and SIMT tiles: the tiles write each (row, tile)'s first entries and
 //!   the listed sampler decides and draws from them ([`ListedPlan`]), with the materialised
 //!   path behind it for the rows whose lists do not settle;
@@ -229,7 +229,7 @@ pub(crate) struct MaterialisedPlan {
     pub workspace_bytes: usize,
 }
 
-/// A listed call's plan (one shard, no log-probabilities, every row with top-k or min-p): the
+/// A listed call's plan (one shard, no log-probabilities, every row with top-k): the
 /// tile kernel of `variant` writes each (row, tile)'s list of first processed entries, the
 /// listed sampler decides each row's truncations from its lists and draws its tokens, and
 /// the materialised path of the same tile runs behind it, gated on the count of rows whose
@@ -692,7 +692,7 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
 }
 
 /// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one
-/// shard, no log-probabilities, every row with top-k or min-p, and a tile that writes lists:
+/// shard, no log-probabilities, every row with top-k, and a tile that writes lists:
 /// the resolved `mma.sync` or SIMT tile, or in place of the dispatcher's TMA tile at B ≤ 32
 /// the `mma.sync` tile of the narrowest width that holds B (the read of `W` bounds both
 /// there). Past B = 32 on the Hopper module the TMA tiles run, which write no lists.

@@ -13,7 +13,7 @@ use crate::cuda::batch::DeviceBatch;
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::memory::{Allocation, ensure};
-use crate::cuda::plan::{FusedCall, PathPlan, Plan, TensorMaps, plan_fused};
+use crate::cuda::plan::{FusedCall, PathPlan, Plan, TensorMaps, plan_shape};
 use crate::cuda::request::{DeviceWorkspace, Request};
 use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape};
@@ -248,7 +248,7 @@ impl CudaSampler {
             shard: None,
         };
         let kernels = self.kernels().kernels();
-        let plan = plan_fused(kernels, &call)?;
+        let plan = plan_shape(kernels, &call.lm_head, &call.hidden, 1, variant)?;
         let call = FusedCall { variant: plan.variant, ..call };
         let poison = TileTop { logits: [f32::NAN; TILE_TOP], indices: [Self::POISON_INDEX; TILE_TOP] };
         let tops = Allocation::from_host(&self.stream, &vec![poison; hidden.rows() * plan.tiles], "tile lists")?;

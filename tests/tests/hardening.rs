@@ -252,4 +252,24 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
         }
     }
     sampler.synchronize("sharded sampling").unwrap();
+    // The listed path (top-k on every row, no log-probabilities) on its tiles: random logits,
+    // whose lists settle, and integer ones with many ties, whose rows the gated materialised
+    // path samples again.
+    let listed: Vec<flashsample::Processing> = (0..modes.len())
+        .map(|r| flashsample::Processing {
+            top_k: Some([1, 5, 40][r % 3]),
+            top_p: [1.0, 0.9][r % 2],
+            min_p: [0.0, 0.05][r % 2],
+            ..without_top[r % 4].clone()
+        })
+        .collect();
+    let tied = flashsample_tests::processing::integer_matrix(1009, 136, 59).to_dtype(DType::F16);
+    for head in [&w, &tied] {
+        for variant in [Variant::Auto, Variant::Simt] {
+            sampler.set_variant(variant);
+            let on_device = OnDevice::new(&sampler, head, &batch, &params, &listed);
+            assert!(on_device.sample(&sampler, 3, false).unwrap().tokens.iter().all(|&t| t < 1009));
+        }
+    }
+    sampler.set_variant(Variant::Auto);
 }

@@ -885,6 +885,7 @@ fn check_outputs(tokens: u64, logprobs: u64, top_logprobs: u64, top_asked: bool)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::DType;
     use flashsample_core::abi::LOGITS_SAMPLER_TILE;
 
     /// The materialised plan's regions (maps, candidates, logits, terms, row states, the one
@@ -923,6 +924,87 @@ mod tests {
                 assert!(plan.states_at + states <= plan.part_at);
                 assert_eq!(plan.workspace_bytes, plan.part_at + part);
             }
+        }
+    }
+
+    /// A call of `batch` rows over V = 151,936 whose processing is `listable` (every row has
+    /// top-k) and truncating, into tokens (with log-probabilities if `logprobs`) or a shard's
+    /// part, with `variant` asked for.
+    fn truncating_call(batch: usize, listable: bool, logprobs: bool, shard: bool, variant: Variant) -> Call {
+        let vocab = 151_936;
+        let processing = ProcessingRef {
+            address: 1 << 20,
+            rows: batch,
+            vocab,
+            whole_row: Some(0),
+            truncating: Some(0),
+            per_entry: false,
+            selections: 0,
+            listable,
+        };
+        let target = match shard {
+            false => CallTarget::Tokens { tokens: 256, logprobs: if logprobs { 512 } else { 0 }, top_logprobs: 0 },
+            true => CallTarget::Shard { vocab_offset: 0, vocab, part: 1024, logprobs, exchange: 0 },
+        };
+        Call {
+            lm_head: MatrixRef::contiguous(1 << 30, vocab, 4096, DType::BF16),
+            hidden: MatrixRef::contiguous(1 << 29, batch, 4096, DType::BF16),
+            row_params: 2048,
+            draws: Draws::first(2),
+            variant,
+            processing,
+            target,
+        }
+    }
+
+    /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
+    /// on a tile that lists (`mma.sync`, SIMT), or the dispatcher's TMA tile at B ≤ 32 swapped
+    /// for the narrowest `mma.sync` one; a TMA tile named by the caller, B > 32 on a TMA tile,
+    /// log-probabilities, a shard, top entries or a row without top-k keep the materialised
+    /// path.
+    #[test]
+    fn a_call_is_listed_only_where_its_lists_can_decide_it() {
+        let tma = Variant::Tma { rows: 128, columns: 16 };
+        let call = truncating_call;
+        let mma = Variant::Mma { columns: 16 };
+        assert_eq!(listed_variant(&call(16, true, false, false, Variant::Auto), mma), Some(mma));
+        assert_eq!(listed_variant(&call(16, true, false, false, Variant::Auto), Variant::Simt), Some(Variant::Simt));
+        assert_eq!(listed_variant(&call(16, true, false, false, Variant::Auto), tma), Some(mma));
+        assert_eq!(listed_variant(&call(1, true, false, false, Variant::Auto), tma), Some(Variant::Mma { columns: 8 }));
+        assert_eq!(
+            listed_variant(&call(32, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
+            Some(Variant::Mma { columns: 32 })
+        );
+        assert_eq!(
+            listed_variant(&call(64, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
+            None
+        );
+        assert_eq!(listed_variant(&call(16, true, false, false, tma), tma), None);
+        assert_eq!(listed_variant(&call(16, false, false, false, Variant::Auto), mma), None);
+        assert_eq!(listed_variant(&call(16, true, true, false, Variant::Auto), mma), None);
+        assert_eq!(listed_variant(&call(16, true, false, true, Variant::Auto), mma), None);
+        let mut top = call(16, true, false, false, Variant::Auto);
+        top.processing.selections = flashsample_core::abi::Selection::TopRaw.bit();
+        assert_eq!(listed_variant(&top, mma), None);
+    }
+
+    /// A listed plan's lists, candidates and count follow its fallback's workspace without
+    /// overlap, 64-byte aligned, and the fallback is gated on that count.
+    #[test]
+    fn listed_regions_follow_the_fallback_and_gate_it() {
+        for (batch, samples, variant) in [(1usize, 1u32, Variant::Mma { columns: 8 }), (37, 3, Variant::Simt)] {
+            let call = Call { draws: Draws::first(samples), ..truncating_call(batch, true, false, false, variant) };
+            let fallback = materialised_plan(variant, 151_936, batch, samples, Some(6), false, true);
+            let plan = listed_plan(&call, variant, fallback, samples);
+            let tiles = 151_936usize.div_ceil(128);
+            assert_eq!(plan.tiles, tiles);
+            assert_eq!((plan.tops_at % 64, plan.candidates_at % 64, plan.unsettled_at % 64), (0, 0, 0));
+            assert!(fallback.workspace_bytes <= plan.tops_at);
+            assert!(plan.tops_at + batch * tiles * size_of::<TileTop>() <= plan.candidates_at);
+            assert!(plan.candidates_at + plan.passes.candidate_pairs() * size_of::<Candidate>() <= plan.unsettled_at);
+            assert!(plan.unsettled_at + 4 <= plan.workspace_bytes);
+            assert_eq!(plan.fallback.gate_at, Some(plan.unsettled_at));
+            assert_eq!((plan.tiles_call.variant, plan.fallback.variant), (variant, variant));
         }
     }
 

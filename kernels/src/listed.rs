@@ -1,13 +1,13 @@
 //! The listed sampler: a row's min-p, top-k and top-p decided from its tiles' lists
 //! (`flashsample_core::truncation`), its draws raced among the entries they keep. One block
-//! per row, in four steps over the union of the row's lists (4 entries per tile, read from L2):
+//! per row, in five steps over the union of the row's lists (4 entries per tile, read from L2):
 //! 1. the row's largest logit and whether a list is non-finite;
 //! 2. top-k's k-th largest order key among the entries min-p keeps, by a radix selection of
 //!    8-bit digits (a shared histogram per digit);
-//! 3. with top-p, the entries min-p and top-k keep, ranked in shared memory by a bitonic sort
+//! 3. whether every tile settles: its entry after the floor fails the cuts of min-p and top-k;
+//! 4. with top-p, the entries min-p and top-k keep, ranked in shared memory by a bitonic sort
 //!    and summed in top-p's integer units; the prefix's last entry is the cut;
-//! 4. whether every tile settles (its entry after the floor fails the rule before top-p), then
-//!    per draw the best candidate among the kept entries, scored by `block_candidate`.
+//! 5. per draw, the best candidate among the kept entries, scored by `block_candidate`.
 //!
 //! What the steps find is what `flashsample_core::truncation::select` finds from the same
 //! entries (the CPU's definition): the same min-p cut, the k-th value with its ties, the
@@ -451,7 +451,7 @@ pub unsafe fn sample_listed(args: &SampleListedArgs, shared: *mut ListedShared) 
                     bound.order_cut = (key_logit(key), u32::MAX);
                 }
             }
-            // Step 4's check first: with top-p the bound is the rule before it.
+            // Step 3: with top-p, the bound is the rule before it.
             let mut open = !truncates;
             let mut tile = thread;
             while tile < args.tiles {

@@ -9,6 +9,11 @@ use crate::tensor::DType;
 
 /// Batch-tile widths of the register-direct mma kernels.
 pub const MMA_COLUMNS: [u32; 3] = [8, 16, 32];
+/// The narrowest register-direct mma tile that holds `batch` columns, if one does.
+pub(crate) fn narrowest_mma(batch: usize) -> Option<Variant> {
+    MMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).map(|columns| Variant::Mma { columns })
+}
+
 /// Batch-tile widths of the TMA + `wgmma` kernels.
 pub const TMA_COLUMNS: [u32; 5] = [8, 16, 32, 64, 128];
 
@@ -85,9 +90,7 @@ impl Variant {
         let hopper = module == Module::Hopper;
         match self {
             Variant::Auto if !tensor_cores => Ok(Variant::Simt),
-            Variant::Auto if !hopper => {
-                Ok(Variant::Mma { columns: MMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(32) })
-            }
+            Variant::Auto if !hopper => Ok(narrowest_mma(batch).unwrap_or(Variant::Mma { columns: 32 })),
             Variant::Auto if batch <= 32 => Ok(Variant::Tma {
                 rows: 128,
                 columns: TMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(32),

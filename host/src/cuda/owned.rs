@@ -426,23 +426,34 @@ impl CudaSampler {
         let draws = draws.check()?;
         outputs.target_of(batch, hidden.rows(), draws.count)?;
         self.make_current()?;
-        let stream: &CudaStream = &self.stream;
-        let kernels = self.kernels().kernels();
         if let [head] = shards {
-            let target = outputs.target();
-            let request =
-                Request { lm_head: head.view(), hidden: hidden.view(), batch: batch.view(stream), draws, shard: None };
-            let plan = Plan::new(kernels, &request, &target, self.variant.get())?;
-            let workspace = self.workspace(plan.workspace_bytes())?;
-            let call = Planned { kernels, stream: stream.cu_stream(), plan, workspace };
-            // SAFETY: every address comes from a live buffer of this sampler holding the
-            // request's extents (checked by the plan), used on its one stream; the resident
-            // maps live as long as the buffers; an unsharded call exchanges nothing.
-            return unsafe {
-                drive(std::slice::from_ref(&call), |_| Err(invalid("lm_head", "one shard exchanges nothing")))
-            };
+            return self.sample_head_into(head, hidden, batch, draws, outputs).map(|_| ());
         }
         self.sample_shards_into(lm_head, shards, hidden, batch, draws, outputs)
+    }
+
+    /// [`CudaSampler::sample_into`] for a head kept whole, with `draws` and `outputs` checked
+    /// and the context current; returns the plan it queued.
+    fn sample_head_into(
+        &self,
+        head: &ResidentHead,
+        hidden: &CudaHidden,
+        batch: &DeviceBatch,
+        draws: Draws,
+        outputs: &DeviceOutputs,
+    ) -> Result<Plan> {
+        let stream: &CudaStream = &self.stream;
+        let kernels = self.kernels().kernels();
+        let request =
+            Request { lm_head: head.view(), hidden: hidden.view(), batch: batch.view(stream), draws, shard: None };
+        let plan = Plan::new(kernels, &request, &outputs.target(), self.variant.get())?;
+        let workspace = self.workspace(plan.workspace_bytes())?;
+        let call = Planned { kernels, stream: stream.cu_stream(), plan, workspace };
+        // SAFETY: every address comes from a live buffer of this sampler holding the request's
+        // extents (checked by the plan), used on its one stream; the resident maps live as long
+        // as the buffers; an unsharded call exchanges nothing.
+        unsafe { drive(std::slice::from_ref(&call), |_| Err(invalid("lm_head", "one shard exchanges nothing")))? };
+        Ok(plan)
     }
 
     /// Stage 1 of every shard of `lm_head` into the sampler's parts, segment by segment (the

@@ -29,7 +29,7 @@ use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
 
 use super::batch::{ProcessingRef, VerifiedRef};
-use super::dispatch::{MMA_COLUMNS, Variant};
+use super::dispatch::{Variant, narrowest_mma};
 use super::memory::{MatrixRef, ResidentMaps, check_address};
 use super::modules::Kernels;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Passes};
@@ -706,9 +706,7 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
     match resolved {
         _ if !listable => None,
         Variant::Mma { .. } | Variant::Simt => Some(resolved),
-        _ if call.variant == Variant::Auto => {
-            MMA_COLUMNS.into_iter().find(|&c| call.hidden.rows <= c as usize).map(|columns| Variant::Mma { columns })
-        }
+        _ if call.variant == Variant::Auto => narrowest_mma(call.hidden.rows),
         _ => None,
     }
 }

@@ -13,8 +13,8 @@ use crate::cuda::batch::DeviceBatch;
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::memory::{Allocation, ensure};
-use crate::cuda::plan::{FusedCall, PathPlan, Plan, TensorMaps, plan_shape};
-use crate::cuda::request::{DeviceWorkspace, Request};
+use crate::cuda::plan::{FusedCall, PathPlan, TensorMaps, plan_shape};
+use crate::cuda::request::DeviceWorkspace;
 use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape};
 use crate::sampler::{HeadStorage, LmHead};
@@ -279,22 +279,17 @@ impl CudaSampler {
         };
         let draws = draws.check()?;
         outputs.target_of(batch, hidden.rows(), draws.count)?;
-        let request = Request {
-            lm_head: head.view(),
-            hidden: hidden.view(),
-            batch: batch.view(&self.stream),
-            draws,
-            shard: None,
-        };
-        let plan = Plan::new(self.kernels().kernels(), &request, &outputs.target(), self.variant.get())?;
-        self.sample_into(lm_head, hidden, batch, draws, outputs)?;
+        self.make_current()?;
+        let plan = self.sample_head_into(head, hidden, batch, draws, outputs)?;
         let PathPlan::Listed(listed) = &plan.path else { return Ok(None) };
         let at = plan.stage_offset() + listed.unsettled_at;
-        self.synchronize("listed call")?;
         let scratch = self.scratch.borrow();
         let workspace = scratch.workspace.as_ref().ok_or_else(|| invalid("workspace", "none after a call"))?;
-        let bytes = workspace.to_host(&self.stream, "unsettled rows")?;
-        Ok(Some(u32::from_le_bytes(bytes[at..at + 4].try_into().expect("four bytes"))))
+        let mut count = [0u8; 4];
+        let copied = self.stream.memcpy_dtoh(&workspace.slice().slice(at..at + 4), &mut count);
+        driver::check("cuMemcpyDtoHAsync (unsettled rows)", copied)?;
+        self.synchronize("listed call")?;
+        Ok(Some(u32::from_le_bytes(count)))
     }
 }
 

@@ -101,9 +101,10 @@ fn tensor_core_variants(module: Module) -> Vec<(String, Variant)> {
     Variant::tensor_core(module)
         .map(|variant| match variant {
             Variant::Mma { columns } => (format!("mma_n{columns}"), variant),
+            Variant::Staged { columns } => (format!("staged_n{columns}"), variant),
             Variant::Tma { rows, columns } => (format!("tma_m{rows}_n{columns}"), variant),
             Variant::TmaHandoff { columns } => (format!("tma_h{HANDOFF_ROWS}_n{columns}"), variant),
-            other => unreachable!("Variant::tensor_core lists mma and TMA variants only, not {other:?}"),
+            other => unreachable!("Variant::tensor_core lists mma, staged and TMA variants only, not {other:?}"),
         })
         .collect()
 }

@@ -153,6 +153,32 @@ pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
     SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * columns * CANDIDATE_BYTES
 }
 
+/// Batch-tile widths of the staged `mma.sync` tile.
+pub const STAGED_COLUMNS: [u32; 2] = [64, 128];
+/// Elements of `dim` per stage of the staged `mma.sync` tile: 128 bytes of each row.
+pub const STAGED_CHUNK: u32 = 64;
+/// Stages in the staged tile's ring: two chunks in flight while the warps multiply a third.
+pub const STAGED_STAGES: u32 = 3;
+
+/// Bytes of one stage of the staged tile with `columns` batch columns: a chunk of the item's
+/// [`TILE_ROWS`] rows of `W` and `columns` rows of `H`.
+pub const fn staged_stage_bytes(columns: u32) -> u32 {
+    (TILE_ROWS + columns) * STAGED_CHUNK * 2
+}
+
+/// Dynamic shared memory of the staged tile's GEMM: the ring of stages.
+pub const fn logits_staged_shared_bytes(columns: u32) -> u32 {
+    STAGED_STAGES * staged_stage_bytes(columns)
+}
+
+/// Dynamic shared memory of the staged tile's fused kernel: the ring, which the sampling
+/// epilogue's candidate staging reuses once an item's products are done.
+pub const fn fused_staged_shared_bytes(columns: u32) -> u32 {
+    let ring = logits_staged_shared_bytes(columns);
+    let staging = fused_mma_shared_bytes(columns);
+    if ring > staging { ring } else { staging }
+}
+
 // A tile's lists of its warps (one `TileTop` per warp and column) fit the block's candidate
 // staging, which they reuse.
 const _: () = assert!(SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::truncation::TileTop>() as u32);

@@ -13,7 +13,8 @@ use crate::abi::{
     LISTED_SHARED_BYTES, LISTED_THREADS, LOGITS_SAMPLER_SHARED_BYTES, PROCESS_SHARED_BYTES, PROCESS_THREADS,
     REDUCE_SHARED_BYTES, REDUCE_THREADS, TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS,
     WINNER_LOGITS_SHARED_BYTES, WINNER_LOGITS_THREADS, fused_mma_shared_bytes, fused_simt_shared_bytes,
-    logits_simt_shared_bytes, tma_handoff_shared_bytes, tma_shared_bytes,
+    fused_staged_shared_bytes, logits_simt_shared_bytes, logits_staged_shared_bytes, tma_handoff_shared_bytes,
+    tma_shared_bytes,
 };
 
 /// The element type of `W` and `H` a kernel reads.
@@ -38,6 +39,15 @@ pub enum Kernel {
         /// Batch columns per work item: 8, 16 or 32 (`columns / 8` mma n-tiles).
         columns: u32,
     },
+    /// Tile kernel, staged `mma.sync` tile of 128 rows × `columns`: `W` and `H` through
+    /// shared memory by `cp.async`, fragments by `ldmatrix` (`FusedArgs`).
+    FusedStaged {
+        /// The element type of `W` and `H`: bf16 or f16.
+        element: ElementType,
+        /// Batch columns per work item: 64 or 128
+        /// ([`STAGED_COLUMNS`](crate::abi::STAGED_COLUMNS)).
+        columns: u32,
+    },
     /// Tile kernel, CUDA-core tile (`FusedArgs`).
     FusedSimt {
         /// The element type of `W` and `H`: any.
@@ -48,6 +58,13 @@ pub enum Kernel {
         /// The element type of `W` and `H`: bf16 or f16.
         element: ElementType,
         /// Batch columns per work item: 8, 16 or 32.
+        columns: u32,
+    },
+    /// The unfused pipeline's GEMM on the staged `mma.sync` tile (`LogitsArgs`).
+    LogitsStaged {
+        /// The element type of `W` and `H`: bf16 or f16.
+        element: ElementType,
+        /// Batch columns per work item: 64 or 128.
         columns: u32,
     },
     /// The unfused pipeline's GEMM on the CUDA-core tile, for any element type, `dim` and
@@ -142,8 +159,10 @@ impl Kernel {
     pub const fn threads(self) -> u32 {
         match self {
             Kernel::FusedMma { .. }
+            | Kernel::FusedStaged { .. }
             | Kernel::FusedSimt { .. }
             | Kernel::LogitsMma { .. }
+            | Kernel::LogitsStaged { .. }
             | Kernel::LogitsSimt { .. }
             | Kernel::SampleLogits => TILE_KERNEL_WARPS * 32,
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
@@ -167,6 +186,8 @@ impl Kernel {
     pub const fn shared_bytes(self) -> u32 {
         match self {
             Kernel::FusedMma { columns, .. } => fused_mma_shared_bytes(columns),
+            Kernel::FusedStaged { columns, .. } => fused_staged_shared_bytes(columns),
+            Kernel::LogitsStaged { columns, .. } => logits_staged_shared_bytes(columns),
             Kernel::FusedSimt { .. } => fused_simt_shared_bytes(),
             Kernel::LogitsSimt { .. } => logits_simt_shared_bytes(),
             Kernel::FusedTma { rows, columns, .. } | Kernel::LogitsTma { rows, columns, .. } => {
@@ -205,7 +226,10 @@ impl Kernel {
     /// (`processing` in `FusedArgs` and `TmaArgs`); see [`tma_tile_applies_processing`].
     pub const fn applies_processing(self) -> bool {
         match self {
-            Kernel::FusedMma { .. } | Kernel::FusedSimt { .. } | Kernel::FusedHandoff { .. } => true,
+            Kernel::FusedMma { .. }
+            | Kernel::FusedStaged { .. }
+            | Kernel::FusedSimt { .. }
+            | Kernel::FusedHandoff { .. } => true,
             Kernel::FusedTma { rows, columns, .. } => tma_tile_applies_processing(rows, columns),
             _ => false,
         }
@@ -356,6 +380,10 @@ macro_rules! for_each_kernel {
             fused_f16_n8 => FusedMma { element: F16, columns: 8 };
             fused_f16_n16 => FusedMma { element: F16, columns: 16 };
             fused_f16_n32 => FusedMma { element: F16, columns: 32 };
+            fused_staged_bf16_n64 => FusedStaged { element: Bf16, columns: 64 };
+            fused_staged_bf16_n128 => FusedStaged { element: Bf16, columns: 128 };
+            fused_staged_f16_n64 => FusedStaged { element: F16, columns: 64 };
+            fused_staged_f16_n128 => FusedStaged { element: F16, columns: 128 };
             fused_simt_f32 => FusedSimt { element: F32 };
             fused_simt_bf16 => FusedSimt { element: Bf16 };
             fused_simt_f16 => FusedSimt { element: F16 };
@@ -365,6 +393,10 @@ macro_rules! for_each_kernel {
             logits_gemm_f16_n8 => LogitsMma { element: F16, columns: 8 };
             logits_gemm_f16_n16 => LogitsMma { element: F16, columns: 16 };
             logits_gemm_f16_n32 => LogitsMma { element: F16, columns: 32 };
+            logits_staged_bf16_n64 => LogitsStaged { element: Bf16, columns: 64 };
+            logits_staged_bf16_n128 => LogitsStaged { element: Bf16, columns: 128 };
+            logits_staged_f16_n64 => LogitsStaged { element: F16, columns: 64 };
+            logits_staged_f16_n128 => LogitsStaged { element: F16, columns: 128 };
             logits_simt_f32 => LogitsSimt { element: F32 };
             logits_simt_bf16 => LogitsSimt { element: Bf16 };
             logits_simt_f16 => LogitsSimt { element: F16 };

@@ -14,7 +14,7 @@ use flashsample_core::{Candidate, RowParams};
 
 pub use crate::cuda::driver::{check, fill_words_async};
 pub use crate::cuda::{MMA_COLUMNS, TMA_COLUMNS, Variant};
-pub use flashsample_core::abi::{HANDOFF_COLUMNS, TMA_ITEM_ROWS};
+pub use flashsample_core::abi::{HANDOFF_COLUMNS, STAGED_COLUMNS, TMA_ITEM_ROWS};
 
 use crate::error::Result;
 use crate::params::SamplingParams;

@@ -254,3 +254,75 @@ pub unsafe fn mma_f16(acc: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
             options(nomem, nostack));
     }
 }
+
+/// The shared-window address of a generic pointer into shared memory.
+#[inline(always)]
+pub fn shared_address<T>(pointer: *const T) -> u32 {
+    let address: u64;
+    // SAFETY: an address conversion; nothing is read.
+    unsafe {
+        asm!("cvta.to.shared.u64 {a}, {p};", a = out(reg64) address, p = in(reg64) pointer as u64,
+            options(pure, nomem, nostack));
+    }
+    address as u32
+}
+
+/// Copies 16 bytes from global memory into shared memory without passing through registers,
+/// caching them in L2 only (`cp.async.cg`); bytes past `source_bytes` (0 or 16) are written as
+/// zeros. The copy joins this thread's current group ([`cp_async_commit`]).
+///
+/// # Safety
+/// `destination` is a 16-byte aligned shared-window address of this block's shared memory
+/// that no thread reads or writes until the group is waited for; `source` a 16-byte aligned
+/// global address of 16 readable bytes (read only when `source_bytes` is 16).
+#[inline(always)]
+pub unsafe fn cp_async_16(destination: u32, source: u64, source_bytes: u32) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};",
+            d = in(reg32) destination, s = in(reg64) source, n = in(reg32) source_bytes, options(nostack));
+    }
+}
+
+/// Closes this thread's current group of [`cp_async_16`] copies.
+///
+/// # Safety
+/// None beyond inline assembly's.
+#[inline(always)]
+pub unsafe fn cp_async_commit() {
+    // SAFETY: bookkeeping of this thread's copies.
+    unsafe { asm!("cp.async.commit_group;", options(nostack)) }
+}
+
+/// Waits until at most `PENDING` of this thread's committed groups of copies are in flight;
+/// the others' bytes are then in shared memory for this thread (a block barrier after it
+/// makes them visible to the block).
+///
+/// # Safety
+/// None beyond inline assembly's.
+#[inline(always)]
+pub unsafe fn cp_async_wait<const PENDING: u32>() {
+    // SAFETY: waits on this thread's copies; the memory clobber keeps shared reads after it.
+    unsafe { asm!("cp.async.wait_group {n};", n = const PENDING, options(nostack)) }
+}
+
+/// Four 8 × 8 matrices of 16-bit elements from shared memory in the `mma` fragment layout
+/// (`ldmatrix.sync.aligned.m8n8.x4`): lanes `8m .. 8m + 8` give the addresses of matrix
+/// `m`'s eight rows (16 bytes each), and lane `4g + t` gets elements `2t`, `2t + 1` of row
+/// `g` of matrix `m` in word `m`.
+///
+/// # Safety
+/// All 32 lanes execute it together, each with a 16-byte aligned shared-window address of
+/// 16 bytes of this block's shared memory that no thread writes meanwhile.
+#[inline(always)]
+pub unsafe fn load_matrix_x4(address: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: per this function's contract; not `pure`: warp-collective, it must stay where every
+    // lane executes it.
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            p = in(reg32) address, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}

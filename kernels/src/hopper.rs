@@ -1,7 +1,7 @@
 //! Hopper (sm_90a) primitives: shared-memory barriers (`mbarrier`), TMA tensor loads and the
 //! warpgroup tensor-core op `wgmma.mma_async`, as thin inline-PTX wrappers.
 //!
-//! Shared-memory operands are 32-bit addresses in the shared window ([`shared_address`]).
+//! Shared-memory operands are 32-bit addresses in the shared window ([`crate::arch::shared_address`]).
 //! Only the address conversion is `pure`; every other asm here has an effect the compiler
 //! cannot see (barrier phase, asynchronous copy, asynchronous register writes), so LLVM keeps
 //! it in order, but it may still duplicate it into both arms of a branch: see the invariant in
@@ -10,18 +10,6 @@
 use core::arch::asm;
 
 use crate::element::{Bf16, F16, MmaElement};
-
-/// The shared-window address of a generic pointer into shared memory.
-#[inline(always)]
-pub fn shared_address<T>(pointer: *const T) -> u32 {
-    let address: u64;
-    // SAFETY: an address conversion; nothing is read.
-    unsafe {
-        asm!("cvta.to.shared.u64 {a}, {p};", a = out(reg64) address, p = in(reg64) pointer as u64,
-            options(pure, nomem, nostack));
-    }
-    address as u32
-}
 
 /// `mbarrier.init`: a barrier at `bar` expecting `count` arrivals per phase.
 ///

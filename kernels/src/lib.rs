@@ -40,6 +40,7 @@ mod listed;
 mod process;
 mod sample;
 mod speculative;
+mod staged;
 mod state;
 mod tile;
 #[cfg(flashsample_module = "hopper")]
@@ -60,6 +61,37 @@ fn panic(_: &core::panic::PanicInfo) -> ! {
     // SAFETY: aborting the kernel is the only thing a panic can do on the device.
     unsafe { core::arch::nvptx::trap() }
 }
+
+/// Runs `$body` with `$i` = 0, 1, …, 15 for those below `$count` (a constant once
+/// monomorphised), as straight-line code: LLVM leaves a loop over a long body rolled, and a
+/// rolled loop that indexes a register array moves the array to local memory.
+macro_rules! each_index {
+    ($i:ident < $count:expr, $body:block) => {
+        each_index!(@one 0, $i, $count, $body);
+        each_index!(@one 1, $i, $count, $body);
+        each_index!(@one 2, $i, $count, $body);
+        each_index!(@one 3, $i, $count, $body);
+        each_index!(@one 4, $i, $count, $body);
+        each_index!(@one 5, $i, $count, $body);
+        each_index!(@one 6, $i, $count, $body);
+        each_index!(@one 7, $i, $count, $body);
+        each_index!(@one 8, $i, $count, $body);
+        each_index!(@one 9, $i, $count, $body);
+        each_index!(@one 10, $i, $count, $body);
+        each_index!(@one 11, $i, $count, $body);
+        each_index!(@one 12, $i, $count, $body);
+        each_index!(@one 13, $i, $count, $body);
+        each_index!(@one 14, $i, $count, $body);
+        each_index!(@one 15, $i, $count, $body);
+    };
+    (@one $n:literal, $i:ident, $count:expr, $body:block) => {
+        if $n < $count {
+            let $i: usize = $n;
+            $body
+        }
+    };
+}
+use each_index;
 
 /// Whether a launch's gate holds it back: set, and its word 0 (see the `gate` of its
 /// arguments).
@@ -132,6 +164,36 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
     }
 }
 
+/// The tile kernel on the staged `mma.sync` tile of `8·NT` columns. The ring of stages and
+/// the epilogue's candidate staging share the block's shared memory: the tile ends with a
+/// block barrier after its last read of the ring, and the item ends with one after the
+/// epilogue's last read of the staging.
+///
+/// # Safety
+/// As the crate-level safety section (a tile-kernel launch of a `fused_staged_*` kernel).
+#[inline(always)]
+unsafe fn fused_staged<T: MmaElement, const NT: usize>(args: FusedArgs) {
+    let columns = N_TILE * NT as u32;
+    let items = args.tiles * args.batch.div_ceil(columns);
+    let staging = shared::<Candidate>();
+    let ring = arch::shared_address(staging);
+    let mut item = arch::block_index();
+    while item < items {
+        let (tile, row0, col0) = work_item(item, columns, args.batch);
+        let input = tile_input!(args, row0, col0);
+        // SAFETY: every thread of the block runs the item loop together; the ring is the block's
+        // shared memory (sized by the registry), unused since the barrier that ended the last
+        // item; `input` describes the launch's valid matrices.
+        let logits = unsafe { staged::staged_tile::<T, NT>(&input, ring) };
+        // SAFETY: all threads of the block run it together; `args` and `staging` are valid, and
+        // the tile's last barrier ended its reads of the shared memory the staging reuses.
+        unsafe { sample::sample_tile::<NT>(&logits, &args, tile, row0, col0, staging) };
+        // SAFETY: every thread of the block reaches it (uniform item loop).
+        unsafe { arch::sync_threads() };
+        item += arch::grid_size();
+    }
+}
+
 /// The tile kernel on the SIMT tile.
 ///
 /// # Safety
@@ -182,6 +244,28 @@ unsafe fn logits_gemm<T: MmaElement, const NT: usize>(args: LogitsArgs) {
     }
 }
 
+/// The unfused pipeline's GEMM on the staged `mma.sync` tile of `8·NT` columns.
+///
+/// # Safety
+/// As the crate-level safety section (a launch of a `logits_staged_*` kernel).
+#[inline(always)]
+unsafe fn logits_staged<T: MmaElement, const NT: usize>(args: LogitsArgs) {
+    let columns = N_TILE * NT as u32;
+    let items = args.vocab.div_ceil(TILE_ROWS) * args.batch.div_ceil(columns);
+    let ring = arch::shared_address(shared::<u8>());
+    let mut item = arch::block_index();
+    while item < items {
+        let (_, row0, col0) = work_item(item, columns, args.batch);
+        let input = tile_input!(args, row0, col0);
+        // SAFETY: every thread of the block runs the item loop together; the ring is the block's
+        // shared memory, and the tile ends with a barrier after its last read of it.
+        let logits = unsafe { staged::staged_tile::<T, NT>(&input, ring) };
+        // SAFETY: `args.logits` holds `batch × logits_stride` floats (the crate-level contract).
+        unsafe { store_logits::<NT>(&logits, &args, row0, col0) };
+        item += arch::grid_size();
+    }
+}
+
 /// The unfused pipeline's GEMM on the SIMT tile: any element type, `dim` and alignment.
 ///
 /// # Safety
@@ -212,11 +296,10 @@ unsafe fn logits_simt<T: Element>(args: LogitsArgs) {
 /// # Safety
 /// `args.logits` holds `batch × logits_stride` floats, 16-byte aligned, with
 /// `logits_stride` a multiple of 4.
-#[allow(clippy::needless_range_loop)] // constant indices once unrolled keep `logits` in registers
 #[inline(always)]
 unsafe fn store_logits<const NT: usize>(logits: &tile::ThreadLogits<NT>, args: &LogitsArgs, row0: u32, col0: u32) {
     let t = arch::thread_index() % 4;
-    for nt in 0..NT {
+    each_index!(nt < NT, {
         for c in 0..2 {
             let b = col0 + N_TILE * nt as u32 + 2 * t + c as u32;
             if b < args.batch && row0 < args.vocab {
@@ -227,7 +310,7 @@ unsafe fn store_logits<const NT: usize>(logits: &tile::ThreadLogits<NT>, args: &
                 unsafe { arch::store_global_v4(address, logits[nt][c]) };
             }
         }
-    }
+    });
 }
 
 /// Defines one entry point of the registry's list (see `flashsample_core::registry`): its
@@ -243,6 +326,34 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { fused_mma::<element::$element, { $columns / 8 }>(args) }
+        }
+    };
+    ($name:ident, FusedStaged { element: $element:ident, columns: $columns:tt }) => {
+        /// The tile kernel of fused sampling on the staged `mma.sync` tile (see the crate docs).
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
+            unsafe { fused_staged::<element::$element, { $columns / 8 }>(args) }
+        }
+    };
+    ($name:ident, LogitsStaged { element: $element:ident, columns: $columns:tt }) => {
+        /// The unfused pipeline's GEMM on the staged `mma.sync` tile: writes f32 logits.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: LogitsArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
+            unsafe { logits_staged::<element::$element, { $columns / 8 }>(args) }
         }
     };
     ($name:ident, FusedSimt { element: $element:ident }) => {

@@ -14,41 +14,40 @@ use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 use crate::element::Element;
 use crate::process::TokenOutputs;
 use crate::tile::ThreadLogits;
-use crate::{arch, process};
+use crate::{arch, each_index, process};
 
 // The tiles' column sums stage in their candidate staging.
 const _: () = assert!(SumsStaging::bytes(TILE_KERNEL_WARPS, 32) <= fused_mma_shared_bytes(32));
 const _: () = assert!(SumsStaging::bytes(TILE_KERNEL_WARPS, N_TILE) <= fused_mma_shared_bytes(N_TILE));
 
 /// `logits[slot / 2][slot % 2]` through a chain of selects, so the array stays in registers.
-// Indexing by the loop variables gives constant indices once unrolled, which keeps the
-// arrays in registers.
-#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn pick<const NT: usize>(logits: &ThreadLogits<NT>, slot: usize) -> [f32; 4] {
     let mut picked = logits[0][0];
-    for nt in 0..NT {
+    // Unrolled by hand: constant indices keep the arrays in registers.
+    each_index!(nt < NT, {
         for c in 0..2 {
             if slot == 2 * nt + c {
                 picked = logits[nt][c];
             }
         }
-    }
+    });
     picked
 }
 
-/// Quad `slot` of the `count` quads `quad(0) .. quad(count − 1)` (`count` a constant once
-/// inlined), gathered with bit masks. A chain of selects here became an indexed load from local
-/// memory (LLVM moved the whole array there, and a `wgmma` accumulator array with it, which
-/// serialised the multiplies); masks keep the quads in registers.
+/// Quad `slot` of the `count` quads `quad(0) .. quad(count − 1)` (`count` ≤ 16, a constant once
+/// inlined), gathered with bit masks in straight-line code. A chain of selects here became an
+/// indexed load from local memory (LLVM moved the whole array there, and a `wgmma`
+/// accumulator array with it, which serialised the multiplies), and so did a loop that LLVM
+/// left rolled; masks in unrolled code keep the quads in registers.
 #[inline(always)]
 pub fn masked_quad(count: usize, slot: usize, quad: impl Fn(usize) -> [f32; 4]) -> [f32; 4] {
     let mut picked = [0u32; 4];
-    for i in 0..count {
+    each_index!(i < count, {
         let mask = 0u32.wrapping_sub((slot == i) as u32);
         let [q0, q1, q2, q3] = quad(i).map(f32::to_bits);
         picked = [picked[0] | (q0 & mask), picked[1] | (q1 & mask), picked[2] | (q2 & mask), picked[3] | (q3 & mask)];
-    }
+    });
     picked.map(f32::from_bits)
 }
 
@@ -117,7 +116,14 @@ pub unsafe fn sample_tile<const NT: usize>(
         let quad = |column_slot: usize| {
             let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
             let b = col0 + column;
-            let raw = masked_quad(2 * NT, column_slot, |i| logits[i / 2][i % 2]);
+            // Two levels of masks: one loop of 2·NT trips stayed rolled at NT = 16.
+            let odd = 0u32.wrapping_sub((column_slot % 2) as u32);
+            let raw = masked_quad(NT, column_slot / 2, |nt| {
+                let [even_quad, odd_quad] = logits[nt];
+                core::array::from_fn(|r| {
+                    f32::from_bits((odd_quad[r].to_bits() & odd) | (even_quad[r].to_bits() & !odd))
+                })
+            });
             let mut quad = ColumnQuad { raw, processed: raw, rows_valid, sampling: false, inverse_temperature: 1.0 };
             if b < args.batch {
                 // SAFETY: `b < batch`: a row of the `[batch]` row parameters.

@@ -4,7 +4,9 @@
 //! `tests/borrowed.rs` in borrowed mode (both ignored without a GPU), so the suites cannot
 //! drift apart; the GPU files add what only the GPU has (every kernel variant, CUDA graphs).
 
-use flashsample::internals::{HANDOFF_COLUMNS, MMA_COLUMNS, TMA_COLUMNS, TMA_ITEM_ROWS, Variant, logits_row};
+use flashsample::internals::{
+    HANDOFF_COLUMNS, MMA_COLUMNS, STAGED_COLUMNS, TMA_COLUMNS, TMA_ITEM_ROWS, Variant, logits_row,
+};
 use flashsample::{
     Batch, CpuSampler, CudaSampler, DType, Draws, Elements, Error, Matrix, Module, Processing, Result, RowStatus,
     Sampled, Sampler, SamplingParams,
@@ -498,14 +500,19 @@ pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize) 
 
 /// (variant, dtype, D) the GPU tests run for `module`: the tensor-core variants need 16-bit types
 /// and D % 8 == 0; D = 200 leaves a partial 64-column chunk (mma) and a partial 64-element TMA
-/// box. Every width of the mma tile runs in BF16 and F16 (which changes only the multiply
-/// instruction); with the Hopper module every width of the three TMA schedules runs in BF16
+/// box and a partial stage of the staged tile. Every width of the register-direct and staged
+/// mma tiles runs in BF16 and F16 (which changes only the multiply instruction); with the
+/// Hopper module every width of the three TMA schedules runs in BF16
 /// and three TMA tiles in F16. The SIMT variant runs every dtype at an odd D.
 pub fn gpu_cases(module: Module) -> Vec<(Variant, DType, usize)> {
     let mut cases = Vec::new();
     for columns in MMA_COLUMNS {
         cases.push((Variant::Mma { columns }, DType::BF16, 200));
         cases.push((Variant::Mma { columns }, DType::F16, 200));
+    }
+    for columns in STAGED_COLUMNS {
+        cases.push((Variant::Staged { columns }, DType::BF16, 200));
+        cases.push((Variant::Staged { columns }, DType::F16, 200));
     }
     if module == Module::Hopper {
         for rows in TMA_ITEM_ROWS {

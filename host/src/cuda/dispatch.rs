@@ -1,7 +1,7 @@
 //! Which tile kernel computes the logits tile: the [`Variant`] a caller may force, the
 //! dispatcher's choice, and the registry kernels each variant launches.
 
-use flashsample_core::abi::{HANDOFF_COLUMNS, HANDOFF_ROWS, N_TILE, TILE_ROWS, TMA_ITEM_ROWS};
+use flashsample_core::abi::{HANDOFF_COLUMNS, HANDOFF_ROWS, N_TILE, STAGED_COLUMNS, TILE_ROWS, TMA_ITEM_ROWS};
 use flashsample_core::registry::{ElementType, Kernel, Module};
 
 use crate::error::{Result, invalid};
@@ -10,8 +10,18 @@ use crate::tensor::DType;
 /// Batch-tile widths of the register-direct mma kernels.
 pub const MMA_COLUMNS: [u32; 3] = [8, 16, 32];
 /// The narrowest register-direct mma tile that holds `batch` columns, if one does.
-pub(crate) fn narrowest_mma(batch: usize) -> Option<Variant> {
+fn narrowest_mma(batch: usize) -> Option<Variant> {
     MMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).map(|columns| Variant::Mma { columns })
+}
+
+/// The `mma.sync` tile for `batch` columns: the narrowest register-direct width that holds
+/// B, else the staged tile with the narrowest width that holds B (128 columns past that).
+/// The portable module's choice for tensor cores, and the tile that writes the truncations'
+/// lists in place of a TMA tile.
+pub(crate) fn mma_sync_tile(batch: usize) -> Variant {
+    narrowest_mma(batch).unwrap_or(Variant::Staged {
+        columns: STAGED_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(128),
+    })
 }
 
 /// Batch-tile widths of the TMA + `wgmma` kernels.
@@ -25,6 +35,13 @@ pub enum Variant {
     /// Register-direct `mma.sync` tile with 8, 16 or 32 batch columns (BF16/F16, `D % 8 == 0`);
     /// in both modules.
     Mma {
+        /// Batch columns per work item.
+        columns: u32,
+    },
+    /// Staged `mma.sync` tile with 64 or 128 batch columns: `W` and `H` through shared memory
+    /// by a `cp.async` ring, fragments by `ldmatrix`, so each chunk of `W` is read once for all
+    /// the item's columns (BF16/F16, `D % 8 == 0`); in both modules.
+    Staged {
         /// Batch columns per work item.
         columns: u32,
     },
@@ -59,8 +76,10 @@ impl Variant {
     /// - B > 64: the handoff tile with 128 columns, which stages each byte of `H` for 128 rows
     ///   of `W` and runs the sampling epilogue beside the next item's multiplies.
     ///
-    /// Portable module: the `mma.sync` tile with the narrowest width of 8, 16 and 32 that
-    /// holds B, and 32 columns above (wider tiles read `W` fewer times).
+    /// Portable module: the register-direct `mma.sync` tile with the narrowest width of 8, 16
+    /// and 32 that holds B; above 32 the staged tile, 64 columns up to B = 64 and 128 above
+    /// (it reads each chunk of `W` once per item, where the register-direct tile reads it once
+    /// per 32 columns).
     #[cfg(any(test, feature = "internals"))]
     pub fn resolve(self, module: Module, dtype: DType, dim: usize, batch: usize) -> Result<Variant> {
         self.resolve_aligned(module, dtype, dim, batch, true)
@@ -90,7 +109,7 @@ impl Variant {
         let hopper = module == Module::Hopper;
         match self {
             Variant::Auto if !tensor_cores => Ok(Variant::Simt),
-            Variant::Auto if !hopper => Ok(narrowest_mma(batch).unwrap_or(Variant::Mma { columns: 32 })),
+            Variant::Auto if !hopper => Ok(mma_sync_tile(batch)),
             Variant::Auto if batch <= 32 => Ok(Variant::Tma {
                 rows: 128,
                 columns: TMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(32),
@@ -99,6 +118,9 @@ impl Variant {
             Variant::Auto => Ok(Variant::TmaHandoff { columns: 128 }),
             Variant::Mma { columns } if !MMA_COLUMNS.contains(&columns) => {
                 Err(invalid("variant", format!("Mma {{ columns: {columns} }}: columns must be 8, 16 or 32")))
+            }
+            Variant::Staged { columns } if !STAGED_COLUMNS.contains(&columns) => {
+                Err(invalid("variant", format!("Staged {{ columns: {columns} }}: columns must be 64 or 128")))
             }
             Variant::Tma { rows, columns } if !TMA_ITEM_ROWS.contains(&rows) || !TMA_COLUMNS.contains(&columns) => {
                 Err(invalid(
@@ -119,26 +141,31 @@ impl Variant {
                 ),
             )),
             Variant::Mma { .. } if !tensor_cores => needs_tensor_cores("mma"),
+            Variant::Staged { .. } if !tensor_cores => needs_tensor_cores("staged mma"),
             Variant::Tma { .. } | Variant::TmaHandoff { .. } if !tensor_cores => needs_tensor_cores("TMA"),
             other => Ok(other),
         }
     }
 
-    /// Every tensor-core variant that can be forced with `module`: the mma widths, then (Hopper)
-    /// both TMA item heights at every width and the handoff widths.
+    /// Every tensor-core variant that can be forced with `module`: the mma widths, the staged
+    /// widths, then (Hopper) both TMA item heights at every width and the handoff widths.
     #[cfg(any(test, feature = "internals"))]
     pub fn tensor_core(module: Module) -> impl Iterator<Item = Variant> {
         let mma = MMA_COLUMNS.map(|columns| Variant::Mma { columns });
+        let staged = STAGED_COLUMNS.map(|columns| Variant::Staged { columns });
         let tma = TMA_ITEM_ROWS.into_iter().flat_map(|rows| TMA_COLUMNS.map(|columns| Variant::Tma { rows, columns }));
         let handoff = HANDOFF_COLUMNS.map(|columns| Variant::TmaHandoff { columns });
         let hopper = (module == Module::Hopper).then_some(tma.chain(handoff));
-        mma.into_iter().chain(hopper.into_iter().flatten())
+        mma.into_iter().chain(staged).chain(hopper.into_iter().flatten())
     }
 
     /// Batch columns per work item.
     pub(crate) fn columns(self) -> u32 {
         match self {
-            Variant::Mma { columns } | Variant::Tma { columns, .. } | Variant::TmaHandoff { columns } => columns,
+            Variant::Mma { columns }
+            | Variant::Staged { columns }
+            | Variant::Tma { columns, .. }
+            | Variant::TmaHandoff { columns } => columns,
             _ => N_TILE,
         }
     }
@@ -166,6 +193,7 @@ impl Variant {
         let element = element_type(dtype);
         match self {
             Variant::Mma { columns } => Kernel::FusedMma { element, columns },
+            Variant::Staged { columns } => Kernel::FusedStaged { element, columns },
             Variant::Tma { rows, columns } => Kernel::FusedTma { element, rows, columns },
             Variant::TmaHandoff { columns } => Kernel::FusedHandoff { element, columns },
             Variant::Simt | Variant::Auto => Kernel::FusedSimt { element },
@@ -178,6 +206,7 @@ impl Variant {
         let element = element_type(dtype);
         match self {
             Variant::Mma { columns } => Kernel::LogitsMma { element, columns },
+            Variant::Staged { columns } => Kernel::LogitsStaged { element, columns },
             Variant::Tma { rows, columns } => Kernel::LogitsTma { element, rows, columns },
             Variant::TmaHandoff { columns } => Kernel::LogitsTma { element, rows: HANDOFF_ROWS, columns },
             Variant::Simt | Variant::Auto => Kernel::LogitsSimt { element },
@@ -234,15 +263,29 @@ mod tests {
         assert_eq!(resolve(1), Variant::Mma { columns: 8 });
         assert_eq!(resolve(16), Variant::Mma { columns: 16 });
         assert_eq!(resolve(17), Variant::Mma { columns: 32 });
-        assert_eq!(resolve(256), Variant::Mma { columns: 32 });
+        assert_eq!(resolve(32), Variant::Mma { columns: 32 });
+        assert_eq!(resolve(33), Variant::Staged { columns: 64 });
+        assert_eq!(resolve(64), Variant::Staged { columns: 64 });
+        assert_eq!(resolve(65), Variant::Staged { columns: 128 });
+        assert_eq!(resolve(256), Variant::Staged { columns: 128 });
         assert_eq!(Variant::Auto.resolve(Module::Portable, DType::F32, 4096, 4).unwrap(), Variant::Simt);
         let tma = Variant::Tma { rows: 128, columns: 8 }.resolve(Module::Portable, DType::BF16, 4096, 1);
         assert!(tma.unwrap_err().to_string().contains("needs the Hopper module"));
-        assert_eq!(Variant::tensor_core(Module::Portable).count(), MMA_COLUMNS.len());
+        assert_eq!(Variant::tensor_core(Module::Portable).count(), MMA_COLUMNS.len() + STAGED_COLUMNS.len());
     }
 
     /// Every TMA kernel's dynamic shared memory fits one block of an sm_90 multiprocessor, with
     /// at least two stages so that loads overlap multiplies (a launch asking for more fails).
+    /// The portable module's kernels fit the smallest per-block shared memory of the GPUs it
+    /// runs on (Ada and consumer Ampere: 99 KiB), so that none of them fails to launch there.
+    #[test]
+    fn portable_kernels_fit_every_supported_gpu() {
+        const SM86_SHARED_LIMIT_BYTES: u32 = 99 * 1024;
+        for entry in Module::Portable.kernels() {
+            assert!(entry.kernel.shared_bytes() <= SM86_SHARED_LIMIT_BYTES, "{}", entry.name);
+        }
+    }
+
     #[test]
     fn tma_kernels_fit_in_shared_memory_with_two_stages() {
         use flashsample_core::abi::{SM90_SHARED_LIMIT_BYTES, tma_handoff_stages, tma_stages};

@@ -29,7 +29,7 @@ use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
 
 use super::batch::{ProcessingRef, VerifiedRef};
-use super::dispatch::{Variant, narrowest_mma};
+use super::dispatch::{Variant, mma_sync_tile};
 use super::memory::{MatrixRef, ResidentMaps, check_address};
 use super::modules::Kernels;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Passes};
@@ -693,9 +693,9 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
 
 /// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one
 /// shard, no log-probabilities, every row with top-k, and a tile that writes lists:
-/// the resolved `mma.sync` or SIMT tile, or in place of the dispatcher's TMA tile at B ≤ 32
-/// the `mma.sync` tile of the narrowest width that holds B (the read of `W` bounds both
-/// there). Past B = 32 on the Hopper module the TMA tiles run, which write no lists.
+/// the resolved `mma.sync` (register-direct or staged) or SIMT tile, or in place of the
+/// dispatcher's TMA tile the `mma.sync` tile for B ([`mma_sync_tile`]). A TMA tile the
+/// caller names keeps the materialised path: the TMA tiles write no lists.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
     let processing = &call.processing;
     let listable = matches!(call.target, CallTarget::Tokens { .. })
@@ -705,8 +705,8 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
         && !processing.top_logprobs();
     match resolved {
         _ if !listable => None,
-        Variant::Mma { .. } | Variant::Simt => Some(resolved),
-        _ if call.variant == Variant::Auto => narrowest_mma(call.hidden.rows),
+        Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => Some(resolved),
+        _ if call.variant == Variant::Auto => Some(mma_sync_tile(call.hidden.rows)),
         _ => None,
     }
 }
@@ -956,10 +956,9 @@ mod tests {
     }
 
     /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
-    /// on a tile that lists (`mma.sync`, SIMT), or the dispatcher's TMA tile at B ≤ 32 swapped
-    /// for the narrowest `mma.sync` one; a TMA tile named by the caller, B > 32 on a TMA tile,
-    /// log-probabilities, a shard, top entries or a row without top-k keep the materialised
-    /// path.
+    /// on a tile that lists (`mma.sync`, staged, SIMT), or the dispatcher's TMA tile swapped
+    /// for the `mma.sync` tile of B; a TMA tile named by the caller, log-probabilities, a
+    /// shard, top entries or a row without top-k keep the materialised path.
     #[test]
     fn a_call_is_listed_only_where_its_lists_can_decide_it() {
         let tma = Variant::Tma { rows: 128, columns: 16 };
@@ -975,8 +974,14 @@ mod tests {
         );
         assert_eq!(
             listed_variant(&call(64, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
-            None
+            Some(Variant::Staged { columns: 64 })
         );
+        assert_eq!(
+            listed_variant(&call(200, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 128 }),
+            Some(Variant::Staged { columns: 128 })
+        );
+        let staged = Variant::Staged { columns: 128 };
+        assert_eq!(listed_variant(&call(16, true, false, false, staged), staged), Some(staged));
         assert_eq!(listed_variant(&call(16, true, false, false, tma), tma), None);
         assert_eq!(listed_variant(&call(16, false, false, false, Variant::Auto), mma), None);
         assert_eq!(listed_variant(&call(16, true, true, false, Variant::Auto), mma), None);

@@ -37,7 +37,7 @@ struct Layout {
 impl Layout {
     #[inline(always)]
     fn new(base: *mut u8, item_rows: u32, columns: u32) -> Layout {
-        let shared = hopper::shared_address(base);
+        let shared = arch::shared_address(base);
         let start = shared.next_multiple_of(1024);
         let stages = tma_stages(item_rows, columns);
         let boxes = Ring::new(start, stages, item_rows, columns, 0).boxes_end();

@@ -61,7 +61,7 @@ struct HandoffLayout {
 impl HandoffLayout {
     #[inline(always)]
     fn new(base: *mut u8, columns: u32) -> HandoffLayout {
-        let shared = hopper::shared_address(base);
+        let shared = arch::shared_address(base);
         let start = shared.next_multiple_of(1024);
         let stages = tma_handoff_stages(columns);
         let logits_address = Ring::new(start, stages, HANDOFF_ROWS, columns, 0).boxes_end();

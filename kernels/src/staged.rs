@@ -109,10 +109,11 @@ unsafe fn multiply_stage<T: MmaElement, const NT: usize>(
 ) {
     let (matrix, r) = (lane / 8, lane % 8);
     let h_base = stage + TILE_ROWS * ROW_BYTES;
-    // A run-time loop over the k-steps; the pairs of n-tiles are unrolled by hand, so that
-    // every index into `acc` is a constant (a rolled loop moved `acc` to local memory).
-    let mut s = 0;
-    while s < 4 {
+    // Straight-line code over the k-steps and the pairs of n-tiles: every index into `acc`
+    // is a constant (a rolled loop moved `acc` to local memory), and the next step's
+    // `ldmatrix` can issue while this step's products run.
+    each_index!(step < 4, {
+        let s = step as u32;
         let a: [[u32; 4]; 2] = core::array::from_fn(|mt| {
             let row = WARP_ROWS * warp + 4 * r + 2 * mt as u32 + (matrix & 1);
             let piece = 2 * s + (matrix >> 1);
@@ -133,8 +134,7 @@ unsafe fn multiply_stage<T: MmaElement, const NT: usize>(
                 T::mma(&mut acc[1][2 * pair + 1], a[1], [b[2], b[3]]);
             }
         });
-        s += 1;
-    }
+    });
 }
 
 /// The logits tile of a block's item (rows `tile_row0 .. + TILE_ROWS`, columns `col0 .. +

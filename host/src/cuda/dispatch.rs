@@ -15,13 +15,11 @@ fn narrowest_mma(batch: usize) -> Option<Variant> {
 }
 
 /// The `mma.sync` tile for `batch` columns: the narrowest register-direct width that holds
-/// B, else the staged tile with the narrowest width that holds B (128 columns past that).
-/// The portable module's choice for tensor cores, and the tile that writes the truncations'
-/// lists in place of a TMA tile.
+/// B, else the staged tile of 64 columns (faster than 128 columns at every B measured but one,
+/// docs/PERF.md). The portable module's choice for tensor cores, and the tile that writes
+/// the truncations' lists in place of a TMA tile.
 pub(crate) fn mma_sync_tile(batch: usize) -> Variant {
-    narrowest_mma(batch).unwrap_or(Variant::Staged {
-        columns: STAGED_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(128),
-    })
+    narrowest_mma(batch).unwrap_or(Variant::Staged { columns: 64 })
 }
 
 /// Batch-tile widths of the TMA + `wgmma` kernels.
@@ -77,9 +75,8 @@ impl Variant {
     ///   of `W` and runs the sampling epilogue beside the next item's multiplies.
     ///
     /// Portable module: the register-direct `mma.sync` tile with the narrowest width of 8, 16
-    /// and 32 that holds B; above 32 the staged tile, 64 columns up to B = 64 and 128 above
-    /// (it reads each chunk of `W` once per item, where the register-direct tile reads it once
-    /// per 32 columns).
+    /// and 32 that holds B; above 32 the staged tile of 64 columns (it reads each chunk of `W`
+    /// once per item, where the register-direct tile reads it once per 32 columns).
     #[cfg(any(test, feature = "internals"))]
     pub fn resolve(self, module: Module, dtype: DType, dim: usize, batch: usize) -> Result<Variant> {
         self.resolve_aligned(module, dtype, dim, batch, true)
@@ -266,8 +263,8 @@ mod tests {
         assert_eq!(resolve(32), Variant::Mma { columns: 32 });
         assert_eq!(resolve(33), Variant::Staged { columns: 64 });
         assert_eq!(resolve(64), Variant::Staged { columns: 64 });
-        assert_eq!(resolve(65), Variant::Staged { columns: 128 });
-        assert_eq!(resolve(256), Variant::Staged { columns: 128 });
+        assert_eq!(resolve(65), Variant::Staged { columns: 64 });
+        assert_eq!(resolve(256), Variant::Staged { columns: 64 });
         assert_eq!(Variant::Auto.resolve(Module::Portable, DType::F32, 4096, 4).unwrap(), Variant::Simt);
         let tma = Variant::Tma { rows: 128, columns: 8 }.resolve(Module::Portable, DType::BF16, 4096, 1);
         assert!(tma.unwrap_err().to_string().contains("needs the Hopper module"));

@@ -691,11 +691,17 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
     })
 }
 
+/// The largest B at which the listed path swaps the Hopper module's TMA tile for an `mma.sync`
+/// one: at B = 256 the staged tile's multiplies cost more than the materialised selection
+/// they save (docs/PERF.md).
+const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
+
 /// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one
 /// shard, no log-probabilities, every row with top-k, and a tile that writes lists:
 /// the resolved `mma.sync` (register-direct or staged) or SIMT tile, or in place of the
-/// dispatcher's TMA tile the `mma.sync` tile for B ([`mma_sync_tile`]). A TMA tile the
-/// caller names keeps the materialised path: the TMA tiles write no lists.
+/// dispatcher's TMA tile up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows the `mma.sync` tile
+/// for B ([`mma_sync_tile`]). A TMA tile the caller names, or the dispatcher's past that B,
+/// keeps the materialised path: the TMA tiles write no lists.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
     let processing = &call.processing;
     let listable = matches!(call.target, CallTarget::Tokens { .. })
@@ -706,7 +712,9 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
     match resolved {
         _ if !listable => None,
         Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => Some(resolved),
-        _ if call.variant == Variant::Auto => Some(mma_sync_tile(call.hidden.rows)),
+        _ if call.variant == Variant::Auto && call.hidden.rows <= LISTED_IN_PLACE_OF_TMA_MAX_BATCH => {
+            Some(mma_sync_tile(call.hidden.rows))
+        }
         _ => None,
     }
 }
@@ -957,8 +965,9 @@ mod tests {
 
     /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
     /// on a tile that lists (`mma.sync`, staged, SIMT), or the dispatcher's TMA tile swapped
-    /// for the `mma.sync` tile of B; a TMA tile named by the caller, log-probabilities, a
-    /// shard, top entries or a row without top-k keep the materialised path.
+    /// for the `mma.sync` tile of B up to B = 64; a TMA tile named by the caller or past
+    /// B = 64, log-probabilities, a shard, top entries or a row without top-k keep the
+    /// materialised path.
     #[test]
     fn a_call_is_listed_only_where_its_lists_can_decide_it() {
         let tma = Variant::Tma { rows: 128, columns: 16 };
@@ -977,8 +986,12 @@ mod tests {
             Some(Variant::Staged { columns: 64 })
         );
         assert_eq!(
-            listed_variant(&call(200, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 128 }),
-            Some(Variant::Staged { columns: 128 })
+            listed_variant(&call(65, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 128 }),
+            None
+        );
+        assert_eq!(
+            listed_variant(&call(200, true, false, false, Variant::Auto), Variant::Staged { columns: 64 }),
+            Some(Variant::Staged { columns: 64 })
         );
         let staged = Variant::Staged { columns: 128 };
         assert_eq!(listed_variant(&call(16, true, false, false, staged), staged), Some(staged));

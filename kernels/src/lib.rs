@@ -296,6 +296,7 @@ unsafe fn logits_simt<T: Element>(args: LogitsArgs) {
 /// # Safety
 /// `args.logits` holds `batch × logits_stride` floats, 16-byte aligned, with
 /// `logits_stride` a multiple of 4.
+#[allow(clippy::needless_range_loop)] // constant indices once unrolled keep `logits` in registers
 #[inline(always)]
 unsafe fn store_logits<const NT: usize>(logits: &tile::ThreadLogits<NT>, args: &LogitsArgs, row0: u32, col0: u32) {
     let t = arch::thread_index() % 4;

@@ -21,6 +21,9 @@ const _: () = assert!(SumsStaging::bytes(TILE_KERNEL_WARPS, 32) <= fused_mma_sha
 const _: () = assert!(SumsStaging::bytes(TILE_KERNEL_WARPS, N_TILE) <= fused_mma_shared_bytes(N_TILE));
 
 /// `logits[slot / 2][slot % 2]` through a chain of selects, so the array stays in registers.
+// Indexing by the loop variables gives constant indices once unrolled, which keeps the
+// arrays in registers.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn pick<const NT: usize>(logits: &ThreadLogits<NT>, slot: usize) -> [f32; 4] {
     let mut picked = logits[0][0];

@@ -12,7 +12,7 @@ use flashsample::{
     Batch, CudaSampler, DType, Drafted, Draws, Error, LmHead, Module, ModuleChoice, Penalties, Processing, Result,
     SamplingParams,
 };
-use flashsample_core::abi::{DevicePtr, HANDOFF_ROWS};
+use flashsample_core::abi::{DevicePtr, HANDOFF_ROWS, MMA_PEAK_FLOPS};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cublas::{self, Cublas};
@@ -28,7 +28,8 @@ pub struct Row {
     pub vocab: usize,
     pub batch: usize,
     /// `fused_sample`, `fused_greedy`, `unfused_sample`, `read_floor` or `cublas_gemm` (the
-    /// in-process cuBLAS reference); `fused_sample@<variant>` for forced variants.
+    /// in-process cuBLAS reference); `fused_sample@<variant>` for forced variants;
+    /// `mma_peak` for the `mma.sync` peak probe (D = V = B = 0).
     pub variant: String,
     pub timing: Timing,
 }
@@ -140,10 +141,11 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
         + if options.processing { PROCESSING_MODES.len() + LISTED_MODES.len() } else { 0 };
     let reference = usize::from(cublas.is_some());
     let verification = if options.verification { 2 * VERIFIED_DRAFTS.len() * VERIFIED_SEQUENCES.len() } else { 0 };
-    let points = options.shapes.len()
-        * (samplers.len() * (1 + 3 * options.batches.len())
-            + (reference + extra) * options.batches.len()
-            + verification);
+    let points = samplers.len()
+        + options.shapes.len()
+            * (samplers.len() * (1 + 3 * options.batches.len())
+                + (reference + extra) * options.batches.len()
+                + verification);
     let progress = ProgressBar::new(points as u64);
     progress.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("valid template"));
     let mut rows = Vec::new();
@@ -157,6 +159,12 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
             let timing = timer.time(sampler, options.warmup, options.runs, || sampler.read_probe(&head))?;
             rows.push(Row { module, dim, vocab, batch: 0, variant: "read_floor".into(), timing });
             progress.inc(1);
+            if (dim, vocab) == options.shapes[0] {
+                progress.set_message(format!("{} mma.sync peak", module.name()));
+                let timing = timer.time(sampler, options.warmup, options.runs, || sampler.mma_peak())?;
+                rows.push(Row { module, dim: 0, vocab: 0, batch: 0, variant: "mma_peak".into(), timing });
+                progress.inc(1);
+            }
             if first && options.verification {
                 let point = (dim, vocab);
                 rows.extend(time_verification(sampler, timer, &head, point, options, &progress)?);
@@ -391,6 +399,48 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
         let module_rows = of(module);
         if !module_rows.is_empty() {
             out.push_str(&module_table(module, &module_rows, &primary_rows));
+        }
+    }
+    out.push_str(&tensor_rates(rows));
+    out
+}
+
+/// Each module's `mma.sync` peak probe and, at each shape's largest B, the rate of fused
+/// greedy decoding and sampling (2·B·V·D operations over their time) against it.
+fn tensor_rates(rows: &[Row]) -> String {
+    let mut out = String::new();
+    for module in Module::ALL {
+        let of_module = |variant: &'static str| rows.iter().filter(move |r| r.module == module && r.variant == variant);
+        let Some(peak) = of_module("mma_peak").next() else { continue };
+        let peak_tflops = MMA_PEAK_FLOPS as f64 / (peak.timing.median_us * 1e-6) / 1e12;
+        writeln!(
+            out,
+            "\n{} module: mma.sync peak probe {peak_tflops:.0} TFLOP/s (bf16 m16n8k16, f32 accumulators)",
+            module.name()
+        )
+        .unwrap();
+        let largest = |d: usize, v: usize| {
+            of_module("fused_sample").filter(|r| (r.dim, r.vocab) == (d, v)).map(|r| r.batch).max()
+        };
+        let mut shapes: Vec<(usize, usize)> = of_module("fused_sample").map(|r| (r.dim, r.vocab)).collect();
+        shapes.dedup();
+        for (d, v) in shapes {
+            let Some(b) = largest(d, v) else { continue };
+            let flops = 2.0 * (b * v * d) as f64;
+            let rate = |variant: &'static str| {
+                of_module(variant)
+                    .find(|r| (r.dim, r.vocab, r.batch) == (d, v, b))
+                    .map(|r| flops / (r.timing.median_us * 1e-6) / 1e12)
+            };
+            if let (Some(greedy), Some(sample)) = (rate("fused_greedy"), rate("fused_sample")) {
+                writeln!(
+                    out,
+                    "  D = {d}, V = {v}, B = {b}: greedy {greedy:.0} TFLOP/s ({:.1} % of the probe), sample {sample:.0} TFLOP/s ({:.1} %)",
+                    100.0 * greedy / peak_tflops,
+                    100.0 * sample / peak_tflops
+                )
+                .unwrap();
+            }
         }
     }
     out

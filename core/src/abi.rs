@@ -1057,6 +1057,27 @@ pub struct ReadProbeArgs {
     pub sink: DevicePtr<u32>,
 }
 
+/// Multiplies register fragments with `mma.sync` m16n8k16 (bf16 inputs, f32 accumulators)
+/// and nothing else: the tensor cores' `mma.sync` peak, beside which the tiles' rates are
+/// read. [`MMA_PEAK_UNITS`] units of work, [`MMA_PEAK_UNIT_MMAS`] multiplies each, spread
+/// over the grid's warps; a checksum that is never written in practice keeps them alive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MmaPeakArgs {
+    /// One `u32`, where the checksum would be written.
+    pub sink: DevicePtr<u32>,
+}
+
+/// Units of work of the `mma.sync` peak probe ([`MmaPeakArgs`]): enough that every warp of a
+/// full grid of resident blocks gets about the same number (tens per warp).
+pub const MMA_PEAK_UNITS: u64 = 1 << 18;
+/// `mma.sync` m16n8k16 per unit of the peak probe: eight rounds over eight independent
+/// accumulators (enough in flight to cover the multiply's latency).
+pub const MMA_PEAK_UNIT_MMAS: u64 = 64;
+/// Floating-point operations of one probe launch (2 · 16 · 8 · 16 per multiply).
+pub const MMA_PEAK_FLOPS: u64 = MMA_PEAK_UNITS * MMA_PEAK_UNIT_MMAS * 2 * 16 * 8 * 16;
+
 /// Writes to the `u32` at `out` (zeroed by the host) the bits of the largest
 /// `|gumbel_estimate(x) − gumbel(x)|` over all 2³² words `x`, with the device's `lg2.approx`
 /// (+∞ if any difference is NaN): the check of [`crate::estimate::GUMBEL_ESTIMATE_ERROR`].

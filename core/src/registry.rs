@@ -126,6 +126,8 @@ pub enum Kernel {
     },
     /// The read-bandwidth floor (`ReadProbeArgs`).
     ReadProbe,
+    /// The `mma.sync` peak (`MmaPeakArgs`).
+    MmaPeak,
     /// The exhaustive check of the noise estimate's bound (`EstimateErrorArgs`).
     GumbelEstimateError,
     /// Adds to the decode step of every row parameter (`AdvanceStepsArgs`): how a loop, or a
@@ -172,6 +174,7 @@ impl Kernel {
             Kernel::ProcessRows => PROCESS_THREADS,
             Kernel::FillUniform { .. }
             | Kernel::ReadProbe
+            | Kernel::MmaPeak
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
             | Kernel::AcceptDrafts
@@ -203,6 +206,7 @@ impl Kernel {
             | Kernel::MergeShards
             | Kernel::FillUniform { .. }
             | Kernel::ReadProbe
+            | Kernel::MmaPeak
             | Kernel::GumbelEstimateError
             | Kernel::AdvanceSteps
             | Kernel::AcceptDrafts
@@ -456,6 +460,7 @@ macro_rules! for_each_kernel {
             fill_uniform_f16 => FillUniform { element: F16 };
             fill_uniform_f32 => FillUniform { element: F32 };
             read_probe => ReadProbe {};
+            mma_peak => MmaPeak {};
             gumbel_estimate_error => GumbelEstimateError {};
             advance_steps => AdvanceSteps {};
             accept_drafts => AcceptDrafts {};

@@ -5,7 +5,7 @@
 //!
 //! The owned and borrowed samplers carry the rest of the hooks under the same feature:
 //! `CudaSampler::{set_variant, poison_workspace, fill_outputs, random_lm_head, random_hidden,
-//! lm_head_to_host, hidden_to_host, read_probe, gumbel_estimate_max_error,
+//! lm_head_to_host, hidden_to_host, read_probe, mma_peak, gumbel_estimate_max_error,
 //! sample_unfused_into}`, `StreamSampler::{plan_with_variant, enqueue_on_with_variant,
 //! fill_uniform}`, `TensorParallelSampler::{random_lm_head, sample_into_phases}` and
 //! `CandleSampler::set_variant`.

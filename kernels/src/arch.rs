@@ -284,6 +284,21 @@ pub unsafe fn cp_async_16(destination: u32, source: u64, source_bytes: u32) {
     }
 }
 
+/// As [`cp_async_16`], asking L2 to fetch the whole 256-byte span around the source
+/// (`.L2::256B`): the staged tile copies 128 bytes of each row of `W` per stage, and the
+/// span brings the next stage's bytes of the row with them.
+///
+/// # Safety
+/// As [`cp_async_16`].
+#[inline(always)]
+pub unsafe fn cp_async_16_l2_256(destination: u32, source: u64, source_bytes: u32) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        asm!("cp.async.cg.shared.global.L2::256B [{d}], [{s}], 16, {n};",
+            d = in(reg32) destination, s = in(reg64) source, n = in(reg32) source_bytes, options(nostack));
+    }
+}
+
 /// Closes this thread's current group of [`cp_async_16`] copies.
 ///
 /// # Safety

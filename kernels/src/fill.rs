@@ -3,7 +3,9 @@
 
 use core::sync::atomic::{AtomicU32, Ordering};
 
-use flashsample_core::abi::{EstimateErrorArgs, FillArgs, ReadProbeArgs};
+use flashsample_core::abi::{
+    EstimateErrorArgs, FillArgs, MMA_PEAK_UNIT_MMAS, MMA_PEAK_UNITS, MmaPeakArgs, ReadProbeArgs,
+};
 use flashsample_core::estimate::gumbel_estimate;
 use flashsample_core::gumbel::gumbel;
 use flashsample_core::noise::key;
@@ -130,5 +132,48 @@ pub unsafe fn gumbel_estimate_error(args: &EstimateErrorArgs) {
     if arch::thread_index().is_multiple_of(32) {
         // SAFETY: `out` is a valid, aligned u32 per this function's contract.
         unsafe { AtomicU32::from_ptr(args.out.as_mut_ptr()) }.fetch_max(bits, Ordering::Relaxed);
+    }
+}
+
+/// Independent accumulators of the `mma.sync` peak probe.
+const PEAK_CHAINS: usize = 8;
+
+/// The `mma.sync` peak probe: the grid's warps share [`MMA_PEAK_UNITS`] units of
+/// [`MMA_PEAK_UNIT_MMAS`] multiplies of fixed fragments, over [`PEAK_CHAINS`] independent
+/// accumulators.
+///
+/// # Safety
+/// Launched in whole warps; `args.sink` holds one u32.
+#[inline(always)]
+pub unsafe fn mma_peak(args: &MmaPeakArgs) {
+    let (thread, threads) = arch::global_thread();
+    let (warp, warps) = (thread / 32, threads / 32);
+    let lane = arch::thread_index() % 32;
+    // bf16 pairs of small values (2⁻⁸ and 2⁻⁹ scaled by the lane), so that no sum overflows.
+    let a = [0x3b80_3b00 ^ lane, 0x3b00_3b80 ^ lane, 0x3b80_3b80, 0x3b00_3b00];
+    let b = [0x3b80_3b00 ^ (lane << 16), 0x3b00_3b80];
+    let mut acc = [[0.0f32; 4]; PEAK_CHAINS];
+    let mut unit = warp;
+    // Uniform per warp (every lane has the same `warp`), so all 32 lanes run the same trips.
+    while unit < MMA_PEAK_UNITS {
+        for _ in 0..MMA_PEAK_UNIT_MMAS as usize / PEAK_CHAINS {
+            for chain in &mut acc {
+                // SAFETY: all 32 lanes of the warp run the same trips (the loop bounds depend on the
+                // warp only).
+                unsafe { arch::mma_bf16(chain, a, b) };
+            }
+        }
+        unit += warps;
+    }
+    let mut checksum = 0u32;
+    for chain in &acc {
+        for value in chain {
+            checksum ^= value.to_bits();
+        }
+    }
+    // A data-dependent store the compiler cannot drop; it almost never happens.
+    if checksum == 0x9e37_79b9 {
+        // SAFETY: per this function's contract `sink` holds one u32.
+        unsafe { *args.sink.as_mut_ptr() = checksum };
     }
 }

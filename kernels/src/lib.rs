@@ -49,8 +49,9 @@ mod tma;
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
     AcceptDraftsArgs, AdvanceStepsArgs, AdvanceVerifiedArgs, DevicePtr, EstimateErrorArgs, FillArgs, FusedArgs,
-    LogitsArgs, LogitsSamplerArgs, N_TILE, ProcessArgs, ReadProbeArgs, ReduceArgs, SIMT_WARP_SCRATCH_FLOATS,
-    SampleListedArgs, ShardMergeArgs, TILE_ROWS, WARP_ROWS, WinnerLogitsArgs, fused_mma_shared_bytes,
+    LogitsArgs, LogitsSamplerArgs, MmaPeakArgs, N_TILE, ProcessArgs, ReadProbeArgs, ReduceArgs,
+    SIMT_WARP_SCRATCH_FLOATS, SampleListedArgs, ShardMergeArgs, TILE_ROWS, WARP_ROWS, WinnerLogitsArgs,
+    fused_mma_shared_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -566,6 +567,17 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { fill::read_probe(&args) }
+        }
+    };
+    ($name:ident, MmaPeak {}) => {
+        /// Multiplies register fragments with `mma.sync` only: the tensor cores' peak.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: MmaPeakArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: whole warps, a valid sink.
+            unsafe { fill::mma_peak(&args) }
         }
     };
     ($name:ident, GumbelEstimateError {}) => {

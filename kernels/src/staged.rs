@@ -66,20 +66,30 @@ unsafe fn load_stage<const NT: usize>(input: &TileInput, tile_row0: u32, stage: 
     let k0 = chunk * STAGED_CHUNK;
     let w_row_bytes = input.lm_head_stride as u64 * 2;
     let h_row_bytes = input.hidden_stride as u64 * 2;
-    let copy = |base: u64, row_bytes: u64, source_row: u32, row: u32, piece: u32, key: u32, at: u32| {
+    // `W` is streamed once, so its copies ask L2 for the span that holds the next stage's bytes
+    // of the row; `H` stays in L2 between items.
+    let copy = |base: u64, row_bytes: u64, source_row: u32, row: u32, piece: u32, key: u32, at: u32, is_w: bool| {
         let k = k0 + 8 * piece;
         let inside = k < input.dim;
         let source = base + source_row as u64 * row_bytes + if inside { 2 * k as u64 } else { 0 };
-        // SAFETY: per this function's contract the stage is this block's and unread until the
-        // wait; the source row is clamped inside the matrix and the piece inside `dim` (or not
-        // read), 16-byte aligned (aligned rows, `dim % 8 == 0`).
-        unsafe { arch::cp_async_16(piece_address(at, row, piece, key), source, if inside { 16 } else { 0 }) };
+        let (destination, bytes) = (piece_address(at, row, piece, key), if inside { 16 } else { 0 });
+        if is_w {
+            // SAFETY: per this function's contract the stage is this block's and unread until the
+            // wait; the source row is clamped inside the matrix and the piece inside `dim` (or not
+            // read), 16-byte aligned (aligned rows, `dim % 8 == 0`).
+            unsafe { arch::cp_async_16_l2_256(destination, source, bytes) };
+        } else {
+            // SAFETY: per this function's contract the stage is this block's and unread until the
+            // wait; the source row is clamped inside the matrix and the piece inside `dim` (or not
+            // read), 16-byte aligned (aligned rows, `dim % 8 == 0`).
+            unsafe { arch::cp_async_16(destination, source, bytes) };
+        }
     };
     let mut q = thread;
     while q < TILE_ROWS * PIECES {
         let (row, piece) = (q / PIECES, q % PIECES);
         let source_row = (tile_row0 + row).min(input.vocab - 1);
-        copy(input.lm_head, w_row_bytes, source_row, row, piece, w_key(row), stage);
+        copy(input.lm_head, w_row_bytes, source_row, row, piece, w_key(row), stage, true);
         q += THREADS;
     }
     let h_base = stage + TILE_ROWS * ROW_BYTES;
@@ -87,7 +97,7 @@ unsafe fn load_stage<const NT: usize>(input: &TileInput, tile_row0: u32, stage: 
     while q < 8 * NT as u32 * PIECES {
         let (column, piece) = (q / PIECES, q % PIECES);
         let source_column = (input.col0 + column).min(input.batch - 1);
-        copy(input.hidden, h_row_bytes, source_column, column, piece, h_key(column), h_base);
+        copy(input.hidden, h_row_bytes, source_column, column, piece, h_key(column), h_base, false);
         q += THREADS;
     }
 }

@@ -1,10 +1,10 @@
 //! What tests and benchmarks need of the owned sampler beyond sampling (feature `internals`):
 //! poisoned workspaces and outputs, inputs made on the device, copies back, the read-bandwidth
-//! probe, the check of the estimate's bound, the unfused comparison pipeline, and the fused
+//! and `mma.sync` peak probes, the check of the estimate's bound, the unfused comparison pipeline, and the fused
 //! tiles' lists of their first entries.
 
 use flashsample_core::Candidate;
-use flashsample_core::abi::{EstimateErrorArgs, ReadProbeArgs};
+use flashsample_core::abi::{EstimateErrorArgs, MmaPeakArgs, ReadProbeArgs};
 use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::{TILE_TOP, TileTop};
 
@@ -148,6 +148,21 @@ impl CudaSampler {
         unsafe {
             driver::in_context(self.kernels().context().cast(), || {
                 self.kernels().kernels().launch(self.stream.cu_stream(), Kernel::ReadProbe, u64::MAX, &args)
+            })
+        }
+    }
+
+    /// Queues the `mma.sync` peak probe over a full grid of resident blocks: its
+    /// [`flashsample_core::abi::MMA_PEAK_FLOPS`] operations over its time give the tensor
+    /// cores' `mma.sync` rate, beside which the tiles' rates are read.
+    pub fn mma_peak(&self) -> Result<()> {
+        self.make_current()?;
+        let sink = ensure(&self.stream, &mut self.scratch.borrow_mut().probe_sink, 1, "probe sink")?;
+        let args = MmaPeakArgs { sink };
+        // SAFETY: the sink holds one u32; the kernel reads nothing else.
+        unsafe {
+            driver::in_context(self.kernels().context().cast(), || {
+                self.kernels().kernels().launch(self.stream.cu_stream(), Kernel::MmaPeak, u64::MAX, &args)
             })
         }
     }

@@ -405,6 +405,18 @@ pub fn report(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     out
 }
 
+/// The (D, V) shapes the rows time, in their first order, each once (the `mma.sync` peak
+/// probe's row has none).
+fn shapes_of(rows: &[Row]) -> Vec<(usize, usize)> {
+    let mut shapes = Vec::new();
+    for r in rows.iter().filter(|r| r.variant != "mma_peak") {
+        if !shapes.contains(&(r.dim, r.vocab)) {
+            shapes.push((r.dim, r.vocab));
+        }
+    }
+    shapes
+}
+
 /// Each module's `mma.sync` peak probe and, at each shape's largest B, the rate of fused
 /// greedy decoding and sampling (2·B·V·D operations over their time) against it.
 fn tensor_rates(rows: &[Row]) -> String {
@@ -422,9 +434,7 @@ fn tensor_rates(rows: &[Row]) -> String {
         let largest = |d: usize, v: usize| {
             of_module("fused_sample").filter(|r| (r.dim, r.vocab) == (d, v)).map(|r| r.batch).max()
         };
-        let mut shapes: Vec<(usize, usize)> = of_module("fused_sample").map(|r| (r.dim, r.vocab)).collect();
-        shapes.dedup();
-        for (d, v) in shapes {
+        for (d, v) in shapes_of(rows) {
             let Some(b) = largest(d, v) else { continue };
             let flops = 2.0 * (b * v * d) as f64;
             let rate = |variant: &'static str| {
@@ -627,8 +637,7 @@ fn primary_table(rows: &[Row], peers: &[PeerTiming], dtype: DType) -> String {
     let mut out = String::new();
     writeln!(out, "| D | V | B | fused sample µs | fused greedy µs | unfused µs | cuBLAS µs | cuBLAS in bench µs | torch sample µs | sample/cuBLAS | sample/cuBLAS in bench | sample/greedy | % of read floor |").unwrap();
     writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|").unwrap();
-    let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
-    shapes.dedup();
+    let shapes = shapes_of(rows);
     for (d, v) in shapes {
         let floor = ours(d, v, 0, "read_floor");
         // The batches this table times (a verification run's rows are tabled apart), each once.
@@ -763,8 +772,7 @@ pub fn plot(path: &Path, rows: &[Row], peers: &[PeerTiming]) -> Result<()> {
     static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
     plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
         .map_err(|_| file_error(path, "the embedded font is invalid"))?;
-    let mut shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.dim, r.vocab)).collect();
-    shapes.dedup();
+    let shapes = shapes_of(rows);
     let primary = rows.first().map(|r| r.module);
     let root = BitMapBackend::new(path, (640 * shapes.len().min(2) as u32, 480 * shapes.len().div_ceil(2) as u32))
         .into_drawing_area();
@@ -887,6 +895,32 @@ mod tests {
         let lines: Vec<&str> = table.lines().filter(|l| l.starts_with("| 64 | 1000 |")).collect();
         assert_eq!(lines.len(), 1, "{report}");
         assert!(lines[0].starts_with("| 64 | 1000 | 1 | 440.0 | 439.0 |"), "{report}");
+    }
+
+    /// The `mma.sync` peak probe's row (no shape) splits no shape's table in two, and the
+    /// report reads the largest B's rate against the probe: 2·B·V·D operations over the time.
+    #[test]
+    fn the_peak_probe_row_leaves_the_shapes_whole_and_rates_the_largest_batch() {
+        let other = |dim, vocab, batch, variant: &str, us| Row { dim, vocab, ..row(batch, variant, us) };
+        let flops_us = MMA_PEAK_FLOPS as f64 / 500e12 * 1e6;
+        let rows = vec![
+            row(0, "read_floor", 10.0),
+            other(0, 0, 0, "mma_peak", flops_us),
+            row(16, "fused_sample", 440.0),
+            other(128, 1000, 16, "fused_sample", 880.0),
+            row(256, "fused_sample", 2.0 * 256.0 * 1000.0 * 64.0 / 100e12 * 1e6),
+            row(256, "fused_greedy", 2.0 * 256.0 * 1000.0 * 64.0 / 250e12 * 1e6),
+            row(16, "fused_sample", 441.0),
+        ];
+        assert_eq!(shapes_of(&rows), vec![(64, 1000), (128, 1000)]);
+        let text = tensor_rates(&rows);
+        assert!(text.contains("mma.sync peak probe 500 TFLOP/s"), "{text}");
+        assert!(
+            text.contains(
+                "D = 64, V = 1000, B = 256: greedy 250 TFLOP/s (50.0 % of the probe), sample 100 TFLOP/s (20.0 %)"
+            ),
+            "{text}"
+        );
     }
 
     /// FlashInfer's rows sit beside ours per mode, with our time over its pipeline's.

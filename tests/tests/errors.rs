@@ -145,6 +145,7 @@ fn shards_that_split_a_philox_block_or_differ_are_named() {
 fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
     for variant in [
         Variant::Mma { columns: 8 },
+        Variant::Staged { columns: 64 },
         Variant::Tma { rows: 64, columns: 64 },
         Variant::Tma { rows: 128, columns: 8 },
         Variant::TmaHandoff { columns: 128 },
@@ -155,6 +156,10 @@ fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
     }
     assert_eq!(invalid_argument(Variant::Mma { columns: 12 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
     assert_eq!(invalid_argument(Variant::Mma { columns: 64 }.resolve(Module::Hopper, DType::BF16, 64, 1)), "variant");
+    assert_eq!(
+        invalid_argument(Variant::Staged { columns: 32 }.resolve(Module::Hopper, DType::BF16, 64, 1)),
+        "variant"
+    );
     assert_eq!(
         invalid_argument(Variant::Tma { rows: 64, columns: 256 }.resolve(Module::Hopper, DType::BF16, 64, 1)),
         "variant"
@@ -173,7 +178,11 @@ fn tensor_core_variants_need_16_bit_types_and_aligned_dim() {
         let picked = Variant::Auto.resolve(Module::Hopper, DType::BF16, 64, batch).unwrap();
         assert!(matches!(picked, Variant::Tma { .. } | Variant::TmaHandoff { .. }), "B = {batch}: {picked:?}");
         let picked = Variant::Auto.resolve(Module::Portable, DType::BF16, 64, batch).unwrap();
-        assert!(matches!(picked, Variant::Mma { .. }), "B = {batch}: {picked:?}");
+        if batch <= 32 {
+            assert!(matches!(picked, Variant::Mma { .. }), "B = {batch}: {picked:?}");
+        } else {
+            assert_eq!(picked, Variant::Staged { columns: 64 }, "B = {batch}");
+        }
     }
     for variant in [Variant::Tma { rows: 128, columns: 8 }, Variant::TmaHandoff { columns: 64 }] {
         assert_eq!(invalid_argument(variant.resolve(Module::Portable, DType::BF16, 64, 1)), "variant");

@@ -4,7 +4,7 @@
 //! module and once with `FLASHSAMPLE_MODULE=portable`. χ² tests use α = 1e-3 and fixed seeds.
 
 use flashsample::internals::Variant;
-use flashsample::{Batch, CudaSampler, DType, Draws, Module, Sampler, SamplingParams};
+use flashsample::{Batch, CudaSampler, DType, Draws, Module, Processing, Sampler, SamplingParams};
 use flashsample_tests::suite::{ALPHA, Scale};
 use flashsample_tests::*;
 
@@ -70,6 +70,23 @@ fn chi_square_v131071_f32_4m_draws() {
     let w = random_matrix(131_071, 64, DType::F32, 0.5, 44);
     let h = random_matrix(1, 64, DType::F32, 1.0, 45);
     check_distribution(&Cuda::new(Variant::Auto), &w, &h, 1.0, 1 << 22, 46, ALPHA);
+}
+
+/// Top-k 50 and top-p 0.9 at V = 131,071 with 2²⁰ draws each against their exact truncated
+/// distributions (α = 1e-3): top-k takes the listed path at B = 1 (the tiles' lists, no logits
+/// written), top-p the materialised one. A token outside the kept set fails at once; a cut
+/// that keeps 1 % of the mass too much or too little moves χ² by about 2²⁰ · 0.01 ≈ 10,000,
+/// against a standard deviation of √(2·dof), under 600 here.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn top_k_50_and_top_p_0_9_sample_their_targets_at_v131071_with_1m_draws() {
+    let w = random_matrix(131_071, 64, DType::BF16, 0.5, 51);
+    let h = random_matrix(1, 64, DType::BF16, 1.0, 52);
+    for processing in
+        [Processing { top_k: Some(50), ..Processing::default() }, Processing { top_p: 0.9, ..Processing::default() }]
+    {
+        processing::check_processed_distribution(&Cuda::new(Variant::Auto), &w, &h, 1.0, &processing, 1 << 20, ALPHA);
+    }
 }
 
 /// Every variant against the exact distribution at 262,144 draws (1M draws each took the test

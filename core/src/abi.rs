@@ -1167,10 +1167,18 @@ pub const LISTED_THREADS: u32 = 256;
 /// (counted in [`SampleListedArgs::unsettled`]).
 pub const LISTED_RANK_CAP: u32 = 2048;
 
-/// Dynamic shared memory of the listed sampler: the ranked entries, a digit's histogram, and
-/// per-warp slots for the block's reductions (see the kernel's `ListedShared`).
-pub const LISTED_SHARED_BYTES: u32 =
-    LISTED_RANK_CAP * 8 + 256 * 4 + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES) + 32;
+/// The tiles whose lists the listed sampler keeps in shared memory for a row (each thread
+/// its own tiles, read once from L2 and then by every step): 2,048 tiles of 128 entries, a
+/// vocabulary of 262,144. Tiles past them are read from L2 at every step.
+pub const LISTED_CACHED_TILES: u32 = 2048;
+
+/// Dynamic shared memory of the listed sampler: the cached lists, the ranked entries, a digit's
+/// histogram, and per-warp slots for the block's reductions (see the kernel's `ListedShared`).
+pub const LISTED_SHARED_BYTES: u32 = LISTED_CACHED_TILES * core::mem::size_of::<crate::truncation::TileTop>() as u32
+    + LISTED_RANK_CAP * 8
+    + 256 * 4
+    + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES)
+    + 32;
 
 /// The listed sampler: each row's min-p, top-k and top-p decided from its tiles' lists
 /// ([`crate::truncation`]) and its draws raced among the entries they keep, one candidate per

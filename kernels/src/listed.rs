@@ -1,6 +1,9 @@
 //! The listed sampler: a row's min-p, top-k and top-p decided from its tiles' lists
 //! (`flashsample_core::truncation`), its draws raced among the entries they keep. One block
-//! per row, in five steps over the union of the row's lists (4 entries per tile, read from L2):
+//! per row; each thread owns tiles `thread + LISTED_THREADS·i` and copies their lists once
+//! from L2 into shared memory (up to `LISTED_CACHED_TILES`), where each step reads them (a
+//! thread reads only its own, so the copy needs no barrier). Five steps over the union of the
+//! row's lists (4 entries per tile):
 //! 1. the row's largest logit and whether a list is non-finite;
 //! 2. top-k's k-th largest order key among the entries min-p keeps, by a radix selection of
 //!    8-bit digits (a shared histogram per digit);
@@ -16,10 +19,12 @@
 
 use core::sync::atomic::{AtomicU32, Ordering};
 
-use flashsample_core::abi::{LISTED_RANK_CAP, LISTED_SHARED_BYTES, LISTED_THREADS, SampleListedArgs, candidate_pair};
+use flashsample_core::abi::{
+    LISTED_CACHED_TILES, LISTED_RANK_CAP, LISTED_SHARED_BYTES, LISTED_THREADS, SampleListedArgs, candidate_pair,
+};
 use flashsample_core::candidate::maximum;
 use flashsample_core::process::{KeepRule, key_logit, min_p_threshold, order_key, top_p_target, top_p_units};
-use flashsample_core::truncation::{TILE_TOP, TileTop};
+use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, block_candidate};
 
 use crate::arch;
@@ -31,6 +36,8 @@ const DIGIT_BUCKETS: usize = 256;
 /// The listed sampler's shared memory (`LISTED_SHARED_BYTES`).
 #[repr(C)]
 pub struct ListedShared {
+    /// The row's first `LISTED_CACHED_TILES` lists, each in its owner thread's slots.
+    cached: [TileTop; LISTED_CACHED_TILES as usize],
     /// The entries top-p ranks: `order_key << 32 | !index`, sorted in decreasing order.
     ranked: [u64; LISTED_RANK_CAP as usize],
     /// A digit's histogram.
@@ -47,44 +54,72 @@ const _: () = assert!(core::mem::size_of::<ListedShared>() == LISTED_SHARED_BYTE
 // Each thread clears one bucket of a digit's histogram.
 const _: () = assert!(DIGIT_BUCKETS == LISTED_THREADS as usize);
 
-/// One row's view of its lists: `[tiles]` [`TileTop`]s.
+/// One row's view of its lists: `[tiles]` [`TileTop`]s in L2, the first
+/// `LISTED_CACHED_TILES` of them also in shared memory once [`RowLists::cache`] ran.
 struct RowLists {
     tops: *const TileTop,
+    cached: *mut TileTop,
     tiles: u32,
 }
 
 impl RowLists {
-    /// Entries of the union: `TILE_TOP` slots per tile.
-    fn entries(&self) -> u32 {
-        self.tiles * TILE_TOP as u32
-    }
-
-    /// Entry `e`'s (logit, global index).
+    /// Copies this thread's tiles among the first `LISTED_CACHED_TILES` into shared memory.
     ///
     /// # Safety
-    /// `e < self.entries()`.
+    /// The lists are readable; no other thread uses this thread's slots of `cached`.
     #[inline(always)]
-    unsafe fn entry(&self, e: u32) -> (f32, u32) {
-        // SAFETY: `e / TILE_TOP < tiles`: one of the row's lists.
-        let top = unsafe { &*self.tops.add((e / TILE_TOP as u32) as usize) };
-        let slot = (e % TILE_TOP as u32) as usize;
-        (top.logits[slot], top.indices[slot])
+    unsafe fn cache(&self, thread: u32) {
+        let mut tile = thread;
+        while tile < self.tiles.min(LISTED_CACHED_TILES) {
+            // SAFETY: `tile < tiles` and `tile < LISTED_CACHED_TILES`: one of the row's lists and
+            // one of this thread's slots.
+            unsafe { *self.cached.add(tile as usize) = *self.tops.add(tile as usize) };
+            tile += LISTED_THREADS;
+        }
     }
 
-    /// Calls `f(logit, index)` for this thread's finite entries.
+    /// Tile `tile`'s list, in shared memory when cached (a reference, not a copy: a copy's
+    /// arrays, indexed at run time by `TileTop::settles`, went to local memory).
     ///
     /// # Safety
-    /// The lists are readable.
+    /// `tile < self.tiles`, one of this thread's tiles (`tile % LISTED_THREADS == thread`),
+    /// after [`RowLists::cache`].
+    #[inline(always)]
+    unsafe fn top(&self, tile: u32) -> &TileTop {
+        let from = if tile < LISTED_CACHED_TILES { self.cached as *const TileTop } else { self.tops };
+        // SAFETY: per this function's contract.
+        unsafe { &*from.add(tile as usize) }
+    }
+
+    /// Calls `f(top)` for each of this thread's tiles.
+    ///
+    /// # Safety
+    /// As [`RowLists::top`], for this thread's tiles.
+    #[inline(always)]
+    unsafe fn for_each_tile(&self, thread: u32, mut f: impl FnMut(&TileTop)) {
+        let mut tile = thread;
+        while tile < self.tiles {
+            // SAFETY: `tile < tiles`, one of this thread's.
+            f(unsafe { self.top(tile) });
+            tile += LISTED_THREADS;
+        }
+    }
+
+    /// Calls `f(logit, index)` for the finite entries of this thread's tiles.
+    ///
+    /// # Safety
+    /// As [`RowLists::for_each_tile`].
     #[inline(always)]
     unsafe fn for_each(&self, thread: u32, mut f: impl FnMut(f32, u32)) {
-        let mut e = thread;
-        while e < self.entries() {
-            // SAFETY: `e < entries`.
-            let (logit, index) = unsafe { self.entry(e) };
-            if logit > f32::NEG_INFINITY && logit < f32::INFINITY {
-                f(logit, index);
-            }
-            e += LISTED_THREADS;
+        // SAFETY: per this function's contract.
+        unsafe {
+            self.for_each_tile(thread, |top| {
+                for (&logit, &index) in top.logits.iter().zip(&top.indices) {
+                    if logit > f32::NEG_INFINITY && logit < f32::INFINITY {
+                        f(logit, index);
+                    }
+                }
+            })
         }
     }
 }
@@ -418,19 +453,21 @@ pub unsafe fn sample_listed(args: &SampleListedArgs, shared: *mut ListedShared) 
         // SAFETY: `b < batch`: a row of the lists, the row parameters and the processing.
         let (lists, row, processing) = unsafe {
             (
-                RowLists { tops: args.tile_tops.as_ptr().add(b as usize * args.tiles as usize), tiles: args.tiles },
+                RowLists {
+                    tops: args.tile_tops.as_ptr().add(b as usize * args.tiles as usize),
+                    cached: &raw mut (*shared).cached as *mut TileTop,
+                    tiles: args.tiles,
+                },
                 *args.row_params.as_ptr().add(b as usize),
                 *args.processing.as_ptr().add(b as usize),
             )
         };
+        // SAFETY: the lists are readable; each thread copies its own tiles.
+        unsafe { lists.cache(thread) };
         // Step 1: the row's largest logit; NaN if a list is non-finite.
         let mut max = f32::NEG_INFINITY;
-        let mut tile = thread;
-        while tile < args.tiles {
-            // SAFETY: `tile < tiles`: one of the row's lists.
-            max = maximum(max, unsafe { (*lists.tops.add(tile as usize)).logits[0] });
-            tile += LISTED_THREADS;
-        }
+        // SAFETY: this thread's tiles, cached above.
+        unsafe { lists.for_each_tile(thread, |top| max = maximum(max, top.logits[0])) };
         // SAFETY: every thread of the block is here (the row loop is per block).
         let max = unsafe { block.max(max) };
         let truncates = processing.min_p > 0.0 || processing.top_k > 0 || processing.top_p < 1.0;
@@ -453,13 +490,8 @@ pub unsafe fn sample_listed(args: &SampleListedArgs, shared: *mut ListedShared) 
             }
             // Step 3: with top-p, the bound is the rule before it.
             let mut open = !truncates;
-            let mut tile = thread;
-            while tile < args.tiles {
-                // SAFETY: `tile < tiles`: one of the row's lists.
-                let top = unsafe { &*lists.tops.add(tile as usize) };
-                open |= !top.settles(&bound);
-                tile += LISTED_THREADS;
-            }
+            // SAFETY: this thread's tiles, cached above.
+            unsafe { lists.for_each_tile(thread, |top| open |= !top.settles(&bound)) };
             // SAFETY: every thread of the block is here.
             let mut settled = !unsafe { block.any(open) };
             let mut rule = bound;

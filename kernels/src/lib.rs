@@ -8,15 +8,15 @@
 //! `sample_logits` form the unfused pipeline the benchmarks compare against, and with
 //! `process_rows` (logit processing of materialised rows) the path of processed sampling that
 //! needs whole rows; `merge_shards` merges vocabulary shards' winners and log-sum-exp terms
-//! into tokens and log-probabilities; `fill_uniform_*` and `read_probe` make benchmark
-//! inputs and measure the read floor.
+//! into tokens and log-probabilities; `fill_uniform_*` makes benchmark inputs, `read_probe`
+//! and `mma_peak` measure the read floor and the `mma.sync` peak.
 //!
 //! Every entry point takes one argument block from [`flashsample_core::abi`] by value.
 //!
 //! # Safety (all kernels)
 //! The launcher must pass device addresses that are valid for the extents in the argument
 //! block, launch `TILE_KERNEL_WARPS · 32` threads per block for tile kernels
-//! (`REDUCE_THREADS` for `reduce_candidates`, any multiple of 32 for `fill_uniform_*`,
+//! (`REDUCE_THREADS` for `reduce_candidates`, any multiple of 32 for `fill_uniform_*`, `mma_peak`,
 //! `read_probe` and `winner_logits_*`) and the dynamic shared memory the host's launcher computes for the kernel.
 //! The mma kernels further need `dim % 8 == 0` and 16-byte aligned matrices.
 #![no_std]

@@ -6,9 +6,8 @@ use flashsample_core::{Candidate, RowParams};
 
 use super::fragments::{Placement, for_each_quad, pick_quad, transpose_quad};
 use super::race::{FIRST_COLUMN_LANE_MASK, race_round};
-use super::unrolled;
 use crate::sample::{ColumnQuad, SumsPlace, SumsStaging, masked_quad, tile_column_sums};
-use crate::{arch, process, sample};
+use crate::{arch, each_index, process, sample};
 
 // A team's sums staging fits its candidate staging: teams of 4 or 8 warps, up to 128 columns.
 const _: () = assert!(SumsStaging::bytes(4, 128) <= 4 * 128 * CANDIDATE_BYTES);
@@ -105,7 +104,7 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
             let mut row = [PAD_ROW; K];
             let mut column = [0u32; K];
             let mut in_batch = [false; K];
-            unrolled!(k < K, {
+            each_index!(k < K, {
                 // SAFETY: all 32 lanes run the rounds together (uniform loop bounds).
                 logits[k] = unsafe { transpose_quad(pick_quad::<R, K>(acc, round, k), place.lane) };
                 column[k] = 8 * (round * K + k) as u32 + place.column;
@@ -124,7 +123,7 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
                 // SAFETY: all 32 lanes together, and lanes `l ^ 8`, `l ^ 16`, `l ^ 24` hold the
                 // same columns (`transpose_quad`'s layout).
                 unsafe { race_round::<K>(&row, args.draw_offset + j, philox_block, &logits, rows_valid, in_batch) };
-            unrolled!(k < K, {
+            each_index!(k < K, {
                 // SAFETY: all 32 lanes together (uniform loops).
                 let best = unsafe { sample::merge_over_lanes(winners[k], FIRST_COLUMN_LANE_MASK, 16) };
                 if place.lane < FIRST_COLUMN_LANE_MASK {

@@ -35,10 +35,9 @@ use super::fragments::for_each_quad;
 use super::pipeline::Ring;
 use super::race::{COLUMN_LANES, Deferred, LANE_QUADS, estimate_column};
 use super::scheduler::Items;
-use super::unrolled;
 use crate::hopper::WgmmaElement;
 use crate::sample::ColumnQuad;
-use crate::{arch, hopper, process, sample};
+use crate::{arch, each_index, hopper, process, sample};
 
 /// Four consecutive logits of one column, read from the buffer with one 16-byte load.
 #[repr(C, align(16))]
@@ -207,7 +206,7 @@ unsafe fn prepare_columns<const N: usize>(
             sampling: in_batch && row.greedy == 0,
             inverse_temperature: 1.0 / row.temperature,
         }; LANE_QUADS];
-        unrolled!(i < LANE_QUADS, {
+        each_index!(i < LANE_QUADS, {
             let quad = slot + COLUMN_LANES * i as u32;
             let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize).cast::<Quad>();
             // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte aligned;
@@ -227,7 +226,7 @@ unsafe fn prepare_columns<const N: usize>(
         });
         if sums {
             let mut maxima = [f32::NEG_INFINITY; 2];
-            unrolled!(i < LANE_QUADS, {
+            each_index!(i < LANE_QUADS, {
                 let [raw, kept] = quads[i].maxima();
                 maxima = [maximum(maxima[0], raw), maximum(maxima[1], kept)];
             });
@@ -235,7 +234,7 @@ unsafe fn prepare_columns<const N: usize>(
             // column's lanes differ in the bits below `COLUMN_LANES`.
             maxima = unsafe { sample::combine_over_lanes(maxima, 1, COLUMN_LANES / 2, maximum) };
             let mut terms = [0.0f32; 2];
-            unrolled!(i < LANE_QUADS, {
+            each_index!(i < LANE_QUADS, {
                 let [raw, kept] = quads[i].terms(maxima);
                 terms = [terms[0] + raw, terms[1] + kept];
             });
@@ -319,7 +318,7 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
                 // SAFETY: b < batch rows exist.
                 let row = if b < args.batch { unsafe { *row_params.add(b as usize) } } else { PAD_ROW };
                 let mut logits = [[0.0f32; 4]; LANE_QUADS];
-                unrolled!(i < LANE_QUADS, {
+                each_index!(i < LANE_QUADS, {
                     let quad = slot + COLUMN_LANES * i as u32;
                     let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize);
                     // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte

@@ -52,22 +52,3 @@ use flashsample_core::abi::TMA_CONSUMER_WARPS;
 const WARPGROUP_THREADS: u32 = 128;
 /// Consumer warpgroups.
 const CONSUMER_WARPGROUPS: u32 = TMA_CONSUMER_WARPS / 4;
-
-/// Runs `$body` with `$k` = 0, 1, 2, 3 for those below `$count` (a constant), as straight-line
-/// code: LLVM leaves a loop with a long body rolled, and a rolled loop over an array moves the
-/// array to local memory and keeps the iterations from interleaving.
-macro_rules! unrolled {
-    ($k:ident < $count:expr, $body:block) => {{
-        unrolled!(@one 0, $k, $count, $body);
-        unrolled!(@one 1, $k, $count, $body);
-        unrolled!(@one 2, $k, $count, $body);
-        unrolled!(@one 3, $k, $count, $body);
-    }};
-    (@one $i:literal, $k:ident, $count:expr, $body:block) => {
-        if $i < $count {
-            let $k: usize = $i;
-            $body
-        }
-    };
-}
-use unrolled;

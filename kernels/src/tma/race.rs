@@ -22,8 +22,7 @@ use flashsample_core::estimate::{
 };
 use flashsample_core::{Candidate, RowParams};
 
-use super::unrolled;
-use crate::arch;
+use crate::{arch, each_index};
 
 /// The smallest lane mask between lanes that hold the same column after
 /// [`transpose_quad`](super::fragments::transpose_quad): lanes `l`, `l ^ 8`, `l ^ 16` and
@@ -65,22 +64,24 @@ pub(super) unsafe fn race_round<const K: usize>(
 ) -> [Candidate; K] {
     // No early exit (as `any` would have): a loop with one keeps `row` out of registers.
     let mut sampling = false;
-    unrolled!(k < K, {
+    each_index!(k < K, {
         sampling |= in_batch[k] & (row[k].greedy == 0);
     });
     let estimates = estimate_quads::<K>(|k| &row[k], sampling, draw, |_| philox_block, logits, |_| rows_valid);
     let mut pending = 0u32;
-    unrolled!(k < K, {
+    each_index!(k < K, {
         // SAFETY: per this function's contract all 32 lanes are here together, and the lanes
         // `l ^ 8`, `l ^ 16`, `l ^ 24` hold column `k`'s other rows.
         let best = unsafe { column_best(estimates[k].best(), FIRST_COLUMN_LANE_MASK, 16) };
         if in_batch[k] {
-            pending |= contenders(&estimates[k], race_threshold(&row[k], best)) << (4 * k);
+            // `K ≤ 8` quads of four bits fill `pending`; the wrapping shift keeps the arms that
+            // `each_index!` drops for larger `k` free of an overflow in constant evaluation.
+            pending |= contenders(&estimates[k], race_threshold(&row[k], best)).wrapping_shl(4 * k as u32);
         }
     });
     let mut winners = [Candidate::NONE; K];
-    unrolled!(k < K, {
-        let bits = (pending >> (4 * k)) & 0xf;
+    each_index!(k < K, {
+        let bits = pending.wrapping_shr(4 * k as u32) & 0xf;
         offer_contenders(&mut winners[k], &row[k], &estimates[k], logits[k], bits, 4 * philox_block);
     });
     winners
@@ -112,7 +113,7 @@ impl LaneRace {
         let bit = self.contenders.trailing_zeros();
         let (i, r) = (bit / 4, bit % 4);
         let (mut words, mut quad) = (self.estimates[0].words, logits[0]);
-        unrolled!(q < LANE_QUADS, {
+        each_index!(q < LANE_QUADS, {
             if q as u32 == i {
                 (words, quad) = (self.estimates[q].words, logits[q]);
             }
@@ -134,7 +135,7 @@ impl LaneRace {
         logits: &[[f32; 4]; LANE_QUADS],
     ) -> Candidate {
         let mut winner = Candidate::NONE;
-        unrolled!(i < LANE_QUADS, {
+        each_index!(i < LANE_QUADS, {
             let bits = (self.contenders >> (4 * i)) & 0xf;
             let first_index = 4 * (first_philox_block + COLUMN_LANES * i as u32);
             offer_contenders(&mut winner, row, &self.estimates[i], logits[i], bits, first_index);
@@ -168,7 +169,7 @@ pub(super) unsafe fn estimate_column(
     let valid = |i: usize| vocab_end.saturating_sub(4 * philox_block(i)).min(4);
     let estimates = estimate_quads::<LANE_QUADS>(|_| row, row.greedy == 0, draw, philox_block, logits, valid);
     let mut lane_best = estimates[0].best();
-    unrolled!(i < LANE_QUADS, {
+    each_index!(i < LANE_QUADS, {
         lane_best = maximum(lane_best, estimates[i].best());
     });
     // SAFETY: per this function's contract all 32 lanes are here together, and the lanes
@@ -178,7 +179,7 @@ pub(super) unsafe fn estimate_column(
     let mut bits = 0;
     // Usually only the lane holding the best estimate has contenders.
     if may_contend(lane_best, threshold) {
-        unrolled!(i < LANE_QUADS, {
+        each_index!(i < LANE_QUADS, {
             bits |= contenders(&estimates[i], threshold) << (4 * i);
         });
     }
@@ -199,11 +200,11 @@ fn estimate_quads<'a, const Q: usize>(
 ) -> [BlockEstimate; Q] {
     let mut estimates = [BlockEstimate::plain([0.0; 4], 0); Q];
     if sampling {
-        unrolled!(q < Q, {
+        each_index!(q < Q, {
             estimates[q] = block_estimate(row(q), draw, philox_block(q), logits[q], valid(q), arch::log2_approx);
         });
     } else {
-        unrolled!(q < Q, {
+        each_index!(q < Q, {
             estimates[q] = BlockEstimate::plain(logits[q], valid(q));
         });
     }

@@ -160,7 +160,7 @@ unsafe fn multiply_stage<T: MmaElement, const NT: usize>(
 pub unsafe fn staged_tile<T: MmaElement, const NT: usize>(input: &TileInput, ring: u32) -> ThreadLogits<NT> {
     let thread = arch::thread_index();
     let (warp, lane) = (thread / 32, thread % 32);
-    let tile_row0 = input.row0 - WARP_ROWS * warp - 4 * ((lane % 32) / 4);
+    let tile_row0 = input.row0 - WARP_ROWS * warp - 4 * (lane / 4);
     let stage_bytes = staged_stage_bytes(8 * NT as u32);
     let stage_at = |chunk: u32| ring + (chunk % STAGED_STAGES) * stage_bytes;
     let chunks = input.dim.div_ceil(STAGED_CHUNK);

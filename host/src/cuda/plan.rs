@@ -692,8 +692,9 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
 }
 
 /// The largest B at which the listed path swaps the Hopper module's TMA tile for an `mma.sync`
-/// one: at B = 256 the staged tile's multiplies cost more than the materialised selection
-/// they save (docs/PERF.md).
+/// one: past it the staged tile's multiplies cost about what the materialised selection they
+/// replace does, more for top-k alone at B = 96 and on D = 8192 (docs/PERF.md, tried and
+/// dropped).
 const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
 
 /// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one

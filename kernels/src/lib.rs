@@ -64,8 +64,9 @@ fn panic(_: &core::panic::PanicInfo) -> ! {
 }
 
 /// Runs `$body` with `$i` = 0, 1, …, 15 for those below `$count` (a constant once
-/// monomorphised), as straight-line code: LLVM leaves a loop over a long body rolled, and a
-/// rolled loop that indexes a register array moves the array to local memory.
+/// monomorphised, at most 16: no index past 15 runs), as straight-line code: LLVM leaves a
+/// loop over a long body rolled, and a rolled loop that indexes a register array moves the
+/// array to local memory.
 macro_rules! each_index {
     ($i:ident < $count:expr, $body:block) => {
         each_index!(@one 0, $i, $count, $body);

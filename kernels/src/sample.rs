@@ -119,7 +119,8 @@ pub unsafe fn sample_tile<const NT: usize>(
         let quad = |column_slot: usize| {
             let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
             let b = col0 + column;
-            // Two levels of masks: one loop of 2·NT trips stayed rolled at NT = 16.
+            // Two levels of masks: `masked_quad` gathers at most 16 quads, and the tile has
+            // 2·NT (up to 32).
             let odd = 0u32.wrapping_sub((column_slot % 2) as u32);
             let raw = masked_quad(NT, column_slot / 2, |nt| {
                 let [even_quad, odd_quad] = logits[nt];

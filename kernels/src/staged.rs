@@ -21,11 +21,16 @@
 //! (both `.sync.aligned`); the producer's per-thread choices are data (a copy of 0 or 16
 //! bytes, a clamped row), never control flow around them.
 
-use flashsample_core::abi::{STAGED_CHUNK, STAGED_STAGES, TILE_ROWS, WARP_ROWS, staged_stage_bytes};
+use flashsample_core::abi::{
+    N_TILE, STAGED_CHUNK, STAGED_COLUMNS, STAGED_STAGES, TILE_ROWS, WARP_ROWS, staged_stage_bytes,
+};
 
 use crate::element::MmaElement;
 use crate::tile::{ThreadLogits, TileInput};
 use crate::{arch, each_index};
+
+// `each_index!` unrolls at most 16 n-tiles (here and in the shared epilogue).
+const _: () = assert!(STAGED_COLUMNS[0] / N_TILE <= 16 && STAGED_COLUMNS[1] / N_TILE <= 16);
 
 /// Bytes of one row of a stage: [`STAGED_CHUNK`] 16-bit elements.
 const ROW_BYTES: u32 = STAGED_CHUNK * 2;

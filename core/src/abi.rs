@@ -431,7 +431,7 @@ pub const SHARD_ALIGNMENT: u32 = crate::noise::ENTRIES_PER_BLOCK;
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsArgs {
     /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
-    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
+    /// listed path's fallback, [`SampleListedArgs::unsettled`]).
     pub gate: DevicePtr<u32>,
     /// `W[vocab, dim]`, rows `lm_head_stride` elements apart, bf16 or f16 as the kernel's name
     /// says; 16-byte aligned, as are its rows (the tile loads 16 bytes at a time).
@@ -460,9 +460,6 @@ pub struct LogitsArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct LogitsSamplerArgs {
-    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
-    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
-    pub gate: DevicePtr<u32>,
     /// `[batch, logits_stride]` f32 logits the rows race with (on the processed path the
     /// processing pipeline's `processed`, −∞ for every dropped token), read in 16-byte quads.
     pub logits: DevicePtr<f32>,
@@ -499,9 +496,6 @@ pub struct LogitsSamplerArgs {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ReduceArgs {
-    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
-    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
-    pub gate: DevicePtr<u32>,
     /// `[batch · samples · tiles]` candidates (the pass's tile kernel's or logits sampler's),
     /// the tiles of one (row, draw) side by side ([`candidate_slot`]).
     pub candidates: DevicePtr<Candidate>,
@@ -680,9 +674,6 @@ impl ShardPartLayout {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ShardMergeArgs {
-    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
-    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
-    pub gate: DevicePtr<u32>,
     /// The `shards` parts, each `part_bytes` long (and 16-byte aligned), side by side.
     pub parts: DevicePtr<u8>,
     /// `[batch]` row parameters: the temperatures and greedy flags of the log-probabilities.
@@ -799,9 +790,6 @@ pub struct RowSums {
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ProcessArgs {
-    /// Null, or the word that gates the launch: it does nothing when the word is 0 (the
-    /// materialised path behind the listed sampler, [`SampleListedArgs::unsettled`]).
-    pub gate: DevicePtr<u32>,
     /// `[batch, logits_stride]` raw logits.
     pub raw: DevicePtr<f32>,
     /// `[batch, logits_stride]`, written.
@@ -1162,43 +1150,51 @@ pub struct AdvanceVerifiedArgs {
 /// Threads of the listed sampler ([`SampleListedArgs`]): one block per row.
 pub const LISTED_THREADS: u32 = 256;
 
-/// The most entries the listed sampler ranks for a row's top-p: the entries min-p and top-k
-/// keep among the row's tile lists. A row with more is left to the materialised path
-/// (counted in [`SampleListedArgs::unsettled`]).
-pub const LISTED_RANK_CAP: u32 = 2048;
-
 /// The tiles whose lists the listed sampler keeps in shared memory for a row (each thread
 /// its own tiles, read once from L2 and then by every step): 2,048 tiles of 128 entries, a
 /// vocabulary of 262,144. Tiles past them are read from L2 at every step.
 pub const LISTED_CACHED_TILES: u32 = 2048;
 
-/// Dynamic shared memory of the listed sampler: the cached lists, the ranked entries, a digit's
-/// histogram, and per-warp slots for the block's reductions (see the kernel's `ListedShared`).
-pub const LISTED_SHARED_BYTES: u32 = LISTED_CACHED_TILES * core::mem::size_of::<crate::truncation::TileTop>() as u32
-    + LISTED_RANK_CAP * 8
-    + 256 * 4
-    + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES)
-    + 32;
+/// Buckets of one digit of the listed sampler's radix selections (8-bit digits).
+pub const LISTED_DIGIT_BUCKETS: u32 = 256;
 
-/// The listed sampler: each row's min-p, top-k and top-p decided from its tiles' lists
-/// ([`crate::truncation`]) and its draws raced among the entries they keep, one candidate per
+/// Dynamic shared memory of the listed sampler and of its fallback: the cached lists, a
+/// digit's histogram of 64-bit weights, per-warp slots for the block's reductions and the
+/// selections' decisions (see the kernels' `ListedShared`).
+pub const LISTED_SHARED_BYTES: u32 = LISTED_CACHED_TILES * core::mem::size_of::<crate::truncation::TileTop>() as u32
+    + LISTED_DIGIT_BUCKETS * 8
+    + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES)
+    + 16
+    + 16;
+
+/// The listed sampler (`sample_listed`) and its fallback (`sample_unsettled`), one block per
+/// row. The listed sampler decides each row's min-p, top-k and top-p from its tiles' lists
+/// ([`crate::truncation`]) and races its draws among the entries they keep: one candidate per
 /// (row, draw) in [`FusedArgs::candidates`]' layout with one tile. A row whose lists do not
-/// settle, or whose top-p would rank more than [`LISTED_RANK_CAP`] entries, gets
-/// [`Candidate::NONE`] for every draw and adds 1 to `unsettled`: the materialised path, gated
-/// on that count, samples the call again.
+/// settle gets [`Candidate::NONE`] for every draw, its flag in `row_unsettled` and 1 added to
+/// `unsettled`. The fallback, after the GEMM of the same tile wrote `logits` (both gated on
+/// `unsettled`), decides and races each flagged row from its whole row of logits.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SampleListedArgs {
     /// `[batch, tiles]` the tiles' lists ([`FusedArgs::tile_tops`]).
     pub tile_tops: DevicePtr<crate::truncation::TileTop>,
+    /// `[batch, logits_stride]` raw f32 logits from the listing tile's own GEMM (bit for bit
+    /// the logits the lists were made from); read by the fallback only.
+    pub logits: DevicePtr<f32>,
     /// `[batch]` row parameters.
     pub row_params: DevicePtr<RowParams>,
     /// `[batch]` rows' processing: min-p, top-k and top-p are read (not null).
     pub processing: DevicePtr<RowProcessing>,
+    /// The same blocks when a row has a per-entry step (which the fallback applies to the raw
+    /// logits as the tiles did), null otherwise.
+    pub entry_processing: DevicePtr<RowProcessing>,
     /// `[batch · samples]` candidates, one per (row, draw) ([`candidate_pair`]).
     pub candidates: DevicePtr<Candidate>,
-    /// Rows left to the materialised path, added to.
+    /// `[batch]` flags: 1 where the row's lists did not settle, else 0.
+    pub row_unsettled: DevicePtr<u32>,
+    /// How many rows did not settle, added to (zeroed before the listed sampler).
     pub unsettled: DevicePtr<u32>,
     /// Rows.
     pub batch: u32,
@@ -1208,6 +1204,10 @@ pub struct SampleListedArgs {
     pub draw_offset: u32,
     /// Draws per row.
     pub samples: u32,
+    /// Entries per row (the call is one whole vocabulary).
+    pub vocab: u32,
+    /// Row stride of `logits` in elements, a multiple of 4 and at least `vocab`.
+    pub logits_stride: u32,
 }
 
 /// Writes `lm_head` to `destination[0]` and `hidden` to `destination[1]`, then releases them to

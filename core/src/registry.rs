@@ -108,6 +108,9 @@ pub enum Kernel {
     /// Each row's truncations decided from its tiles' lists and its draws raced among the
     /// entries they keep, one block per row (`SampleListedArgs`).
     SampleListed,
+    /// The listed path's fallback: each row whose lists did not settle decided and raced from
+    /// its whole row of logits, one block per row (`SampleListedArgs`).
+    SampleUnsettled,
     /// The logits of a fused call's winners, one dot product each (`WinnerLogitsArgs`).
     WinnerLogits {
         /// The element type of `W` and `H`: any.
@@ -170,7 +173,7 @@ impl Kernel {
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
             Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,
             Kernel::ReduceCandidates => REDUCE_THREADS,
-            Kernel::SampleListed => LISTED_THREADS,
+            Kernel::SampleListed | Kernel::SampleUnsettled => LISTED_THREADS,
             Kernel::ProcessRows => PROCESS_THREADS,
             Kernel::FillUniform { .. }
             | Kernel::ReadProbe
@@ -199,7 +202,7 @@ impl Kernel {
             Kernel::FusedHandoff { columns, .. } => tma_handoff_shared_bytes(columns),
             Kernel::SampleLogits => LOGITS_SAMPLER_SHARED_BYTES,
             Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
-            Kernel::SampleListed => LISTED_SHARED_BYTES,
+            Kernel::SampleListed | Kernel::SampleUnsettled => LISTED_SHARED_BYTES,
             Kernel::ProcessRows => PROCESS_SHARED_BYTES,
             Kernel::WinnerLogits { .. } => WINNER_LOGITS_SHARED_BYTES,
             Kernel::LogitsMma { .. }
@@ -451,6 +454,7 @@ macro_rules! for_each_kernel {
             sample_logits => SampleLogits {};
             reduce_candidates => ReduceCandidates {};
             sample_listed => SampleListed {};
+            sample_unsettled => SampleUnsettled {};
             winner_logits_bf16 => WinnerLogits { element: Bf16 };
             winner_logits_f16 => WinnerLogits { element: F16 };
             winner_logits_f32 => WinnerLogits { element: F32 };

@@ -463,10 +463,6 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: LogitsSamplerArgs) {
-            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
-            if unsafe { held_back(args.gate) } {
-                return;
-            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { sample::sample_logits(&args, shared::<Candidate>()) }
@@ -479,10 +475,6 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ReduceArgs) {
-            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
-            if unsafe { held_back(args.gate) } {
-                return;
-            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
@@ -499,6 +491,19 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { listed::sample_listed(&args, shared::<listed::ListedShared>()) }
+        }
+    };
+    ($name:ident, SampleUnsettled {}) => {
+        /// The listed path's fallback: the rows whose lists did not settle, from their logits.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: SampleListedArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers, queued after the listed sampler and the
+            // gated GEMM.
+            unsafe { listed::sample_unsettled(&args, shared::<listed::ListedShared>()) }
         }
     };
     ($name:ident, WinnerLogits { element: $element:ident }) => {
@@ -520,10 +525,6 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ProcessArgs) {
-            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
-            if unsafe { held_back(args.gate) } {
-                return;
-            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers whose sparse lists it checked.
             unsafe { process::process_rows(&args, shared::<process::ProcessShared>()) }
@@ -537,10 +538,6 @@ macro_rules! entry_point {
         /// As the crate-level safety section.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: ShardMergeArgs) {
-            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
-            if unsafe { held_back(args.gate) } {
-                return;
-            }
             // SAFETY: the launcher keeps the crate-level contract: an argument block of valid
             // device buffers.
             unsafe { process::merge_shards(&args) }

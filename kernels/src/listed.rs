@@ -1,58 +1,93 @@
-//! The listed sampler: a row's min-p, top-k and top-p decided from its tiles' lists
-//! (`flashsample_core::truncation`), its draws raced among the entries they keep. One block
-//! per row; each thread owns tiles `thread + LISTED_THREADS·i` and copies their lists once
-//! from L2 into shared memory (up to `LISTED_CACHED_TILES`), where each step reads them (a
-//! thread reads only its own, so the copy needs no barrier). Five steps over the union of the
-//! row's lists (4 entries per tile):
-//! 1. the row's largest logit and whether a list is non-finite;
+//! The listed sampler and its fallback: a row's min-p, top-k and top-p decided from a set of
+//! its entries (`flashsample_core::truncation`), its draws raced among the entries they keep.
+//! One block per row, over one of two sources of entries ([`Entries`]):
+//! - the row's tile lists (`sample_listed`): each thread owns tiles `thread + LISTED_THREADS·i`
+//!   and copies their lists once from L2 into shared memory (up to `LISTED_CACHED_TILES`),
+//!   where each step reads them (a thread reads only its own, so the copy needs no barrier);
+//! - the row's whole row of logits (`sample_unsettled`, the fallback for rows whose lists do
+//!   not settle), each thread its quads, with the tiles' per-entry processing applied again.
+//!
+//! The steps:
+//! 1. the row's largest logit and whether an entry is non-finite;
 //! 2. top-k's k-th largest order key among the entries min-p keeps, by a radix selection of
 //!    8-bit digits (a shared histogram per digit);
-//! 3. whether every tile settles: its entry after the floor fails the cuts of min-p and top-k;
-//! 4. with top-p, the entries min-p and top-k keep, ranked in shared memory by a bitonic sort
-//!    and summed in top-p's integer units; the prefix's last entry is the cut;
+//! 3. from lists, whether every tile settles: its entry after the floor fails the cuts of
+//!    min-p and top-k;
+//! 4. with top-p, the total of top-p's integer units over the entries min-p and top-k keep,
+//!    the largest order key whose entries and the ones above it reach the target (a radix
+//!    selection weighted by units), then among that key's entries the lowest indices that
+//!    reach it (a radix selection of indices): the cut;
 //! 5. per draw, the best candidate among the kept entries, scored by `block_candidate`.
 //!
 //! What the steps find is what `flashsample_core::truncation::select` finds from the same
 //! entries (the CPU's definition): the same min-p cut, the k-th value with its ties, the
-//! shortest prefix reaching top-p's target. A row that does not settle, or whose top-p would
-//! rank more than `LISTED_RANK_CAP` entries, is left to the materialised path.
+//! shortest prefix reaching top-p's target.
 
-use core::sync::atomic::{AtomicU32, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use flashsample_core::abi::{
-    LISTED_CACHED_TILES, LISTED_RANK_CAP, LISTED_SHARED_BYTES, LISTED_THREADS, SampleListedArgs, candidate_pair,
+    DevicePtr, LISTED_CACHED_TILES, LISTED_DIGIT_BUCKETS, LISTED_SHARED_BYTES, LISTED_THREADS, RowProcessing,
+    SampleListedArgs, candidate_pair,
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::process::{KeepRule, key_logit, min_p_threshold, order_key, top_p_target, top_p_units};
 use flashsample_core::truncation::TileTop;
-use flashsample_core::{Candidate, block_candidate};
+use flashsample_core::{Candidate, RowParams, block_candidate};
 
 use crate::arch;
+use crate::process::fused_quad;
 use crate::sample::merge_over_lanes;
 
 const WARPS: usize = (LISTED_THREADS / 32) as usize;
-const DIGIT_BUCKETS: usize = 256;
+const DIGIT_BUCKETS: usize = LISTED_DIGIT_BUCKETS as usize;
 
 /// The listed sampler's shared memory (`LISTED_SHARED_BYTES`).
 #[repr(C)]
 pub struct ListedShared {
     /// The row's first `LISTED_CACHED_TILES` lists, each in its owner thread's slots.
     cached: [TileTop; LISTED_CACHED_TILES as usize],
-    /// The entries top-p ranks: `order_key << 32 | !index`, sorted in decreasing order.
-    ranked: [u64; LISTED_RANK_CAP as usize],
-    /// A digit's histogram.
-    histogram: [u32; DIGIT_BUCKETS],
+    /// A digit's histogram of weights.
+    histogram: [u64; DIGIT_BUCKETS],
     warp_u64: [u64; WARPS],
+    /// A selection's decisions: the weight still to reach, the weight above the prefix.
+    wide: [u64; 2],
     warp_u32: [u32; WARPS],
+    /// A selection's decisions: the digits' prefix, whether the target is reached.
+    words: [u32; 4],
     warp_best: [Candidate; WARPS],
-    /// Decisions for the block: a digit's prefix and remaining rank, whether the k-th entry
-    /// exists, the ranked count, top-p's last rank.
-    words: [u32; 8],
 }
 
 const _: () = assert!(core::mem::size_of::<ListedShared>() == LISTED_SHARED_BYTES as usize);
 // Each thread clears one bucket of a digit's histogram.
 const _: () = assert!(DIGIT_BUCKETS == LISTED_THREADS as usize);
+
+/// A row's entries as the steps read them, each thread its share.
+trait Entries {
+    /// The largest of this thread's entries: NaN where one is NaN or +∞, −∞ for none.
+    ///
+    /// # Safety
+    /// The source's buffers hold the row.
+    unsafe fn thread_max(&self, thread: u32) -> f32;
+
+    /// Calls `f(logit, index)` for this thread's finite entries.
+    ///
+    /// # Safety
+    /// As [`Entries::thread_max`].
+    unsafe fn for_each(&self, thread: u32, f: impl FnMut(f32, u32));
+
+    /// Whether no entry left out of this thread's share can be kept by `bound` (a whole row
+    /// leaves none out).
+    ///
+    /// # Safety
+    /// As [`Entries::thread_max`].
+    unsafe fn settles(&self, thread: u32, bound: &KeepRule) -> bool;
+
+    /// This thread's best candidate of draw `draw` among its entries `rule` keeps.
+    ///
+    /// # Safety
+    /// As [`Entries::thread_max`].
+    unsafe fn race(&self, thread: u32, row: &RowParams, draw: u32, rule: &KeepRule) -> Candidate;
+}
 
 /// One row's view of its lists: `[tiles]` [`TileTop`]s in L2, the first
 /// `LISTED_CACHED_TILES` of them also in shared memory once [`RowLists::cache`] ran.
@@ -104,14 +139,20 @@ impl RowLists {
             tile += LISTED_THREADS;
         }
     }
+}
 
-    /// Calls `f(logit, index)` for the finite entries of this thread's tiles.
-    ///
-    /// # Safety
-    /// As [`RowLists::for_each_tile`].
+impl Entries for RowLists {
+    #[inline(always)]
+    unsafe fn thread_max(&self, thread: u32) -> f32 {
+        let mut max = f32::NEG_INFINITY;
+        // SAFETY: this thread's tiles (the trait's contract, after `cache`).
+        unsafe { self.for_each_tile(thread, |top| max = maximum(max, top.logits[0])) };
+        max
+    }
+
     #[inline(always)]
     unsafe fn for_each(&self, thread: u32, mut f: impl FnMut(f32, u32)) {
-        // SAFETY: per this function's contract.
+        // SAFETY: this thread's tiles.
         unsafe {
             self.for_each_tile(thread, |top| {
                 for (&logit, &index) in top.logits.iter().zip(&top.indices) {
@@ -121,6 +162,121 @@ impl RowLists {
                 }
             })
         }
+    }
+
+    #[inline(always)]
+    unsafe fn settles(&self, thread: u32, bound: &KeepRule) -> bool {
+        let mut settles = true;
+        // SAFETY: this thread's tiles.
+        unsafe { self.for_each_tile(thread, |top| settles &= top.settles(bound)) };
+        settles
+    }
+
+    #[inline(always)]
+    unsafe fn race(&self, thread: u32, row: &RowParams, draw: u32, rule: &KeepRule) -> Candidate {
+        let mut best = Candidate::NONE;
+        // SAFETY: this thread's tiles.
+        unsafe {
+            self.for_each(thread, |logit, index| {
+                if rule.keeps(logit, index) {
+                    // Selects, not an indexed store, keep the quad in registers.
+                    let quad: [f32; 4] =
+                        core::array::from_fn(|r| if r as u32 == index % 4 { logit } else { f32::NEG_INFINITY });
+                    best = best.merge(block_candidate(row, draw, index / 4, quad, 4));
+                }
+            })
+        };
+        best
+    }
+}
+
+/// One row's whole row of raw logits, with the per-entry processing the tiles applied.
+struct RowLogits {
+    /// The row's `vocab` logits, 16-byte aligned.
+    logits: DevicePtr<f32>,
+    /// The rows' per-entry processing, or null.
+    processing: DevicePtr<RowProcessing>,
+    b: u32,
+    vocab: u32,
+}
+
+impl RowLogits {
+    /// Calls `f(index0, quad, valid)` for this thread's quads of processed logits: quad `q`
+    /// holds entries `4q ..`, of which the first `valid` lie in the vocabulary.
+    ///
+    /// # Safety
+    /// The logits hold the row's `vocab` entries (in whole quads), the processing (if set)
+    /// row `b`'s block.
+    #[inline(always)]
+    unsafe fn for_each_quad(&self, thread: u32, mut f: impl FnMut(u32, [f32; 4], u32)) {
+        let mut q = thread;
+        while q < self.vocab.div_ceil(4) {
+            let index0 = 4 * q;
+            // SAFETY: `index0 < vocab`: a quad of the row, 16-byte aligned (this function's
+            // contract).
+            let raw = unsafe { arch::load_global_nc_v4(self.logits.add(index0 as u64).address()) }.map(f32::from_bits);
+            let quad = if self.processing.address() != 0 {
+                // SAFETY: the processing holds row `b`'s block (this function's contract).
+                unsafe { fused_quad(self.processing, self.b, index0, self.vocab, raw) }
+            } else {
+                raw
+            };
+            f(index0, quad, (self.vocab - index0).min(4));
+            q += LISTED_THREADS;
+        }
+    }
+}
+
+impl Entries for RowLogits {
+    #[inline(always)]
+    unsafe fn thread_max(&self, thread: u32) -> f32 {
+        let mut max = f32::NEG_INFINITY;
+        // SAFETY: the row (the trait's contract).
+        unsafe {
+            self.for_each_quad(thread, |_, quad, valid| {
+                for (r, &logit) in quad.iter().enumerate() {
+                    if (r as u32) < valid {
+                        // +∞ makes the row non-finite, as NaN does.
+                        max = maximum(max, if logit == f32::INFINITY { f32::NAN } else { logit });
+                    }
+                }
+            })
+        };
+        max
+    }
+
+    #[inline(always)]
+    unsafe fn for_each(&self, thread: u32, mut f: impl FnMut(f32, u32)) {
+        // SAFETY: the row.
+        unsafe {
+            self.for_each_quad(thread, |index0, quad, valid| {
+                for (r, &logit) in quad.iter().enumerate() {
+                    if (r as u32) < valid && logit > f32::NEG_INFINITY && logit < f32::INFINITY {
+                        f(logit, index0 + r as u32);
+                    }
+                }
+            })
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn settles(&self, _: u32, _: &KeepRule) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    unsafe fn race(&self, thread: u32, row: &RowParams, draw: u32, rule: &KeepRule) -> Candidate {
+        let mut best = Candidate::NONE;
+        // SAFETY: the row.
+        unsafe {
+            self.for_each_quad(thread, |index0, quad, valid| {
+                let kept: [f32; 4] = core::array::from_fn(|r| {
+                    if rule.keeps(quad[r], index0 + r as u32) { quad[r] } else { f32::NEG_INFINITY }
+                });
+                best = best.merge(block_candidate(row, draw, index0 / 4, kept, valid));
+            })
+        };
+        best
     }
 }
 
@@ -190,6 +346,29 @@ impl Block {
         unsafe { self.reduce_u32(value as u32, |a, b| a | b) != 0 }
     }
 
+    /// The block's sum of one `u64` per thread.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together.
+    #[inline(always)]
+    unsafe fn sum(&self, value: u64) -> u64 {
+        // SAFETY: all 32 lanes are here together (this function's contract).
+        let (_, warp_total) = unsafe { warp_prefix(value, self.lane()) };
+        // SAFETY: `warp < WARPS`: this warp's slot, read by all after the barrier.
+        unsafe {
+            if self.lane() == 0 {
+                (*self.shared).warp_u64[self.warp()] = warp_total;
+            }
+            arch::sync_threads();
+            let mut all = 0;
+            for w in 0..WARPS {
+                all += (*self.shared).warp_u64[w];
+            }
+            arch::sync_threads();
+            all
+        }
+    }
+
     /// The block's best candidate by [`Candidate::merge`]; meaningful in thread 0.
     ///
     /// # Safety
@@ -240,65 +419,80 @@ unsafe fn warp_prefix(value: u64, lane: u32) -> (u64, u64) {
     (before, total)
 }
 
-/// The k-th largest [`order_key`] among this row's entries at or above `min_cut`, by a radix
-/// selection of four 8-bit digits; `None` when fewer than `k` entries are.
+/// A radix selection's answer: the key, and the weight of the selected entries whose key is
+/// larger.
+#[derive(Clone, Copy)]
+struct Selected {
+    key: u32,
+    above: u64,
+}
+
+/// Among the entries `key_of` gives a key (and a weight), the largest key `K` whose entries
+/// and the larger keys' together weigh at least `target`, by four 8-bit digits from the top;
+/// `None` when all of them weigh less. With unit weights, the `target`-th largest key.
 ///
 /// # Safety
-/// Every thread of the block calls it together; `k ≥ 1`.
+/// Every thread of the block calls it together; `target ≥ 1`.
 #[inline(always)]
-unsafe fn kth_key(lists: &RowLists, block: &Block, min_cut: f32, k: u32) -> Option<u32> {
+unsafe fn radix_select<E: Entries>(
+    entries: &E,
+    block: &Block,
+    key_of: impl Fn(f32, u32) -> Option<(u32, u64)>,
+    target: u64,
+) -> Option<Selected> {
     let shared = block.shared;
     let thread = block.thread;
-    let (mut prefix, mut rank) = (0u32, k);
+    let (mut prefix, mut remaining, mut above) = (0u32, target, 0u64);
     let mut digit = 0;
     while digit < 4 {
         let shift = 24 - 8 * digit;
         // SAFETY: every thread of the block is here (this function's contract); the histogram
-        // is cleared by its own thread, then added to atomically, then read by thread 0.
+        // is cleared by its own thread, then added to atomically, then read by warp 0.
         unsafe {
             (*shared).histogram[thread as usize] = 0;
             arch::sync_threads();
-            let histogram = &raw mut (*shared).histogram as *mut u32;
-            lists.for_each(thread, |logit, _| {
-                let key = order_key(logit);
-                // The digits above this one must equal the prefix found so far.
-                let above = if digit == 0 { 0 } else { (key ^ prefix) >> (shift + 8) };
-                if logit >= min_cut && above == 0 {
-                    let bucket = ((key >> shift) & 0xff) as usize;
-                    AtomicU32::from_ptr(histogram.add(bucket)).fetch_add(1, Ordering::Relaxed);
+            let histogram = &raw mut (*shared).histogram as *mut u64;
+            entries.for_each(thread, |logit, index| {
+                if let Some((key, weight)) = key_of(logit, index) {
+                    // The digits above this one must equal the prefix found so far.
+                    let higher = if digit == 0 { 0 } else { (key ^ prefix) >> (shift + 8) };
+                    if higher == 0 && weight > 0 {
+                        let bucket = ((key >> shift) & 0xff) as usize;
+                        AtomicU64::from_ptr(histogram.add(bucket)).fetch_add(weight, Ordering::Relaxed);
+                    }
                 }
             });
             arch::sync_threads();
             // Warp 0 decides: lane `l` holds buckets `255 − 8l` down to `248 − 8l`, and the
-            // lane whose run of counts (from the top) reaches `rank` walks its own.
+            // lane whose run of weights (from the top) reaches the remaining target walks its
+            // own.
             if thread < 32 {
                 let top = DIGIT_BUCKETS - 1 - 8 * thread as usize;
-                let mut run = 0u32;
+                let mut run = 0u64;
                 for i in 0..8 {
                     run += (*shared).histogram[top - i];
                 }
-                let (above, total) = warp_prefix(run as u64, thread);
-                let above = above as u32;
+                let (lanes_above, total) = warp_prefix(run, thread);
                 if thread == 0 {
-                    (*shared).words[2] = (total >= rank as u64) as u32;
+                    (*shared).words[1] = (total >= remaining) as u32;
                 }
-                if above < rank && above + run >= rank {
-                    let mut above = above;
+                if lanes_above < remaining && lanes_above + run >= remaining {
+                    let mut heavier = lanes_above;
                     for i in 0..8 {
-                        let count = (*shared).histogram[top - i];
-                        if above + count >= rank {
+                        let weight = (*shared).histogram[top - i];
+                        if heavier + weight >= remaining {
                             (*shared).words[0] = prefix | ((top - i) as u32) << shift;
-                            (*shared).words[1] = rank - above;
+                            (*shared).wide[0] = remaining - heavier;
+                            (*shared).wide[1] = above + heavier;
                             break;
                         }
-                        above += count;
+                        heavier += weight;
                     }
                 }
             }
             arch::sync_threads();
-            prefix = (*shared).words[0];
-            rank = (*shared).words[1];
-            let found = (*shared).words[2];
+            let found = (*shared).words[1];
+            (prefix, remaining, above) = ((*shared).words[0], (*shared).wide[0], (*shared).wide[1]);
             arch::sync_threads();
             if found == 0 {
                 return None;
@@ -306,137 +500,136 @@ unsafe fn kth_key(lists: &RowLists, block: &Block, min_cut: f32, k: u32) -> Opti
         }
         digit += 1;
     }
-    Some(prefix)
+    Some(Selected { key: prefix, above })
 }
 
 /// top-p's cut among the entries `bound` keeps: the last entry of the shortest prefix in the
-/// truncations' order whose units reach [`top_p_target`] of their total; `None` when none or
-/// more than [`LISTED_RANK_CAP`] entries are kept (the row is left to the materialised path).
+/// truncations' order whose units reach [`top_p_target`] of their total.
 ///
 /// # Safety
-/// Every thread of the block calls it together.
+/// Every thread of the block calls it together; `bound` keeps an entry.
 #[inline(always)]
-unsafe fn top_p_cut(
-    lists: &RowLists,
+unsafe fn top_p_cut<E: Entries>(
+    entries: &E,
     block: &Block,
     bound: &KeepRule,
     max: f32,
     temperature: f32,
     top_p: f32,
-) -> Option<(f32, u32)> {
-    let shared = block.shared;
-    let thread = block.thread;
-    // SAFETY: every thread of the block is here (this function's contract); the count is only
-    // accessed atomically until the barrier, each slot it hands out by one thread.
-    let count = unsafe {
-        if thread == 0 {
-            (*shared).words[3] = 0;
-        }
-        arch::sync_threads();
-        let count = &raw mut (*shared).words[3];
-        let ranked = &raw mut (*shared).ranked as *mut u64;
-        lists.for_each(thread, |logit, index| {
+) -> (f32, u32) {
+    let units = |logit: f32| top_p_units(logit, max, temperature);
+    let mut sum = 0u64;
+    // SAFETY: the row (this function's contract).
+    unsafe {
+        entries.for_each(block.thread, |logit, index| {
             if bound.keeps(logit, index) {
-                let slot = AtomicU32::from_ptr(count).fetch_add(1, Ordering::Relaxed);
-                if slot < LISTED_RANK_CAP {
-                    *ranked.add(slot as usize) = (order_key(logit) as u64) << 32 | !index as u64;
-                }
+                sum += units(logit);
             }
-        });
-        arch::sync_threads();
-        let n = *count;
-        arch::sync_threads();
-        n
+        })
     };
-    if count == 0 || count > LISTED_RANK_CAP {
+    // SAFETY: every thread of the block is here.
+    let total = unsafe { block.sum(sum) };
+    let target = top_p_target(total, top_p);
+    let by_mass = |logit: f32, index: u32| bound.keeps(logit, index).then(|| (order_key(logit), units(logit)));
+    // The kept entries' units total at least the target (`target ≤ total`; the largest entry
+    // has units > 0).
+    // SAFETY: every thread of the block is here; `target ≥ 1`.
+    let Some(value) = (unsafe { radix_select(entries, block, by_mass, target) }) else {
+        return (max, u32::MAX);
+    };
+    let logit = key_logit(value.key);
+    // Entries of one logit have equal units (> 0: the prefix reaches the target within
+    // them); the cut is the `n`-th of them by index.
+    let n = (target - value.above).div_ceil(units(logit).max(1));
+    let by_index = |l: f32, index: u32| (l == logit && bound.keeps(l, index)).then_some((!index, 1));
+    // SAFETY: every thread of the block is here; `n ≥ 1`, and at least `n` entries hold the key.
+    match unsafe { radix_select(entries, block, by_index, n) } {
+        Some(index) => (logit, !index.key),
+        None => (logit, u32::MAX),
+    }
+}
+
+/// Row `b`'s rule from `entries`, or `None` when an entry left out may be kept (lists that
+/// do not settle).
+///
+/// # Safety
+/// Every thread of the block calls it together; `max` is the row's largest entry, finite.
+#[inline(always)]
+unsafe fn decide<E: Entries>(
+    entries: &E,
+    block: &Block,
+    row: &RowParams,
+    processing: &RowProcessing,
+    max: f32,
+) -> Option<KeepRule> {
+    if row.greedy != 0 {
+        // The row's first entry in the truncations' order is among the entries; a greedy row
+        // takes it, and keeps every entry.
+        return Some(KeepRule::ALL);
+    }
+    let min_cut = min_p_threshold(max, row.temperature, processing.min_p);
+    let mut bound = KeepRule { min_cut, ..KeepRule::ALL };
+    if processing.top_k > 0 {
+        let by_count = |logit: f32, _| (logit >= min_cut).then(|| (order_key(logit), 1));
+        // SAFETY: every thread of the block is here; `top_k ≥ 1`.
+        if let Some(kth) = unsafe { radix_select(entries, block, by_count, processing.top_k as u64) } {
+            bound.order_cut = (key_logit(kth.key), u32::MAX);
+        }
+    }
+    // With top-p, the bound is the rule before it.
+    // SAFETY: this thread's share; every thread of the block is here.
+    if unsafe { block.any(!entries.settles(block.thread, &bound)) } {
         return None;
     }
-    let width = count.next_power_of_two().max(2);
-    // SAFETY: every thread of the block is here; each step's pairs are disjoint, one thread
-    // each, and barriers separate the steps.
-    unsafe {
-        let ranked = &raw mut (*shared).ranked as *mut u64;
-        let mut slot = count + thread;
-        while slot < width {
-            *ranked.add(slot as usize) = 0;
-            slot += LISTED_THREADS;
-        }
-        arch::sync_threads();
-        // A bitonic sort into decreasing order.
-        let mut size = 2;
-        while size <= width {
-            let mut stride = size / 2;
-            while stride > 0 {
-                let mut i = thread;
-                while i < width {
-                    let j = i ^ stride;
-                    if j > i {
-                        let (a, b) = (*ranked.add(i as usize), *ranked.add(j as usize));
-                        let decreasing = i & size == 0;
-                        if (a < b) == decreasing {
-                            *ranked.add(i as usize) = b;
-                            *ranked.add(j as usize) = a;
-                        }
-                    }
-                    i += LISTED_THREADS;
-                }
-                arch::sync_threads();
-                stride /= 2;
-            }
-            size *= 2;
-        }
+    if processing.top_p >= 1.0 {
+        return Some(bound);
     }
-    // SAFETY: a field of the block's shared memory.
-    let ranked = unsafe { &raw const (*shared).ranked as *const u64 };
-    let entry = |slot: u32| {
-        // SAFETY: `slot < count`: a ranked entry, written before the barriers above.
-        let word = unsafe { *ranked.add(slot as usize) };
-        (key_logit((word >> 32) as u32), !(word as u32))
+    // SAFETY: every thread of the block is here; `bound` keeps the largest entry.
+    let order_cut = unsafe { top_p_cut(entries, block, &bound, max, row.temperature, processing.top_p) };
+    Some(KeepRule { order_cut, ..bound })
+}
+
+/// Decides row `b` from `entries` and writes its draws' candidates; returns whether it settled
+/// (an unsettled row's candidates are [`Candidate::NONE`]).
+///
+/// # Safety
+/// Every thread of the block calls it together; `b < args.batch`; the source holds the row.
+#[inline(always)]
+unsafe fn sample_row<E: Entries>(args: &SampleListedArgs, block: &Block, entries: &E, b: u32) -> bool {
+    let thread = block.thread;
+    // SAFETY: `b < batch`: a row of the row parameters and the processing.
+    let (row, processing) =
+        unsafe { (*args.row_params.as_ptr().add(b as usize), *args.processing.as_ptr().add(b as usize)) };
+    // SAFETY: the row; every thread of the block is here.
+    let max = unsafe { block.max(entries.thread_max(thread)) };
+    let non_finite = max.is_nan();
+    // Non-finite (every draw NON_FINITE) or nothing to draw (every draw NONE): the race below
+    // finds that from the entries, as the materialised path does from the row.
+    let rule = if non_finite || max == f32::NEG_INFINITY {
+        Some(KeepRule::ALL)
+    } else {
+        // SAFETY: every thread of the block is here; `max` finite.
+        unsafe { decide(entries, block, &row, &processing, max) }
     };
-    // Each thread sums a run of consecutive ranks; the block's scan turns the sums into
-    // prefixes.
-    let run = count.div_ceil(LISTED_THREADS);
-    let (first, end) = ((thread * run).min(count), ((thread + 1) * run).min(count));
-    let mut sum = 0u64;
-    for slot in first..end {
-        sum += top_p_units(entry(slot).0, max, temperature);
-    }
-    // SAFETY: every thread of the block is here; each warp's slot, then every thread reads,
-    // separated by barriers.
-    unsafe {
-        let (in_warp, warp_total) = warp_prefix(sum, block.lane());
-        if block.lane() == 0 {
-            (*shared).warp_u64[block.warp()] = warp_total;
+    for j in 0..args.samples {
+        let mut best = Candidate::NONE;
+        if let (Some(rule), false) = (rule, non_finite) {
+            // SAFETY: the row.
+            best = unsafe { entries.race(thread, &row, args.draw_offset + j, &rule) };
         }
+        // SAFETY: every thread of the block is here (uniform loops).
+        let best = unsafe { block.best(best) };
         if thread == 0 {
-            (*shared).words[4] = u32::MAX;
+            let winner = match (non_finite, rule) {
+                (true, _) => Candidate::NON_FINITE,
+                (false, Some(_)) => best,
+                (false, None) => Candidate::NONE,
+            };
+            // SAFETY: `b < batch`, `j < samples`: inside the `[batch · samples]` candidates.
+            unsafe { *args.candidates.as_mut_ptr().add(candidate_pair(b, args.samples, j) as usize) = winner };
         }
-        arch::sync_threads();
-        let (mut before, mut total) = (in_warp, 0u64);
-        for w in 0..WARPS {
-            let part = (*shared).warp_u64[w];
-            if w < block.warp() {
-                before += part;
-            }
-            total += part;
-        }
-        let target = top_p_target(total, top_p);
-        if before < target && before + sum >= target {
-            let mut mass = before;
-            for slot in first..end {
-                mass += top_p_units(entry(slot).0, max, temperature);
-                if mass >= target {
-                    (*shared).words[4] = slot;
-                    break;
-                }
-            }
-        }
-        arch::sync_threads();
-        let last = (*shared).words[4];
-        arch::sync_threads();
-        // The mass reaches the target by the last entry (the largest one has units > 0).
-        Some(entry(last.min(count - 1)))
     }
+    rule.is_some()
 }
 
 /// The listed sampler (see the module docs and `SampleListedArgs`): one block per row, in
@@ -445,96 +638,60 @@ unsafe fn top_p_cut(
 /// # Safety
 /// Launched with `LISTED_THREADS` threads and `LISTED_SHARED_BYTES` of shared memory at
 /// `shared`; `args` describes valid buffers: every row's `tiles` lists written.
+#[inline(always)]
 pub unsafe fn sample_listed(args: &SampleListedArgs, shared: *mut ListedShared) {
     let thread = arch::thread_index();
     let block = Block { shared, thread };
     let mut b = arch::block_index();
     while b < args.batch {
-        // SAFETY: `b < batch`: a row of the lists, the row parameters and the processing.
-        let (lists, row, processing) = unsafe {
-            (
-                RowLists {
-                    tops: args.tile_tops.as_ptr().add(b as usize * args.tiles as usize),
-                    cached: &raw mut (*shared).cached as *mut TileTop,
-                    tiles: args.tiles,
-                },
-                *args.row_params.as_ptr().add(b as usize),
-                *args.processing.as_ptr().add(b as usize),
-            )
+        let lists = RowLists {
+            tops: args.tile_tops.as_ptr().wrapping_add(b as usize * args.tiles as usize),
+            // SAFETY: a field of the block's shared memory.
+            cached: unsafe { &raw mut (*shared).cached as *mut TileTop },
+            tiles: args.tiles,
         };
         // SAFETY: the lists are readable; each thread copies its own tiles.
         unsafe { lists.cache(thread) };
-        // Step 1: the row's largest logit; NaN if a list is non-finite.
-        let mut max = f32::NEG_INFINITY;
-        // SAFETY: this thread's tiles, cached above.
-        unsafe { lists.for_each_tile(thread, |top| max = maximum(max, top.logits[0])) };
-        // SAFETY: every thread of the block is here (the row loop is per block).
-        let max = unsafe { block.max(max) };
-        let truncates = processing.min_p > 0.0 || processing.top_k > 0 || processing.top_p < 1.0;
-        let (rule, settled) = if max.is_nan() || max == f32::NEG_INFINITY {
-            // Non-finite (every draw NON_FINITE) or nothing to draw (every draw NONE): the race
-            // below finds that from the lists, as the materialised path does from the row.
-            (KeepRule::ALL, true)
-        } else if row.greedy != 0 {
-            // The row's first entry in the truncations' order is in its tile's list; a greedy
-            // row takes it, and keeps every entry.
-            (KeepRule::ALL, true)
-        } else {
-            let min_cut = min_p_threshold(max, row.temperature, processing.min_p);
-            let mut bound = KeepRule { min_cut, ..KeepRule::ALL };
-            if processing.top_k > 0 {
-                // SAFETY: every thread of the block is here; `top_k ≥ 1`.
-                if let Some(key) = unsafe { kth_key(&lists, &block, min_cut, processing.top_k) } {
-                    bound.order_cut = (key_logit(key), u32::MAX);
+        // SAFETY: every thread of the block is here (the row loop is per block); `b < batch`.
+        let settled = unsafe { sample_row(args, &block, &lists, b) };
+        if thread == 0 {
+            // SAFETY: `b < batch`: the row's flag; the count is only accessed atomically.
+            unsafe {
+                *args.row_unsettled.as_mut_ptr().add(b as usize) = !settled as u32;
+                if !settled {
+                    AtomicU32::from_ptr(args.unsettled.as_mut_ptr()).fetch_add(1, Ordering::Relaxed);
                 }
             }
-            // Step 3: with top-p, the bound is the rule before it.
-            let mut open = !truncates;
-            // SAFETY: this thread's tiles, cached above.
-            unsafe { lists.for_each_tile(thread, |top| open |= !top.settles(&bound)) };
-            // SAFETY: every thread of the block is here.
-            let mut settled = !unsafe { block.any(open) };
-            let mut rule = bound;
-            if settled && processing.top_p < 1.0 {
-                // SAFETY: every thread of the block is here.
-                match unsafe { top_p_cut(&lists, &block, &bound, max, row.temperature, processing.top_p) } {
-                    Some(cut) => rule.order_cut = cut,
-                    None => settled = false,
-                }
-            }
-            (rule, settled)
-        };
-        if !settled && thread == 0 {
-            // SAFETY: the count is only accessed atomically.
-            unsafe { AtomicU32::from_ptr(args.unsettled.as_mut_ptr()) }.fetch_add(1, Ordering::Relaxed);
         }
-        let non_finite = max.is_nan();
-        for j in 0..args.samples {
-            let mut best = Candidate::NONE;
-            if settled && !non_finite {
-                // SAFETY: the lists are readable.
-                unsafe {
-                    lists.for_each(thread, |logit, index| {
-                        if rule.keeps(logit, index) {
-                            // Selects, not an indexed store, keep the quad in registers.
-                            let quad: [f32; 4] =
-                                core::array::from_fn(|r| if r as u32 == index % 4 { logit } else { f32::NEG_INFINITY });
-                            best = best.merge(block_candidate(&row, args.draw_offset + j, index / 4, quad, 4));
-                        }
-                    })
-                };
-            }
-            // SAFETY: every thread of the block is here (uniform loops).
-            let best = unsafe { block.best(best) };
-            if thread == 0 {
-                let winner = match (non_finite, settled) {
-                    (true, _) => Candidate::NON_FINITE,
-                    (false, true) => best,
-                    (false, false) => Candidate::NONE,
-                };
-                // SAFETY: `b < batch`, `j < samples`: inside the `[batch · samples]` candidates.
-                unsafe { *args.candidates.as_mut_ptr().add(candidate_pair(b, args.samples, j) as usize) = winner };
-            }
+        b += arch::grid_size();
+    }
+}
+
+/// The listed path's fallback (see `SampleListedArgs`): the rows flagged unsettled, one block
+/// per row, decided and raced from their whole rows of logits; nothing when no row is.
+///
+/// # Safety
+/// As [`sample_listed`], after it and after the GEMM wrote `args.logits` where a row is
+/// flagged.
+#[inline(always)]
+pub unsafe fn sample_unsettled(args: &SampleListedArgs, shared: *mut ListedShared) {
+    // SAFETY: the count, written before (this function's contract).
+    if unsafe { *args.unsettled.as_ptr() } == 0 {
+        return;
+    }
+    let block = Block { shared, thread: arch::thread_index() };
+    let mut b = arch::block_index();
+    while b < args.batch {
+        // SAFETY: `b < batch`: the row's flag.
+        if unsafe { *args.row_unsettled.as_ptr().add(b as usize) } != 0 {
+            let row = RowLogits {
+                logits: args.logits.add(b as u64 * args.logits_stride as u64),
+                processing: args.entry_processing,
+                b,
+                vocab: args.vocab,
+            };
+            // SAFETY: every thread of the block is here; `b < batch`; the GEMM wrote the row.
+            unsafe { sample_row(args, &block, &row, b) };
         }
         b += arch::grid_size();
     }

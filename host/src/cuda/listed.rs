@@ -1,20 +1,20 @@
 //! The listed path's launches ([`ListedPlan`]): the tile kernel writes each (row, tile)'s
 //! list of first processed entries and no candidates, the listed sampler decides each row's
-//! truncations from its lists and writes one candidate per (row, draw), the merge kernel turns
-//! them into tokens, and the materialised path of the same tile follows, every kernel of it
-//! gated on the count of rows whose lists did not settle.
+//! truncations from its lists and writes one candidate per (row, draw), the GEMM of the same
+//! tile and the fallback sampler (both gated on the count of rows whose lists did not settle)
+//! decide and draw those rows from their logits, and the merge kernel turns the candidates
+//! into tokens.
 
 use cudarc::driver::sys;
-use flashsample_core::abi::{DevicePtr, FusedArgs, SampleListedArgs};
+use flashsample_core::abi::{DevicePtr, FusedArgs, ReduceArgs, SampleListedArgs};
 use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, RowParams};
 
 use super::driver;
 use super::modules::Kernels;
-use super::plan::{Call, CallTarget, FusedCall, ListedPlan, TensorMaps};
+use super::plan::{Call, CallTarget, FusedCall, ListedPlan};
 use super::request::DeviceWorkspace;
-use super::tiles::ReduceTarget;
 use crate::error::{Result, invalid};
 
 impl Kernels {
@@ -34,47 +34,59 @@ impl Kernels {
             return Err(invalid("target", "a listed call writes tokens, not a shard's part"));
         };
         let base = DevicePtr::<u8>::new(workspace.address);
+        let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let tops = base.byte_add(plan.tops_at as u64).cast::<TileTop>();
         let candidates = base.byte_add(plan.candidates_at as u64).cast::<Candidate>();
         let unsettled = base.byte_add(plan.unsettled_at as u64).cast::<u32>();
-        let row_params = DevicePtr::<RowParams>::new(call.row_params);
-        let processing = call.processing.blocks();
+        let (lm_head, hidden) = (&call.lm_head, &call.hidden);
+        let batch = hidden.rows as u32;
+        let args = SampleListedArgs {
+            tile_tops: tops,
+            logits,
+            row_params: DevicePtr::<RowParams>::new(call.row_params),
+            processing: call.processing.blocks(),
+            entry_processing: call.processing.per_entry_blocks(),
+            candidates,
+            row_unsettled: base.byte_add(plan.flags_at as u64).cast::<u32>(),
+            unsettled,
+            batch,
+            tiles: plan.tiles as u32,
+            // The noise is keyed by the draw's index, after `draws.first`.
+            draw_offset: call.draws.first,
+            samples: plan.samples,
+            vocab: lm_head.rows as u32,
+            logits_stride: plan.stride as u32,
+        };
+        let reduce = ReduceArgs {
+            candidates,
+            tokens: DevicePtr::new(tokens),
+            winners: DevicePtr::NULL,
+            raw: DevicePtr::NULL,
+            processed: DevicePtr::NULL,
+            row_params: args.row_params,
+            part_sums: DevicePtr::NULL,
+            sums: DevicePtr::NULL,
+            batch,
+            samples: plan.samples,
+            tiles: 1,
+            draw_offset: 0,
+            token_stride: plan.samples,
+            logits_stride: 0,
+            vocab_offset: 0,
+            sum_parts: 0,
+        };
         // SAFETY: the workspace holds the plan's regions, the call's buffers their extents
-        // (this function's contract); the lists are written before the listed sampler reads
-        // them, its count before the gated fallback reads it, all on `stream`.
+        // (this function's contract); on `stream`, the count is cleared before the listed
+        // sampler adds to it, the lists written before it reads them, its flags and count
+        // before the gated GEMM and fallback read them, and every candidate before the merge.
         unsafe {
             driver::fill_words_async("unsettled rows", unsettled, 0, 1, stream)?;
             self.queue_tile_lists(stream, &plan.tiles_call, plan.tiles, tops)?;
-            self.queue_passes(
-                stream,
-                &plan.passes,
-                1,
-                row_params,
-                candidates,
-                ReduceTarget::Tokens(DevicePtr::new(tokens)),
-                plan.samples,
-                DevicePtr::NULL,
-                |pass, launch| {
-                    let first_row = pass.first_row as u64;
-                    let args = SampleListedArgs {
-                        tile_tops: tops.add(first_row * plan.tiles as u64),
-                        row_params: launch.row_params,
-                        processing: processing.add(first_row),
-                        candidates,
-                        unsettled,
-                        batch: launch.batch,
-                        tiles: plan.tiles as u32,
-                        // The noise is keyed by the draw's index: the pass's first draw, after
-                        // `draws.first`.
-                        draw_offset: call.draws.first + pass.first_sample as u32,
-                        samples: pass.samples as u32,
-                    };
-                    self.launch(stream, Kernel::SampleListed, launch.batch as u64, &args)
-                },
-            )?;
-            self.enqueue_materialised(stream, call, &plan.fallback, TensorMaps::Store, workspace, 0)?;
+            self.launch(stream, Kernel::SampleListed, batch as u64, &args)?;
+            self.queue_logits(stream, plan.variant, lm_head, hidden, None, logits, plan.stride, unsettled)?;
+            self.launch(stream, Kernel::SampleUnsettled, batch as u64, &args)?;
+            self.launch(stream, Kernel::ReduceCandidates, batch as u64 * plan.samples as u64, &reduce)
         }
-        Ok(())
     }
 
     /// Queues the tile kernel of `call.variant` over every row with no draws: each (row, tile)'s

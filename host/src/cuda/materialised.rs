@@ -31,8 +31,6 @@ struct LogitsSampling {
     stride: usize,
     vocab: u32,
     vocab_offset: u32,
-    /// The word that gates the launches, or null.
-    gate: DevicePtr<u32>,
 }
 
 impl Kernels {
@@ -61,12 +59,12 @@ impl Kernels {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let logits_len = (batch * plan.stride) as u64;
         let (raw, processed) = (logits, logits.add((plan.copies as u64 - 1) * logits_len));
-        let gate = plan.gate_at.map_or(DevicePtr::NULL, |at| base.byte_add(at as u64).cast::<u32>());
         if segment == 0 {
             // SAFETY: the workspace holds the plan's extents and the call's buffers hold theirs
             // (this function's contract).
             unsafe {
                 let maps = self.tensor_maps(stream, plan.variant, &call.lm_head, &call.hidden, maps, workspace)?;
+                let gate = DevicePtr::NULL;
                 self.queue_logits(stream, plan.variant, &call.lm_head, &call.hidden, maps, raw, plan.stride, gate)?;
             }
         }
@@ -91,7 +89,6 @@ impl Kernels {
             _ => None,
         };
         let args = ProcessArgs {
-            gate,
             raw,
             processed,
             row_params,
@@ -130,7 +127,7 @@ impl Kernels {
             (target.raw, target.processed) = (raw, processed);
         }
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
-        let sampling = LogitsSampling { logits: processed, stride: plan.stride, vocab, vocab_offset, gate };
+        let sampling = LogitsSampling { logits: processed, stride: plan.stride, vocab, vocab_offset };
         // SAFETY: as above; the candidates of the largest pass fit the workspace.
         unsafe {
             self.queue_logits_sampling(
@@ -155,7 +152,6 @@ impl Kernels {
             tokens,
             out_logprobs: logprobs,
             out_top_logprobs: top_logprobs,
-            gate: gate.address(),
         };
         // SAFETY: stage 1 just wrote the one part on this stream.
         unsafe { self.queue_merge(stream, &part_layout, &merge) }.map(|_| None)
@@ -249,11 +245,9 @@ impl Kernels {
                 candidates,
                 target,
                 draws.count,
-                sampling.gate,
                 |pass, launch| {
                     let first_row = pass.first_row as u64;
                     let args = LogitsSamplerArgs {
-                        gate: sampling.gate,
                         logits: sampling.logits.add(first_row * stride),
                         row_params: launch.row_params,
                         candidates,
@@ -296,7 +290,7 @@ impl Kernels {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
         let vocab = call.lm_head.rows as u32;
-        let sampling = LogitsSampling { logits, stride: plan.stride, vocab, vocab_offset: 0, gate: DevicePtr::NULL };
+        let sampling = LogitsSampling { logits, stride: plan.stride, vocab, vocab_offset: 0 };
         // SAFETY: per this function's contract.
         unsafe {
             let maps = self.tensor_maps(stream, plan.variant, &call.lm_head, &call.hidden, maps, workspace)?;
@@ -338,7 +332,7 @@ impl Kernels {
     /// describe `W` and `H` and are written before on `stream`; `gate`, if not null, is a word
     /// written before on `stream`.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn queue_logits(
+    pub(crate) unsafe fn queue_logits(
         &self,
         stream: sys::CUstream,
         variant: Variant,

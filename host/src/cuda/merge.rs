@@ -27,7 +27,6 @@ impl Kernels {
         let raw = DevicePtr::<f32>::new(merge.out_logprobs);
         let processed = raw.add_unless_null(slots);
         let args = ShardMergeArgs {
-            gate: DevicePtr::new(merge.gate),
             parts: DevicePtr::new(merge.parts),
             row_params: DevicePtr::new(merge.row_params),
             processing: merge.processing.blocks(),

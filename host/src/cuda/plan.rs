@@ -8,8 +8,9 @@
 //!   log-probabilities the tiles also write each (row, tile)'s log-sum-exp terms;
 //! - listed, for one shard's rows that all have top-k, without log-probabilities,
 //!   on the `mma.sync` and SIMT tiles: the tiles write each (row, tile)'s first entries and
-//!   the listed sampler decides and draws from them ([`ListedPlan`]), with the materialised
-//!   path behind it for the rows whose lists do not settle;
+//!   the listed sampler decides and draws from them ([`ListedPlan`]), with a gated fallback
+//!   behind it (the tile's GEMM and a sampler of whole rows) for the rows whose lists do not
+//!   settle;
 //! - materialised, for rows that need their whole row (min-p, top-k, top-p, top entries): the
 //!   unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice with
 //!   log-probabilities: raw and processed), the processing pipeline processes them, and the
@@ -224,17 +225,16 @@ pub(crate) struct MaterialisedPlan {
     pub exchange: Option<ShardExchangeLayout>,
     /// The unsharded call's one part.
     pub part_at: usize,
-    /// The word that gates every kernel of the path ([`ListedPlan::fallback`]), if any.
-    pub gate_at: Option<usize>,
     pub workspace_bytes: usize,
 }
 
 /// A listed call's plan (one shard, no log-probabilities, every row with top-k): the
 /// tile kernel of `variant` writes each (row, tile)'s list of first processed entries, the
-/// listed sampler decides each row's truncations from its lists and draws its tokens, and
-/// the materialised path of the same tile runs behind it, gated on the count of rows whose
-/// lists did not settle: for those (rare on real logits) it samples the call again, every
-/// row as the listed sampler would have (the same logits, bit for bit).
+/// listed sampler decides each row's truncations from its lists and draws its candidates,
+/// and the merge kernel turns them into tokens. Between the two, for the rows whose lists did
+/// not settle (rare on real logits), the GEMM of the same tile writes the call's logits (the
+/// lists' own bits) and the fallback sampler decides and draws those rows from their whole
+/// rows; both are gated on the count of such rows, so they do nothing when it is 0.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ListedPlan {
     /// The tiles' call: the per-entry steps applied, the lists written, no draws.
@@ -242,17 +242,19 @@ pub(crate) struct ListedPlan {
     /// An `mma.sync` or SIMT tile (the TMA tiles write no lists).
     pub variant: Variant,
     pub tiles: usize,
-    /// The listed sampler's passes: one candidate per (row, draw).
-    pub passes: Passes,
     pub samples: u32,
+    /// Row stride of the fallback's logits (V rounded up to a quad).
+    pub stride: usize,
+    /// `[B, stride]` f32 logits of the fallback's GEMM.
+    pub logits_at: usize,
     /// `[B, tiles]` lists.
     pub tops_at: usize,
-    /// The largest pass's candidates.
+    /// `[B · N]` candidates, one per (row, draw).
     pub candidates_at: usize,
-    /// The count of unsettled rows: the fallback's gate.
+    /// `[B]` flags of the rows whose lists did not settle.
+    pub flags_at: usize,
+    /// The count of those rows: the fallback's gate.
     pub unsettled_at: usize,
-    /// The materialised path of `variant`, gated on that count.
-    pub fallback: MaterialisedPlan,
     pub workspace_bytes: usize,
 }
 
@@ -312,8 +314,6 @@ pub(crate) struct MergeCall {
     pub tokens: u64,
     pub out_logprobs: u64,
     pub out_top_logprobs: u64,
-    /// The word that gates the launch (see [`MaterialisedPlan::gate_at`]), or 0.
-    pub gate: u64,
 }
 
 impl MergeCall {
@@ -460,7 +460,6 @@ impl Plan {
                     tokens,
                     out_logprobs,
                     out_top_logprobs: out_top,
-                    gate: 0,
                 };
                 merge.check()?;
                 let gather = GatherPlan { parts: parts.address, part_bytes, index, count: shards };
@@ -667,14 +666,15 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
     }
     let (lm_head, hidden) = (&call.lm_head, &call.hidden);
     let resolved = resolve(kernels, lm_head, hidden, call.variant)?;
-    let listed = listed_variant(call, resolved);
-    let variant = listed.unwrap_or(resolved);
+    if let Some(variant) = listed_variant(call, resolved) {
+        return Ok(PathPlan::Listed(listed_plan(call, variant, samples)));
+    }
     let process_slices = match processing.whole_row {
         Some(_) => Some(process_slices(kernels.resident_blocks(Kernel::ProcessRows)?, batch, lm_head.rows)),
         None => None,
     };
     let mut plan = materialised_plan(
-        variant,
+        resolved,
         lm_head.rows,
         batch,
         samples,
@@ -682,13 +682,10 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
         call.logprobs(),
         matches!(call.target, CallTarget::Tokens { .. }),
     );
-    if exchange_at != 0 && processing.truncating.is_some() {
+    if exchange_at != 0 && processing.truncates() {
         plan.exchange = Some(ShardExchangeLayout::of(batch as u32, processing.selections));
     }
-    Ok(match listed {
-        Some(variant) => PathPlan::Listed(listed_plan(call, variant, plan, samples)),
-        None => PathPlan::Materialised(plan),
-    })
+    Ok(PathPlan::Materialised(plan))
 }
 
 /// The largest B at which the listed path swaps the Hopper module's TMA tile for an `mma.sync`
@@ -698,7 +695,8 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
 const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
 
 /// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one
-/// shard, no log-probabilities, every row with top-k, and a tile that writes lists:
+/// shard, no log-probabilities, every row with top-k, one candidate per (row, draw) within
+/// [`CANDIDATE_BUDGET_BYTES`], and a tile that writes lists:
 /// the resolved `mma.sync` (register-direct or staged) or SIMT tile, or in place of the
 /// dispatcher's TMA tile up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows the `mma.sync` tile
 /// for B ([`mma_sync_tile`]). A TMA tile the caller names, or the dispatcher's past that B,
@@ -709,7 +707,8 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
         && !call.logprobs()
         && processing.truncates()
         && processing.listable
-        && !processing.top_logprobs();
+        && !processing.top_logprobs()
+        && call.hidden.rows * call.draws.count as usize * size_of::<Candidate>() <= CANDIDATE_BUDGET_BYTES;
     match resolved {
         _ if !listable => None,
         Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => Some(resolved),
@@ -720,28 +719,31 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
     }
 }
 
-/// The listed plan of `call` on `variant`, with `fallback` (the materialised plan of the same
-/// variant) gated on its count of unsettled rows; its own scratch follows the fallback's.
-fn listed_plan(call: &Call, variant: Variant, mut fallback: MaterialisedPlan, samples: u32) -> ListedPlan {
+/// The listed plan of `call` on `variant`: the fallback's logits, then the lists, the
+/// candidates, the row flags and the count.
+fn listed_plan(call: &Call, variant: Variant, samples: u32) -> ListedPlan {
     let batch = call.hidden.rows;
-    let tiles = call.lm_head.rows.div_ceil(variant.tile_rows() as usize);
-    let passes = Passes::new(batch, samples as usize, 1, CANDIDATE_BUDGET_BYTES);
-    let tops_at = align(fallback.workspace_bytes);
+    let vocab = call.lm_head.rows;
+    let tiles = vocab.div_ceil(variant.tile_rows() as usize);
+    let stride = vocab.next_multiple_of(4);
+    let logits_at = 0;
+    let tops_at = align(logits_at + batch * stride * 4);
     let candidates_at = align(tops_at + batch * tiles * size_of::<TileTop>());
-    let unsettled_at = align(candidates_at + passes.candidate_pairs() * size_of::<Candidate>());
-    fallback.gate_at = Some(unsettled_at);
+    let flags_at = align(candidates_at + batch * samples as usize * size_of::<Candidate>());
+    let unsettled_at = align(flags_at + batch * 4);
     let processing = call.processing.per_entry.then_some(call.processing.address);
     let tiles_call = FusedCall { variant, processing, ..call.plain(0) };
     ListedPlan {
         tiles_call,
         variant,
         tiles,
-        passes,
         samples,
+        stride,
+        logits_at,
         tops_at,
         candidates_at,
+        flags_at,
         unsettled_at,
-        fallback,
         workspace_bytes: unsettled_at + 64,
     }
 }
@@ -868,7 +870,6 @@ pub(crate) fn materialised_plan(
         part_sums_at,
         states_at,
         part_at,
-        gate_at: None,
         workspace_bytes: part_at + part,
     }
 }
@@ -968,7 +969,7 @@ mod tests {
     /// on a tile that lists (`mma.sync`, staged, SIMT), or the dispatcher's TMA tile swapped
     /// for the `mma.sync` tile of B up to B = 64; a TMA tile named by the caller or past
     /// B = 64, log-probabilities, a shard, top entries or a row without top-k keep the
-    /// materialised path.
+    /// materialised path, as do more draws than one candidate each fits the budget.
     #[test]
     fn a_call_is_listed_only_where_its_lists_can_decide_it() {
         let tma = Variant::Tma { rows: 128, columns: 16 };
@@ -1003,25 +1004,30 @@ mod tests {
         let mut top = call(16, true, false, false, Variant::Auto);
         top.processing.selections = flashsample_core::abi::Selection::TopRaw.bit();
         assert_eq!(listed_variant(&top, mma), None);
+        let pairs = (CANDIDATE_BUDGET_BYTES / size_of::<Candidate>()) as u32;
+        let fits = Call { draws: Draws::first(pairs / 16), ..call(16, true, false, false, Variant::Auto) };
+        assert_eq!(listed_variant(&fits, mma), Some(mma));
+        let beyond = Call { draws: Draws::first(pairs / 16 + 1), ..call(16, true, false, false, Variant::Auto) };
+        assert_eq!(listed_variant(&beyond, mma), None);
     }
 
-    /// A listed plan's lists, candidates and count follow its fallback's workspace without
-    /// overlap, 64-byte aligned, and the fallback is gated on that count.
+    /// A listed plan's logits, lists, candidates, flags and count follow one another without
+    /// overlap, 64-byte aligned.
     #[test]
-    fn listed_regions_follow_the_fallback_and_gate_it() {
+    fn listed_regions_follow_one_another() {
         for (batch, samples, variant) in [(1usize, 1u32, Variant::Mma { columns: 8 }), (37, 3, Variant::Simt)] {
             let call = Call { draws: Draws::first(samples), ..truncating_call(batch, true, false, false, variant) };
-            let fallback = materialised_plan(variant, 151_936, batch, samples, Some(6), false, true);
-            let plan = listed_plan(&call, variant, fallback, samples);
+            let plan = listed_plan(&call, variant, samples);
             let tiles = 151_936usize.div_ceil(128);
-            assert_eq!(plan.tiles, tiles);
-            assert_eq!((plan.tops_at % 64, plan.candidates_at % 64, plan.unsettled_at % 64), (0, 0, 0));
-            assert!(fallback.workspace_bytes <= plan.tops_at);
+            assert_eq!((plan.tiles, plan.stride), (tiles, 151_936));
+            let regions = [plan.logits_at, plan.tops_at, plan.candidates_at, plan.flags_at, plan.unsettled_at];
+            assert!(regions.iter().all(|at| at % 64 == 0));
+            assert!(plan.logits_at + batch * plan.stride * 4 <= plan.tops_at);
             assert!(plan.tops_at + batch * tiles * size_of::<TileTop>() <= plan.candidates_at);
-            assert!(plan.candidates_at + plan.passes.candidate_pairs() * size_of::<Candidate>() <= plan.unsettled_at);
+            assert!(plan.candidates_at + batch * samples as usize * size_of::<Candidate>() <= plan.flags_at);
+            assert!(plan.flags_at + batch * 4 <= plan.unsettled_at);
             assert!(plan.unsettled_at + 4 <= plan.workspace_bytes);
-            assert_eq!(plan.fallback.gate_at, Some(plan.unsettled_at));
-            assert_eq!((plan.tiles_call.variant, plan.fallback.variant), (variant, variant));
+            assert_eq!(plan.tiles_call.variant, variant);
         }
     }
 

@@ -174,72 +174,62 @@ impl Kernels {
         // SAFETY: the candidates of the largest pass fit the workspace (the plan); the row
         // parameters and tokens hold the call's extents (this function's contract).
         unsafe {
-            self.queue_passes(
-                stream,
-                &plan.passes,
-                tiles,
-                row_params,
-                candidates,
-                target,
-                samples,
-                DevicePtr::NULL,
-                |pass, launch| {
-                    // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
-                    let draw_offset = call.draws.first + pass.first_sample as u32;
-                    let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
-                    // The terms are written once per row, in the pass of its first draws.
-                    let tile_sums = match pass.first_sample {
-                        0 => tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
-                        _ => DevicePtr::NULL,
-                    };
-                    if let Some((lm_head_map, hidden_map)) = maps {
-                        let args = TmaArgs {
-                            lm_head_map,
-                            hidden_map,
-                            row_params: launch.row_params,
-                            out: candidates.cast(),
-                            // A pass's rows start at its first row, in the processing blocks as in
-                            // the row parameters.
-                            processing: processing.add_unless_null(pass.first_row as u64),
-                            tile_sums,
-                            vocab: lm_head.rows as u32,
-                            dim: lm_head.cols as u32,
-                            batch: launch.batch,
-                            hidden_row0: pass.first_row as u32,
-                            draw_offset,
-                            samples: pass.samples as u32,
-                            tiles: tiles as u32,
-                            logits_stride: 0,
-                            vocab_offset,
-                            padding: 0,
-                        };
-                        // SAFETY: the maps describe the call's matrices.
-                        return self.launch(stream, kernel, items, &args);
-                    }
-                    let first_row_bytes = pass.first_row as u64 * hidden.row_stride as u64 * element_bytes;
-                    let args = FusedArgs {
-                        lm_head: DevicePtr::new(lm_head.address),
-                        hidden: DevicePtr::new(hidden.address + first_row_bytes),
+            self.queue_passes(stream, &plan.passes, tiles, row_params, candidates, target, samples, |pass, launch| {
+                // The noise is keyed by the draw's index: the pass's first draw, after `draws.first`.
+                let draw_offset = call.draws.first + pass.first_sample as u32;
+                let items = tiles as u64 * launch.batch.div_ceil(variant.columns()) as u64;
+                // The terms are written once per row, in the pass of its first draws.
+                let tile_sums = match pass.first_sample {
+                    0 => tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
+                    _ => DevicePtr::NULL,
+                };
+                if let Some((lm_head_map, hidden_map)) = maps {
+                    let args = TmaArgs {
+                        lm_head_map,
+                        hidden_map,
                         row_params: launch.row_params,
-                        candidates,
+                        out: candidates.cast(),
+                        // A pass's rows start at its first row, in the processing blocks as in
+                        // the row parameters.
                         processing: processing.add_unless_null(pass.first_row as u64),
                         tile_sums,
-                        tile_tops: DevicePtr::NULL,
                         vocab: lm_head.rows as u32,
                         dim: lm_head.cols as u32,
                         batch: launch.batch,
+                        hidden_row0: pass.first_row as u32,
                         draw_offset,
                         samples: pass.samples as u32,
                         tiles: tiles as u32,
-                        lm_head_stride: lm_head.row_stride as u32,
-                        hidden_stride: hidden.row_stride as u32,
+                        logits_stride: 0,
                         vocab_offset,
                         padding: 0,
                     };
-                    // SAFETY: the matrices hold their extents (this function's contract).
-                    self.launch(stream, kernel, items, &args)
-                },
-            )
+                    // SAFETY: the maps describe the call's matrices.
+                    return self.launch(stream, kernel, items, &args);
+                }
+                let first_row_bytes = pass.first_row as u64 * hidden.row_stride as u64 * element_bytes;
+                let args = FusedArgs {
+                    lm_head: DevicePtr::new(lm_head.address),
+                    hidden: DevicePtr::new(hidden.address + first_row_bytes),
+                    row_params: launch.row_params,
+                    candidates,
+                    processing: processing.add_unless_null(pass.first_row as u64),
+                    tile_sums,
+                    tile_tops: DevicePtr::NULL,
+                    vocab: lm_head.rows as u32,
+                    dim: lm_head.cols as u32,
+                    batch: launch.batch,
+                    draw_offset,
+                    samples: pass.samples as u32,
+                    tiles: tiles as u32,
+                    lm_head_stride: lm_head.row_stride as u32,
+                    hidden_stride: hidden.row_stride as u32,
+                    vocab_offset,
+                    padding: 0,
+                };
+                // SAFETY: the matrices hold their extents (this function's contract).
+                self.launch(stream, kernel, items, &args)
+            })
         }
     }
 
@@ -331,7 +321,6 @@ impl Kernels {
         candidates: DevicePtr<Candidate>,
         target: ReduceTarget,
         samples: u32,
-        gate: DevicePtr<u32>,
         mut tile_kernel: impl FnMut(&Pass, &TileLaunch) -> Result<()>,
     ) -> Result<()> {
         for pass in passes.passes() {
@@ -339,7 +328,6 @@ impl Kernels {
             tile_kernel(&pass, &launch)?;
             let first_slot = (pass.first_row * samples as usize) as u64;
             let mut reduce = ReduceArgs {
-                gate,
                 candidates,
                 tokens: DevicePtr::NULL,
                 winners: DevicePtr::NULL,

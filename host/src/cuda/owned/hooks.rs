@@ -279,8 +279,8 @@ impl CudaSampler {
     }
 
     /// [`CudaSampler::sample_into`], returning for a call on the listed path how many rows its
-    /// tiles' lists did not settle (the rows for which the materialised path behind it
-    /// sampled the call again), and `None` for a call on another path.
+    /// tiles' lists did not settle (the rows the fallback behind it sampled from their
+    /// logits), and `None` for a call on another path.
     pub fn sample_listed_into(
         &self,
         lm_head: &LmHead,

@@ -253,8 +253,8 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
     }
     sampler.synchronize("sharded sampling").unwrap();
     // The listed path (top-k on every row, no log-probabilities) on its tiles: random logits,
-    // whose lists settle, and integer ones with many ties, whose rows the gated materialised
-    // path samples again.
+    // whose lists settle, and integer ones with many ties, whose rows the gated fallback
+    // samples from their logits.
     let listed: Vec<flashsample::Processing> = (0..modes.len())
         .map(|r| flashsample::Processing {
             top_k: Some([1, 5, 40][r % 3]),

@@ -1159,10 +1159,10 @@ pub const LISTED_CACHED_TILES: u32 = 2048;
 pub const LISTED_DIGIT_BUCKETS: u32 = 256;
 
 /// Dynamic shared memory of the listed sampler and of its fallback: the cached lists, a
-/// digit's histogram of 64-bit weights, per-warp slots for the block's reductions and the
-/// selections' decisions (see the kernels' `ListedShared`).
+/// digit's histograms of 64-bit weights and of 32-bit counts, per-warp slots for the block's
+/// reductions and the selections' decisions (see the kernels' `ListedShared`).
 pub const LISTED_SHARED_BYTES: u32 = LISTED_CACHED_TILES * core::mem::size_of::<crate::truncation::TileTop>() as u32
-    + LISTED_DIGIT_BUCKETS * 8
+    + LISTED_DIGIT_BUCKETS * (8 + 4)
     + LISTED_THREADS / 32 * (8 + 4 + CANDIDATE_BYTES)
     + 16
     + 16;

@@ -46,8 +46,11 @@ const DIGIT_BUCKETS: usize = LISTED_DIGIT_BUCKETS as usize;
 pub struct ListedShared {
     /// The row's first `LISTED_CACHED_TILES` lists, each in its owner thread's slots.
     cached: [TileTop; LISTED_CACHED_TILES as usize],
-    /// A digit's histogram of weights.
-    histogram: [u64; DIGIT_BUCKETS],
+    /// A digit's histogram of weights (a weighted selection's).
+    masses: [u64; DIGIT_BUCKETS],
+    /// A digit's histogram of counts (a counting selection's: 32-bit shared atomics, which
+    /// the hardware adds natively, where many entries share a bucket).
+    counts: [u32; DIGIT_BUCKETS],
     warp_u64: [u64; WARPS],
     /// A selection's decisions: the weight still to reach, the weight above the prefix.
     wide: [u64; 2],
@@ -429,12 +432,14 @@ struct Selected {
 
 /// Among the entries `key_of` gives a key (and a weight), the largest key `K` whose entries
 /// and the larger keys' together weigh at least `target`, by four 8-bit digits from the top;
-/// `None` when all of them weigh less. With unit weights, the `target`-th largest key.
+/// `None` when all of them weigh less. `WEIGHTED = false` counts each entry once (its weight
+/// is ignored): the `target`-th largest key.
 ///
 /// # Safety
-/// Every thread of the block calls it together; `target ≥ 1`.
+/// Every thread of the block calls it together; `target ≥ 1`, and below 2³² unless
+/// `WEIGHTED`.
 #[inline(always)]
-unsafe fn radix_select<E: Entries>(
+unsafe fn radix_select<const WEIGHTED: bool, E: Entries>(
     entries: &E,
     block: &Block,
     key_of: impl Fn(f32, u32) -> Option<(u32, u64)>,
@@ -449,20 +454,28 @@ unsafe fn radix_select<E: Entries>(
         // SAFETY: every thread of the block is here (this function's contract); the histogram
         // is cleared by its own thread, then added to atomically, then read by warp 0.
         unsafe {
-            (*shared).histogram[thread as usize] = 0;
+            if WEIGHTED {
+                (*shared).masses[thread as usize] = 0;
+            } else {
+                (*shared).counts[thread as usize] = 0;
+            }
             arch::sync_threads();
-            let histogram = &raw mut (*shared).histogram as *mut u64;
+            let masses = &raw mut (*shared).masses as *mut u64;
+            let counts = &raw mut (*shared).counts as *mut u32;
             entries.for_each(thread, |logit, index| {
                 if let Some((key, weight)) = key_of(logit, index) {
                     // The digits above this one must equal the prefix found so far.
                     let higher = if digit == 0 { 0 } else { (key ^ prefix) >> (shift + 8) };
-                    if higher == 0 && weight > 0 {
-                        let bucket = ((key >> shift) & 0xff) as usize;
-                        AtomicU64::from_ptr(histogram.add(bucket)).fetch_add(weight, Ordering::Relaxed);
+                    let bucket = ((key >> shift) & 0xff) as usize;
+                    if higher == 0 && WEIGHTED && weight > 0 {
+                        AtomicU64::from_ptr(masses.add(bucket)).fetch_add(weight, Ordering::Relaxed);
+                    } else if higher == 0 && !WEIGHTED {
+                        AtomicU32::from_ptr(counts.add(bucket)).fetch_add(1, Ordering::Relaxed);
                     }
                 }
             });
             arch::sync_threads();
+            let bucket_weight = |bucket: usize| if WEIGHTED { *masses.add(bucket) } else { *counts.add(bucket) as u64 };
             // Warp 0 decides: lane `l` holds buckets `255 − 8l` down to `248 − 8l`, and the
             // lane whose run of weights (from the top) reaches the remaining target walks its
             // own.
@@ -470,7 +483,7 @@ unsafe fn radix_select<E: Entries>(
                 let top = DIGIT_BUCKETS - 1 - 8 * thread as usize;
                 let mut run = 0u64;
                 for i in 0..8 {
-                    run += (*shared).histogram[top - i];
+                    run += bucket_weight(top - i);
                 }
                 let (lanes_above, total) = warp_prefix(run, thread);
                 if thread == 0 {
@@ -479,7 +492,7 @@ unsafe fn radix_select<E: Entries>(
                 if lanes_above < remaining && lanes_above + run >= remaining {
                     let mut heavier = lanes_above;
                     for i in 0..8 {
-                        let weight = (*shared).histogram[top - i];
+                        let weight = bucket_weight(top - i);
                         if heavier + weight >= remaining {
                             (*shared).words[0] = prefix | ((top - i) as u32) << shift;
                             (*shared).wide[0] = remaining - heavier;
@@ -534,7 +547,7 @@ unsafe fn top_p_cut<E: Entries>(
     // The kept entries' units total at least the target (`target ≤ total`; the largest entry
     // has units > 0).
     // SAFETY: every thread of the block is here; `target ≥ 1`.
-    let Some(value) = (unsafe { radix_select(entries, block, by_mass, target) }) else {
+    let Some(value) = (unsafe { radix_select::<true, _>(entries, block, by_mass, target) }) else {
         return (max, u32::MAX);
     };
     let logit = key_logit(value.key);
@@ -543,7 +556,7 @@ unsafe fn top_p_cut<E: Entries>(
     let n = (target - value.above).div_ceil(units(logit).max(1));
     let by_index = |l: f32, index: u32| (l == logit && bound.keeps(l, index)).then_some((!index, 1));
     // SAFETY: every thread of the block is here; `n ≥ 1`, and at least `n` entries hold the key.
-    match unsafe { radix_select(entries, block, by_index, n) } {
+    match unsafe { radix_select::<false, _>(entries, block, by_index, n) } {
         Some(index) => (logit, !index.key),
         None => (logit, u32::MAX),
     }
@@ -572,7 +585,7 @@ unsafe fn decide<E: Entries>(
     if processing.top_k > 0 {
         let by_count = |logit: f32, _| (logit >= min_cut).then(|| (order_key(logit), 1));
         // SAFETY: every thread of the block is here; `top_k ≥ 1`.
-        if let Some(kth) = unsafe { radix_select(entries, block, by_count, processing.top_k as u64) } {
+        if let Some(kth) = unsafe { radix_select::<false, _>(entries, block, by_count, processing.top_k as u64) } {
             bound.order_cut = (key_logit(kth.key), u32::MAX);
         }
     }

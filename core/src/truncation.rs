@@ -18,7 +18,7 @@
 //! only raise top-k's cut and leave min-p's, so every tile that settled still does, and one
 //! second look settles every row.
 
-use crate::process::{KeepRule, min_p_threshold, top_p_target, top_p_units};
+use crate::process::{KeepRule, key_logit, min_p_threshold, order_key, top_p_target, top_p_units};
 
 /// Entries a [`TileTop`] lists.
 pub const TILE_TOP: usize = 4;
@@ -40,6 +40,20 @@ pub struct TileTop {
 #[inline(always)]
 pub fn comes_before(a: (f32, u32), b: (f32, u32)) -> bool {
     a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+}
+
+/// A finite entry `(logit, index)` as one word whose unsigned order is the truncations'
+/// order: `a` comes before `b` exactly when `order_word(a) > order_word(b)`. Never 0, which a
+/// tile may use for "no entry".
+#[inline(always)]
+pub fn order_word(logit: f32, index: u32) -> u64 {
+    (order_key(logit) as u64) << 32 | !index as u64
+}
+
+/// The entry of an [`order_word`] (a zero logit comes back as +0).
+#[inline(always)]
+pub fn order_entry(word: u64) -> (f32, u32) {
+    (key_logit((word >> 32) as u32), !(word as u32))
 }
 
 impl TileTop {
@@ -312,6 +326,21 @@ mod tests {
         // value does not settle; top-p's cut at the floor itself does.
         assert!(!top.settles(&KeepRule { min_cut: f32::NEG_INFINITY, order_cut: (1.0, u32::MAX) }));
         assert!(top.settles(&KeepRule { min_cut: f32::NEG_INFINITY, order_cut: (1.0, 9) }));
+    }
+
+    #[test]
+    fn order_words_order_entries_as_the_truncations_do() {
+        let logits = [f32::MIN, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, 2.0, f32::MAX];
+        let entries: Vec<(f32, u32)> =
+            logits.iter().enumerate().flat_map(|(i, &l)| [(l, i as u32), (l, u32::MAX - i as u32), (l, 0)]).collect();
+        for &a in &entries {
+            assert_ne!(order_word(a.0, a.1), 0);
+            let back = order_entry(order_word(a.0, a.1));
+            assert!(back.0 == a.0 && back.1 == a.1, "{a:?} came back as {back:?}");
+            for &b in &entries {
+                assert_eq!(comes_before(a, b), order_word(a.0, a.1) > order_word(b.0, b.1), "{a:?} {b:?}");
+            }
+        }
     }
 
     #[test]

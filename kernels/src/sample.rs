@@ -8,7 +8,7 @@ use flashsample_core::abi::{
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS};
-use flashsample_core::truncation::TileTop;
+use flashsample_core::truncation::{TILE_TOP, TileTop, order_entry, order_word};
 use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::element::Element;
@@ -227,8 +227,9 @@ pub unsafe fn sample_tile<const NT: usize>(
 }
 
 /// Writes the tile's list of each batch column's first processed entries
-/// ([`TileTop`]) to `args.tile_tops`: each thread lists its four rows, the eight lanes of a
-/// column merge their lists by shuffles, the warps' lists meet in `staging`, and one thread
+/// ([`TileTop`]) to `args.tile_tops`: the eight lanes of a column find its warp's first
+/// entries one at a time (each round the largest [`order_word`] of their four rows by
+/// shuffles, which its lane then drops), the warps' lists meet in `staging`, and one thread
 /// per column merges them.
 ///
 /// # Safety
@@ -250,29 +251,55 @@ unsafe fn write_tile_tops<const NT: usize>(
     let index0 = args.vocab_offset + row0;
     let rows_valid = args.vocab.saturating_sub(row0).min(4);
     let vocab_end = args.vocab_offset + args.vocab;
-    // A run-time loop over the columns, as the race's, keeps one copy of the merge code.
+    // A run-time loop over the columns, as the race's, keeps one copy of the rounds' code.
     let mut column_slot = 0;
     while column_slot < 2 * NT {
         let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
-        let mut top = TileTop::EMPTY;
+        // This lane's four entries as order words, 0 where none: −∞ (dropped by the
+        // processing), past the vocabulary or past the batch. NaN and +∞ mark the column.
+        let mut words = [0u64; 4];
+        let mut non_finite = false;
         if col0 + column < args.batch {
             let mut quad = pick(logits, column_slot);
             if args.processing.address() != 0 {
                 // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
                 quad = unsafe { process::fused_quad(args.processing, col0 + column, index0, vocab_end, quad) };
             }
-            for (r, &logit) in quad.iter().enumerate() {
-                if (r as u32) < rows_valid {
-                    top.offer(logit, index0 + r as u32);
+            for (r, (&logit, word)) in quad.iter().zip(&mut words).enumerate() {
+                if (r as u32) < rows_valid && logit > f32::NEG_INFINITY && logit < f32::INFINITY {
+                    *word = order_word(logit, index0 + r as u32);
                 }
+                non_finite |= (r as u32) < rows_valid && (logit.is_nan() || logit == f32::INFINITY);
             }
         }
-        // The lanes of one column differ in `g`, lane bits 2 to 4.
+        let mut top = TileTop::EMPTY;
+        for slot in 0..TILE_TOP {
+            let mut first = words[0].max(words[1]).max(words[2].max(words[3]));
+            // The lanes of one column differ in `g`, lane bits 2 to 4.
+            let mut mask = 4;
+            while mask <= 16 {
+                // SAFETY: every lane of the warp reaches it: the loops' bounds are the same for all.
+                first = first.max(unsafe { shuffle_word(first, mask) });
+                mask <<= 1;
+            }
+            for word in &mut words {
+                if *word == first {
+                    *word = 0;
+                }
+            }
+            if first != 0 {
+                (top.logits[slot], top.indices[slot]) = order_entry(first);
+            }
+        }
         let mut mask = 4;
         while mask <= 16 {
-            // SAFETY: every lane of the warp reaches it: the loops' bounds are the same for all.
-            top = top.merge(unsafe { shuffle_top(top, mask) });
+            // SAFETY: as above.
+            non_finite |= unsafe { arch::shuffle_xor(non_finite as u32, mask) } != 0;
             mask <<= 1;
+        }
+        if non_finite {
+            // As `TileTop::offer` marks a list that was offered NaN or +∞.
+            top.logits[0] = f32::NAN;
         }
         if g == 0 {
             // SAFETY: warp < TILE_KERNEL_WARPS, column < columns: inside the staging.
@@ -296,17 +323,15 @@ unsafe fn write_tile_tops<const NT: usize>(
     unsafe { arch::sync_threads() };
 }
 
-/// Lane `lane ^ mask`'s list.
+/// Lane `lane ^ mask`'s word.
 ///
 /// # Safety
 /// All 32 lanes call it together.
 #[inline(always)]
-unsafe fn shuffle_top(top: TileTop, mask: u32) -> TileTop {
+unsafe fn shuffle_word(word: u64, mask: u32) -> u64 {
     // SAFETY: per this function's contract all 32 lanes are here together.
-    let word = |x: u32| unsafe { arch::shuffle_xor(x, mask) };
-    TileTop {
-        logits: core::array::from_fn(|slot| f32::from_bits(word(top.logits[slot].to_bits()))),
-        indices: core::array::from_fn(|slot| word(top.indices[slot])),
+    unsafe {
+        (arch::shuffle_xor(word as u32, mask) as u64) | (arch::shuffle_xor((word >> 32) as u32, mask) as u64) << 32
     }
 }
 

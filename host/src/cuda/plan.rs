@@ -24,7 +24,7 @@
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    LOGITS_SAMPLER_TILE, ProcessRowState, RowSums, ShardExchangeLayout, ShardPartLayout, TENSOR_MAP_BYTES,
+    LOGITS_SAMPLER_TILE, ProcessRowState, RowSums, Selection, ShardExchangeLayout, ShardPartLayout, TENSOR_MAP_BYTES,
 };
 use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
@@ -688,19 +688,32 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
     Ok(PathPlan::Materialised(plan))
 }
 
-/// The largest B at which the listed path swaps the Hopper module's TMA tile for an `mma.sync`
-/// one: past it the staged tile's multiplies cost about what the materialised selection they
-/// replace does, more for top-k alone at B = 96 and on D = 8192 (docs/PERF.md, tried and
-/// dropped).
+/// The largest B at which the Hopper module lists every listable call in place of its TMA
+/// tile; past it only where [`lists_past_the_batch_limit`].
 const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
+
+/// The largest D at which the Hopper module lists top-k without top-p past
+/// [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] (twice that with top-p).
+const LISTED_PAST_THE_BATCH_LIMIT_MAX_DIM: usize = 4096;
+
+/// Whether the Hopper module lists `call` past [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows. There
+/// the staged tile's multiplies cost more than the TMA tile's in proportion to D·V·B, while
+/// the materialised selection the lists replace costs in proportion to V·B (about twice as
+/// much with top-p): listing wins below a D, measured between 4096 and 8192 for top-k alone
+/// and above 8192 with top-p (docs/PERF.md).
+fn lists_past_the_batch_limit(call: &Call) -> bool {
+    let top_p = call.processing.selections & Selection::TopP.bit() != 0;
+    let max_dim = if top_p { 2 * LISTED_PAST_THE_BATCH_LIMIT_MAX_DIM } else { LISTED_PAST_THE_BATCH_LIMIT_MAX_DIM };
+    call.lm_head.cols <= max_dim
+}
 
 /// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one
 /// shard, no log-probabilities, every row with top-k, one candidate per (row, draw) within
 /// [`CANDIDATE_BUDGET_BYTES`], and a tile that writes lists:
 /// the resolved `mma.sync` (register-direct or staged) or SIMT tile, or in place of the
-/// dispatcher's TMA tile up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows the `mma.sync` tile
-/// for B ([`mma_sync_tile`]). A TMA tile the caller names, or the dispatcher's past that B,
-/// keeps the materialised path: the TMA tiles write no lists.
+/// dispatcher's TMA tile the `mma.sync` tile for B ([`mma_sync_tile`]) up to
+/// [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows and past it where [`lists_past_the_batch_limit`].
+/// A TMA tile the caller names keeps the materialised path: the TMA tiles write no lists.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
     let processing = &call.processing;
     let listable = matches!(call.target, CallTarget::Tokens { .. })
@@ -712,7 +725,9 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
     match resolved {
         _ if !listable => None,
         Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => Some(resolved),
-        _ if call.variant == Variant::Auto && call.hidden.rows <= LISTED_IN_PLACE_OF_TMA_MAX_BATCH => {
+        _ if call.variant == Variant::Auto
+            && (call.hidden.rows <= LISTED_IN_PLACE_OF_TMA_MAX_BATCH || lists_past_the_batch_limit(call)) =>
+        {
             Some(mma_sync_tile(call.hidden.rows))
         }
         _ => None,
@@ -967,9 +982,10 @@ mod tests {
 
     /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
     /// on a tile that lists (`mma.sync`, staged, SIMT), or the dispatcher's TMA tile swapped
-    /// for the `mma.sync` tile of B up to B = 64; a TMA tile named by the caller or past
-    /// B = 64, log-probabilities, a shard, top entries or a row without top-k keep the
-    /// materialised path, as do more draws than one candidate each fits the budget.
+    /// for the `mma.sync` tile of B (past B = 64 up to D = 4096, or 8192 with top-p); a TMA
+    /// tile named by the caller, log-probabilities, a shard, top entries or a row without
+    /// top-k keep the materialised path, as do more draws than one candidate each fits the
+    /// budget.
     #[test]
     fn a_call_is_listed_only_where_its_lists_can_decide_it() {
         let tma = Variant::Tma { rows: 128, columns: 16 };
@@ -987,10 +1003,25 @@ mod tests {
             listed_variant(&call(64, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
             Some(Variant::Staged { columns: 64 })
         );
+        // Past B = 64 by D, and by whether a row has top-p.
+        let handoff = Variant::TmaHandoff { columns: 128 };
         assert_eq!(
-            listed_variant(&call(65, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 128 }),
-            None
+            listed_variant(&call(256, true, false, false, Variant::Auto), handoff),
+            Some(Variant::Staged { columns: 64 })
         );
+        let wide = |batch, dim, top_p: bool| {
+            let mut wide = call(batch, true, false, false, Variant::Auto);
+            wide.lm_head = MatrixRef::contiguous(1 << 30, 128_256, dim, DType::BF16);
+            wide.hidden = MatrixRef::contiguous(1 << 29, batch, dim, DType::BF16);
+            if top_p {
+                wide.processing.selections = flashsample_core::abi::Selection::TopP.bit();
+            }
+            wide
+        };
+        assert_eq!(listed_variant(&wide(64, 8192, false), handoff), Some(Variant::Staged { columns: 64 }));
+        assert_eq!(listed_variant(&wide(65, 8192, false), handoff), None);
+        assert_eq!(listed_variant(&wide(65, 8192, true), handoff), Some(Variant::Staged { columns: 64 }));
+        assert_eq!(listed_variant(&wide(65, 16384, true), handoff), None);
         assert_eq!(
             listed_variant(&call(200, true, false, false, Variant::Auto), Variant::Staged { columns: 64 }),
             Some(Variant::Staged { columns: 64 })

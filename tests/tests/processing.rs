@@ -4,7 +4,7 @@
 //! CPU on exact logits, borrowed mode against the owned sampler bit for bit. Ignored without a
 //! GPU.
 
-use flashsample::internals::{MMA_COLUMNS, Variant};
+use flashsample::internals::{MMA_COLUMNS, STAGED_COLUMNS, Variant};
 use flashsample::{
     Batch, CudaSampler, DType, DeviceMatrix, Draws, Error, Matrix, OutputSlice, Processing, Request, Sampler,
     SamplingParams, Shard, StreamWorkspace, Target, VocabShard,
@@ -109,8 +109,9 @@ fn a_verification_gives_the_cpus_tokens_and_verdicts() {
     }
 }
 
-/// The fused `mma.sync` and SIMT tiles list each (row, tile)'s first four processed entries
-/// (`TileTop`, what fused truncation decides from) as the CPU does from the same logits:
+/// The fused `mma.sync` (register-direct and staged) and SIMT tiles list each (row, tile)'s
+/// first four processed entries (`TileTop`, what fused truncation decides from) as the CPU
+/// does from the same logits:
 /// integer inputs (every logit exact on both backends), plain rows, rows with a bias (one of
 /// −∞) and rows with a mask; V = 1003 (a partial last tile), B = 37 (a partial column group);
 /// every list poisoned first, so one left unwritten fails.
@@ -155,7 +156,11 @@ fn the_tiles_list_their_first_entries_as_the_cpu_does() {
     let head = sampler.upload_lm_head(&w).unwrap();
     let hidden = sampler.upload_hidden(&h).unwrap();
     let batch = sampler.upload_batch(&Batch::with_processing(params, processing), vocab).unwrap();
-    let variants = MMA_COLUMNS.iter().map(|&columns| Variant::Mma { columns }).chain([Variant::Simt]);
+    let variants = MMA_COLUMNS
+        .iter()
+        .map(|&columns| Variant::Mma { columns })
+        .chain(STAGED_COLUMNS.iter().map(|&columns| Variant::Staged { columns }))
+        .chain([Variant::Simt]);
     for variant in variants {
         let got = sampler.tile_tops(&head, &hidden, &batch, variant).unwrap();
         assert_eq!(got.len(), expected.len(), "{variant:?}");
@@ -257,10 +262,11 @@ fn the_listed_inputs_settle_as_their_tests_need() {
     assert!(unsettled_on_cpu(&tied_w, &tied_h, &params, &processing) > 0);
 }
 
-/// The listed path (every row with top-k, no log-probabilities) gives the CPU's
-/// tokens, in BF16 (the `mma.sync` tile) and F32 (the SIMT tile), 4 draws per row, outputs and
-/// workspace poisoned first: on spread logits every row settles (the GPU's count of unsettled
-/// rows is the CPU's, 0), so the listed sampler's own tokens are the ones checked; on tied
+/// The listed path (every row with top-k, no log-probabilities) gives the CPU's tokens, in
+/// BF16 (the register-direct and the staged `mma.sync` tiles) and F32 (the SIMT tile), 4 draws
+/// per row, outputs and workspace poisoned first: on spread logits every row settles (the
+/// GPU's count of unsettled rows is the CPU's, 0), so the listed sampler's own tokens are the
+/// ones checked; on tied
 /// logits some rows do not, and the fallback behind it (the tile's GEMM and the sampler of
 /// whole rows, top-p's cut by weighted radix selections over thousands of kept entries)
 /// samples them from their logits.
@@ -271,7 +277,11 @@ fn the_listed_path_gives_the_cpus_tokens_and_falls_back_where_lists_do_not_settl
     let (params, processing) = listed_rows(vocab);
     let cuda = cuda();
     let sampler = &cuda.sampler;
-    for dtype in [DType::BF16, DType::F32] {
+    // BF16 on the register-direct and the staged `mma.sync` tiles, F32 on the SIMT tile.
+    for (dtype, variant) in
+        [(DType::BF16, Variant::Auto), (DType::BF16, Variant::Staged { columns: 64 }), (DType::F32, Variant::Auto)]
+    {
+        sampler.set_variant(variant);
         for (name, w, h) in listed_inputs(vocab, params.len()) {
             let (w, h) = (w.to_dtype(dtype), h.to_dtype(dtype));
             let head = sampler.upload_lm_head(&w).unwrap();
@@ -284,13 +294,14 @@ fn the_listed_path_gives_the_cpus_tokens_and_falls_back_where_lists_do_not_settl
             sampler.fill_outputs(&mut out, 0xffff_fffe).unwrap();
             let unsettled = sampler.sample_listed_into(&head, &hidden, &batch, Draws::first(4), &mut out).unwrap();
             let expected = unsettled_on_cpu(&w, &h, &params, &processing) as u32;
-            assert_eq!(unsettled, Some(expected), "{name} {dtype:?}: rows left to the fallback");
+            assert_eq!(unsettled, Some(expected), "{name} {dtype:?} {variant:?}: rows left to the fallback");
             let gpu = sampler.read(&out).unwrap();
             let cpu = Cpu.sample_processed(&w, &h, &params, &processing, 4).unwrap();
-            assert_eq!(gpu.tokens, cpu.tokens, "{name} {dtype:?}");
-            println!("{name} {dtype:?}: {expected} of {} rows unsettled; tokens equal", params.len());
+            assert_eq!(gpu.tokens, cpu.tokens, "{name} {dtype:?} {variant:?}");
+            println!("{name} {dtype:?} {variant:?}: {expected} of {} rows unsettled; tokens equal", params.len());
         }
     }
+    sampler.set_variant(Variant::Auto);
 }
 
 /// Without log-probabilities the logits are processed in place and no log-sum-exp is summed:

@@ -117,6 +117,16 @@ pub unsafe fn shuffle_xor(value: u32, mask: u32) -> u32 {
     unsafe { nvvm_shfl_sync_bfly_i32(0xffff_ffff, value, mask, 0x1f) }
 }
 
+/// [`shuffle_xor`] of a 64-bit value, as two 32-bit shuffles.
+///
+/// # Safety
+/// All 32 lanes of the warp must execute this call together (full mask).
+#[inline(always)]
+pub unsafe fn shuffle_xor_u64(value: u64, mask: u32) -> u64 {
+    // SAFETY: per this function's contract: all 32 lanes execute both shuffles.
+    unsafe { (shuffle_xor(value as u32, mask) as u64) | (shuffle_xor((value >> 32) as u32, mask) as u64) << 32 }
+}
+
 /// `shfl.sync.idx` from lane 0: lane 0's `value` in every lane. For a value that is already
 /// the same in every lane (a warp or warpgroup index) this tells ptxas so, and it can then
 /// keep what is computed from it in uniform registers (the `wgmma` descriptors).

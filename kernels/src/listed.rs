@@ -409,10 +409,7 @@ unsafe fn warp_prefix(value: u64, lane: u32) -> (u64, u64) {
     let mut mask = 1;
     while mask < 32 {
         // SAFETY: all 32 lanes are here together (this function's contract).
-        let other = unsafe {
-            (arch::shuffle_xor(total as u32, mask) as u64)
-                | (arch::shuffle_xor((total >> 32) as u32, mask) as u64) << 32
-        };
+        let other = unsafe { arch::shuffle_xor_u64(total, mask) };
         if lane & mask != 0 {
             before += other;
         }

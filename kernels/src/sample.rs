@@ -279,7 +279,7 @@ unsafe fn write_tile_tops<const NT: usize>(
             let mut mask = 4;
             while mask <= 16 {
                 // SAFETY: every lane of the warp reaches it: the loops' bounds are the same for all.
-                first = first.max(unsafe { shuffle_word(first, mask) });
+                first = first.max(unsafe { arch::shuffle_xor_u64(first, mask) });
                 mask <<= 1;
             }
             for word in &mut words {
@@ -321,18 +321,6 @@ unsafe fn write_tile_tops<const NT: usize>(
     }
     // SAFETY: every thread of the block reaches it; the staging is reused after it.
     unsafe { arch::sync_threads() };
-}
-
-/// Lane `lane ^ mask`'s word.
-///
-/// # Safety
-/// All 32 lanes call it together.
-#[inline(always)]
-unsafe fn shuffle_word(word: u64, mask: u32) -> u64 {
-    // SAFETY: per this function's contract all 32 lanes are here together.
-    unsafe {
-        (arch::shuffle_xor(word as u32, mask) as u64) | (arch::shuffle_xor((word >> 32) as u32, mask) as u64) << 32
-    }
 }
 
 /// A thread's share of one batch column's log-sum-exp terms: four consecutive vocabulary rows,
@@ -773,13 +761,9 @@ pub unsafe fn winner_logits<T: Element>(args: &WinnerLogitsArgs, staging: *mut f
             }
             let mut mask = 1;
             while mask < 32 {
-                let bits = sum.to_bits();
                 // SAFETY: all 32 lanes of the warp (uniform over the block, see above); `a + b`
                 // and `b + a` are the same float, so both lanes of a pair hold the same sum.
-                let (low, high) = unsafe {
-                    (arch::shuffle_xor(bits as u32, mask) as u64, arch::shuffle_xor((bits >> 32) as u32, mask) as u64)
-                };
-                sum += f64::from_bits(low | high << 32);
+                sum += f64::from_bits(unsafe { arch::shuffle_xor_u64(sum.to_bits(), mask) });
                 mask <<= 1;
             }
             if lane == 0 {

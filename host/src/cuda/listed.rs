@@ -15,6 +15,7 @@ use super::driver;
 use super::modules::Kernels;
 use super::plan::{Call, CallTarget, FusedCall, ListedPlan};
 use super::request::DeviceWorkspace;
+use super::tiles::reduce_args;
 use crate::error::{Result, invalid};
 
 impl Kernels {
@@ -58,22 +59,8 @@ impl Kernels {
             logits_stride: plan.stride as u32,
         };
         let reduce = ReduceArgs {
-            candidates,
             tokens: DevicePtr::new(tokens),
-            winners: DevicePtr::NULL,
-            raw: DevicePtr::NULL,
-            processed: DevicePtr::NULL,
-            row_params: args.row_params,
-            part_sums: DevicePtr::NULL,
-            sums: DevicePtr::NULL,
-            batch,
-            samples: plan.samples,
-            tiles: 1,
-            draw_offset: 0,
-            token_stride: plan.samples,
-            logits_stride: 0,
-            vocab_offset: 0,
-            sum_parts: 0,
+            ..reduce_args(candidates, args.row_params, batch, plan.samples, 1, 0, plan.samples)
         };
         // SAFETY: the workspace holds the plan's regions, the call's buffers their extents
         // (this function's contract); on `stream`, the count is cleared before the listed

@@ -327,24 +327,15 @@ impl Kernels {
             let launch = TileLaunch { row_params: row_params.add(pass.first_row as u64), batch: pass.rows as u32 };
             tile_kernel(&pass, &launch)?;
             let first_slot = (pass.first_row * samples as usize) as u64;
-            let mut reduce = ReduceArgs {
+            let mut reduce = reduce_args(
                 candidates,
-                tokens: DevicePtr::NULL,
-                winners: DevicePtr::NULL,
-                raw: DevicePtr::NULL,
-                processed: DevicePtr::NULL,
-                row_params: launch.row_params,
-                part_sums: DevicePtr::NULL,
-                sums: DevicePtr::NULL,
-                batch: launch.batch,
-                samples: pass.samples as u32,
-                tiles: tiles as u32,
-                draw_offset: pass.first_sample as u32,
-                token_stride: samples,
-                logits_stride: 0,
-                vocab_offset: 0,
-                sum_parts: 0,
-            };
+                launch.row_params,
+                launch.batch,
+                pass.samples as u32,
+                tiles as u32,
+                pass.first_sample as u32,
+                samples,
+            );
             match target {
                 ReduceTarget::Tokens(tokens) => reduce.tokens = tokens.add(first_slot),
                 ReduceTarget::Winners(target) => {
@@ -367,5 +358,37 @@ impl Kernels {
             unsafe { self.launch(stream, Kernel::ReduceCandidates, (pass.rows * pass.samples) as u64, &reduce)? };
         }
         Ok(())
+    }
+}
+
+/// The merge kernel's arguments over `candidates` (`[batch · samples · tiles]`) with no output
+/// set: draws `draw_offset ..` of rows `token_stride` slots apart; the caller sets the tokens
+/// or a shard's winners.
+pub(crate) fn reduce_args(
+    candidates: DevicePtr<Candidate>,
+    row_params: DevicePtr<RowParams>,
+    batch: u32,
+    samples: u32,
+    tiles: u32,
+    draw_offset: u32,
+    token_stride: u32,
+) -> ReduceArgs {
+    ReduceArgs {
+        candidates,
+        tokens: DevicePtr::NULL,
+        winners: DevicePtr::NULL,
+        raw: DevicePtr::NULL,
+        processed: DevicePtr::NULL,
+        row_params,
+        part_sums: DevicePtr::NULL,
+        sums: DevicePtr::NULL,
+        batch,
+        samples,
+        tiles,
+        draw_offset,
+        token_stride,
+        logits_stride: 0,
+        vocab_offset: 0,
+        sum_parts: 0,
     }
 }

@@ -60,10 +60,16 @@ impl Candidate {
     /// Associative and commutative, so tiles, warps and blocks may be merged in any tree.
     #[inline(always)]
     pub fn merge(self, other: Candidate) -> Candidate {
-        let other_wins = other.score > self.score
-            || (other.score == self.score
-                && (other.word > self.word || (other.word == self.word && other.index < self.index)));
-        if other_wins { other } else { self }
+        if other.beats(&self) { other } else { self }
+    }
+
+    /// Whether `self` wins over `other` in [`Candidate::merge`]'s order: higher score, then
+    /// higher word, then lower index (strict: a candidate does not beat itself).
+    #[inline(always)]
+    pub fn beats(&self, other: &Candidate) -> bool {
+        self.score > other.score
+            || (self.score == other.score
+                && (self.word > other.word || (self.word == other.word && self.index < other.index)))
     }
 }
 

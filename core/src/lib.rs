@@ -28,6 +28,7 @@ extern crate std;
 
 pub mod abi;
 pub mod candidate;
+pub mod chain;
 pub mod estimate;
 pub mod gumbel;
 pub mod noise;
@@ -35,6 +36,8 @@ pub mod philox;
 pub mod process;
 pub mod registry;
 pub mod speculative;
+#[cfg(test)]
+mod testing;
 pub mod truncation;
 
 pub use candidate::{Candidate, NO_TOKEN, NON_FINITE_TOKEN, perturbed_score};

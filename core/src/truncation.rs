@@ -201,28 +201,8 @@ pub fn select(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::philox::philox4x32_10;
+    use crate::testing::{normals, uniforms};
     use std::vec::Vec;
-
-    /// `n` uniform floats in `[0, 1)` from Philox under `seed`.
-    fn uniforms(n: usize, seed: u32) -> Vec<f32> {
-        (0..n as u32)
-            .flat_map(|block| philox4x32_10([block, 0, 0, 0], [seed, 0x5eed]))
-            .take(n)
-            .map(|word| (word >> 8) as f32 / (1u32 << 24) as f32)
-            .collect()
-    }
-
-    /// Standard normal values (Box–Muller over [`uniforms`]).
-    fn normals(n: usize, seed: u32) -> Vec<f32> {
-        let u = uniforms(2 * n, seed);
-        (0..n)
-            .map(|i| {
-                let (a, b) = ((u[2 * i] as f64).max(1e-12), u[2 * i + 1] as f64);
-                ((-2.0 * a.ln()).sqrt() * (2.0 * std::f64::consts::PI * b).cos()) as f32
-            })
-            .collect()
-    }
 
     /// The truncations' settings the tests go through: (min-p, top-k, top-p).
     const MODES: [(f32, Option<u32>, f32); 6] = [

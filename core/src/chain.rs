@@ -1,0 +1,241 @@
+//! A tile's race for one draw summarised for every threshold the row's min-p may set, so that
+//! min-p rows are decided and drawn without their logits.
+//!
+//! min-p keeps an upper set of a row's logits: the entries at or above a cut `τ` that only the
+//! row's largest logit fixes ([`min_p_threshold`](crate::process::min_p_threshold)), which no
+//! tile knows alone. For any `τ`, the winner of a tile's entries with logit `≥ τ` lies on the
+//! tile's *chain* (its Pareto frontier of logit and candidate): from the tile's largest logit
+//! down, each link is the first entry (largest logit, then best candidate) whose candidate
+//! beats the link before; the winner is the last link at or above `τ`. On random noise a
+//! chain over `n` entries has about `ln n` links, and a tile's entries below its own min-p cut
+//! (its floor: the row's cut is never lower) need none. A [`Chain`] stores the first
+//! [`CHAIN_LINKS`] links, where the next one starts (`open`), and the tile's winner at its
+//! floor (`end`, the chain's last link); it answers every `τ` but those that keep an unstored
+//! link, where the tile's logits need a second look ([`Chain::winner`]).
+
+use crate::candidate::Candidate;
+
+/// Links a [`Chain`] stores from the tile's largest logit down.
+pub const CHAIN_LINKS: usize = 4;
+
+/// An entry of a chain: its processed logit and its candidate in the draw's race.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Link {
+    /// The processed logit; −∞ for no entry.
+    pub logit: f32,
+    /// The entry's candidate ([`Candidate::NONE`] for no entry).
+    pub candidate: Candidate,
+}
+
+impl Link {
+    /// No entry: comes after every entry.
+    pub const NONE: Link = Link { logit: f32::NEG_INFINITY, candidate: Candidate::NONE };
+
+    /// Whether `self` comes before `other` in a chain's search: a larger logit (−0 and +0
+    /// equal), or an equal one with a better candidate. Total on distinct entries.
+    #[inline(always)]
+    pub fn comes_before(&self, other: &Link) -> bool {
+        self.logit > other.logit || (self.logit == other.logit && self.candidate.beats(&other.candidate))
+    }
+
+    /// The one of `self` and `other` that comes first.
+    #[inline(always)]
+    pub fn first(self, other: Link) -> Link {
+        if other.comes_before(&self) { other } else { self }
+    }
+
+    /// Whether `self` is an entry (not [`Link::NONE`]).
+    #[inline(always)]
+    pub fn is_entry(&self) -> bool {
+        self.logit > f32::NEG_INFINITY
+    }
+}
+
+/// A tile's chain for one (row, draw): see the module docs. Built by searching the tile's
+/// entries at or above `floor` ([`Chain::follows`]): link 1 is the first of them, link `k + 1`
+/// the first whose candidate beats link `k`'s; a NaN or +∞ entry in the tile makes `links[0]`'s
+/// logit NaN (the row is non-finite).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Chain {
+    /// The first links in order; [`Link::NONE`] past the chain's last link.
+    pub links: [Link; CHAIN_LINKS],
+    /// The best candidate at or above the floor (the chain's last link, stored or not).
+    pub end: Link,
+    /// The logit of the first link not stored; −∞ when every link is stored.
+    pub open: f32,
+    /// The tile's min-p cut: entries below it were not searched.
+    pub floor: f32,
+    /// Explicit tail padding, so that the chain has no padding bytes.
+    pub padding: [u32; 2],
+}
+
+impl Chain {
+    /// Whether `entry` is searched after `link` (the chain's last link so far; [`Link::NONE`]
+    /// before the first): it lies at or above `floor` and its candidate beats `link`'s.
+    #[inline(always)]
+    pub fn follows(entry: &Link, link: &Link, floor: f32) -> bool {
+        entry.is_entry() && entry.logit >= floor && entry.candidate.beats(&link.candidate)
+    }
+
+    /// The tile's winner among its entries whose logit is at least `cut` (a row's min-p cut,
+    /// `≥ floor`): `Some(Candidate::NONE)` for none, `None` when the chain cannot tell (an
+    /// unstored link is kept, or `cut` is below the floor).
+    #[inline(always)]
+    pub fn winner(&self, cut: f32) -> Option<Candidate> {
+        if cut < self.floor {
+            return None;
+        }
+        if self.end.logit >= cut {
+            return Some(self.end.candidate);
+        }
+        if self.open >= cut {
+            return None;
+        }
+        let mut best = Candidate::NONE;
+        for link in &self.links {
+            if link.is_entry() && link.logit >= cut {
+                best = link.candidate;
+            }
+        }
+        Some(best)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::noise::{RowParams, block_scores};
+    use crate::process::min_p_threshold;
+    use crate::testing::normals;
+    use std::vec::Vec;
+
+    /// The chain of `entries` (logit, candidate) at `floor`, searched as the kernels do: one
+    /// round per link, each the first entry that follows the last.
+    fn chain_of<const L: usize>(entries: &[Link], floor: f32) -> ([Link; L], Link, f32) {
+        let after = |last: &Link| {
+            entries.iter().filter(|e| Chain::follows(e, last, floor)).fold(Link::NONE, |a, &e| a.first(e))
+        };
+        let mut links = [Link::NONE; L];
+        let mut last = Link::NONE;
+        for slot in &mut links {
+            let next = after(&last);
+            if !next.is_entry() {
+                break;
+            }
+            (*slot, last) = (next, next);
+        }
+        let open = if links[L - 1].is_entry() { after(&last).logit } else { f32::NEG_INFINITY };
+        let end = entries
+            .iter()
+            .filter(|e| e.is_entry() && e.logit >= floor)
+            .fold(Link::NONE, |a, &e| if e.candidate.beats(&a.candidate) { e } else { a });
+        (links, end, open)
+    }
+
+    fn chain(entries: &[Link], floor: f32) -> Chain {
+        let (links, end, open) = chain_of::<CHAIN_LINKS>(entries, floor);
+        Chain { links, end, open, floor, padding: [0; 2] }
+    }
+
+    /// The race among the entries at or above `cut`.
+    fn brute_force(entries: &[Link], cut: f32) -> Candidate {
+        entries.iter().filter(|e| e.is_entry() && e.logit >= cut).fold(Candidate::NONE, |a, e| a.merge(e.candidate))
+    }
+
+    /// A row's entries for draw `draw`: its logits with their candidates.
+    fn scored(logits: &[f32], row: &RowParams, draw: u32) -> Vec<Link> {
+        logits
+            .chunks(4)
+            .enumerate()
+            .flat_map(|(block, quad)| {
+                let mut four = [f32::NEG_INFINITY; 4];
+                four[..quad.len()].copy_from_slice(quad);
+                let (scores, words) = block_scores(row, draw, block as u32, four);
+                (0..quad.len())
+                    .map(move |r| Link {
+                        logit: four[r],
+                        candidate: if four[r] > f32::NEG_INFINITY {
+                            Candidate::scored(scores[r], words[r], 4 * block as u32 + r as u32)
+                        } else {
+                            Candidate::NONE
+                        },
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_chain_answers_every_cut_it_can_as_the_whole_race_does() {
+        // 400 entries on a grid of 1/16 (ties), −∞ among them, cuts between and on the values.
+        let row = RowParams { seed: 3, sequence: 1, step: 2, temperature: 1.0, greedy: 0 };
+        let logits: Vec<f32> = normals(400, 5)
+            .iter()
+            .enumerate()
+            .map(|(i, x)| if i % 7 == 3 { f32::NEG_INFINITY } else { (x * 16.0).round() / 16.0 })
+            .collect();
+        let (mut answered, mut open) = (0, 0);
+        for draw in 0..50 {
+            let entries = scored(&logits, &row, draw);
+            for floor in [f32::NEG_INFINITY, -1.0, 0.25, 1.5] {
+                let chain = chain(&entries, floor);
+                for cut in [-2.0, -1.0, -0.5, 0.0, 0.25, 1.0, 1.5, 1.75, 2.0, 2.5, 3.0, 5.0] {
+                    match chain.winner(cut) {
+                        Some(winner) => {
+                            assert_eq!(winner, brute_force(&entries, cut), "draw {draw} floor {floor} cut {cut}");
+                            answered += 1;
+                        }
+                        None => {
+                            assert!(cut < floor || chain.open >= cut);
+                            open += (cut >= floor) as u32;
+                        }
+                    }
+                }
+            }
+        }
+        // Both kinds of cut were met: answered ones and ones that keep an unstored link.
+        assert!(answered > 1000 && open > 0, "{answered} answered, {open} open");
+    }
+
+    #[test]
+    fn greedy_rows_chain_to_their_first_largest_logit() {
+        let row = RowParams { seed: 3, sequence: 1, step: 2, temperature: 1.0, greedy: 1 };
+        let entries = scored(&[1.0, 4.0, -2.0, 4.0, 3.0], &row, 0);
+        let chain = chain(&entries, 0.0);
+        assert_eq!(chain.links[0].candidate.index, 1);
+        assert!(!chain.links[1].is_entry());
+        assert_eq!(chain.winner(3.5), Some(chain.links[0].candidate));
+        assert_eq!(chain.winner(0.0), Some(chain.links[0].candidate));
+    }
+
+    #[test]
+    fn chains_decide_every_min_p_row_at_the_headline_vocabulary() {
+        // V = 151,936 in tiles of 128, min-p 0.05 at T = 1, logits normal at the benchmark's
+        // spread (σ ≈ 2.1), a peaked one (σ = 4) and a flat one (σ = 1), where min-p keeps
+        // about 150, 20 and 12,000 entries. (Flatter rows need second looks: at σ = 0.7, where
+        // min-p keeps ~40 % of the row, about 7 % of the tiles cannot tell.)
+        let vocab = 151_936;
+        for (seed, scale, rows) in [(21u32, 2.1f32, 8u32), (22, 4.0, 8), (23, 1.0, 8)] {
+            let logits: Vec<f32> = normals(vocab, seed).iter().map(|x| x * scale).collect();
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let cut = min_p_threshold(max, 1.0, 0.05);
+            for sequence in 0..rows {
+                let row = RowParams { seed: 7, sequence, step: 0, temperature: 1.0, greedy: 0 };
+                let entries = scored(&logits, &row, 0);
+                let mut best = Candidate::NONE;
+                for tile in entries.chunks(128) {
+                    let tile_max = tile.iter().map(|e| e.logit).fold(f32::NEG_INFINITY, f32::max);
+                    let chain = chain(tile, min_p_threshold(tile_max, 1.0, 0.05));
+                    let winner = chain.winner(cut);
+                    assert!(winner.is_some(), "σ = {scale}: a tile's chain could not tell");
+                    best = best.merge(winner.unwrap_or(Candidate::NONE));
+                }
+                assert_eq!(best, brute_force(&entries, cut), "σ = {scale}");
+            }
+        }
+    }
+}

@@ -81,6 +81,47 @@ impl Chain {
         entry.is_entry() && entry.logit >= floor && entry.candidate.beats(&link.candidate)
     }
 
+    /// The chain of two disjoint sets of entries from theirs (in any grouping and order): the
+    /// higher floor, the better end, and the links of both above both `open`s and at or above
+    /// the floor, searched again. An entry that is not a link of its own set's chain is not one
+    /// of the union's, and the union's links there are their sets' stored links, so the merged
+    /// chain answers what both could; a NaN first link (a non-finite tile) stays NaN.
+    #[inline(always)]
+    pub fn merge(&self, other: &Chain) -> Chain {
+        let floor = if other.floor > self.floor { other.floor } else { self.floor };
+        let mut open = if other.open > self.open { other.open } else { self.open };
+        let end = if other.end.candidate.beats(&self.end.candidate) { other.end } else { self.end };
+        let mut links = [Link::NONE; CHAIN_LINKS];
+        let (mut a, mut b, mut kept) = (0, 0, 0);
+        let mut last = Link::NONE;
+        while a < CHAIN_LINKS || b < CHAIN_LINKS {
+            let ours = if a < CHAIN_LINKS { self.links[a] } else { Link::NONE };
+            let theirs = if b < CHAIN_LINKS { other.links[b] } else { Link::NONE };
+            let next = if theirs.comes_before(&ours) {
+                b += 1;
+                theirs
+            } else {
+                a += 1;
+                ours
+            };
+            if !next.is_entry() || next.logit < floor || next.logit <= open {
+                break;
+            }
+            if next.candidate.beats(&last.candidate) {
+                if kept == CHAIN_LINKS {
+                    open = next.logit;
+                    break;
+                }
+                (links[kept], last) = (next, next);
+                kept += 1;
+            }
+        }
+        if self.links[0].logit.is_nan() || other.links[0].logit.is_nan() {
+            links[0].logit = f32::NAN;
+        }
+        Chain { links, end, open, floor, padding: [0; 2] }
+    }
+
     /// The tile's winner among its entries whose logit is at least `cut` (a row's min-p cut,
     /// `≥ floor`): `Some(Candidate::NONE)` for none, `None` when the chain cannot tell (an
     /// unstored link is kept, or `cut` is below the floor).
@@ -139,6 +180,18 @@ mod tests {
     fn chain(entries: &[Link], floor: f32) -> Chain {
         let (links, end, open) = chain_of::<CHAIN_LINKS>(entries, floor);
         Chain { links, end, open, floor, padding: [0; 2] }
+    }
+
+    /// The chain of `entries` at the min-p 0.05 floor of their largest logit (T = 1).
+    fn chain_at_own_floor(entries: &[Link]) -> Chain {
+        let max = entries.iter().map(|e| e.logit).fold(f32::NEG_INFINITY, f32::max);
+        chain(entries, min_p_threshold(max, 1.0, 0.05))
+    }
+
+    /// A tile's chain as the kernels make it: each warp's 32 entries at its own floor, merged.
+    fn tile_chain(tile: &[Link]) -> Chain {
+        let warps: Vec<Chain> = tile.chunks(32).map(chain_at_own_floor).collect();
+        warps[1..].iter().fold(warps[0], |a, b| a.merge(b))
     }
 
     /// The race among the entries at or above `cut`.
@@ -202,6 +255,38 @@ mod tests {
     }
 
     #[test]
+    fn merged_chains_answer_every_cut_they_can_as_the_whole_race_does() {
+        let row = RowParams { seed: 9, sequence: 4, step: 1, temperature: 1.0, greedy: 0 };
+        let logits: Vec<f32> = normals(512, 6)
+            .iter()
+            .enumerate()
+            .map(|(i, x)| if i % 11 == 5 { f32::NEG_INFINITY } else { (x * 16.0).round() / 16.0 })
+            .collect();
+        let (mut answered, mut asked) = (0, 0);
+        for draw in 0..40 {
+            let entries = scored(&logits, &row, draw);
+            // Groups of consecutive entries and interleaved ones, merged in two orders.
+            let interleaved: Vec<Vec<Link>> =
+                (0..4).map(|g| entries.iter().skip(g).step_by(4).copied().collect()).collect();
+            for groups in [entries.chunks(128).map(<[Link]>::to_vec).collect::<Vec<_>>(), interleaved] {
+                let chains: Vec<Chain> = groups.iter().map(|g| chain_at_own_floor(g)).collect();
+                let in_order = chains[1..].iter().fold(chains[0], |a, b| a.merge(b));
+                let in_pairs = chains[0].merge(&chains[1]).merge(&chains[2].merge(&chains[3]));
+                for merged in [in_order, in_pairs] {
+                    for cut in (0..40).map(|i| merged.floor + i as f32 / 16.0) {
+                        asked += 1;
+                        if let Some(winner) = merged.winner(cut) {
+                            assert_eq!(winner, brute_force(&entries, cut), "draw {draw} cut {cut}");
+                            answered += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(answered * 4 > asked * 3, "{answered} of {asked} answered");
+    }
+
+    #[test]
     fn greedy_rows_chain_to_their_first_largest_logit() {
         let row = RowParams { seed: 3, sequence: 1, step: 2, temperature: 1.0, greedy: 1 };
         let entries = scored(&[1.0, 4.0, -2.0, 4.0, 3.0], &row, 0);
@@ -214,7 +299,8 @@ mod tests {
 
     #[test]
     fn chains_decide_every_min_p_row_at_the_headline_vocabulary() {
-        // V = 151,936 in tiles of 128, min-p 0.05 at T = 1, logits normal at the benchmark's
+        // V = 151,936 in tiles of 128 (four warps' chains merged), min-p 0.05 at T = 1, logits
+        // normal at the benchmark's
         // spread (σ ≈ 2.1), a peaked one (σ = 4) and a flat one (σ = 1), where min-p keeps
         // about 150, 20 and 12,000 entries. (Flatter rows need second looks: at σ = 0.7, where
         // min-p keeps ~40 % of the row, about 7 % of the tiles cannot tell.)
@@ -228,9 +314,7 @@ mod tests {
                 let entries = scored(&logits, &row, 0);
                 let mut best = Candidate::NONE;
                 for tile in entries.chunks(128) {
-                    let tile_max = tile.iter().map(|e| e.logit).fold(f32::NEG_INFINITY, f32::max);
-                    let chain = chain(tile, min_p_threshold(tile_max, 1.0, 0.05));
-                    let winner = chain.winner(cut);
+                    let winner = tile_chain(tile).winner(cut);
                     assert!(winner.is_some(), "σ = {scale}: a tile's chain could not tell");
                     best = best.merge(winner.unwrap_or(Candidate::NONE));
                 }

@@ -182,6 +182,8 @@ pub const fn fused_staged_shared_bytes(columns: u32) -> u32 {
 // A tile's lists of its warps (one `TileTop` per warp and column) fit the block's candidate
 // staging, which they reuse.
 const _: () = assert!(SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::truncation::TileTop>() as u32);
+// The chain kernels stage a chain per warp and column there too.
+const _: () = assert!(SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::chain::Chain>() as u32);
 
 /// Dynamic shared memory of the SIMT fused kernel: staging for 8 columns, then the scratch.
 pub const fn fused_simt_shared_bytes() -> u32 {
@@ -390,6 +392,13 @@ pub struct FusedArgs {
     /// ([`crate::truncation::TileTop`]), from which the truncations can be decided without the
     /// row's logits; null for none. Written in the launch of a call's first draws only.
     pub tile_tops: DevicePtr<crate::truncation::TileTop>,
+    /// The chain kernels' output: `[batch, samples, tiles]` chains of each (row, draw, tile)
+    /// ([`crate::chain::Chain`], at [`candidate_slot`]), from which min-p rows are decided and
+    /// drawn without their logits; null in every other kernel's launch.
+    pub tile_chains: DevicePtr<crate::chain::Chain>,
+    /// `[batch]` rows' processing whose min-p the chain kernels read for each warp's floor
+    /// (whether or not the row has a per-entry step); null in every other kernel's launch.
+    pub truncation: DevicePtr<RowProcessing>,
     /// Rows of `W`: the vocabulary entries of the shard (of the whole vocabulary when
     /// unsharded). Entries at or past it take no part in the race or the terms.
     pub vocab: u32,
@@ -1167,19 +1176,25 @@ pub const LISTED_SHARED_BYTES: u32 = LISTED_CACHED_TILES * core::mem::size_of::<
     + 16
     + 16;
 
-/// The listed sampler (`sample_listed`) and its fallback (`sample_unsettled`), one block per
-/// row. The listed sampler decides each row's min-p, top-k and top-p from its tiles' lists
-/// ([`crate::truncation`]) and races its draws among the entries they keep: one candidate per
-/// (row, draw) in [`FusedArgs::candidates`]' layout with one tile. A row whose lists do not
-/// settle gets [`Candidate::NONE`] for every draw, its flag in `row_unsettled` and 1 added to
+/// The listed sampler (`sample_listed`), the chained sampler (`sample_chained`) and their
+/// fallback (`sample_unsettled`), one block per row. The listed sampler decides each row's
+/// min-p, top-k and top-p from its tiles' lists ([`crate::truncation`]) and races its draws
+/// among the entries they keep; the chained sampler finds each min-p row's cut from its
+/// largest logit and each draw's winner from its tiles' chains ([`crate::chain`]): one
+/// candidate per (row, draw) in [`FusedArgs::candidates`]' layout with one tile. A row whose
+/// lists or chains do not settle gets [`Candidate::NONE`] for every draw, its flag in `row_unsettled` and 1 added to
 /// `unsettled`. The fallback, after the GEMM of the same tile wrote `logits` (both gated on
 /// `unsettled`), decides and races each flagged row from its whole row of logits.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(target_arch = "nvptx64"), derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SampleListedArgs {
-    /// `[batch, tiles]` the tiles' lists ([`FusedArgs::tile_tops`]).
+    /// `[batch, tiles]` the tiles' lists ([`FusedArgs::tile_tops`]); read by the listed
+    /// sampler only.
     pub tile_tops: DevicePtr<crate::truncation::TileTop>,
+    /// `[batch, samples, tiles]` the tiles' chains ([`FusedArgs::tile_chains`]); read by the
+    /// chained sampler only.
+    pub tile_chains: DevicePtr<crate::chain::Chain>,
     /// `[batch, logits_stride]` raw f32 logits from the listing tile's own GEMM (bit for bit
     /// the logits the lists were made from); read by the fallback only.
     pub logits: DevicePtr<f32>,

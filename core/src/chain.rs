@@ -18,6 +18,14 @@ use crate::candidate::Candidate;
 /// Links a [`Chain`] stores from the tile's largest logit down.
 pub const CHAIN_LINKS: usize = 4;
 
+/// Whether a chain at `floor` searches an entry of processed logit `logit`: finite (NaN and
+/// +∞ mark the tile non-finite instead; −∞ is dropped by the processing) and at or above the
+/// floor.
+#[inline(always)]
+pub fn searched(logit: f32, floor: f32) -> bool {
+    logit > f32::NEG_INFINITY && logit < f32::INFINITY && logit >= floor
+}
+
 /// An entry of a chain: its processed logit and its candidate in the draw's race.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -75,51 +83,91 @@ pub struct Chain {
 
 impl Chain {
     /// Whether `entry` is searched after `link` (the chain's last link so far; [`Link::NONE`]
-    /// before the first): it lies at or above `floor` and its candidate beats `link`'s.
+    /// before the first): it is [`searched`] at `floor` and its candidate beats `link`'s.
     #[inline(always)]
     pub fn follows(entry: &Link, link: &Link, floor: f32) -> bool {
-        entry.is_entry() && entry.logit >= floor && entry.candidate.beats(&link.candidate)
+        searched(entry.logit, floor) && entry.candidate.beats(&link.candidate)
     }
 
-    /// The chain of two disjoint sets of entries from theirs (in any grouping and order): the
-    /// higher floor, the better end, and the links of both above both `open`s and at or above
-    /// the floor, searched again. An entry that is not a link of its own set's chain is not one
-    /// of the union's, and the union's links there are their sets' stored links, so the merged
-    /// chain answers what both could; a NaN first link (a non-finite tile) stays NaN.
-    #[inline(always)]
-    pub fn merge(&self, other: &Chain) -> Chain {
-        let floor = if other.floor > self.floor { other.floor } else { self.floor };
-        let mut open = if other.open > self.open { other.open } else { self.open };
-        let end = if other.end.candidate.beats(&self.end.candidate) { other.end } else { self.end };
+    /// The chain of `entries` at `floor`, searched as a warp of the kernels does: one round
+    /// per link, each the first entry that follows the last ([`Chain::follows`]); NaN or +∞
+    /// among the entries makes the first link's logit NaN. The CPU's view of what a kernel's
+    /// warp writes, for tests of the kernels and of the chains' reach.
+    pub fn of(entries: &[Link], floor: f32) -> Chain {
+        let after = |last: &Link| {
+            let mut next = Link::NONE;
+            for entry in entries {
+                if Chain::follows(entry, last, floor) {
+                    next = next.first(*entry);
+                }
+            }
+            next
+        };
         let mut links = [Link::NONE; CHAIN_LINKS];
-        let (mut a, mut b, mut kept) = (0, 0, 0);
         let mut last = Link::NONE;
-        while a < CHAIN_LINKS || b < CHAIN_LINKS {
-            let ours = if a < CHAIN_LINKS { self.links[a] } else { Link::NONE };
-            let theirs = if b < CHAIN_LINKS { other.links[b] } else { Link::NONE };
-            let next = if theirs.comes_before(&ours) {
-                b += 1;
-                theirs
-            } else {
-                a += 1;
-                ours
-            };
-            if !next.is_entry() || next.logit < floor || next.logit <= open {
+        for slot in &mut links {
+            let next = after(&last);
+            if !next.is_entry() {
                 break;
             }
-            if next.candidate.beats(&last.candidate) {
-                if kept == CHAIN_LINKS {
-                    open = next.logit;
-                    break;
-                }
-                (links[kept], last) = (next, next);
-                kept += 1;
+            (*slot, last) = (next, next);
+        }
+        let open = if links[CHAIN_LINKS - 1].is_entry() { after(&last).logit } else { f32::NEG_INFINITY };
+        let mut end = Link::NONE;
+        for entry in entries {
+            if searched(entry.logit, floor) && entry.candidate.beats(&end.candidate) {
+                end = *entry;
             }
         }
-        if self.links[0].logit.is_nan() || other.links[0].logit.is_nan() {
+        if entries.iter().any(|e| e.logit.is_nan() || e.logit == f32::INFINITY) {
             links[0].logit = f32::NAN;
         }
         Chain { links, end, open, floor, padding: [0; 2] }
+    }
+
+    /// Writes into `out` the chain of the union of `sets` (≥ 1) disjoint sets of entries from
+    /// their chains `chain(0 .. sets)` (in any grouping and order): the highest floor, the best
+    /// end, and the chain searched again among the chains' stored links above every `open` and
+    /// at or above the floor. An entry that is not a link of its own set's chain is not one of
+    /// the union's, and the union's links there are their sets' stored links, so the union
+    /// answers every cut each chain could. A NaN first link (a non-finite tile) stays NaN.
+    /// `out` is written field by field, so that a kernel may point it at device memory and read
+    /// the chains from shared memory without a copy in local memory.
+    #[inline(always)]
+    pub fn union_into<'a>(sets: usize, chain: impl Fn(usize) -> &'a Chain, out: &mut Chain) {
+        let (mut floor, mut above, mut end, mut non_finite) = (f32::NEG_INFINITY, f32::NEG_INFINITY, Link::NONE, false);
+        for s in 0..sets {
+            let c = chain(s);
+            floor = if c.floor > floor { c.floor } else { floor };
+            above = if c.open > above { c.open } else { above };
+            end = if c.end.candidate.beats(&end.candidate) { c.end } else { end };
+            non_finite |= c.links[0].logit.is_nan();
+        }
+        let after = |last: &Link| {
+            let mut next = Link::NONE;
+            for s in 0..sets {
+                for link in &chain(s).links {
+                    if link.logit > above && Chain::follows(link, last, floor) {
+                        next = next.first(*link);
+                    }
+                }
+            }
+            next
+        };
+        let mut last = Link::NONE;
+        for slot in 0..CHAIN_LINKS {
+            let next = after(&last);
+            out.links[slot] = next;
+            if next.is_entry() {
+                last = next;
+            }
+        }
+        let beyond = after(&last);
+        out.open = if out.links[CHAIN_LINKS - 1].is_entry() && beyond.is_entry() { beyond.logit } else { above };
+        (out.end, out.floor, out.padding) = (end, floor, [0; 2]);
+        if non_finite {
+            out.links[0].logit = f32::NAN;
+        }
     }
 
     /// The tile's winner among its entries whose logit is at least `cut` (a row's min-p cut,
@@ -154,44 +202,22 @@ mod tests {
     use crate::testing::normals;
     use std::vec::Vec;
 
-    /// The chain of `entries` (logit, candidate) at `floor`, searched as the kernels do: one
-    /// round per link, each the first entry that follows the last.
-    fn chain_of<const L: usize>(entries: &[Link], floor: f32) -> ([Link; L], Link, f32) {
-        let after = |last: &Link| {
-            entries.iter().filter(|e| Chain::follows(e, last, floor)).fold(Link::NONE, |a, &e| a.first(e))
-        };
-        let mut links = [Link::NONE; L];
-        let mut last = Link::NONE;
-        for slot in &mut links {
-            let next = after(&last);
-            if !next.is_entry() {
-                break;
-            }
-            (*slot, last) = (next, next);
-        }
-        let open = if links[L - 1].is_entry() { after(&last).logit } else { f32::NEG_INFINITY };
-        let end = entries
-            .iter()
-            .filter(|e| e.is_entry() && e.logit >= floor)
-            .fold(Link::NONE, |a, &e| if e.candidate.beats(&a.candidate) { e } else { a });
-        (links, end, open)
-    }
-
-    fn chain(entries: &[Link], floor: f32) -> Chain {
-        let (links, end, open) = chain_of::<CHAIN_LINKS>(entries, floor);
-        Chain { links, end, open, floor, padding: [0; 2] }
-    }
-
     /// The chain of `entries` at the min-p 0.05 floor of their largest logit (T = 1).
     fn chain_at_own_floor(entries: &[Link]) -> Chain {
         let max = entries.iter().map(|e| e.logit).fold(f32::NEG_INFINITY, f32::max);
-        chain(entries, min_p_threshold(max, 1.0, 0.05))
+        Chain::of(entries, min_p_threshold(max, 1.0, 0.05))
+    }
+
+    /// The union of `chains`' sets ([`Chain::union_into`]).
+    fn union(chains: &[Chain]) -> Chain {
+        let mut out = chains[0];
+        Chain::union_into(chains.len(), |s| &chains[s], &mut out);
+        out
     }
 
     /// A tile's chain as the kernels make it: each warp's 32 entries at its own floor, merged.
     fn tile_chain(tile: &[Link]) -> Chain {
-        let warps: Vec<Chain> = tile.chunks(32).map(chain_at_own_floor).collect();
-        warps[1..].iter().fold(warps[0], |a, b| a.merge(b))
+        union(&tile.chunks(32).map(chain_at_own_floor).collect::<Vec<_>>())
     }
 
     /// The race among the entries at or above `cut`.
@@ -235,7 +261,7 @@ mod tests {
         for draw in 0..50 {
             let entries = scored(&logits, &row, draw);
             for floor in [f32::NEG_INFINITY, -1.0, 0.25, 1.5] {
-                let chain = chain(&entries, floor);
+                let chain = Chain::of(&entries, floor);
                 for cut in [-2.0, -1.0, -0.5, 0.0, 0.25, 1.0, 1.5, 1.75, 2.0, 2.5, 3.0, 5.0] {
                     match chain.winner(cut) {
                         Some(winner) => {
@@ -270,9 +296,9 @@ mod tests {
                 (0..4).map(|g| entries.iter().skip(g).step_by(4).copied().collect()).collect();
             for groups in [entries.chunks(128).map(<[Link]>::to_vec).collect::<Vec<_>>(), interleaved] {
                 let chains: Vec<Chain> = groups.iter().map(|g| chain_at_own_floor(g)).collect();
-                let in_order = chains[1..].iter().fold(chains[0], |a, b| a.merge(b));
-                let in_pairs = chains[0].merge(&chains[1]).merge(&chains[2].merge(&chains[3]));
-                for merged in [in_order, in_pairs] {
+                let at_once = union(&chains);
+                let in_pairs = union(&[union(&chains[..2]), union(&chains[2..])]);
+                for merged in [at_once, in_pairs] {
                     for cut in (0..40).map(|i| merged.floor + i as f32 / 16.0) {
                         asked += 1;
                         if let Some(winner) = merged.winner(cut) {
@@ -290,7 +316,7 @@ mod tests {
     fn greedy_rows_chain_to_their_first_largest_logit() {
         let row = RowParams { seed: 3, sequence: 1, step: 2, temperature: 1.0, greedy: 1 };
         let entries = scored(&[1.0, 4.0, -2.0, 4.0, 3.0], &row, 0);
-        let chain = chain(&entries, 0.0);
+        let chain = Chain::of(&entries, 0.0);
         assert_eq!(chain.links[0].candidate.index, 1);
         assert!(!chain.links[1].is_entry());
         assert_eq!(chain.winner(3.5), Some(chain.links[0].candidate));

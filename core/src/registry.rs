@@ -38,6 +38,10 @@ pub enum Kernel {
         element: ElementType,
         /// Batch columns per work item: 8, 16 or 32 (`columns / 8` mma n-tiles).
         columns: u32,
+        /// Whether it writes each (row, draw)'s chain ([`Chain`](crate::chain::Chain), for
+        /// min-p rows without logits) in place of candidates: the chain kernels, kept apart so
+        /// that the sampling kernels keep their registers.
+        chains: bool,
     },
     /// Tile kernel, staged `mma.sync` tile of 128 rows × `columns`: `W` and `H` through
     /// shared memory by `cp.async`, fragments by `ldmatrix` (`FusedArgs`).
@@ -47,11 +51,19 @@ pub enum Kernel {
         /// Batch columns per work item: 64 or 128
         /// ([`STAGED_COLUMNS`](crate::abi::STAGED_COLUMNS)).
         columns: u32,
+        /// Whether it writes each (row, draw)'s chain ([`Chain`](crate::chain::Chain), for
+        /// min-p rows without logits) in place of candidates: the chain kernels, kept apart so
+        /// that the sampling kernels keep their registers.
+        chains: bool,
     },
     /// Tile kernel, CUDA-core tile (`FusedArgs`).
     FusedSimt {
         /// The element type of `W` and `H`: any.
         element: ElementType,
+        /// Whether it writes each (row, draw)'s chain ([`Chain`](crate::chain::Chain), for
+        /// min-p rows without logits) in place of candidates: the chain kernels, kept apart so
+        /// that the sampling kernels keep their registers.
+        chains: bool,
     },
     /// The unfused pipeline's GEMM on the `mma.sync` tile (`LogitsArgs`).
     LogitsMma {
@@ -108,6 +120,9 @@ pub enum Kernel {
     /// Each row's truncations decided from its tiles' lists and its draws raced among the
     /// entries they keep, one block per row (`SampleListedArgs`).
     SampleListed,
+    /// Each min-p row's cut found from its largest logit and its draws' winners from its
+    /// tiles' chains, one block per row (`SampleListedArgs`).
+    SampleChained,
     /// The listed path's fallback: each row whose lists did not settle decided and raced from
     /// its whole row of logits, one block per row (`SampleListedArgs`).
     SampleUnsettled,
@@ -173,7 +188,7 @@ impl Kernel {
             Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } => TMA_THREADS,
             Kernel::FusedHandoff { .. } => TMA_HANDOFF_THREADS,
             Kernel::ReduceCandidates => REDUCE_THREADS,
-            Kernel::SampleListed | Kernel::SampleUnsettled => LISTED_THREADS,
+            Kernel::SampleListed | Kernel::SampleChained | Kernel::SampleUnsettled => LISTED_THREADS,
             Kernel::ProcessRows => PROCESS_THREADS,
             Kernel::FillUniform { .. }
             | Kernel::ReadProbe
@@ -202,7 +217,7 @@ impl Kernel {
             Kernel::FusedHandoff { columns, .. } => tma_handoff_shared_bytes(columns),
             Kernel::SampleLogits => LOGITS_SAMPLER_SHARED_BYTES,
             Kernel::ReduceCandidates => REDUCE_SHARED_BYTES,
-            Kernel::SampleListed | Kernel::SampleUnsettled => LISTED_SHARED_BYTES,
+            Kernel::SampleListed | Kernel::SampleChained | Kernel::SampleUnsettled => LISTED_SHARED_BYTES,
             Kernel::ProcessRows => PROCESS_SHARED_BYTES,
             Kernel::WinnerLogits { .. } => WINNER_LOGITS_SHARED_BYTES,
             Kernel::LogitsMma { .. }
@@ -381,19 +396,32 @@ pub struct KernelEntry {
 macro_rules! for_each_kernel {
     ($callback:ident) => {
         $callback! {
-            fused_bf16_n8 => FusedMma { element: Bf16, columns: 8 };
-            fused_bf16_n16 => FusedMma { element: Bf16, columns: 16 };
-            fused_bf16_n32 => FusedMma { element: Bf16, columns: 32 };
-            fused_f16_n8 => FusedMma { element: F16, columns: 8 };
-            fused_f16_n16 => FusedMma { element: F16, columns: 16 };
-            fused_f16_n32 => FusedMma { element: F16, columns: 32 };
-            fused_staged_bf16_n64 => FusedStaged { element: Bf16, columns: 64 };
-            fused_staged_bf16_n128 => FusedStaged { element: Bf16, columns: 128 };
-            fused_staged_f16_n64 => FusedStaged { element: F16, columns: 64 };
-            fused_staged_f16_n128 => FusedStaged { element: F16, columns: 128 };
-            fused_simt_f32 => FusedSimt { element: F32 };
-            fused_simt_bf16 => FusedSimt { element: Bf16 };
-            fused_simt_f16 => FusedSimt { element: F16 };
+            fused_bf16_n8 => FusedMma { element: Bf16, columns: 8, chains: false };
+            fused_bf16_n16 => FusedMma { element: Bf16, columns: 16, chains: false };
+            fused_bf16_n32 => FusedMma { element: Bf16, columns: 32, chains: false };
+            fused_f16_n8 => FusedMma { element: F16, columns: 8, chains: false };
+            fused_f16_n16 => FusedMma { element: F16, columns: 16, chains: false };
+            fused_f16_n32 => FusedMma { element: F16, columns: 32, chains: false };
+            fused_staged_bf16_n64 => FusedStaged { element: Bf16, columns: 64, chains: false };
+            fused_staged_bf16_n128 => FusedStaged { element: Bf16, columns: 128, chains: false };
+            fused_staged_f16_n64 => FusedStaged { element: F16, columns: 64, chains: false };
+            fused_staged_f16_n128 => FusedStaged { element: F16, columns: 128, chains: false };
+            fused_simt_f32 => FusedSimt { element: F32, chains: false };
+            fused_simt_bf16 => FusedSimt { element: Bf16, chains: false };
+            fused_simt_f16 => FusedSimt { element: F16, chains: false };
+            chains_bf16_n8 => FusedMma { element: Bf16, columns: 8, chains: true };
+            chains_bf16_n16 => FusedMma { element: Bf16, columns: 16, chains: true };
+            chains_bf16_n32 => FusedMma { element: Bf16, columns: 32, chains: true };
+            chains_f16_n8 => FusedMma { element: F16, columns: 8, chains: true };
+            chains_f16_n16 => FusedMma { element: F16, columns: 16, chains: true };
+            chains_f16_n32 => FusedMma { element: F16, columns: 32, chains: true };
+            chains_staged_bf16_n64 => FusedStaged { element: Bf16, columns: 64, chains: true };
+            chains_staged_bf16_n128 => FusedStaged { element: Bf16, columns: 128, chains: true };
+            chains_staged_f16_n64 => FusedStaged { element: F16, columns: 64, chains: true };
+            chains_staged_f16_n128 => FusedStaged { element: F16, columns: 128, chains: true };
+            chains_simt_f32 => FusedSimt { element: F32, chains: true };
+            chains_simt_bf16 => FusedSimt { element: Bf16, chains: true };
+            chains_simt_f16 => FusedSimt { element: F16, chains: true };
             logits_gemm_bf16_n8 => LogitsMma { element: Bf16, columns: 8 };
             logits_gemm_bf16_n16 => LogitsMma { element: Bf16, columns: 16 };
             logits_gemm_bf16_n32 => LogitsMma { element: Bf16, columns: 32 };
@@ -454,6 +482,7 @@ macro_rules! for_each_kernel {
             sample_logits => SampleLogits {};
             reduce_candidates => ReduceCandidates {};
             sample_listed => SampleListed {};
+            sample_chained => SampleChained {};
             sample_unsettled => SampleUnsettled {};
             winner_logits_bf16 => WinnerLogits { element: Bf16 };
             winner_logits_f16 => WinnerLogits { element: F16 };
@@ -517,8 +546,8 @@ mod tests {
         assert!(portable.contains(&Kernel::AdvanceSteps) && !portable.contains(&Kernel::StoreTensorMaps));
         assert_eq!(Module::Hopper.kernels().count(), KERNELS.len());
         assert_eq!(portable.len(), KERNELS.iter().filter(|e| !e.kernel.needs_hopper()).count());
-        assert!(portable.contains(&Kernel::FusedMma { element: ElementType::Bf16, columns: 32 }));
-        assert!(portable.contains(&Kernel::FusedSimt { element: ElementType::F32 }));
+        assert!(portable.contains(&Kernel::FusedMma { element: ElementType::Bf16, columns: 32, chains: false }));
+        assert!(portable.contains(&Kernel::FusedSimt { element: ElementType::F32, chains: false }));
     }
 
     #[test]

@@ -66,7 +66,6 @@ unsafe extern "C" {
     #[cfg(flashsample_module = "hopper")]
     #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
     fn nvvm_shfl_sync_idx_i32(member_mask: u32, value: u32, lane: u32, clamp: u32) -> u32;
-    #[cfg(flashsample_module = "hopper")]
     #[link_name = "llvm.nvvm.vote.ballot.sync"]
     fn nvvm_vote_ballot_sync(member_mask: u32, predicate: bool) -> u32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
@@ -144,7 +143,6 @@ pub unsafe fn broadcast_lane0(value: u32) -> u32 {
 ///
 /// # Safety
 /// All 32 lanes of the warp must execute this call together (full mask).
-#[cfg(flashsample_module = "hopper")]
 #[inline(always)]
 pub unsafe fn ballot(predicate: bool) -> u32 {
     // SAFETY: per this function's contract: all 32 lanes execute it (full mask).

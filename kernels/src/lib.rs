@@ -143,12 +143,36 @@ macro_rules! tile_input {
     };
 }
 
+/// The tile kernels' epilogue: the chains of every (row, draw) in a chain kernel, the race
+/// (and what else the call asks) in a sampling kernel.
+///
+/// # Safety
+/// As [`sample::sample_tile`] and [`sample::write_tile_chains`]: every thread of the block calls
+/// it together with its own logits; `staging` is the block's candidate staging.
+#[inline(always)]
+unsafe fn epilogue<const NT: usize, const CHAINS: bool>(
+    logits: &tile::ThreadLogits<NT>,
+    args: &FusedArgs,
+    tile: u32,
+    row0: u32,
+    col0: u32,
+    staging: *mut Candidate,
+) {
+    if CHAINS {
+        // SAFETY: per this function's contract; the staging holds a chain per warp and column.
+        unsafe { sample::write_tile_chains::<NT>(logits, args, tile, row0, col0, staging.cast()) }
+    } else {
+        // SAFETY: per this function's contract.
+        unsafe { sample::sample_tile::<NT>(logits, args, tile, row0, col0, staging) }
+    }
+}
+
 /// The tile kernel on the `mma.sync` tile of `8·NT` columns.
 ///
 /// # Safety
 /// As the crate-level safety section (a tile-kernel launch of a `fused_{bf16,f16}_n*` kernel).
 #[inline(always)]
-unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
+unsafe fn fused_mma<T: MmaElement, const NT: usize, const CHAINS: bool>(args: FusedArgs) {
     let columns = N_TILE * NT as u32;
     let items = args.tiles * args.batch.div_ceil(columns);
     let staging = shared::<Candidate>();
@@ -161,7 +185,7 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
         let logits = unsafe { tile::mma_tile::<T, NT>(&input, arch::thread_index() % 32) };
         // SAFETY: all threads of the block run it together; `args` and `staging` (the block's
         // shared memory, sized by the registry) are valid.
-        unsafe { sample::sample_tile::<NT>(&logits, &args, tile, row0, col0, staging) };
+        unsafe { epilogue::<NT, CHAINS>(&logits, &args, tile, row0, col0, staging) };
         item += arch::grid_size();
     }
 }
@@ -174,7 +198,7 @@ unsafe fn fused_mma<T: MmaElement, const NT: usize>(args: FusedArgs) {
 /// # Safety
 /// As the crate-level safety section (a tile-kernel launch of a `fused_staged_*` kernel).
 #[inline(always)]
-unsafe fn fused_staged<T: MmaElement, const NT: usize>(args: FusedArgs) {
+unsafe fn fused_staged<T: MmaElement, const NT: usize, const CHAINS: bool>(args: FusedArgs) {
     let columns = N_TILE * NT as u32;
     let items = args.tiles * args.batch.div_ceil(columns);
     let staging = shared::<Candidate>();
@@ -189,7 +213,7 @@ unsafe fn fused_staged<T: MmaElement, const NT: usize>(args: FusedArgs) {
         let logits = unsafe { staged::staged_tile::<T, NT>(&input, ring) };
         // SAFETY: all threads of the block run it together; `args` and `staging` are valid, and
         // the tile's last barrier ended its reads of the shared memory the staging reuses.
-        unsafe { sample::sample_tile::<NT>(&logits, &args, tile, row0, col0, staging) };
+        unsafe { epilogue::<NT, CHAINS>(&logits, &args, tile, row0, col0, staging) };
         // SAFETY: every thread of the block reaches it (uniform item loop).
         unsafe { arch::sync_threads() };
         item += arch::grid_size();
@@ -201,7 +225,7 @@ unsafe fn fused_staged<T: MmaElement, const NT: usize>(args: FusedArgs) {
 /// # Safety
 /// As the crate-level safety section (a tile-kernel launch of a `fused_simt_*` kernel).
 #[inline(always)]
-unsafe fn fused_simt<T: Element>(args: FusedArgs) {
+unsafe fn fused_simt<T: Element, const CHAINS: bool>(args: FusedArgs) {
     let items = args.tiles * args.batch.div_ceil(N_TILE);
     let staging = shared::<Candidate>();
     let thread = arch::thread_index();
@@ -220,7 +244,7 @@ unsafe fn fused_simt<T: Element>(args: FusedArgs) {
         // SAFETY: as for the mma tile; `scratch` is this warp's area.
         let logits = unsafe { tile::simt_tile::<T>(&input, thread % 32, scratch) };
         // SAFETY: all threads of the block run it together; `args` and `staging` are valid.
-        unsafe { sample::sample_tile::<1>(&logits, &args, tile, row0, col0, staging) };
+        unsafe { epilogue::<1, CHAINS>(&logits, &args, tile, row0, col0, staging) };
         item += arch::grid_size();
     }
 }
@@ -319,7 +343,7 @@ unsafe fn store_logits<const NT: usize>(logits: &tile::ThreadLogits<NT>, args: &
 /// Defines one entry point of the registry's list (see `flashsample_core::registry`): its
 /// `Kernel` kind picks the body and the argument block.
 macro_rules! entry_point {
-    ($name:ident, FusedMma { element: $element:ident, columns: $columns:tt }) => {
+    ($name:ident, FusedMma { element: $element:ident, columns: $columns:tt, chains: $chains:tt }) => {
         /// The tile kernel of fused sampling on the `mma.sync` tile (see the crate docs).
         ///
         /// # Safety
@@ -328,10 +352,10 @@ macro_rules! entry_point {
         pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
-            unsafe { fused_mma::<element::$element, { $columns / 8 }>(args) }
+            unsafe { fused_mma::<element::$element, { $columns / 8 }, $chains>(args) }
         }
     };
-    ($name:ident, FusedStaged { element: $element:ident, columns: $columns:tt }) => {
+    ($name:ident, FusedStaged { element: $element:ident, columns: $columns:tt, chains: $chains:tt }) => {
         /// The tile kernel of fused sampling on the staged `mma.sync` tile (see the crate docs).
         ///
         /// # Safety
@@ -340,7 +364,7 @@ macro_rules! entry_point {
         pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
-            unsafe { fused_staged::<element::$element, { $columns / 8 }>(args) }
+            unsafe { fused_staged::<element::$element, { $columns / 8 }, $chains>(args) }
         }
     };
     ($name:ident, LogitsStaged { element: $element:ident, columns: $columns:tt }) => {
@@ -359,7 +383,7 @@ macro_rules! entry_point {
             unsafe { logits_staged::<element::$element, { $columns / 8 }>(args) }
         }
     };
-    ($name:ident, FusedSimt { element: $element:ident }) => {
+    ($name:ident, FusedSimt { element: $element:ident, chains: $chains:tt }) => {
         /// The tile kernel of fused sampling on the CUDA-core tile (any dtype, any D).
         ///
         /// # Safety
@@ -368,7 +392,7 @@ macro_rules! entry_point {
         pub unsafe extern "ptx-kernel" fn $name(args: FusedArgs) {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
-            unsafe { fused_simt::<element::$element>(args) }
+            unsafe { fused_simt::<element::$element, $chains>(args) }
         }
     };
     ($name:ident, LogitsMma { element: $element:ident, columns: $columns:tt }) => {
@@ -478,6 +502,19 @@ macro_rules! entry_point {
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe { sample::reduce_candidates(&args, shared::<Candidate>()) }
+        }
+    };
+    ($name:ident, SampleChained {}) => {
+        /// The chained sampler: each min-p row's cut from its largest logit, its draws'
+        /// winners from its tiles' chains.
+        ///
+        /// # Safety
+        /// As the crate-level safety section.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: SampleListedArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
+            // an argument block of valid device buffers.
+            unsafe { listed::sample_chained(&args, shared::<listed::ListedShared>()) }
         }
     };
     ($name:ident, SampleListed {}) => {

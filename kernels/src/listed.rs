@@ -665,13 +665,89 @@ pub unsafe fn sample_listed(args: &SampleListedArgs, shared: *mut ListedShared) 
         // SAFETY: every thread of the block is here (the row loop is per block); `b < batch`.
         let settled = unsafe { sample_row(args, &block, &lists, b) };
         if thread == 0 {
-            // SAFETY: `b < batch`: the row's flag; the count is only accessed atomically.
-            unsafe {
-                *args.row_unsettled.as_mut_ptr().add(b as usize) = !settled as u32;
-                if !settled {
-                    AtomicU32::from_ptr(args.unsettled.as_mut_ptr()).fetch_add(1, Ordering::Relaxed);
+            // SAFETY: `b < batch`.
+            unsafe { flag_row(args, b, settled) };
+        }
+        b += arch::grid_size();
+    }
+}
+
+/// Writes row `b`'s flag, and counts it when it did not settle.
+///
+/// # Safety
+/// `b < args.batch`; one thread per row.
+#[inline(always)]
+unsafe fn flag_row(args: &SampleListedArgs, b: u32, settled: bool) {
+    // SAFETY: `b < batch`: the row's flag; the count is only accessed atomically.
+    unsafe {
+        *args.row_unsettled.as_mut_ptr().add(b as usize) = !settled as u32;
+        if !settled {
+            AtomicU32::from_ptr(args.unsettled.as_mut_ptr()).fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The chained sampler (see `SampleListedArgs`): one block per min-p row, in grid-stride
+/// order. The row's largest logit is the largest of its tiles' first links (each tile's
+/// largest entry, in every draw's chain), its cut min-p's from it, and each draw's winner the
+/// best of its tiles' winners at that cut
+/// ([`flashsample_core::chain::Chain::winner`]); a row where a tile cannot tell
+/// is flagged for the fallback.
+///
+/// # Safety
+/// Launched with `LISTED_THREADS` threads and `LISTED_SHARED_BYTES` of shared memory at
+/// `shared`; `args` describes valid buffers: every row's `samples · tiles` chains written.
+#[inline(always)]
+pub unsafe fn sample_chained(args: &SampleListedArgs, shared: *mut ListedShared) {
+    let thread = arch::thread_index();
+    let block = Block { shared, thread };
+    let (tiles, samples) = (args.tiles, args.samples);
+    let mut b = arch::block_index();
+    while b < args.batch {
+        // SAFETY: `b < batch`: a row of the row parameters and the processing.
+        let (row, processing) =
+            unsafe { (*args.row_params.as_ptr().add(b as usize), *args.processing.as_ptr().add(b as usize)) };
+        let chains = args.tile_chains.as_ptr().wrapping_add(candidate_pair(b, samples, 0) as usize * tiles as usize);
+        let mut most = f32::NEG_INFINITY;
+        let mut tile = thread;
+        while tile < tiles {
+            // SAFETY: `tile < tiles`: draw 0's chain of this tile.
+            most = maximum(most, unsafe { (*chains.add(tile as usize)).links[0].logit });
+            tile += LISTED_THREADS;
+        }
+        // SAFETY: every thread of the block is here (the row loop is per block).
+        let max = unsafe { block.max(most) };
+        let non_finite = max.is_nan();
+        let cut = min_p_threshold(max, row.temperature, processing.min_p);
+        let mut settled = true;
+        for j in 0..samples {
+            let mut best = Candidate::NONE;
+            let mut tells = true;
+            let mut tile = thread;
+            while tile < tiles && !non_finite {
+                // SAFETY: `j < samples`, `tile < tiles`: a chain of the row's.
+                match unsafe { (*chains.add((j * tiles + tile) as usize)).winner(cut) } {
+                    Some(winner) => best = best.merge(winner),
+                    None => tells = false,
                 }
+                tile += LISTED_THREADS;
             }
+            // SAFETY: every thread of the block is here (uniform loops).
+            let (best, tells) = unsafe { (block.best(best), !block.any(!tells)) };
+            settled &= tells;
+            if thread == 0 {
+                let winner = match (non_finite, tells) {
+                    (true, _) => Candidate::NON_FINITE,
+                    (false, true) => best,
+                    (false, false) => Candidate::NONE,
+                };
+                // SAFETY: `b < batch`, `j < samples`: inside the `[batch · samples]` candidates.
+                unsafe { *args.candidates.as_mut_ptr().add(candidate_pair(b, samples, j) as usize) = winner };
+            }
+        }
+        if thread == 0 {
+            // SAFETY: `b < batch`.
+            unsafe { flag_row(args, b, settled) };
         }
         b += arch::grid_size();
     }

@@ -7,9 +7,10 @@ use flashsample_core::abi::{
     fused_mma_shared_bytes,
 };
 use flashsample_core::candidate::maximum;
-use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS};
+use flashsample_core::chain::{CHAIN_LINKS, Chain, Link, searched};
+use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS, min_p_threshold};
 use flashsample_core::truncation::{TILE_TOP, TileTop, order_entry, order_word};
-use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
+use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate, block_scores};
 
 use crate::element::Element;
 use crate::process::TokenOutputs;
@@ -321,6 +322,196 @@ unsafe fn write_tile_tops<const NT: usize>(
     }
     // SAFETY: every thread of the block reaches it; the staging is reused after it.
     unsafe { arch::sync_threads() };
+}
+
+/// The epilogue of the chain kernels (`chains_*`): for every draw, each batch column's chain of
+/// this block's tile ([`Chain`]) written to `args.tile_chains` (`[batch, samples, tiles]`),
+/// from which a min-p row's winner is found for any cut its row's largest logit sets.
+///
+/// Per column and draw, the eight lanes of a column in each warp find the warp's largest
+/// processed logit and its min-p floor, score their entries at or above it, and search the
+/// warp's chain one link per round (each round the first entry that follows the last link, by
+/// shuffles; the rounds stop when no column of the warp has another) and its end; the warps'
+/// chains meet in `staging`, and one thread per column merges them ([`Chain::union_into`]).
+///
+/// # Safety
+/// Every thread of the block calls it together; `staging` holds `TILE_KERNEL_WARPS · 8·NT`
+/// chains (the candidate staging, checked in `flashsample_core::abi`); `args.tile_chains` holds
+/// `[batch, samples, tiles]` chains and `args.truncation` the rows' processing; the caller's
+/// item is `tile`.
+#[inline(always)]
+pub unsafe fn write_tile_chains<const NT: usize>(
+    logits: &ThreadLogits<NT>,
+    args: &FusedArgs,
+    tile: u32,
+    row0: u32,
+    col0: u32,
+    staging: *mut Chain,
+) {
+    let thread = arch::thread_index();
+    let (lane, warp) = (thread % 32, thread / 32);
+    let (g, t) = (lane / 4, lane % 4);
+    let columns = N_TILE * NT as u32;
+    let index0 = args.vocab_offset + row0;
+    let philox_block = index0 / 4;
+    let rows_valid = args.vocab.saturating_sub(row0).min(4);
+    let vocab_end = args.vocab_offset + args.vocab;
+    for j in 0..args.samples {
+        // A run-time loop over the columns, as the race's, keeps one copy of the rounds' code.
+        let mut column_slot = 0;
+        while column_slot < 2 * NT {
+            let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
+            let b = col0 + column;
+            // This lane's entries (−∞ past the vocabulary and the batch), their largest finite
+            // one, and whether one is NaN or +∞.
+            let mut quad = [f32::NEG_INFINITY; 4];
+            let mut row = None;
+            if b < args.batch {
+                // SAFETY: `b < batch`: a row of the `[batch]` row parameters and processing.
+                let (params, min_p) = unsafe {
+                    (*args.row_params.as_ptr().add(b as usize), (*args.truncation.as_ptr().add(b as usize)).min_p)
+                };
+                row = Some((params, min_p));
+                let mut processed = pick(logits, column_slot);
+                if args.processing.address() != 0 {
+                    // SAFETY: `b < batch`: the launch's processing holds the row.
+                    processed = unsafe { process::fused_quad(args.processing, b, index0, vocab_end, processed) };
+                }
+                for r in 0..4 {
+                    if (r as u32) < rows_valid {
+                        quad[r] = processed[r];
+                    }
+                }
+            }
+            let mut most = f32::NEG_INFINITY;
+            let mut non_finite = false;
+            for &logit in &quad {
+                if logit.is_nan() || logit == f32::INFINITY {
+                    non_finite = true;
+                } else if logit > most {
+                    most = logit;
+                }
+            }
+            let mut mask = 4;
+            while mask <= 16 {
+                // SAFETY: every lane of the warp reaches it: the loops' bounds are the same for all.
+                let (other, flag) =
+                    unsafe { (arch::shuffle_xor(most.to_bits(), mask), arch::shuffle_xor(non_finite as u32, mask)) };
+                most = most.max(f32::from_bits(other));
+                non_finite |= flag != 0;
+                mask <<= 1;
+            }
+            // The warp's floor: no cut its row's largest logit sets is lower.
+            let floor = match row {
+                Some((params, min_p)) => min_p_threshold(most, params.temperature, min_p),
+                None => f32::INFINITY,
+            };
+            let mut entries = [Link::NONE; 4];
+            if let Some((params, _)) = row
+                && quad.iter().any(|&logit| searched(logit, floor))
+            {
+                let (scores, words) = block_scores(&params, args.draw_offset + j, philox_block, quad);
+                for r in 0..4 {
+                    if searched(quad[r], floor) {
+                        entries[r] = Link {
+                            logit: quad[r],
+                            candidate: Candidate::scored(scores[r], words[r], index0 + r as u32),
+                        };
+                    }
+                }
+            }
+            let mut end = Link::NONE;
+            for entry in &entries {
+                if entry.candidate.beats(&end.candidate) {
+                    end = *entry;
+                }
+            }
+            // SAFETY: every lane of the warp reaches it (uniform loops).
+            let end = unsafe { column_link(end, |a, b| if b.candidate.beats(&a.candidate) { b } else { a }) };
+            let at = (warp * columns + column) as usize;
+            let mut last = Link::NONE;
+            let mut open = f32::NEG_INFINITY;
+            let mut done = false;
+            for round in 0..=CHAIN_LINKS {
+                let mut next = Link::NONE;
+                if !done {
+                    for entry in &entries {
+                        if Chain::follows(entry, &last, floor) {
+                            next = next.first(*entry);
+                        }
+                    }
+                    // SAFETY: every lane of the warp reaches it: `done` is the same for all.
+                    next = unsafe { column_link(next, Link::first) };
+                    // SAFETY: as above.
+                    done = unsafe { arch::ballot(next.is_entry()) } == 0;
+                }
+                if round < CHAIN_LINKS {
+                    if g == 0 {
+                        // SAFETY: warp < TILE_KERNEL_WARPS, column < columns: inside the staging.
+                        unsafe { (*staging.add(at)).links[round] = next };
+                    }
+                    if next.is_entry() {
+                        last = next;
+                    }
+                } else if next.is_entry() {
+                    open = next.logit;
+                }
+            }
+            if g == 0 {
+                // SAFETY: as above.
+                unsafe {
+                    let chain = &mut *staging.add(at);
+                    (chain.end, chain.open, chain.floor) = (end, open, floor);
+                    if non_finite {
+                        chain.links[0].logit = f32::NAN;
+                    }
+                }
+            }
+            column_slot += 1;
+        }
+        // SAFETY: every thread of the block reaches it (uniform loops).
+        unsafe { arch::sync_threads() };
+        let b = col0 + thread;
+        if thread < columns && b < args.batch {
+            let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile) as usize;
+            // SAFETY: the warps' chains lie inside the staging, written by every warp before the
+            // barrier above; `b < batch`, `j < samples`, `tile < tiles`: the output lies inside
+            // the `[batch, samples, tiles]` chains.
+            unsafe {
+                let warp_chain = |w: usize| &*staging.add(w * columns as usize + thread as usize);
+                Chain::union_into(TILE_KERNEL_WARPS as usize, warp_chain, &mut *args.tile_chains.as_mut_ptr().add(at));
+            }
+        }
+        // SAFETY: every thread of the block reaches it; the staging is reused after it.
+        unsafe { arch::sync_threads() };
+    }
+}
+
+/// Reduces a link over the eight lanes of its batch column (lane bits 2 to 4) with `keep`,
+/// which picks one of two links (commutative and associative, so every lane ends with the
+/// same).
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn column_link(mut link: Link, keep: impl Fn(Link, Link) -> Link) -> Link {
+    let mut mask = 4;
+    while mask <= 16 {
+        // SAFETY: per this function's contract all 32 lanes are here together.
+        let other = unsafe {
+            Link {
+                logit: f32::from_bits(arch::shuffle_xor(link.logit.to_bits(), mask)),
+                candidate: Candidate {
+                    score: f32::from_bits(arch::shuffle_xor(link.candidate.score.to_bits(), mask)),
+                    word: arch::shuffle_xor(link.candidate.word, mask),
+                    index: arch::shuffle_xor(link.candidate.index, mask),
+                },
+            }
+        };
+        link = keep(link, other);
+        mask <<= 1;
+    }
+    link
 }
 
 /// A thread's share of one batch column's log-sum-exp terms: four consecutive vocabulary rows,

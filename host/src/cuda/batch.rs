@@ -78,6 +78,9 @@ pub(crate) struct ProcessingRef {
     /// lists ([`flashsample_core::truncation`]): top-k bounds what a row keeps, while min-p and
     /// top-p alone can keep most of a flat row, whose lists never settle.
     pub listable: bool,
+    /// Whether no row has top-k or top-p, so that min-p's truncations can be decided and
+    /// drawn from the tiles' chains ([`flashsample_core::chain`]).
+    pub chainable: bool,
 }
 
 impl ProcessingRef {
@@ -92,6 +95,7 @@ impl ProcessingRef {
             per_entry: false,
             selections: 0,
             listable: false,
+            chainable: false,
         }
     }
 
@@ -115,6 +119,7 @@ impl ProcessingRef {
                 .any(|(p, listed)| p.softcap.is_some() || p.mask.is_some() || !listed.is_empty()),
             selections: processing.iter().fold(0, |bits, p| bits | selections(p)),
             listable: processing.iter().all(|p| p.top_k.is_some()),
+            chainable: processing.iter().all(|p| p.top_k.is_none() && p.top_p >= 1.0),
         }
     }
 

@@ -189,11 +189,23 @@ impl Variant {
     pub(crate) fn fused_kernel(self, dtype: DType) -> Kernel {
         let element = element_type(dtype);
         match self {
-            Variant::Mma { columns } => Kernel::FusedMma { element, columns },
-            Variant::Staged { columns } => Kernel::FusedStaged { element, columns },
+            Variant::Mma { columns } => Kernel::FusedMma { element, columns, chains: false },
+            Variant::Staged { columns } => Kernel::FusedStaged { element, columns, chains: false },
             Variant::Tma { rows, columns } => Kernel::FusedTma { element, rows, columns },
             Variant::TmaHandoff { columns } => Kernel::FusedHandoff { element, columns },
-            Variant::Simt | Variant::Auto => Kernel::FusedSimt { element },
+            Variant::Simt | Variant::Auto => Kernel::FusedSimt { element, chains: false },
+        }
+    }
+
+    /// The chain kernel of a resolved `mma.sync` or SIMT variant (`None` for the TMA tiles,
+    /// which write no chains).
+    pub(crate) fn chains_kernel(self, dtype: DType) -> Option<Kernel> {
+        let element = element_type(dtype);
+        match self {
+            Variant::Mma { columns } => Some(Kernel::FusedMma { element, columns, chains: true }),
+            Variant::Staged { columns } => Some(Kernel::FusedStaged { element, columns, chains: true }),
+            Variant::Simt | Variant::Auto => Some(Kernel::FusedSimt { element, chains: true }),
+            Variant::Tma { .. } | Variant::TmaHandoff { .. } => None,
         }
     }
 
@@ -237,10 +249,14 @@ mod tests {
                     assert!(listed(variant.fused_kernel(dtype)) && module.holds(variant.fused_kernel(dtype)));
                     let logits = variant.logits_kernel(dtype);
                     assert!(listed(logits) && module.holds(logits), "{variant:?}");
+                    if let Some(chains) = variant.chains_kernel(dtype) {
+                        assert!(listed(chains) && module.holds(chains), "{variant:?}");
+                    }
                 }
             }
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 assert!(module.holds(Variant::Simt.fused_kernel(dtype)));
+                assert!(Variant::Simt.chains_kernel(dtype).is_some_and(|k| module.holds(k)));
                 assert!(module.holds(Variant::Simt.logits_kernel(dtype)));
             }
             // The dispatcher's tiles apply the per-entry steps and sum log-sum-exp terms, so

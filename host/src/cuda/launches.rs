@@ -109,6 +109,9 @@ fn processing_kind(kind: &str, vocab: usize, row: usize) -> Processing {
         ("listed", 0) => Processing { min_p: 0.05, top_k: Some(100), ..base() },
         ("listed", 1) => Processing { top_k: Some(50), top_p: 0.9, bias: vec![(3, 1.0)], ..base() },
         ("listed", _) => Processing { top_k: Some(20), ..base() },
+        ("chained", 0) => Processing { min_p: 0.05, ..base() },
+        ("chained", 1) => Processing { min_p: 0.1, bias: vec![(3, 1.0)], ..base() },
+        ("chained", _) => base(),
         ("top", r) => Processing { top_logprobs: [20, 0, 5, 1][r], ..base() },
         ("mixed", 0) => Processing { softcap: Some(30.0), top_k: Some(50), top_p: 0.9, ..base() },
         ("mixed", 1) => Processing { min_p: 0.1, top_logprobs: 3, ..base() },
@@ -222,7 +225,7 @@ fn record_all() -> String {
             Shape { dtype: DType::F32, vocab: 5003, dim: 199, batch: 9, draws: Draws::first(2) },
         ];
         for shape in shapes {
-            for kind in ["plain", "per-entry", "truncating", "listed", "top", "mixed"] {
+            for kind in ["plain", "per-entry", "truncating", "listed", "chained", "top", "mixed"] {
                 for logprobs in [false, true] {
                     let processing = processing_ref(kind, shape.vocab, shape.batch);
                     let top = processing.selections & Selection::TopRaw.bit() != 0;

@@ -6,11 +6,11 @@
 //! - fused: rows with per-entry steps only (soft-cap, bias, mask, penalties) go through the
 //!   tile kernels of plain sampling, which apply the steps to each logits quad; with
 //!   log-probabilities the tiles also write each (row, tile)'s log-sum-exp terms;
-//! - listed, for one shard's rows that all have top-k, without log-probabilities,
-//!   on the `mma.sync` and SIMT tiles: the tiles write each (row, tile)'s first entries and
-//!   the listed sampler decides and draws from them ([`ListedPlan`]), with a gated fallback
-//!   behind it (the tile's GEMM and a sampler of whole rows) for the rows whose lists do not
-//!   settle;
+//! - listed, for one shard's rows that all have top-k, or whose truncation is min-p alone,
+//!   without log-probabilities, on the `mma.sync` and SIMT tiles: the tiles write each (row,
+//!   tile)'s first entries, or each (row, draw, tile)'s chain, and the listed or chained
+//!   sampler decides and draws from them ([`ListedPlan`]), with a gated fallback behind it
+//!   (the tile's GEMM and a sampler of whole rows) for the rows those do not settle;
 //! - materialised, for rows that need their whole row (min-p, top-k, top-p, top entries): the
 //!   unfused GEMM writes the logits into the workspace (`[B, V]` f32, twice with
 //!   log-probabilities: raw and processed), the processing pipeline processes them, and the
@@ -26,6 +26,7 @@ use flashsample_core::Candidate;
 use flashsample_core::abi::{
     LOGITS_SAMPLER_TILE, ProcessRowState, RowSums, Selection, ShardExchangeLayout, ShardPartLayout, TENSOR_MAP_BYTES,
 };
+use flashsample_core::chain::Chain;
 use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
 
@@ -228,27 +229,51 @@ pub(crate) struct MaterialisedPlan {
     pub workspace_bytes: usize,
 }
 
-/// A listed call's plan (one shard, no log-probabilities, every row with top-k): the
-/// tile kernel of `variant` writes each (row, tile)'s list of first processed entries, the
-/// listed sampler decides each row's truncations from its lists and draws its candidates,
-/// and the merge kernel turns them into tokens. Between the two, for the rows whose lists did
-/// not settle (rare on real logits), the GEMM of the same tile writes the call's logits (the
-/// lists' own bits) and the fallback sampler decides and draws those rows from their whole
-/// rows; both are gated on the count of such rows, so they do nothing when it is 0.
+/// What a listed call's tiles write for each row, and so which sampler decides it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Summaries {
+    /// `[B, tiles]` lists of each (row, tile)'s first processed entries
+    /// ([`flashsample_core::truncation::TileTop`]), for rows that all have top-k; the listed
+    /// sampler decides them.
+    Lists,
+    /// `[B, N, tiles]` chains of each (row, draw, tile) ([`Chain`]), for rows whose truncation
+    /// is min-p alone; the chained sampler decides them.
+    Chains,
+}
+
+impl Summaries {
+    /// Bytes of a call's summaries.
+    fn bytes(self, batch: usize, samples: u32, tiles: usize) -> usize {
+        match self {
+            Summaries::Lists => batch * tiles * size_of::<TileTop>(),
+            Summaries::Chains => batch * samples as usize * tiles * size_of::<Chain>(),
+        }
+    }
+}
+
+/// A listed call's plan (one shard, no log-probabilities, every row with top-k or every row's
+/// truncation min-p alone): the tile kernel of `variant` writes each row's summaries (lists
+/// of first processed entries, or each draw's chains), the listed or chained sampler decides
+/// each row's truncations from them and draws its candidates, and the merge kernel turns
+/// them into tokens. Between the two, for the rows whose summaries did not settle (rare on
+/// real logits), the GEMM of the same tile writes the call's logits (the summaries' own bits)
+/// and the fallback sampler decides and draws those rows from their whole rows; both are
+/// gated on the count of such rows, so they do nothing when it is 0.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ListedPlan {
-    /// The tiles' call: the per-entry steps applied, the lists written, no draws.
+    /// The tiles' call: the per-entry steps applied, the summaries written, no candidates.
     pub tiles_call: FusedCall,
-    /// An `mma.sync` or SIMT tile (the TMA tiles write no lists).
+    /// An `mma.sync` or SIMT tile (the TMA tiles write no summaries).
     pub variant: Variant,
+    pub summaries: Summaries,
     pub tiles: usize,
     pub samples: u32,
     /// Row stride of the fallback's logits (V rounded up to a quad).
     pub stride: usize,
     /// `[B, stride]` f32 logits of the fallback's GEMM.
     pub logits_at: usize,
-    /// `[B, tiles]` lists.
-    pub tops_at: usize,
+    /// The summaries ([`Summaries::bytes`]).
+    pub summaries_at: usize,
     /// `[B · N]` candidates, one per (row, draw).
     pub candidates_at: usize,
     /// `[B]` flags of the rows whose lists did not settle.
@@ -666,8 +691,8 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
     }
     let (lm_head, hidden) = (&call.lm_head, &call.hidden);
     let resolved = resolve(kernels, lm_head, hidden, call.variant)?;
-    if let Some(variant) = listed_variant(call, resolved) {
-        return Ok(PathPlan::Listed(listed_plan(call, variant, samples)));
+    if let Some((variant, summaries)) = listed_variant(call, resolved) {
+        return Ok(PathPlan::Listed(listed_plan(call, variant, summaries, samples)));
     }
     let process_slices = match processing.whole_row {
         Some(_) => Some(process_slices(kernels.resident_blocks(Kernel::ProcessRows)?, batch, lm_head.rows)),
@@ -707,43 +732,52 @@ fn lists_past_the_batch_limit(call: &Call) -> bool {
     call.lm_head.cols <= max_dim
 }
 
-/// The tile of a listed call ([`ListedPlan`]), or `None` for the materialised path: one
-/// shard, no log-probabilities, every row with top-k, one candidate per (row, draw) within
-/// [`CANDIDATE_BUDGET_BYTES`], and a tile that writes lists:
-/// the resolved `mma.sync` (register-direct or staged) or SIMT tile, or in place of the
-/// dispatcher's TMA tile the `mma.sync` tile for B ([`mma_sync_tile`]) up to
-/// [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows and past it where [`lists_past_the_batch_limit`].
-/// A TMA tile the caller names keeps the materialised path: the TMA tiles write no lists.
-fn listed_variant(call: &Call, resolved: Variant) -> Option<Variant> {
+/// The tile and summaries of a listed call ([`ListedPlan`]), or `None` for the materialised
+/// path: one shard, no log-probabilities or top entries, one candidate per (row, draw) within
+/// [`CANDIDATE_BUDGET_BYTES`]; lists where every row has top-k, chains where every row's
+/// truncation is min-p alone and the chains take no more memory than the logits they stand
+/// for; and a tile that writes them: the resolved `mma.sync` (register-direct or staged) or
+/// SIMT tile, or in place of the dispatcher's TMA tile the `mma.sync` tile for B
+/// ([`mma_sync_tile`]) up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows, and past it for lists
+/// where [`lists_past_the_batch_limit`]. A TMA tile the caller names keeps the materialised
+/// path: the TMA tiles write no summaries.
+fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)> {
     let processing = &call.processing;
-    let listable = matches!(call.target, CallTarget::Tokens { .. })
+    let (batch, samples) = (call.hidden.rows, call.draws.count);
+    let eligible = matches!(call.target, CallTarget::Tokens { .. })
         && !call.logprobs()
         && processing.truncates()
-        && processing.listable
         && !processing.top_logprobs()
-        && call.hidden.rows * call.draws.count as usize * size_of::<Candidate>() <= CANDIDATE_BUDGET_BYTES;
-    match resolved {
-        _ if !listable => None,
-        Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => Some(resolved),
-        _ if call.variant == Variant::Auto
-            && (call.hidden.rows <= LISTED_IN_PLACE_OF_TMA_MAX_BATCH || lists_past_the_batch_limit(call)) =>
-        {
-            Some(mma_sync_tile(call.hidden.rows))
+        && batch * samples as usize * size_of::<Candidate>() <= CANDIDATE_BUDGET_BYTES;
+    let summaries = match (eligible, processing.listable, processing.chainable) {
+        (true, true, _) => Summaries::Lists,
+        (true, false, true) => Summaries::Chains,
+        _ => return None,
+    };
+    let past_the_batch_limit = summaries == Summaries::Lists && lists_past_the_batch_limit(call);
+    let variant = match resolved {
+        Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => resolved,
+        _ if call.variant == Variant::Auto && (batch <= LISTED_IN_PLACE_OF_TMA_MAX_BATCH || past_the_batch_limit) => {
+            mma_sync_tile(batch)
         }
-        _ => None,
-    }
+        _ => return None,
+    };
+    let vocab = call.lm_head.rows;
+    let tiles = vocab.div_ceil(variant.tile_rows() as usize);
+    let fits = summaries.bytes(batch, samples, tiles) <= batch * vocab.next_multiple_of(4) * 4;
+    (summaries == Summaries::Lists || fits).then_some((variant, summaries))
 }
 
-/// The listed plan of `call` on `variant`: the fallback's logits, then the lists, the
-/// candidates, the row flags and the count.
-fn listed_plan(call: &Call, variant: Variant, samples: u32) -> ListedPlan {
+/// The listed plan of `call` on `variant` with `summaries`: the fallback's logits, then the
+/// summaries, the candidates, the row flags and the count.
+fn listed_plan(call: &Call, variant: Variant, summaries: Summaries, samples: u32) -> ListedPlan {
     let batch = call.hidden.rows;
     let vocab = call.lm_head.rows;
     let tiles = vocab.div_ceil(variant.tile_rows() as usize);
     let stride = vocab.next_multiple_of(4);
     let logits_at = 0;
-    let tops_at = align(logits_at + batch * stride * 4);
-    let candidates_at = align(tops_at + batch * tiles * size_of::<TileTop>());
+    let summaries_at = align(logits_at + batch * stride * 4);
+    let candidates_at = align(summaries_at + summaries.bytes(batch, samples, tiles));
     let flags_at = align(candidates_at + batch * samples as usize * size_of::<Candidate>());
     let unsettled_at = align(flags_at + batch * 4);
     let processing = call.processing.per_entry.then_some(call.processing.address);
@@ -751,11 +785,12 @@ fn listed_plan(call: &Call, variant: Variant, samples: u32) -> ListedPlan {
     ListedPlan {
         tiles_call,
         variant,
+        summaries,
         tiles,
         samples,
         stride,
         logits_at,
-        tops_at,
+        summaries_at,
         candidates_at,
         flags_at,
         unsettled_at,
@@ -951,7 +986,7 @@ mod tests {
     }
 
     /// A call of `batch` rows over V = 151,936 whose processing is `listable` (every row has
-    /// top-k) and truncating, into tokens (with log-probabilities if `logprobs`) or a shard's
+    /// top-k; otherwise every row's truncation is min-p alone) and truncating, into tokens (with log-probabilities if `logprobs`) or a shard's
     /// part, with `variant` asked for.
     fn truncating_call(batch: usize, listable: bool, logprobs: bool, shard: bool, variant: Variant) -> Call {
         let vocab = 151_936;
@@ -964,6 +999,7 @@ mod tests {
             per_entry: false,
             selections: 0,
             listable,
+            chainable: !listable,
         };
         let target = match shard {
             false => CallTarget::Tokens { tokens: 256, logprobs: if logprobs { 512 } else { 0 }, top_logprobs: 0 },
@@ -988,25 +1024,31 @@ mod tests {
     /// budget.
     #[test]
     fn a_call_is_listed_only_where_its_lists_can_decide_it() {
+        let lists = |call: &Call, resolved| {
+            listed_variant(call, resolved).map(|(variant, summaries)| {
+                assert_eq!(summaries, Summaries::Lists);
+                variant
+            })
+        };
         let tma = Variant::Tma { rows: 128, columns: 16 };
         let call = truncating_call;
         let mma = Variant::Mma { columns: 16 };
-        assert_eq!(listed_variant(&call(16, true, false, false, Variant::Auto), mma), Some(mma));
-        assert_eq!(listed_variant(&call(16, true, false, false, Variant::Auto), Variant::Simt), Some(Variant::Simt));
-        assert_eq!(listed_variant(&call(16, true, false, false, Variant::Auto), tma), Some(mma));
-        assert_eq!(listed_variant(&call(1, true, false, false, Variant::Auto), tma), Some(Variant::Mma { columns: 8 }));
+        assert_eq!(lists(&call(16, true, false, false, Variant::Auto), mma), Some(mma));
+        assert_eq!(lists(&call(16, true, false, false, Variant::Auto), Variant::Simt), Some(Variant::Simt));
+        assert_eq!(lists(&call(16, true, false, false, Variant::Auto), tma), Some(mma));
+        assert_eq!(lists(&call(1, true, false, false, Variant::Auto), tma), Some(Variant::Mma { columns: 8 }));
         assert_eq!(
-            listed_variant(&call(32, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
+            lists(&call(32, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
             Some(Variant::Mma { columns: 32 })
         );
         assert_eq!(
-            listed_variant(&call(64, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
+            lists(&call(64, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
             Some(Variant::Staged { columns: 64 })
         );
         // Past B = 64 by D, and by whether a row has top-p.
         let handoff = Variant::TmaHandoff { columns: 128 };
         assert_eq!(
-            listed_variant(&call(256, true, false, false, Variant::Auto), handoff),
+            lists(&call(256, true, false, false, Variant::Auto), handoff),
             Some(Variant::Staged { columns: 64 })
         );
         let wide = |batch, dim, top_p: bool| {
@@ -1018,43 +1060,75 @@ mod tests {
             }
             wide
         };
-        assert_eq!(listed_variant(&wide(64, 8192, false), handoff), Some(Variant::Staged { columns: 64 }));
-        assert_eq!(listed_variant(&wide(65, 8192, false), handoff), None);
-        assert_eq!(listed_variant(&wide(65, 8192, true), handoff), Some(Variant::Staged { columns: 64 }));
-        assert_eq!(listed_variant(&wide(65, 16384, true), handoff), None);
+        assert_eq!(lists(&wide(64, 8192, false), handoff), Some(Variant::Staged { columns: 64 }));
+        assert_eq!(lists(&wide(65, 8192, false), handoff), None);
+        assert_eq!(lists(&wide(65, 8192, true), handoff), Some(Variant::Staged { columns: 64 }));
+        assert_eq!(lists(&wide(65, 16384, true), handoff), None);
         assert_eq!(
-            listed_variant(&call(200, true, false, false, Variant::Auto), Variant::Staged { columns: 64 }),
+            lists(&call(200, true, false, false, Variant::Auto), Variant::Staged { columns: 64 }),
             Some(Variant::Staged { columns: 64 })
         );
         let staged = Variant::Staged { columns: 128 };
-        assert_eq!(listed_variant(&call(16, true, false, false, staged), staged), Some(staged));
-        assert_eq!(listed_variant(&call(16, true, false, false, tma), tma), None);
-        assert_eq!(listed_variant(&call(16, false, false, false, Variant::Auto), mma), None);
-        assert_eq!(listed_variant(&call(16, true, true, false, Variant::Auto), mma), None);
-        assert_eq!(listed_variant(&call(16, true, false, true, Variant::Auto), mma), None);
+        assert_eq!(lists(&call(16, true, false, false, staged), staged), Some(staged));
+        assert_eq!(lists(&call(16, true, false, false, tma), tma), None);
+        assert_eq!(lists(&call(16, true, true, false, Variant::Auto), mma), None);
+        assert_eq!(lists(&call(16, true, false, true, Variant::Auto), mma), None);
         let mut top = call(16, true, false, false, Variant::Auto);
         top.processing.selections = flashsample_core::abi::Selection::TopRaw.bit();
-        assert_eq!(listed_variant(&top, mma), None);
+        assert_eq!(lists(&top, mma), None);
         let pairs = (CANDIDATE_BUDGET_BYTES / size_of::<Candidate>()) as u32;
         let fits = Call { draws: Draws::first(pairs / 16), ..call(16, true, false, false, Variant::Auto) };
-        assert_eq!(listed_variant(&fits, mma), Some(mma));
+        assert_eq!(lists(&fits, mma), Some(mma));
         let beyond = Call { draws: Draws::first(pairs / 16 + 1), ..call(16, true, false, false, Variant::Auto) };
-        assert_eq!(listed_variant(&beyond, mma), None);
+        assert_eq!(lists(&beyond, mma), None);
     }
 
-    /// A listed plan's logits, lists, candidates, flags and count follow one another without
+    /// Rows whose truncation is min-p alone take the chained path on the tiles the lists take,
+    /// up to B = 64 in place of a TMA tile, while their chains take no more memory than the
+    /// logits; rows with top-p alone (neither listable nor chainable) stay materialised.
+    #[test]
+    fn a_call_is_chained_only_where_its_chains_fit() {
+        let chained = |call: &Call, resolved| listed_variant(call, resolved);
+        let min_p = |batch, draws| Call {
+            draws: Draws::first(draws),
+            ..truncating_call(batch, false, false, false, Variant::Auto)
+        };
+        let mma = Variant::Mma { columns: 16 };
+        assert_eq!(chained(&min_p(16, 2), mma), Some((mma, Summaries::Chains)));
+        assert_eq!(chained(&min_p(16, 2), Variant::Simt), Some((Variant::Simt, Summaries::Chains)));
+        let handoff = Variant::TmaHandoff { columns: 64 };
+        assert_eq!(chained(&min_p(64, 1), handoff), Some((Variant::Staged { columns: 64 }, Summaries::Chains)));
+        assert_eq!(chained(&min_p(65, 1), handoff), None);
+        // 96-byte chains per draw of a 128-entry tile against its 512 bytes of logits.
+        assert_eq!(chained(&min_p(16, 5), mma), Some((mma, Summaries::Chains)));
+        assert_eq!(chained(&min_p(16, 6), mma), None);
+        let mut top_p = min_p(16, 1);
+        top_p.processing.chainable = false;
+        assert_eq!(chained(&top_p, mma), None);
+        let mut logprobs = min_p(16, 1);
+        logprobs.target = CallTarget::Tokens { tokens: 256, logprobs: 512, top_logprobs: 0 };
+        assert_eq!(chained(&logprobs, mma), None);
+    }
+
+    /// A listed plan's logits, summaries, candidates, flags and count follow one another without
     /// overlap, 64-byte aligned.
     #[test]
     fn listed_regions_follow_one_another() {
-        for (batch, samples, variant) in [(1usize, 1u32, Variant::Mma { columns: 8 }), (37, 3, Variant::Simt)] {
-            let call = Call { draws: Draws::first(samples), ..truncating_call(batch, true, false, false, variant) };
-            let plan = listed_plan(&call, variant, samples);
+        let cases = [
+            (1usize, 1u32, Variant::Mma { columns: 8 }, Summaries::Lists),
+            (37, 3, Variant::Simt, Summaries::Lists),
+            (5, 4, Variant::Staged { columns: 64 }, Summaries::Chains),
+        ];
+        for (batch, samples, variant, summaries) in cases {
+            let listable = summaries == Summaries::Lists;
+            let call = Call { draws: Draws::first(samples), ..truncating_call(batch, listable, false, false, variant) };
+            let plan = listed_plan(&call, variant, summaries, samples);
             let tiles = 151_936usize.div_ceil(128);
             assert_eq!((plan.tiles, plan.stride), (tiles, 151_936));
-            let regions = [plan.logits_at, plan.tops_at, plan.candidates_at, plan.flags_at, plan.unsettled_at];
+            let regions = [plan.logits_at, plan.summaries_at, plan.candidates_at, plan.flags_at, plan.unsettled_at];
             assert!(regions.iter().all(|at| at % 64 == 0));
-            assert!(plan.logits_at + batch * plan.stride * 4 <= plan.tops_at);
-            assert!(plan.tops_at + batch * tiles * size_of::<TileTop>() <= plan.candidates_at);
+            assert!(plan.logits_at + batch * plan.stride * 4 <= plan.summaries_at);
+            assert!(plan.summaries_at + summaries.bytes(batch, samples, tiles) <= plan.candidates_at);
             assert!(plan.candidates_at + batch * samples as usize * size_of::<Candidate>() <= plan.flags_at);
             assert!(plan.flags_at + batch * 4 <= plan.unsettled_at);
             assert!(plan.unsettled_at + 4 <= plan.workspace_bytes);

@@ -91,8 +91,9 @@ pub const PROCESSING_MODES: [(&str, ModeFor); 10] = [
     ("top_k_top_p", |_| Processing { top_k: Some(50), top_p: 0.9, ..Processing::default() }),
 ];
 
-/// The processing modes the listed path takes (top-k on every row).
-pub const LISTED_MODES: [&str; 2] = ["top_k", "top_k_top_p"];
+/// The processing modes the listed path takes: top-k on every row (the tiles' lists) and
+/// min-p alone (the tiles' chains).
+pub const LISTED_MODES: [&str; 3] = ["top_k", "top_k_top_p", "min_p"];
 
 /// The suffix of a listed mode's label when timed on materialised logits.
 const MATERIALISED: &str = "@materialised";
@@ -465,7 +466,7 @@ fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
     let show = |x: Option<f64>| x.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
     let torch = ["torch_sample", "torch_top_k", "torch_top_p", "torch_min_p"];
     let mut out = String::from(
-        "\nProcessed sampling, µs (per-entry modes and log-probabilities fused; top-k from the tiles' lists where the plan lists it, other truncations on materialised logits):\n\n| D | V | B | fused sample |",
+        "\nProcessed sampling, µs (per-entry modes and log-probabilities fused; top-k from the tiles' lists and min-p from their chains where the plan takes them, top-p alone on materialised logits):\n\n| D | V | B | fused sample |",
     );
     for (label, _) in PROCESSING_MODES {
         write!(out, " {label} |").unwrap();

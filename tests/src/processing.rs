@@ -149,24 +149,37 @@ pub fn check_processed_distribution(
         .sample_processed(lm_head, hidden, &params, std::slice::from_ref(processing), draws)
         .expect("processed sampling succeeds");
     let raw = logits_row(lm_head, hidden, 0);
-    let probabilities = reference_distribution(&raw, temperature, processing);
-    let mut counts = vec![0u64; lm_head.rows()];
-    for &token in &got.tokens {
+    check_processed_tokens(&backend.name(), &got.tokens, &raw, temperature, processing, alpha)
+}
+
+/// `tokens` drawn from the row of raw logits `raw` under `processing` against
+/// [`reference_distribution`] at level `alpha` (a token the reference gives probability 0
+/// fails at once), as `name` drew them. Returns p.
+pub fn check_processed_tokens(
+    name: &str,
+    tokens: &[u32],
+    raw: &[f32],
+    temperature: f32,
+    processing: &Processing,
+    alpha: f64,
+) -> f64 {
+    let probabilities = reference_distribution(raw, temperature, processing);
+    let mut counts = vec![0u64; raw.len()];
+    for &token in tokens {
         assert!(
             probabilities[token as usize] > 0.0,
-            "{}: drew token {token}, which the target excludes ({processing:?})",
-            backend.name()
+            "{name}: drew token {token}, which the target excludes ({processing:?})"
         );
         counts[token as usize] += 1;
     }
     let kept = probabilities.iter().filter(|&&q| q > 0.0).count();
     let (statistic, dof, p) = chi_square(&counts, &probabilities);
     println!(
-        "{}: V={} T={temperature} kept={kept} draws={draws}: chi2={statistic:.1} dof={dof} p={p:.4}",
-        backend.name(),
-        lm_head.rows()
+        "{name}: V={} T={temperature} kept={kept} draws={}: chi2={statistic:.1} dof={dof} p={p:.4}",
+        raw.len(),
+        tokens.len()
     );
-    assert!(p > alpha, "{}: chi2 = {statistic:.1}, dof = {dof}, p = {p:.2e} ({processing:?})", backend.name());
+    assert!(p > alpha, "{name}: chi2 = {statistic:.1}, dof = {dof}, p = {p:.2e} ({processing:?})");
     p
 }
 

@@ -4,7 +4,7 @@
 //! module and once with `FLASHSAMPLE_MODULE=portable`. χ² tests use α = 1e-3 and fixed seeds.
 
 use flashsample::internals::Variant;
-use flashsample::{Batch, CudaSampler, DType, Draws, Module, Processing, Sampler, SamplingParams};
+use flashsample::{Batch, CudaSampler, DType, Draws, Elements, Matrix, Module, Processing, Sampler, SamplingParams};
 use flashsample_tests::suite::{ALPHA, Scale};
 use flashsample_tests::*;
 
@@ -87,6 +87,41 @@ fn top_k_50_and_top_p_0_9_sample_their_targets_at_v131071_with_1m_draws() {
     {
         processing::check_processed_distribution(&Cuda::new(Variant::Auto), &w, &h, 1.0, &processing, 1 << 20, ALPHA);
     }
+}
+
+/// min-p 0.05 at V = 131,071 through the chained path (the tiles' chains, no logits written)
+/// against its exact truncated distribution (α = 1e-3), 2²⁰ draws: 64 copies of one row, 4
+/// draws each per call, 4,096 calls whose draw indices follow one another (every draw fresh
+/// noise); rows a chain cannot tell go to the fallback, which is exact too, and are counted.
+/// A cut that keeps 1 % of the mass too much or too little moves χ² by about 10,000, against
+/// a standard deviation under 600.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn min_p_0_05_samples_its_target_through_the_chains_at_v131071_with_1m_draws() {
+    let (rows, draws, calls) = (64usize, 4u32, 4096u32);
+    let w = random_matrix(131_071, 64, DType::BF16, 0.5, 51);
+    let one = random_matrix(1, 64, DType::BF16, 1.0, 52);
+    let copies: Vec<f32> = (0..rows * 64).map(|i| one.get(0, i % 64)).collect();
+    let h = Matrix::new("hidden", rows, 64, Elements::F32(copies)).unwrap().to_dtype(DType::BF16);
+    let processing = Processing { min_p: 0.05, ..Processing::default() };
+    let params: Vec<SamplingParams> = (0..rows).map(|r| SamplingParams::new(1.0, 1234, r as u32, 0)).collect();
+    let cuda = Cuda::new(Variant::Auto);
+    let sampler = &cuda.sampler;
+    let head = sampler.upload_lm_head(&w).unwrap();
+    let hidden = sampler.upload_hidden(&h).unwrap();
+    let batch =
+        sampler.upload_batch(&Batch::with_processing(params, vec![processing.clone(); rows]), w.rows()).unwrap();
+    let mut out = sampler.outputs(&batch, draws).unwrap();
+    let (mut tokens, mut unsettled) = (Vec::with_capacity(rows * (draws * calls) as usize), 0);
+    for call in 0..calls {
+        let step = Draws { first: call * draws, count: draws };
+        unsettled +=
+            sampler.sample_listed_into(&head, &hidden, &batch, step, &mut out).unwrap().expect("the chained path");
+        tokens.extend(sampler.read(&out).unwrap().tokens);
+    }
+    println!("{unsettled} of {} rows went to the fallback", rows as u32 * calls);
+    let raw = flashsample::internals::logits_row(&w, &one, 0);
+    processing::check_processed_tokens("chained", &tokens, &raw, 1.0, &processing, ALPHA);
 }
 
 /// Every variant against the exact distribution at 262,144 draws (1M draws each took the test

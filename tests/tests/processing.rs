@@ -304,6 +304,148 @@ fn the_listed_path_gives_the_cpus_tokens_and_falls_back_where_lists_do_not_settl
     sampler.set_variant(Variant::Auto);
 }
 
+/// Rows the chained path takes (min-p alone, with a bias, a mask or a repetition penalty on
+/// some, one plain row and one greedy row) at temperatures scaled by `heat`: the dot products
+/// of `spread_integers` spread over about ±64, so at `heat` 1 min-p keeps few entries and at
+/// `heat` 12 a large part of each row (flat rows, whose tiles' chains reach less far).
+fn chained_rows(vocab: usize, heat: f32) -> (Vec<SamplingParams>, Vec<Processing>) {
+    let mut mask = vec![u32::MAX; vocab.div_ceil(32)];
+    mask[3] = 0x5555_5555;
+    let repetition = flashsample::Penalties { repetition: 1.3, ..flashsample::Penalties::NONE };
+    let base = Processing::default;
+    let processing = vec![
+        Processing { min_p: 0.05, ..base() },
+        Processing { min_p: 0.1, bias: vec![(11, 6.0), (4000, f32::NEG_INFINITY)], ..base() },
+        Processing { min_p: 0.01, ..base() },
+        Processing { min_p: 0.2, mask: Some(mask), ..base() },
+        base(),
+        Processing { min_p: 0.05, penalties: repetition, history: vec![5, 5, 90, 2000], ..base() },
+        Processing { min_p: 0.5, ..base() },
+        Processing { min_p: 0.05, ..base() },
+    ];
+    let params = (0..processing.len())
+        .map(|r| SamplingParams::new([6.0, 9.0, 4.0, 12.0, 5.0, 7.0, 8.0, 0.0][r] * heat, 13, r as u32, 2))
+        .collect();
+    (params, processing)
+}
+
+/// How many rows the chained sampler leaves to its fallback, as the CPU finds it from exact
+/// logits and the rows' noise for `draws`: per draw, each tile's chain as its four warps
+/// write them (32 consecutive entries each, at the min-p floor of their own largest logit,
+/// merged), and a row where one cannot tell at the row's cut.
+fn unsettled_chains_on_cpu(
+    w: &Matrix,
+    h: &Matrix,
+    params: &[SamplingParams],
+    processing: &[Processing],
+    draws: Draws,
+) -> usize {
+    use flashsample_core::chain::{Chain, Link};
+    use flashsample_core::process::min_p_threshold;
+    let (vocab, dim) = (w.rows(), w.cols());
+    (0..h.rows())
+        .filter(|&r| {
+            let row = flashsample_tests::row_params(params, r);
+            let min_p = processing[r].min_p;
+            let raw: Vec<f32> =
+                (0..vocab).map(|v| (0..dim).map(|k| (w.get(v, k) * h.get(r, k)) as f64).sum::<f64>() as f32).collect();
+            let logits: Vec<f32> = reference_logits(&raw, &processing[r]).iter().map(|&l| l as f32).collect();
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let cut = min_p_threshold(max, row.temperature, min_p);
+            (draws.first..draws.first + draws.count).any(|draw| {
+                let entries: Vec<Link> = logits
+                    .chunks(4)
+                    .enumerate()
+                    .flat_map(|(block, quad)| {
+                        let mut four = [f32::NEG_INFINITY; 4];
+                        four[..quad.len()].copy_from_slice(quad);
+                        let (scores, words) = flashsample_core::block_scores(&row, draw, block as u32, four);
+                        (0..quad.len()).map(move |i| Link {
+                            logit: four[i],
+                            candidate: flashsample_core::Candidate::scored(scores[i], words[i], (4 * block + i) as u32),
+                        })
+                    })
+                    .collect();
+                entries.chunks(TILE_ROWS as usize).any(|tile| {
+                    let warps: Vec<Chain> = tile
+                        .chunks(32)
+                        .map(|warp| {
+                            let most = warp.iter().map(|e| e.logit).fold(f32::NEG_INFINITY, f32::max);
+                            Chain::of(warp, min_p_threshold(most, row.temperature, min_p))
+                        })
+                        .collect();
+                    let mut chain = warps[0];
+                    Chain::union_into(warps.len(), |s| &warps[s], &mut chain);
+                    chain.winner(cut).is_none()
+                })
+            })
+        })
+        .count()
+}
+
+/// The chained path's tests take the cases they mean to: at heat 1 every row settles, at heat
+/// 12 some do not.
+#[test]
+fn the_chained_inputs_settle_as_their_tests_need() {
+    let vocab = 5003;
+    let (w, draws) = (spread_integers(vocab, 256, 81), Draws::first(4));
+    for (heat, settles) in [(1.0, true), (12.0, false)] {
+        let (params, processing) = chained_rows(vocab, heat);
+        let h = spread_integers(params.len(), 256, 82);
+        let unsettled = unsettled_chains_on_cpu(&w, &h, &params, &processing, draws);
+        println!("heat {heat}: {unsettled} of {} rows unsettled", params.len());
+        assert_eq!(unsettled == 0, settles, "heat {heat}: {unsettled} rows unsettled");
+    }
+}
+
+/// The chained path (every row's truncation min-p alone, no log-probabilities) gives the CPU's
+/// tokens, in BF16 (the register-direct and the staged `mma.sync` tiles) and F32 (the SIMT
+/// tile), 4 draws per row after 3 earlier ones, outputs and workspace poisoned first: at heat 1
+/// every row's chains tell (the GPU's count of unsettled rows is the CPU's, 0), so the chained
+/// sampler's own tokens are the ones checked; at heat 12 some rows' chains cannot, and the
+/// fallback behind it samples them from their logits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_chained_path_gives_the_cpus_tokens_and_falls_back_where_chains_cannot_tell() {
+    let vocab = 5003;
+    let draws = Draws { first: 3, count: 4 };
+    let cuda = cuda();
+    let sampler = &cuda.sampler;
+    let (w, h) = (spread_integers(vocab, 256, 81), spread_integers(8, 256, 82));
+    for (dtype, variant) in
+        [(DType::BF16, Variant::Auto), (DType::BF16, Variant::Staged { columns: 64 }), (DType::F32, Variant::Auto)]
+    {
+        sampler.set_variant(variant);
+        for heat in [1.0, 12.0] {
+            let (params, processing) = chained_rows(vocab, heat);
+            let (w, h) = (w.to_dtype(dtype), h.to_dtype(dtype));
+            let head = sampler.upload_lm_head(&w).unwrap();
+            let hidden = sampler.upload_hidden(&h).unwrap();
+            let batch =
+                sampler.upload_batch(&Batch::with_processing(params.clone(), processing.clone()), vocab).unwrap();
+            let mut out = sampler.outputs(&batch, draws.count).unwrap();
+            sampler.sample_into(&head, &hidden, &batch, draws, &mut out).unwrap();
+            sampler.poison_workspace().unwrap();
+            sampler.fill_outputs(&mut out, 0xffff_fffe).unwrap();
+            let unsettled = sampler.sample_listed_into(&head, &hidden, &batch, draws, &mut out).unwrap();
+            let expected = unsettled_chains_on_cpu(&w, &h, &params, &processing, draws) as u32;
+            assert_eq!(unsettled, Some(expected), "heat {heat} {dtype:?} {variant:?}: rows left to the fallback");
+            let gpu = sampler.read(&out).unwrap();
+            let cpu = Cpu
+                .sample_shards(
+                    std::slice::from_ref(&w),
+                    &h,
+                    &Batch::with_processing(params.clone(), processing.clone()),
+                    draws,
+                )
+                .unwrap();
+            assert_eq!(gpu.tokens, cpu.tokens, "heat {heat} {dtype:?} {variant:?}");
+            println!("heat {heat} {dtype:?} {variant:?}: {expected} of {} rows unsettled; tokens equal", params.len());
+        }
+    }
+    sampler.set_variant(Variant::Auto);
+}
+
 /// Without log-probabilities the logits are processed in place and no log-sum-exp is summed:
 /// the same tokens, every mode in one batch, and no log-probabilities returned.
 #[test]

@@ -271,5 +271,18 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
             assert!(on_device.sample(&sampler, 3, false).unwrap().tokens.iter().all(|&t| t < 1009));
         }
     }
+    // The chained path (min-p alone on every row, no log-probabilities) on its tiles, at
+    // temperatures from peaked rows to flat ones whose chains leave rows to the fallback.
+    let chained: Vec<flashsample::Processing> = (0..modes.len())
+        .map(|r| flashsample::Processing { min_p: [0.05, 0.2, 0.01][r % 3], ..without_top[r % 4].clone() })
+        .collect();
+    for temperature in [1.0, 1.7, 3.0] {
+        let params = params_for(modes.len(), temperature, 60);
+        for variant in [Variant::Auto, Variant::Staged { columns: 64 }, Variant::Simt] {
+            sampler.set_variant(variant);
+            let on_device = OnDevice::new(&sampler, &w, &batch, &params, &chained);
+            assert!(on_device.sample(&sampler, 3, false).unwrap().tokens.iter().all(|&t| t < 1009));
+        }
+    }
     sampler.set_variant(Variant::Auto);
 }

@@ -153,6 +153,17 @@ pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
     SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * columns * CANDIDATE_BYTES
 }
 
+/// A tile kernel's epilogue staging with `columns` batch columns: a sampling kernel's
+/// candidates ([`fused_mma_shared_bytes`]), or a chain kernel's one
+/// [`Chain`](crate::chain::Chain) per warp and column.
+pub const fn epilogue_staging_bytes(columns: u32, chains: bool) -> u32 {
+    if chains {
+        TILE_KERNEL_WARPS * columns * core::mem::size_of::<crate::chain::Chain>() as u32
+    } else {
+        fused_mma_shared_bytes(columns)
+    }
+}
+
 /// Batch-tile widths of the staged `mma.sync` tile.
 pub const STAGED_COLUMNS: [u32; 2] = [64, 128];
 /// Elements of `dim` per stage of the staged `mma.sync` tile: 128 bytes of each row.
@@ -171,23 +182,22 @@ pub const fn logits_staged_shared_bytes(columns: u32) -> u32 {
     STAGED_STAGES * staged_stage_bytes(columns)
 }
 
-/// Dynamic shared memory of the staged tile's fused kernel: the ring, which the sampling
-/// epilogue's candidate staging reuses once an item's products are done.
-pub const fn fused_staged_shared_bytes(columns: u32) -> u32 {
+/// Dynamic shared memory of the staged tile's fused or chain kernel: the ring, which the
+/// epilogue's staging reuses once an item's products are done.
+pub const fn fused_staged_shared_bytes(columns: u32, chains: bool) -> u32 {
     let ring = logits_staged_shared_bytes(columns);
-    let staging = fused_mma_shared_bytes(columns);
+    let staging = epilogue_staging_bytes(columns, chains);
     if ring > staging { ring } else { staging }
 }
 
 // A tile's lists of its warps (one `TileTop` per warp and column) fit the block's candidate
 // staging, which they reuse.
 const _: () = assert!(SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::truncation::TileTop>() as u32);
-// The chain kernels stage a chain per warp and column there too.
-const _: () = assert!(SAMPLES_PER_MERGE * CANDIDATE_BYTES >= core::mem::size_of::<crate::chain::Chain>() as u32);
 
-/// Dynamic shared memory of the SIMT fused kernel: staging for 8 columns, then the scratch.
-pub const fn fused_simt_shared_bytes() -> u32 {
-    fused_mma_shared_bytes(N_TILE) + TILE_KERNEL_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
+/// Dynamic shared memory of the SIMT fused or chain kernel: the epilogue's staging for 8
+/// columns, then the scratch.
+pub const fn fused_simt_shared_bytes(chains: bool) -> u32 {
+    epilogue_staging_bytes(N_TILE, chains) + TILE_KERNEL_WARPS * SIMT_WARP_SCRATCH_FLOATS * 4
 }
 
 /// Dynamic shared memory of the unfused pipeline's SIMT GEMM: the SIMT tile's scratch, one

@@ -12,7 +12,7 @@
 use crate::abi::{
     LISTED_SHARED_BYTES, LISTED_THREADS, LOGITS_SAMPLER_SHARED_BYTES, PROCESS_SHARED_BYTES, PROCESS_THREADS,
     REDUCE_SHARED_BYTES, REDUCE_THREADS, TILE_KERNEL_WARPS, TMA_HANDOFF_THREADS, TMA_THREADS,
-    WINNER_LOGITS_SHARED_BYTES, WINNER_LOGITS_THREADS, fused_mma_shared_bytes, fused_simt_shared_bytes,
+    WINNER_LOGITS_SHARED_BYTES, WINNER_LOGITS_THREADS, epilogue_staging_bytes, fused_simt_shared_bytes,
     fused_staged_shared_bytes, logits_simt_shared_bytes, logits_staged_shared_bytes, tma_handoff_shared_bytes,
     tma_shared_bytes,
 };
@@ -206,10 +206,10 @@ impl Kernel {
     /// Dynamic shared memory per block, in bytes.
     pub const fn shared_bytes(self) -> u32 {
         match self {
-            Kernel::FusedMma { columns, .. } => fused_mma_shared_bytes(columns),
-            Kernel::FusedStaged { columns, .. } => fused_staged_shared_bytes(columns),
+            Kernel::FusedMma { columns, chains, .. } => epilogue_staging_bytes(columns, chains),
+            Kernel::FusedStaged { columns, chains, .. } => fused_staged_shared_bytes(columns, chains),
             Kernel::LogitsStaged { columns, .. } => logits_staged_shared_bytes(columns),
-            Kernel::FusedSimt { .. } => fused_simt_shared_bytes(),
+            Kernel::FusedSimt { chains, .. } => fused_simt_shared_bytes(chains),
             Kernel::LogitsSimt { .. } => logits_simt_shared_bytes(),
             Kernel::FusedTma { rows, columns, .. } | Kernel::LogitsTma { rows, columns, .. } => {
                 tma_shared_bytes(rows, columns)

@@ -51,7 +51,7 @@ use flashsample_core::abi::{
     AcceptDraftsArgs, AdvanceStepsArgs, AdvanceVerifiedArgs, DevicePtr, EstimateErrorArgs, FillArgs, FusedArgs,
     LogitsArgs, LogitsSamplerArgs, MmaPeakArgs, N_TILE, ProcessArgs, ReadProbeArgs, ReduceArgs,
     SIMT_WARP_SCRATCH_FLOATS, SampleListedArgs, ShardMergeArgs, TILE_ROWS, WARP_ROWS, WinnerLogitsArgs,
-    fused_mma_shared_bytes,
+    epilogue_staging_bytes,
 };
 
 use element::{Element, MmaElement};
@@ -159,7 +159,8 @@ unsafe fn epilogue<const NT: usize, const CHAINS: bool>(
     staging: *mut Candidate,
 ) {
     if CHAINS {
-        // SAFETY: per this function's contract; the staging holds a chain per warp and column.
+        // SAFETY: per this function's contract; a chain kernel's staging holds a chain per warp
+        // and column (`epilogue_staging_bytes`).
         unsafe { sample::write_tile_chains::<NT>(logits, args, tile, row0, col0, staging.cast()) }
     } else {
         // SAFETY: per this function's contract.
@@ -233,7 +234,7 @@ unsafe fn fused_simt<T: Element, const CHAINS: bool>(args: FusedArgs) {
     // (`fused_simt_shared_bytes`).
     let scratch = unsafe {
         (staging as *mut u8)
-            .add(fused_mma_shared_bytes(N_TILE) as usize)
+            .add(epilogue_staging_bytes(N_TILE, CHAINS) as usize)
             .cast::<f32>()
             .add(((thread / 32) * SIMT_WARP_SCRATCH_FLOATS) as usize)
     };

@@ -336,7 +336,7 @@ unsafe fn write_tile_tops<const NT: usize>(
 ///
 /// # Safety
 /// Every thread of the block calls it together; `staging` holds `TILE_KERNEL_WARPS · 8·NT`
-/// chains (the candidate staging, checked in `flashsample_core::abi`); `args.tile_chains` holds
+/// chains (the chain kernels' staging, `epilogue_staging_bytes`); `args.tile_chains` holds
 /// `[batch, samples, tiles]` chains and `args.truncation` the rows' processing; the caller's
 /// item is `tile`.
 #[inline(always)]

@@ -1089,7 +1089,7 @@ mod tests {
     #[test]
     fn a_call_is_chained_only_where_its_chains_fit() {
         let chained = |call: &Call, resolved| listed_variant(call, resolved);
-        let min_p = |batch, draws| Call {
+        let min_p = |batch, draws: u32| Call {
             draws: Draws::first(draws),
             ..truncating_call(batch, false, false, false, Variant::Auto)
         };
@@ -1099,9 +1099,9 @@ mod tests {
         let handoff = Variant::TmaHandoff { columns: 64 };
         assert_eq!(chained(&min_p(64, 1), handoff), Some((Variant::Staged { columns: 64 }, Summaries::Chains)));
         assert_eq!(chained(&min_p(65, 1), handoff), None);
-        // 96-byte chains per draw of a 128-entry tile against its 512 bytes of logits.
-        assert_eq!(chained(&min_p(16, 5), mma), Some((mma, Summaries::Chains)));
-        assert_eq!(chained(&min_p(16, 6), mma), None);
+        // 160-byte chains per draw of a 128-entry tile against its 512 bytes of logits.
+        assert_eq!(chained(&min_p(16, 3), mma), Some((mma, Summaries::Chains)));
+        assert_eq!(chained(&min_p(16, 4), mma), None);
         let mut top_p = min_p(16, 1);
         top_p.processing.chainable = false;
         assert_eq!(chained(&top_p, mma), None);

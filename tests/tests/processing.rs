@@ -388,7 +388,7 @@ fn unsettled_chains_on_cpu(
 #[test]
 fn the_chained_inputs_settle_as_their_tests_need() {
     let vocab = 5003;
-    let (w, draws) = (spread_integers(vocab, 256, 81), Draws::first(4));
+    let (w, draws) = (spread_integers(vocab, 256, 81), Draws { first: 3, count: 3 });
     for (heat, settles) in [(1.0, true), (12.0, false)] {
         let (params, processing) = chained_rows(vocab, heat);
         let h = spread_integers(params.len(), 256, 82);
@@ -400,7 +400,7 @@ fn the_chained_inputs_settle_as_their_tests_need() {
 
 /// The chained path (every row's truncation min-p alone, no log-probabilities) gives the CPU's
 /// tokens, in BF16 (the register-direct and the staged `mma.sync` tiles) and F32 (the SIMT
-/// tile), 4 draws per row after 3 earlier ones, outputs and workspace poisoned first: at heat 1
+/// tile), 3 draws per row after 3 earlier ones (the most whose chains fit the logits' bytes), outputs and workspace poisoned first: at heat 1
 /// every row's chains tell (the GPU's count of unsettled rows is the CPU's, 0), so the chained
 /// sampler's own tokens are the ones checked; at heat 12 some rows' chains cannot, and the
 /// fallback behind it samples them from their logits.
@@ -408,7 +408,7 @@ fn the_chained_inputs_settle_as_their_tests_need() {
 #[ignore = "needs a CUDA GPU"]
 fn the_chained_path_gives_the_cpus_tokens_and_falls_back_where_chains_cannot_tell() {
     let vocab = 5003;
-    let draws = Draws { first: 3, count: 4 };
+    let draws = Draws { first: 3, count: 3 };
     let cuda = cuda();
     let sampler = &cuda.sampler;
     let (w, h) = (spread_integers(vocab, 256, 81), spread_integers(8, 256, 82));

@@ -153,12 +153,16 @@ pub const fn fused_mma_shared_bytes(columns: u32) -> u32 {
     SAMPLES_PER_MERGE * TILE_KERNEL_WARPS * columns * CANDIDATE_BYTES
 }
 
+/// [`Chain`](crate::chain::Chain)s a chain kernel stages per column: one per warp, then the
+/// merges of warps 0 and 1 and of warps 2 and 3.
+pub const CHAIN_STAGING_SLOTS: u32 = TILE_KERNEL_WARPS + TILE_KERNEL_WARPS / 2;
+
 /// A tile kernel's epilogue staging with `columns` batch columns: a sampling kernel's
-/// candidates ([`fused_mma_shared_bytes`]), or a chain kernel's one
-/// [`Chain`](crate::chain::Chain) per warp and column.
+/// candidates ([`fused_mma_shared_bytes`]), or a chain kernel's [`CHAIN_STAGING_SLOTS`]
+/// chains per column.
 pub const fn epilogue_staging_bytes(columns: u32, chains: bool) -> u32 {
     if chains {
-        TILE_KERNEL_WARPS * columns * core::mem::size_of::<crate::chain::Chain>() as u32
+        CHAIN_STAGING_SLOTS * columns * core::mem::size_of::<crate::chain::Chain>() as u32
     } else {
         fused_mma_shared_bytes(columns)
     }

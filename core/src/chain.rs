@@ -125,47 +125,51 @@ impl Chain {
         Chain { links, end, open, floor, padding: [0; 2] }
     }
 
-    /// Writes into `out` the chain of the union of `sets` (≥ 1) disjoint sets of entries from
-    /// their chains `chain(0 .. sets)` (in any grouping and order): the highest floor, the best
-    /// end, and the chain searched again among the chains' stored links above every `open` and
-    /// at or above the floor. An entry that is not a link of its own set's chain is not one of
+    /// Writes into `out` (which aliases neither) the chain of the union of two disjoint sets of
+    /// entries from their chains `a` and `b`, in any grouping and order: the higher floor, the
+    /// better end, and the chain searched again among both chains' stored links above both
+    /// `open`s and at or above the floor, in one merge of the two lists by
+    /// [`Link::comes_before`]. An entry that is not a link of its own set's chain is not one of
     /// the union's, and the union's links there are their sets' stored links, so the union
     /// answers every cut each chain could. A NaN first link (a non-finite tile) stays NaN.
-    /// `out` is written field by field, so that a kernel may point it at device memory and read
-    /// the chains from shared memory without a copy in local memory.
+    /// Links are read and written one at a time, so that a kernel may merge chains in shared
+    /// memory into device memory without a copy in local memory.
     #[inline(always)]
-    pub fn union_into<'a>(sets: usize, chain: impl Fn(usize) -> &'a Chain, out: &mut Chain) {
-        let (mut floor, mut above, mut end, mut non_finite) = (f32::NEG_INFINITY, f32::NEG_INFINITY, Link::NONE, false);
-        for s in 0..sets {
-            let c = chain(s);
-            floor = if c.floor > floor { c.floor } else { floor };
-            above = if c.open > above { c.open } else { above };
-            end = if c.end.candidate.beats(&end.candidate) { c.end } else { end };
-            non_finite |= c.links[0].logit.is_nan();
-        }
-        let after = |last: &Link| {
-            let mut next = Link::NONE;
-            for s in 0..sets {
-                for link in &chain(s).links {
-                    if link.logit > above && Chain::follows(link, last, floor) {
-                        next = next.first(*link);
-                    }
+    pub fn merge_into(a: &Chain, b: &Chain, out: &mut Chain) {
+        let floor = if b.floor > a.floor { b.floor } else { a.floor };
+        let above = if b.open > a.open { b.open } else { a.open };
+        let (mut i, mut j, mut kept) = (0, 0, 0);
+        let (mut last, mut open) = (Link::NONE, above);
+        while i + j < 2 * CHAIN_LINKS {
+            let ours = if i < CHAIN_LINKS { a.links[i] } else { Link::NONE };
+            let theirs = if j < CHAIN_LINKS { b.links[j] } else { Link::NONE };
+            let next = if theirs.comes_before(&ours) {
+                j += 1;
+                theirs
+            } else {
+                i += 1;
+                ours
+            };
+            // Both lists descend: nothing after a link at or below `above` or the floor counts.
+            if !(searched(next.logit, floor) && next.logit > above) {
+                break;
+            }
+            if next.candidate.beats(&last.candidate) {
+                if kept == CHAIN_LINKS {
+                    open = next.logit;
+                    break;
                 }
-            }
-            next
-        };
-        let mut last = Link::NONE;
-        for slot in 0..CHAIN_LINKS {
-            let next = after(&last);
-            out.links[slot] = next;
-            if next.is_entry() {
-                last = next;
+                out.links[kept] = next;
+                (last, kept) = (next, kept + 1);
             }
         }
-        let beyond = after(&last);
-        out.open = if out.links[CHAIN_LINKS - 1].is_entry() && beyond.is_entry() { beyond.logit } else { above };
-        (out.end, out.floor, out.padding) = (end, floor, [0; 2]);
-        if non_finite {
+        while kept < CHAIN_LINKS {
+            out.links[kept] = Link::NONE;
+            kept += 1;
+        }
+        out.end = if b.end.candidate.beats(&a.end.candidate) { b.end } else { a.end };
+        (out.open, out.floor, out.padding) = (open, floor, [0; 2]);
+        if a.links[0].logit.is_nan() || b.links[0].logit.is_nan() {
             out.links[0].logit = f32::NAN;
         }
     }
@@ -208,16 +212,21 @@ mod tests {
         Chain::of(entries, min_p_threshold(max, 1.0, 0.05))
     }
 
-    /// The union of `chains`' sets ([`Chain::union_into`]).
+    /// The union of `chains`' sets, merged in order ([`Chain::merge_into`]).
     fn union(chains: &[Chain]) -> Chain {
-        let mut out = chains[0];
-        Chain::union_into(chains.len(), |s| &chains[s], &mut out);
-        out
+        chains[1..].iter().fold(chains[0], |a, b| {
+            let mut out = a;
+            Chain::merge_into(&a, b, &mut out);
+            out
+        })
     }
 
-    /// A tile's chain as the kernels make it: each warp's 32 entries at its own floor, merged.
+    /// A tile's chain as the kernels make it: each warp's 32 entries at its own floor, merged
+    /// in pairs (warps 0 and 1, 2 and 3), then the pairs.
     fn tile_chain(tile: &[Link]) -> Chain {
-        union(&tile.chunks(32).map(chain_at_own_floor).collect::<Vec<_>>())
+        let warps: Vec<Chain> = tile.chunks(32).map(chain_at_own_floor).collect();
+        let pairs: Vec<Chain> = warps.chunks(2).map(union).collect();
+        union(&pairs)
     }
 
     /// The race among the entries at or above `cut`.

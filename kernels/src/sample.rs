@@ -332,10 +332,11 @@ unsafe fn write_tile_tops<const NT: usize>(
 /// processed logit and its min-p floor, score their entries at or above it, and search the
 /// warp's chain one link per round (each round the first entry that follows the last link, by
 /// shuffles; the rounds stop when no column of the warp has another) and its end; the warps'
-/// chains meet in `staging`, and one thread per column merges them ([`Chain::union_into`]).
+/// chains meet in `staging`, where they merge in pairs and the pairs into the tile's chain
+/// ([`Chain::merge_into`]).
 ///
 /// # Safety
-/// Every thread of the block calls it together; `staging` holds `TILE_KERNEL_WARPS · 8·NT`
+/// Every thread of the block calls it together; `staging` holds `CHAIN_STAGING_SLOTS · 8·NT`
 /// chains (the chain kernels' staging, `epilogue_staging_bytes`); `args.tile_chains` holds
 /// `[batch, samples, tiles]` chains and `args.truncation` the rows' processing; the caller's
 /// item is `tile`.
@@ -471,15 +472,33 @@ pub unsafe fn write_tile_chains<const NT: usize>(
         }
         // SAFETY: every thread of the block reaches it (uniform loops).
         unsafe { arch::sync_threads() };
+        // Warps 0 and 1, and 2 and 3, merge into slots 4 and 5, a thread per (pair, column).
+        let slot = |s: u32, column: u32| staging.wrapping_add((s * columns + column) as usize);
+        let mut item = thread;
+        while item < 2 * columns {
+            let (pair, column) = (item / columns, item % columns);
+            if col0 + column < args.batch {
+                // SAFETY: slots 0 to 3 were written by every warp before the barrier above;
+                // slot `4 + pair` is this thread's alone, inside the staging
+                // (`CHAIN_STAGING_SLOTS` per column).
+                unsafe {
+                    let merged = &mut *slot(TILE_KERNEL_WARPS + pair, column);
+                    Chain::merge_into(&*slot(2 * pair, column), &*slot(2 * pair + 1, column), merged);
+                }
+            }
+            item += TILE_KERNEL_WARPS * 32;
+        }
+        // SAFETY: every thread of the block reaches it (uniform loops).
+        unsafe { arch::sync_threads() };
         let b = col0 + thread;
         if thread < columns && b < args.batch {
             let at = candidate_slot(candidate_pair(b, args.samples, j), args.tiles, tile) as usize;
-            // SAFETY: the warps' chains lie inside the staging, written by every warp before the
-            // barrier above; `b < batch`, `j < samples`, `tile < tiles`: the output lies inside
-            // the `[batch, samples, tiles]` chains.
+            // SAFETY: slots 4 and 5 were written before the barrier above; `b < batch`,
+            // `j < samples`, `tile < tiles`: the output lies inside the `[batch, samples,
+            // tiles]` chains.
             unsafe {
-                let warp_chain = |w: usize| &*staging.add(w * columns as usize + thread as usize);
-                Chain::union_into(TILE_KERNEL_WARPS as usize, warp_chain, &mut *args.tile_chains.as_mut_ptr().add(at));
+                let pairs = (&*slot(TILE_KERNEL_WARPS, thread), &*slot(TILE_KERNEL_WARPS + 1, thread));
+                Chain::merge_into(pairs.0, pairs.1, &mut *args.tile_chains.as_mut_ptr().add(at));
             }
         }
         // SAFETY: every thread of the block reaches it; the staging is reused after it.

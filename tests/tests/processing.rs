@@ -332,7 +332,7 @@ fn chained_rows(vocab: usize, heat: f32) -> (Vec<SamplingParams>, Vec<Processing
 /// How many rows the chained sampler leaves to its fallback, as the CPU finds it from exact
 /// logits and the rows' noise for `draws`: per draw, each tile's chain as its four warps
 /// write them (32 consecutive entries each, at the min-p floor of their own largest logit,
-/// merged), and a row where one cannot tell at the row's cut.
+/// merged in pairs, then the pairs), and a row where one cannot tell at the row's cut.
 fn unsettled_chains_on_cpu(
     w: &Matrix,
     h: &Matrix,
@@ -367,15 +367,20 @@ fn unsettled_chains_on_cpu(
                     })
                     .collect();
                 entries.chunks(TILE_ROWS as usize).any(|tile| {
-                    let warps: Vec<Chain> = tile
-                        .chunks(32)
-                        .map(|warp| {
+                    // Warps past the vocabulary search nothing.
+                    let warps: Vec<Chain> = (0..4)
+                        .map(|w| {
+                            let warp = tile.get(32 * w..).map_or(&[][..], |rest| &rest[..rest.len().min(32)]);
                             let most = warp.iter().map(|e| e.logit).fold(f32::NEG_INFINITY, f32::max);
                             Chain::of(warp, min_p_threshold(most, row.temperature, min_p))
                         })
                         .collect();
-                    let mut chain = warps[0];
-                    Chain::union_into(warps.len(), |s| &warps[s], &mut chain);
+                    let merge = |a: &Chain, b: &Chain| {
+                        let mut out = *a;
+                        Chain::merge_into(a, b, &mut out);
+                        out
+                    };
+                    let chain = merge(&merge(&warps[0], &warps[1]), &merge(&warps[2], &warps[3]));
                     chain.winner(cut).is_none()
                 })
             })

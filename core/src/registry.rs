@@ -416,9 +416,7 @@ macro_rules! for_each_kernel {
             chains_f16_n16 => FusedMma { element: F16, columns: 16, chains: true };
             chains_f16_n32 => FusedMma { element: F16, columns: 32, chains: true };
             chains_staged_bf16_n64 => FusedStaged { element: Bf16, columns: 64, chains: true };
-            chains_staged_bf16_n128 => FusedStaged { element: Bf16, columns: 128, chains: true };
             chains_staged_f16_n64 => FusedStaged { element: F16, columns: 64, chains: true };
-            chains_staged_f16_n128 => FusedStaged { element: F16, columns: 128, chains: true };
             chains_simt_f32 => FusedSimt { element: F32, chains: true };
             chains_simt_bf16 => FusedSimt { element: Bf16, chains: true };
             chains_simt_f16 => FusedSimt { element: F16, chains: true };

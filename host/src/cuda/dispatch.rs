@@ -197,13 +197,15 @@ impl Variant {
         }
     }
 
-    /// The chain kernel of a resolved `mma.sync` or SIMT variant (`None` for the TMA tiles,
-    /// which write no chains).
+    /// The chain kernel of a resolved `mma.sync` or SIMT variant: `None` for the TMA tiles,
+    /// which write no chains, and for the staged tile of 128 columns, whose chains (six per
+    /// column) would pass the 99 KiB of shared memory Ada and consumer Ampere give a block.
     pub(crate) fn chains_kernel(self, dtype: DType) -> Option<Kernel> {
         let element = element_type(dtype);
         match self {
             Variant::Mma { columns } => Some(Kernel::FusedMma { element, columns, chains: true }),
-            Variant::Staged { columns } => Some(Kernel::FusedStaged { element, columns, chains: true }),
+            Variant::Staged { columns: 64 } => Some(Kernel::FusedStaged { element, columns: 64, chains: true }),
+            Variant::Staged { .. } => None,
             Variant::Simt | Variant::Auto => Some(Kernel::FusedSimt { element, chains: true }),
             Variant::Tma { .. } | Variant::TmaHandoff { .. } => None,
         }

@@ -740,7 +740,8 @@ fn lists_past_the_batch_limit(call: &Call) -> bool {
 /// SIMT tile, or in place of the dispatcher's TMA tile the `mma.sync` tile for B
 /// ([`mma_sync_tile`]) up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows, and past it for lists
 /// where [`lists_past_the_batch_limit`]. A TMA tile the caller names keeps the materialised
-/// path: the TMA tiles write no summaries.
+/// path (the TMA tiles write no summaries), and so does a tile without a chain kernel
+/// ([`Variant::chains_kernel`]) for chains.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)> {
     let processing = &call.processing;
     let (batch, samples) = (call.hidden.rows, call.draws.count);
@@ -764,7 +765,8 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)
     };
     let vocab = call.lm_head.rows;
     let tiles = vocab.div_ceil(variant.tile_rows() as usize);
-    let fits = summaries.bytes(batch, samples, tiles) <= batch * vocab.next_multiple_of(4) * 4;
+    let fits = summaries.bytes(batch, samples, tiles) <= batch * vocab.next_multiple_of(4) * 4
+        && variant.chains_kernel(call.lm_head.dtype).is_some();
     (summaries == Summaries::Lists || fits).then_some((variant, summaries))
 }
 
@@ -1096,6 +1098,7 @@ mod tests {
         let mma = Variant::Mma { columns: 16 };
         assert_eq!(chained(&min_p(16, 2), mma), Some((mma, Summaries::Chains)));
         assert_eq!(chained(&min_p(16, 2), Variant::Simt), Some((Variant::Simt, Summaries::Chains)));
+        assert_eq!(chained(&min_p(16, 2), Variant::Staged { columns: 128 }), None);
         let handoff = Variant::TmaHandoff { columns: 64 };
         assert_eq!(chained(&min_p(64, 1), handoff), Some((Variant::Staged { columns: 64 }, Summaries::Chains)));
         assert_eq!(chained(&min_p(65, 1), handoff), None);

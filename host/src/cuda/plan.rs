@@ -738,8 +738,8 @@ fn lists_past_the_batch_limit(call: &Call) -> bool {
 /// truncation is min-p alone and the chains take no more memory than the logits they stand
 /// for; and a tile that writes them: the resolved `mma.sync` (register-direct or staged) or
 /// SIMT tile, or in place of the dispatcher's TMA tile the `mma.sync` tile for B
-/// ([`mma_sync_tile`]) up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows, and past it for lists
-/// where [`lists_past_the_batch_limit`]. A TMA tile the caller names keeps the materialised
+/// ([`mma_sync_tile`]) for lists up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows, and past it
+/// where [`lists_past_the_batch_limit`]; chains only on the tile as resolved. A TMA tile the caller names keeps the materialised
 /// path (the TMA tiles write no summaries), and so does a tile without a chain kernel
 /// ([`Variant::chains_kernel`]) for chains.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)> {
@@ -758,6 +758,9 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)
     let past_the_batch_limit = summaries == Summaries::Lists && lists_past_the_batch_limit(call);
     let variant = match resolved {
         Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => resolved,
+        // In place of the TMA tile the chained step measured slower than the materialised one
+        // at every B (docs/PERF.md): chains only where the tile writes them as resolved.
+        _ if summaries == Summaries::Chains => return None,
         _ if call.variant == Variant::Auto && (batch <= LISTED_IN_PLACE_OF_TMA_MAX_BATCH || past_the_batch_limit) => {
             mma_sync_tile(batch)
         }
@@ -1085,9 +1088,9 @@ mod tests {
         assert_eq!(lists(&beyond, mma), None);
     }
 
-    /// Rows whose truncation is min-p alone take the chained path on the tiles the lists take,
-    /// up to B = 64 in place of a TMA tile, while their chains take no more memory than the
-    /// logits; rows with top-p alone (neither listable nor chainable) stay materialised.
+    /// Rows whose truncation is min-p alone take the chained path on the tile as resolved (not
+    /// in place of a TMA tile), while their chains take no more memory than the logits; rows
+    /// with top-p alone (neither listable nor chainable) stay materialised.
     #[test]
     fn a_call_is_chained_only_where_its_chains_fit() {
         let chained = |call: &Call, resolved| listed_variant(call, resolved);
@@ -1100,8 +1103,10 @@ mod tests {
         assert_eq!(chained(&min_p(16, 2), Variant::Simt), Some((Variant::Simt, Summaries::Chains)));
         assert_eq!(chained(&min_p(16, 2), Variant::Staged { columns: 128 }), None);
         let handoff = Variant::TmaHandoff { columns: 64 };
-        assert_eq!(chained(&min_p(64, 1), handoff), Some((Variant::Staged { columns: 64 }, Summaries::Chains)));
-        assert_eq!(chained(&min_p(65, 1), handoff), None);
+        assert_eq!(chained(&min_p(1, 1), Variant::Tma { rows: 128, columns: 8 }), None);
+        assert_eq!(chained(&min_p(64, 1), handoff), None);
+        let staged = Variant::Staged { columns: 64 };
+        assert_eq!(chained(&min_p(200, 1), staged), Some((staged, Summaries::Chains)));
         // 160-byte chains per draw of a 128-entry tile against its 512 bytes of logits.
         assert_eq!(chained(&min_p(16, 3), mma), Some((mma, Summaries::Chains)));
         assert_eq!(chained(&min_p(16, 4), mma), None);

@@ -229,6 +229,16 @@ mod tests {
         union(&pairs)
     }
 
+    /// `n` normal logits (under `seed`) rounded to multiples of `1 / steps` (ties), every
+    /// `minus_infinity_every`-th one −∞.
+    fn on_a_grid(n: usize, seed: u32, steps: f32, minus_infinity_every: usize) -> Vec<f32> {
+        normals(n, seed)
+            .iter()
+            .enumerate()
+            .map(|(i, x)| if i % minus_infinity_every == 3 { f32::NEG_INFINITY } else { (x * steps).round() / steps })
+            .collect()
+    }
+
     /// The race among the entries at or above `cut`.
     fn brute_force(entries: &[Link], cut: f32) -> Candidate {
         entries.iter().filter(|e| e.is_entry() && e.logit >= cut).fold(Candidate::NONE, |a, e| a.merge(e.candidate))
@@ -262,11 +272,7 @@ mod tests {
         // 4,000 entries on a grid of 1/64 (ties), −∞ among them, cuts between and on the values:
         // with the lowest floors their chains outgrow the stored links.
         let row = RowParams { seed: 3, sequence: 1, step: 2, temperature: 1.0, greedy: 0 };
-        let logits: Vec<f32> = normals(4000, 5)
-            .iter()
-            .enumerate()
-            .map(|(i, x)| if i % 7 == 3 { f32::NEG_INFINITY } else { (x * 64.0).round() / 64.0 })
-            .collect();
+        let logits = on_a_grid(4000, 5, 64.0, 7);
         let (mut answered, mut open) = (0, 0);
         for draw in 0..50 {
             let entries = scored(&logits, &row, draw);
@@ -293,11 +299,7 @@ mod tests {
     #[test]
     fn merged_chains_answer_every_cut_they_can_as_the_whole_race_does() {
         let row = RowParams { seed: 9, sequence: 4, step: 1, temperature: 1.0, greedy: 0 };
-        let logits: Vec<f32> = normals(512, 6)
-            .iter()
-            .enumerate()
-            .map(|(i, x)| if i % 11 == 5 { f32::NEG_INFINITY } else { (x * 16.0).round() / 16.0 })
-            .collect();
+        let logits = on_a_grid(512, 6, 16.0, 11);
         let (mut answered, mut asked) = (0, 0);
         for draw in 0..40 {
             let entries = scored(&logits, &row, draw);

@@ -278,9 +278,9 @@ impl CudaSampler {
         tops.to_host(&self.stream, "tile lists")
     }
 
-    /// [`CudaSampler::sample_into`], returning for a call on the listed path how many rows its
-    /// tiles' lists did not settle (the rows the fallback behind it sampled from their
-    /// logits), and `None` for a call on another path.
+    /// [`CudaSampler::sample_into`], returning for a call on the listed path (lists or chains)
+    /// how many rows its tiles' summaries did not settle (the rows the fallback behind it
+    /// sampled from their logits), and `None` for a call on another path.
     pub fn sample_listed_into(
         &self,
         lm_head: &LmHead,

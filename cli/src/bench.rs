@@ -51,8 +51,8 @@ pub struct Options {
     /// Time cuBLAS's GEMM in this process, right before our kernels at each point (rows
     /// `cublas_gemm`).
     pub cublas: bool,
-    /// Time processed sampling with each of [`PROCESSING_MODES`] on the first module (rows
-    /// `processed_<mode>`).
+    /// Time processed sampling with each of [`PROCESSING_MODES`] on every module (rows
+    /// `processed_<mode>`; the report's tables show the first module's).
     pub processing: bool,
     /// Time speculative verification of each of [`VERIFIED_DRAFTS`] drafts for each of
     /// [`VERIFIED_SEQUENCES`] sequences on the first module, and plain sampling of the same
@@ -138,13 +138,13 @@ pub fn run(samplers: &[CudaSampler], options: &Options) -> Result<Vec<Row>> {
 }
 
 fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cublas>) -> Result<Vec<Row>> {
-    let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 }
-        + if options.processing { PROCESSING_MODES.len() + LISTED_MODES.len() } else { 0 };
+    let extra = if options.all_variants { 2 * tensor_core_variants(samplers[0].module()).len() } else { 0 };
+    let processing = if options.processing { PROCESSING_MODES.len() + LISTED_MODES.len() } else { 0 };
     let reference = usize::from(cublas.is_some());
     let verification = if options.verification { 2 * VERIFIED_DRAFTS.len() * VERIFIED_SEQUENCES.len() } else { 0 };
     let points = samplers.len()
         + options.shapes.len()
-            * (samplers.len() * (1 + 3 * options.batches.len())
+            * (samplers.len() * (1 + (3 + processing) * options.batches.len())
                 + (reference + extra) * options.batches.len()
                 + verification);
     let progress = ProgressBar::new(points as u64);
@@ -204,7 +204,7 @@ fn run_points(samplers: &[CudaSampler], options: &Options, cublas: Option<&Cubla
                 } else {
                     progress.inc(1);
                 }
-                if first && options.processing {
+                if options.processing {
                     for (label, mode) in PROCESSING_MODES {
                         let rows = Batch::with_processing(params(1.0), vec![mode(vocab); batch]);
                         let processing = sampler.upload_batch(&rows, vocab)?;
@@ -457,6 +457,13 @@ fn tensor_rates(rows: &[Row]) -> String {
     out
 }
 
+/// The first module's `processed_plain` rows, one per (shape, B) that timed processing (the
+/// tables' lookups find the first module's rows first).
+fn first_module_processing(rows: &[Row]) -> impl Iterator<Item = &Row> {
+    let first = rows.first().map(|r| r.module);
+    rows.iter().filter(move |r| r.variant == "processed_plain" && Some(r.module) == first)
+}
+
 /// Processed sampling per mode (µs) beside plain fused sampling and torch's unfused
 /// pipelines of the same run, when the bench timed it.
 fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
@@ -475,7 +482,7 @@ fn processing_table(rows: &[Row], peers: &[PeerTiming]) -> String {
         write!(out, " {name} |").unwrap();
     }
     writeln!(out, "\n|{}", "---|".repeat(4 + PROCESSING_MODES.len() + torch.len())).unwrap();
-    for r in rows.iter().filter(|r| r.variant == "processed_plain") {
+    for r in first_module_processing(rows) {
         let (d, v, b) = (r.dim, r.vocab, r.batch);
         write!(out, "| {d} | {v} | {b} | {} |", show(our_median(rows, d, v, b, "fused_sample"))).unwrap();
         for (label, _) in PROCESSING_MODES {
@@ -499,7 +506,7 @@ fn listed_table(rows: &[Row]) -> String {
     let mut out = String::from(
         "\nTruncations as the plan runs them (listed where it applies) and on materialised logits (a TMA tile forced), µs:\n\n| D | V | B | mode | planned | materialised | planned / materialised |\n|---|---|---|---|---|---|---|\n",
     );
-    for r in rows.iter().filter(|r| r.variant == "processed_plain") {
+    for r in first_module_processing(rows) {
         let (d, v, b) = (r.dim, r.vocab, r.batch);
         for mode in LISTED_MODES {
             let planned = our_median(rows, d, v, b, &format!("processed_{mode}"));

@@ -114,8 +114,8 @@ enum Command {
         /// copy torch ships.
         #[arg(long)]
         cublas: bool,
-        /// Also time processed sampling (the materialised GPU path) with each processing mode
-        /// on the first module (CSV rows `processed_<mode>`; see `bench::PROCESSING_MODES`).
+        /// Also time processed sampling with each processing mode on every module (CSV rows
+        /// `processed_<mode>`; see `bench::PROCESSING_MODES`; the report shows the first's).
         #[arg(long)]
         processing: bool,
         /// Also time speculative verification of 1, 3 and 7 drafts for 1, 16 and 64

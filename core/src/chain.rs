@@ -12,6 +12,13 @@
 //! [`CHAIN_LINKS`] links, where the next one starts (`open`), and the tile's winner at its
 //! floor (`end`, the chain's last link); it answers every `τ` but those that keep an unstored
 //! link, where the tile's logits need a second look ([`Chain::winner`]).
+//!
+//! Only entries whose exact candidate may beat the first link's can be later links or the
+//! chain's `end`, so a kernel scores exactly only the entries the race's filter
+//! ([`crate::estimate`]) passes against the best estimate among the entries with the first
+//! link's logit: the first link's exact score is at least that entry's, so the race's
+//! argument holds with it in place of the best estimate's entry, and the first link passes
+//! too. The chain is the same with and without the filter.
 
 use crate::candidate::Candidate;
 
@@ -201,9 +208,10 @@ impl Chain {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::estimate::{block_estimate, may_contend, race_threshold};
     use crate::noise::{RowParams, block_scores};
     use crate::process::min_p_threshold;
-    use crate::testing::normals;
+    use crate::testing::{normals, worst_log2};
     use std::vec::Vec;
 
     /// The chain of `entries` at the min-p 0.05 floor of their largest logit (T = 1).
@@ -322,6 +330,59 @@ mod tests {
             }
         }
         assert!(answered * 4 > asked * 3, "{answered} of {asked} answered");
+    }
+
+    #[test]
+    fn estimate_filtered_warps_search_the_whole_warps_chains() {
+        // Warps of 32 entries (eight Philox blocks), on a grid of 1/16 (ties at the first link's
+        // logit and elsewhere) and spread normal logits, sampling rows at three temperatures and
+        // a greedy row, floors at min-p 0.05 and none, `log2` off to each edge of its bound:
+        // dropping the entries the race's filter rejects against the best estimate at the first
+        // link's logit leaves every chain as it was.
+        let (mut kept, mut searched_entries) = (0usize, 0usize);
+        for (temperature, greedy) in [(1.0f32, 0u32), (0.05, 0), (3.0, 0), (1.0, 1)] {
+            let row = RowParams { seed: 12, sequence: 3, step: 5, temperature, greedy };
+            for (grid, scale) in [(16.0f32, 1.0f32), (f32::INFINITY, 2.1)] {
+                let logits: Vec<f32> = normals(32 * 64, 31)
+                    .iter()
+                    .map(|x| if grid.is_finite() { (x * scale * grid).round() / grid } else { x * scale })
+                    .collect();
+                for sign in [-1.0, 1.0] {
+                    for draw in 0..8 {
+                        let entries = scored(&logits, &row, draw);
+                        for (warp, quads) in logits.chunks(32).enumerate() {
+                            let all = &entries[32 * warp..32 * warp + 32];
+                            let most = quads.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                            for min_p in [0.05, 0.0] {
+                                let floor = min_p_threshold(most, temperature, min_p);
+                                let blocks = (0..8u32).map(|q| {
+                                    let quad: [f32; 4] = quads[4 * q as usize..4 * q as usize + 4].try_into().unwrap();
+                                    block_estimate(&row, draw, 8 * warp as u32 + q, quad, 4, worst_log2(sign))
+                                });
+                                let estimates: Vec<f32> = blocks.flat_map(|b| b.scores).collect();
+                                let best_at_most = (0..32)
+                                    .filter(|&e| quads[e] == most)
+                                    .map(|e| estimates[e])
+                                    .fold(f32::NEG_INFINITY, f32::max);
+                                let threshold = race_threshold(&row, best_at_most);
+                                let filtered: Vec<Link> = (0..32)
+                                    .map(|e| if may_contend(estimates[e], threshold) { all[e] } else { Link::NONE })
+                                    .collect();
+                                assert_eq!(
+                                    Chain::of(&filtered, floor),
+                                    Chain::of(all, floor),
+                                    "T {temperature} greedy {greedy} draw {draw} warp {warp} floor {floor}"
+                                );
+                                searched_entries += all.iter().filter(|e| searched(e.logit, floor)).count();
+                                kept += filtered.iter().filter(|e| searched(e.logit, floor)).count();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // The filter drops most searched entries (what it saves the kernels).
+        assert!(kept * 3 < searched_entries, "{kept} of {searched_entries} searched entries kept");
     }
 
     #[test]

@@ -248,22 +248,8 @@ mod tests {
     use super::*;
     use crate::noise::{MAX_TEMPERATURE, block_candidate};
     use crate::philox::philox4x32_10;
+    use crate::testing::worst_log2;
     use std::vec::Vec;
-
-    /// A base-2 logarithm as bad as `lg2.approx` is documented to be, pushed to the edge of
-    /// its error in the direction `sign`: 2⁻²² absolute on [½, 2], 2 ulp elsewhere.
-    fn worst_log2(sign: f64) -> impl Fn(f32) -> f32 + Copy {
-        move |x: f32| {
-            let exact = (x as f64).log2();
-            let error = if (0.5..=2.0).contains(&x) { 2f64.powi(-22) } else { 2.0 * ulp(exact as f32) as f64 };
-            (exact + sign * error) as f32
-        }
-    }
-
-    fn ulp(x: f32) -> f32 {
-        let a = x.abs();
-        f32::from_bits(a.to_bits() + 1) - a
-    }
 
     fn words() -> Vec<u32> {
         let mut w: Vec<u32> = (0..4096).chain(u32::MAX - 4095..=u32::MAX).collect();

@@ -22,3 +22,19 @@ pub fn normals(n: usize, seed: u32) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A base-2 logarithm as bad as `lg2.approx` is documented to be, pushed to the edge of its
+/// error in the direction `sign`: 2⁻²² absolute on [½, 2], 2 ulp elsewhere.
+pub fn worst_log2(sign: f64) -> impl Fn(f32) -> f32 + Copy {
+    move |x: f32| {
+        let exact = (x as f64).log2();
+        let error = if (0.5..=2.0).contains(&x) { 2f64.powi(-22) } else { 2.0 * ulp(exact as f32) as f64 };
+        (exact + sign * error) as f32
+    }
+}
+
+/// The distance from `|x|` to the next float up.
+fn ulp(x: f32) -> f32 {
+    let a = x.abs();
+    f32::from_bits(a.to_bits() + 1) - a
+}

@@ -62,8 +62,6 @@ pub unsafe fn sync_threads() {
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn nvvm_shfl_sync_bfly_i32(member_mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
-    // Used by the TMA tiles only, which only the Hopper module holds (as below).
-    #[cfg(flashsample_module = "hopper")]
     #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
     fn nvvm_shfl_sync_idx_i32(member_mask: u32, value: u32, lane: u32, clamp: u32) -> u32;
     #[link_name = "llvm.nvvm.vote.ballot.sync"]
@@ -126,6 +124,16 @@ pub unsafe fn shuffle_xor_u64(value: u64, mask: u32) -> u64 {
     unsafe { (shuffle_xor(value as u32, mask) as u64) | (shuffle_xor((value >> 32) as u32, mask) as u64) << 32 }
 }
 
+/// `shfl.sync.idx`: the value of lane `source` (taken modulo 32).
+///
+/// # Safety
+/// All 32 lanes of the warp must execute this call together (full mask).
+#[inline(always)]
+pub unsafe fn shuffle_idx(value: u32, source: u32) -> u32 {
+    // SAFETY: per this function's contract: all 32 lanes execute it (full mask).
+    unsafe { nvvm_shfl_sync_idx_i32(0xffff_ffff, value, source, 0x1f) }
+}
+
 /// `shfl.sync.idx` from lane 0: lane 0's `value` in every lane. For a value that is already
 /// the same in every lane (a warp or warpgroup index) this tells ptxas so, and it can then
 /// keep what is computed from it in uniform registers (the `wgmma` descriptors).
@@ -136,7 +144,7 @@ pub unsafe fn shuffle_xor_u64(value: u64, mask: u32) -> u64 {
 #[inline(always)]
 pub unsafe fn broadcast_lane0(value: u32) -> u32 {
     // SAFETY: per this function's contract: all 32 lanes execute it (full mask).
-    unsafe { nvvm_shfl_sync_idx_i32(0xffff_ffff, value, 0, 0x1f) }
+    unsafe { shuffle_idx(value, 0) }
 }
 
 /// `vote.sync.ballot`: bit `l` set where lane `l`'s `predicate` holds.

@@ -8,9 +8,10 @@ use flashsample_core::abi::{
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::chain::{CHAIN_LINKS, Chain, Link, searched};
+use flashsample_core::estimate::{BlockEstimate, block_estimate, exact_entry, may_contend, race_threshold};
 use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS, min_p_threshold};
 use flashsample_core::truncation::{TILE_TOP, TileTop, order_entry, order_word};
-use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate, block_scores};
+use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
 
 use crate::element::Element;
 use crate::process::TokenOutputs;
@@ -89,7 +90,7 @@ unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
 /// of each batch column ([`tile_column_sums`]); then for every draw, the best candidate of this
 /// block's tile for each batch column, written to `candidates`.
 ///
-/// Each thread scores its four rows per column with [`block_scores`]; lanes with the same
+/// Each thread races its four rows per column with [`block_candidate`]; lanes with the same
 /// `t` (same columns) merge over `g`; warps merge through `staging` in batches of
 /// [`SAMPLES_PER_MERGE`] draws.
 ///
@@ -393,42 +394,43 @@ pub unsafe fn write_tile_chains<const NT: usize>(
                     most = logit;
                 }
             }
-            let mut mask = 4;
-            while mask <= 16 {
-                // SAFETY: every lane of the warp reaches it: the loops' bounds are the same for all.
-                let (other, flag) =
-                    unsafe { (arch::shuffle_xor(most.to_bits(), mask), arch::shuffle_xor(non_finite as u32, mask)) };
-                most = most.max(f32::from_bits(other));
-                non_finite |= flag != 0;
-                mask <<= 1;
-            }
+            let lanes = COLUMN_LANES << t;
+            // SAFETY: every lane of the warp reaches these: the loops' bounds are the same for all.
+            let (most, non_finite) = unsafe { (column_max(most), arch::ballot(non_finite) & lanes != 0) };
             // The warp's floor: no cut its row's largest logit sets is lower.
             let floor = match row {
                 Some((params, min_p)) => min_p_threshold(most, params.temperature, min_p),
                 None => f32::INFINITY,
             };
-            let mut entries = [Link::NONE; 4];
+            // Estimated scores of the entries at or above the floor, and the best estimate among
+            // those with the warp's largest logit, where the chain's first link lies: only the
+            // entries the race's filter passes against it get exact scores (`core::chain`).
+            let mut estimate = BlockEstimate::plain(quad, 0);
+            let mut best_at_most = f32::NEG_INFINITY;
             if let Some((params, _)) = row
                 && quad.iter().any(|&logit| searched(logit, floor))
             {
-                let (scores, words) = block_scores(&params, args.draw_offset + j, philox_block, quad);
-                for r in 0..4 {
-                    if searched(quad[r], floor) {
-                        entries[r] = Link {
-                            logit: quad[r],
-                            candidate: Candidate::scored(scores[r], words[r], index0 + r as u32),
-                        };
+                let draw = args.draw_offset + j;
+                estimate = block_estimate(&params, draw, philox_block, quad, rows_valid, arch::log2_approx);
+                for (&logit, &score) in quad.iter().zip(&estimate.scores) {
+                    if logit == most {
+                        best_at_most = best_at_most.max(score);
                     }
                 }
             }
-            let mut end = Link::NONE;
-            for entry in &entries {
-                if entry.candidate.beats(&end.candidate) {
-                    end = *entry;
+            // SAFETY: every lane of the warp reaches it (uniform loops).
+            let best_at_most = unsafe { column_max(best_at_most) };
+            let mut entries = [Link::NONE; 4];
+            if let Some((params, _)) = row {
+                let threshold = race_threshold(&params, best_at_most);
+                for r in 0..4 {
+                    if searched(quad[r], floor) && may_contend(estimate.scores[r], threshold) {
+                        let (score, word) = exact_entry(&params, estimate.words[r], quad[r]);
+                        entries[r] =
+                            Link { logit: quad[r], candidate: Candidate::scored(score, word, index0 + r as u32) };
+                    }
                 }
             }
-            // SAFETY: every lane of the warp reaches it (uniform loops).
-            let end = unsafe { column_link(end, |a, b| if b.candidate.beats(&a.candidate) { b } else { a }) };
             let at = (warp * columns + column) as usize;
             let mut last = Link::NONE;
             let mut open = f32::NEG_INFINITY;
@@ -436,15 +438,31 @@ pub unsafe fn write_tile_chains<const NT: usize>(
             for round in 0..=CHAIN_LINKS {
                 let mut next = Link::NONE;
                 if !done {
+                    let mut mine = Link::NONE;
                     for entry in &entries {
                         if Chain::follows(entry, &last, floor) {
-                            next = next.first(*entry);
+                            mine = mine.first(*entry);
                         }
                     }
-                    // SAFETY: every lane of the warp reaches it: `done` is the same for all.
-                    next = unsafe { column_link(next, Link::first) };
-                    // SAFETY: as above.
-                    done = unsafe { arch::ballot(next.is_entry()) } == 0;
+                    // The next link has the column's largest logit among the entries that follow;
+                    // its lane, when it is the only one with that logit, sends its candidate, and a
+                    // tie between lanes (rare) compares the candidates.
+                    // SAFETY: every lane of the warp reaches these: `done` is the same for all.
+                    unsafe {
+                        let top = column_max(mine.logit);
+                        let holders = arch::ballot(mine.is_entry() && mine.logit == top);
+                        let ours = holders & lanes;
+                        let tied = arch::ballot(ours.count_ones() > 1) != 0;
+                        next = if tied {
+                            column_link(mine, Link::first)
+                        } else {
+                            lane_link(top, mine.candidate, ours.trailing_zeros())
+                        };
+                        if ours == 0 {
+                            next = Link::NONE;
+                        }
+                        done = holders == 0;
+                    }
                 }
                 if round < CHAIN_LINKS {
                     if g == 0 {
@@ -458,6 +476,21 @@ pub unsafe fn write_tile_chains<const NT: usize>(
                     open = next.logit;
                 }
             }
+            // A chain whose links are all stored ends at its last; a longer one's end is the best
+            // candidate searched.
+            // SAFETY: every lane of the warp reaches it (uniform loops).
+            let end = if unsafe { arch::ballot(open > f32::NEG_INFINITY) } != 0 {
+                let mut best = Link::NONE;
+                for entry in &entries {
+                    if entry.candidate.beats(&best.candidate) {
+                        best = *entry;
+                    }
+                }
+                // SAFETY: as above: the condition is the same for every lane.
+                unsafe { column_link(best, |a, b| if b.candidate.beats(&a.candidate) { b } else { a }) }
+            } else {
+                last
+            };
             if g == 0 {
                 // SAFETY: as above.
                 unsafe {
@@ -531,6 +564,45 @@ unsafe fn column_link(mut link: Link, keep: impl Fn(Link, Link) -> Link) -> Link
         mask <<= 1;
     }
     link
+}
+
+/// The lanes that hold batch column 0's entries in a warp of the tile's epilogue (lanes `4g`);
+/// shifted by `t`, column `t`'s.
+const COLUMN_LANES: u32 = 0x1111_1111;
+
+/// The largest of a value over the eight lanes of its batch column (lane bits 2 to 4); NaN
+/// only where every one is.
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn column_max(mut value: f32) -> f32 {
+    let mut mask = 4;
+    while mask <= 16 {
+        // SAFETY: per this function's contract all 32 lanes are here together.
+        value = value.max(f32::from_bits(unsafe { arch::shuffle_xor(value.to_bits(), mask) }));
+        mask <<= 1;
+    }
+    value
+}
+
+/// The link of logit `logit` whose candidate lane `source` holds (any lane for `source` ≥ 32).
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+unsafe fn lane_link(logit: f32, candidate: Candidate, source: u32) -> Link {
+    // SAFETY: per this function's contract all 32 lanes are here together.
+    unsafe {
+        Link {
+            logit,
+            candidate: Candidate {
+                score: f32::from_bits(arch::shuffle_idx(candidate.score.to_bits(), source)),
+                word: arch::shuffle_idx(candidate.word, source),
+                index: arch::shuffle_idx(candidate.index, source),
+            },
+        }
+    }
 }
 
 /// A thread's share of one batch column's log-sum-exp terms: four consecutive vocabulary rows,

@@ -402,6 +402,13 @@ impl DeviceBatch {
         }
     }
 
+    /// Keeps the batch's truncations on materialised logits: no call plans lists or chains for
+    /// it (the reference the benchmark times the summaries' paths against, on every module).
+    #[cfg(feature = "internals")]
+    pub fn materialise_truncations(&mut self) {
+        (self.summary.listable, self.summary.chainable) = (false, false);
+    }
+
     /// What a request needs to know of the batch's processing.
     pub(crate) fn summary(&self) -> ProcessingRef {
         self.summary

@@ -223,6 +223,8 @@ fn record_all() -> String {
             Shape { dtype: DType::BF16, vocab: 5003, dim: 200, batch: 9, draws: Draws { first: 2, count: 3 } },
             Shape { dtype: DType::BF16, vocab: 151_936, dim: 4096, batch: 64, draws: Draws::first(1) },
             Shape { dtype: DType::F32, vocab: 5003, dim: 199, batch: 9, draws: Draws::first(2) },
+            // Few enough rows for the dispatcher's tile to chain min-p.
+            Shape { dtype: DType::BF16, vocab: 5003, dim: 200, batch: 5, draws: Draws { first: 2, count: 3 } },
         ];
         for shape in shapes {
             for kind in ["plain", "per-entry", "truncating", "listed", "chained", "top", "mixed"] {

@@ -717,6 +717,13 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
 /// tile; past it only where [`lists_past_the_batch_limit`].
 const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
 
+/// The largest B at which the dispatcher's tile chains min-p rows. Up to it the chained step
+/// took as long as the materialised one (within 1 % at B = 1 on the portable module), past
+/// it longer (1.01–1.07× at B = 16, 1.23–1.59× at B = 64): the chain epilogue's search costs
+/// more per batch column than the materialised selection (docs/PERF.md). A tile the caller
+/// names chains at any B.
+const CHAINED_MAX_BATCH: usize = 8;
+
 /// The largest D at which the Hopper module lists top-k without top-p past
 /// [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] (twice that with top-p).
 const LISTED_PAST_THE_BATCH_LIMIT_MAX_DIM: usize = 4096;
@@ -739,7 +746,8 @@ fn lists_past_the_batch_limit(call: &Call) -> bool {
 /// for; and a tile that writes them: the resolved `mma.sync` (register-direct or staged) or
 /// SIMT tile, or in place of the dispatcher's TMA tile the `mma.sync` tile for B
 /// ([`mma_sync_tile`]) for lists up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows, and past it
-/// where [`lists_past_the_batch_limit`]; chains only on the tile as resolved. A TMA tile the caller names keeps the materialised
+/// where [`lists_past_the_batch_limit`]; chains only on the tile as resolved, and with the
+/// dispatcher's tile up to [`CHAINED_MAX_BATCH`] rows. A TMA tile the caller names keeps the materialised
 /// path (the TMA tiles write no summaries), and so does a tile without a chain kernel
 /// ([`Variant::chains_kernel`]) for chains.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)> {
@@ -757,6 +765,9 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)
     };
     let past_the_batch_limit = summaries == Summaries::Lists && lists_past_the_batch_limit(call);
     let variant = match resolved {
+        _ if summaries == Summaries::Chains && call.variant == Variant::Auto && batch > CHAINED_MAX_BATCH => {
+            return None;
+        }
         Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => resolved,
         // In place of the TMA tile the chained step measured slower than the materialised one
         // at every B (docs/PERF.md): chains only where the tile writes them as resolved.
@@ -1089,7 +1100,8 @@ mod tests {
     }
 
     /// Rows whose truncation is min-p alone take the chained path on the tile as resolved (not
-    /// in place of a TMA tile), while their chains take no more memory than the logits; rows
+    /// in place of a TMA tile), up to CHAINED_MAX_BATCH rows unless the caller names the
+    /// tile, while their chains take no more memory than the logits; rows
     /// with top-p alone (neither listable nor chainable) stay materialised.
     #[test]
     fn a_call_is_chained_only_where_its_chains_fit() {
@@ -1098,22 +1110,28 @@ mod tests {
             draws: Draws::first(draws),
             ..truncating_call(batch, false, false, false, Variant::Auto)
         };
-        let mma = Variant::Mma { columns: 16 };
-        assert_eq!(chained(&min_p(16, 2), mma), Some((mma, Summaries::Chains)));
-        assert_eq!(chained(&min_p(16, 2), Variant::Simt), Some((Variant::Simt, Summaries::Chains)));
-        assert_eq!(chained(&min_p(16, 2), Variant::Staged { columns: 128 }), None);
+        let named = |batch, variant| Call { variant, ..min_p(batch, 1) };
+        let mma = Variant::Mma { columns: 8 };
+        assert_eq!(chained(&min_p(8, 2), mma), Some((mma, Summaries::Chains)));
+        assert_eq!(chained(&min_p(8, 2), Variant::Simt), Some((Variant::Simt, Summaries::Chains)));
+        // Past CHAINED_MAX_BATCH rows only a tile the caller names chains.
+        let (wider, staged) = (Variant::Mma { columns: 16 }, Variant::Staged { columns: 64 });
+        assert_eq!(chained(&min_p(16, 1), wider), None);
+        assert_eq!(chained(&named(16, wider), wider), Some((wider, Summaries::Chains)));
+        assert_eq!(chained(&min_p(200, 1), staged), None);
+        assert_eq!(chained(&named(200, staged), staged), Some((staged, Summaries::Chains)));
+        let widest = Variant::Staged { columns: 128 };
+        assert_eq!(chained(&named(200, widest), widest), None);
         let handoff = Variant::TmaHandoff { columns: 64 };
         assert_eq!(chained(&min_p(1, 1), Variant::Tma { rows: 128, columns: 8 }), None);
-        assert_eq!(chained(&min_p(64, 1), handoff), None);
-        let staged = Variant::Staged { columns: 64 };
-        assert_eq!(chained(&min_p(200, 1), staged), Some((staged, Summaries::Chains)));
+        assert_eq!(chained(&named(64, handoff), handoff), None);
         // 160-byte chains per draw of a 128-entry tile against its 512 bytes of logits.
-        assert_eq!(chained(&min_p(16, 3), mma), Some((mma, Summaries::Chains)));
-        assert_eq!(chained(&min_p(16, 4), mma), None);
-        let mut top_p = min_p(16, 1);
+        assert_eq!(chained(&min_p(8, 3), mma), Some((mma, Summaries::Chains)));
+        assert_eq!(chained(&min_p(8, 4), mma), None);
+        let mut top_p = min_p(8, 1);
         top_p.processing.chainable = false;
         assert_eq!(chained(&top_p, mma), None);
-        let mut logprobs = min_p(16, 1);
+        let mut logprobs = min_p(8, 1);
         logprobs.target = CallTarget::Tokens { tokens: 256, logprobs: 512, top_logprobs: 0 };
         assert_eq!(chained(&logprobs, mma), None);
     }

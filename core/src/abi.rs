@@ -1008,7 +1008,8 @@ pub struct ProcessRowState {
     pub non_finite: u32,
     /// [`Selection::bit`]s of the selections that found their key.
     pub found: u32,
-    /// [`Selection::bit`]s of the selections whose members weigh less than the target.
+    /// [`Selection::bit`]s of the selections that do not run: their members weigh less than
+    /// the target, or (a tie selection) its parent's tied entries are all kept.
     pub ended: u32,
     /// Per [`Selection`], what it found: a key, or for the tie selections an index.
     pub keys: [u32; 5],

@@ -790,7 +790,8 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
 /// falls short ends there); after the last digit the selection's outcome. The block loads the
 /// buckets at once (clearing them for the next launch if `clear`) and finds the bucket by a
 /// prefix sum over them from the top, so that the decision costs one round trip to memory,
-/// not one per bucket.
+/// not one per bucket. A top-p or top-raw selection whose last bucket's tied entries are all
+/// kept ends its tie selection there (the cut needs no index).
 ///
 /// # Safety
 /// Every thread of the block calls it together, once every add to the row's `histogram`
@@ -875,7 +876,8 @@ unsafe fn decide_digit(item: &Item, selection: Selection, max: f32, histogram: *
     // SAFETY: every thread of the block reaches it.
     unsafe { arch::sync_threads() };
     if t == 0 && running {
-        // SAFETY: the row's state, as above; the decision, written before the barrier above.
+        // SAFETY: the row's state, as above; the decision, written before the barrier above;
+        // the prefix sums, final since the barriers above.
         unsafe {
             let s = &mut *state;
             let (chosen, above) = (*decision.add(3) as u32, *decision.add(4));
@@ -887,14 +889,25 @@ unsafe fn decide_digit(item: &Item, selection: Selection, max: f32, histogram: *
                     Selection::TopPTie | Selection::TopRawTie => !key,
                     Selection::TopK | Selection::TopP | Selection::TopRaw => key,
                 };
+                // The chosen bucket's weight: its entries share the key, so it counts them.
+                let at = top - chosen as usize;
+                let weight = *sums.add(at) - if at == 0 { 0 } else { *sums.add(at - 1) };
+                // Where the tie selection would keep every tied entry, the cut needs no index
+                // and its launches have nothing to do.
                 if selection == Selection::TopP {
                     // Entries tied at the last key weigh the same: the prefix ends at the n-th
                     // of them by index.
                     let units = top_p_units(key_logit(key), max, params.temperature).max(1);
                     s.tie_goal = (goal - above).div_ceil(units);
+                    if s.tie_goal >= weight / units {
+                        s.ended |= Selection::TopPTie.bit();
+                    }
                 } else if selection == Selection::TopRaw {
                     // Entries tied at the last key: the first by index fill the rest.
                     s.tie_goal = goal - above;
+                    if s.tie_goal >= weight {
+                        s.ended |= Selection::TopRawTie.bit();
+                    }
                 }
             }
         }

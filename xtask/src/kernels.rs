@@ -252,3 +252,53 @@ fn run_clippy(root: &Path, nightly: &Nightly, module: Module) -> Result<(), Stri
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A workspace-like folder holding every [`KERNEL_SOURCES`] entry, under `name` in the
+    /// system's temporary folder.
+    fn sources(name: &str) -> std::path::PathBuf {
+        let root = std::env::temp_dir().join(format!("flashsample-xtask-digest-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for source in KERNEL_SOURCES {
+            let path = root.join(source);
+            if Path::new(source).extension().is_some() {
+                std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+                std::fs::write(&path, source).unwrap();
+            } else {
+                std::fs::create_dir_all(path.join("nested")).unwrap();
+                std::fs::write(path.join("lib.rs"), "a").unwrap();
+                std::fs::write(path.join("nested/b.rs"), "b").unwrap();
+            }
+        }
+        root
+    }
+
+    #[test]
+    fn the_digest_follows_the_sources_and_nothing_else() {
+        let (one, two) = (sources("one"), sources("two"));
+        let digest = sources_digest(&one).unwrap();
+        // The same sources in another folder, and a file outside the sources: the same digest.
+        assert_eq!(sources_digest(&two).unwrap(), digest);
+        std::fs::write(two.join("README.md"), "not a source").unwrap();
+        assert_eq!(sources_digest(&two).unwrap(), digest);
+        // A changed byte, a moved file, a new file: another digest.
+        std::fs::write(two.join("core/src/nested/b.rs"), "c").unwrap();
+        assert_ne!(sources_digest(&two).unwrap(), digest);
+        std::fs::write(two.join("core/src/nested/b.rs"), "b").unwrap();
+        std::fs::rename(two.join("core/src/nested/b.rs"), two.join("core/src/b.rs")).unwrap();
+        assert_ne!(sources_digest(&two).unwrap(), digest);
+        std::fs::rename(two.join("core/src/b.rs"), two.join("core/src/nested/b.rs")).unwrap();
+        assert_eq!(sources_digest(&two).unwrap(), digest);
+        std::fs::write(two.join("kernels/src/new.rs"), "").unwrap();
+        assert_ne!(sources_digest(&two).unwrap(), digest);
+        // A missing source is an error naming it.
+        std::fs::remove_file(two.join("rust-toolchain.toml")).unwrap();
+        assert!(sources_digest(&two).unwrap_err().contains("rust-toolchain.toml"));
+        for root in [one, two] {
+            std::fs::remove_dir_all(root).unwrap();
+        }
+    }
+}

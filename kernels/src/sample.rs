@@ -330,11 +330,13 @@ unsafe fn write_tile_tops<const NT: usize>(
 /// from which a min-p row's winner is found for any cut its row's largest logit sets.
 ///
 /// Per column and draw, the eight lanes of a column in each warp find the warp's largest
-/// processed logit and its min-p floor, score their entries at or above it, and search the
-/// warp's chain one link per round (each round the first entry that follows the last link, by
-/// shuffles; the rounds stop when no column of the warp has another) and its end; the warps'
-/// chains meet in `staging`, where they merge in pairs and the pairs into the tile's chain
-/// ([`Chain::merge_into`]).
+/// processed logit and its min-p floor, estimate the noise of their entries at or above it and
+/// score exactly those the race's filter passes against the best estimate at that largest
+/// logit (`core::chain`: no other entry is a link), and search the warp's chain one link per
+/// round (the column's largest logit among the entries that follow the last link, and its
+/// lane's candidate; the rounds stop when no column of the warp has another); the end is the
+/// last link unless the chain outgrows its stored links. The warps' chains meet in `staging`,
+/// where they merge in pairs and the pairs into the tile's chain ([`Chain::merge_into`]).
 ///
 /// # Safety
 /// Every thread of the block calls it together; `staging` holds `CHAIN_STAGING_SLOTS · 8·NT`

@@ -758,16 +758,14 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)
         && processing.truncates()
         && !processing.top_logprobs()
         && batch * samples as usize * size_of::<Candidate>() <= CANDIDATE_BUDGET_BYTES;
+    let chains_allowed = call.variant != Variant::Auto || batch <= CHAINED_MAX_BATCH;
     let summaries = match (eligible, processing.listable, processing.chainable) {
         (true, true, _) => Summaries::Lists,
-        (true, false, true) => Summaries::Chains,
+        (true, false, true) if chains_allowed => Summaries::Chains,
         _ => return None,
     };
     let past_the_batch_limit = summaries == Summaries::Lists && lists_past_the_batch_limit(call);
     let variant = match resolved {
-        _ if summaries == Summaries::Chains && call.variant == Variant::Auto && batch > CHAINED_MAX_BATCH => {
-            return None;
-        }
         Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => resolved,
         // In place of the TMA tile the chained step measured slower than the materialised one
         // at every B (docs/PERF.md): chains only where the tile writes them as resolved.

@@ -8,10 +8,12 @@ use flashsample_core::abi::{
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::chain::{CHAIN_LINKS, Chain, Link, searched};
-use flashsample_core::estimate::{BlockEstimate, block_estimate, exact_entry, may_contend, race_threshold};
+use flashsample_core::estimate::{
+    BlockEstimate, block_estimate, contenders, exact_entry, may_contend, offer_contenders, race_threshold,
+};
 use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS, min_p_threshold};
 use flashsample_core::truncation::{TILE_TOP, TileTop, order_entry, order_word};
-use flashsample_core::{Candidate, NON_FINITE_TOKEN, block_candidate};
+use flashsample_core::{Candidate, NON_FINITE_TOKEN, RowParams, block_candidate};
 
 use crate::element::Element;
 use crate::process::TokenOutputs;
@@ -86,13 +88,33 @@ unsafe fn merge_with_lane(best: Candidate, mask: u32) -> Candidate {
     best.merge(Candidate { score, word, index })
 }
 
+/// The largest `value` over this lane and the lanes `l ^ m` for `m = first_mask, 2·first_mask,
+/// …, last_mask`; NaN if any is NaN, as in [`BlockEstimate::best`]: the best estimate of a
+/// column whose rows those lanes hold, which the race's filter compares against.
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+pub(crate) unsafe fn column_best(value: f32, first_mask: u32, last_mask: u32) -> f32 {
+    let mut best = value;
+    let mut mask = first_mask;
+    while mask <= last_mask {
+        // SAFETY: per this function's contract all 32 lanes are here together.
+        best = maximum(best, f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
+        mask <<= 1;
+    }
+    best
+}
+
 /// The epilogue of the fused tile kernels: with `tile_sums`, first the tile's log-sum-exp terms
 /// of each batch column ([`tile_column_sums`]); then for every draw, the best candidate of this
 /// block's tile for each batch column, written to `candidates`.
 ///
-/// Each thread races its four rows per column with [`block_candidate`]; lanes with the same
-/// `t` (same columns) merge over `g`; warps merge through `staging` in batches of
-/// [`SAMPLES_PER_MERGE`] draws.
+/// Each thread estimates the scores of its four rows per column ([`block_estimate`]); the
+/// lanes with the same `t` (same columns) find the column's best estimate, each scores exactly
+/// only its entries that pass the race's filter against it (`flashsample_core::estimate`:
+/// what [`block_candidate`] merged over the rows would give), and they merge over `g`; warps
+/// merge through `staging` in batches of [`SAMPLES_PER_MERGE`] draws.
 ///
 /// # Safety
 /// Every thread of the block calls it together with its own logits; `staging` holds
@@ -174,21 +196,35 @@ pub unsafe fn sample_tile<const NT: usize>(
             let mut column_slot = 0;
             while column_slot < 2 * NT {
                 let column = N_TILE * (column_slot / 2) as u32 + 2 * t + (column_slot % 2) as u32;
-                let mut best = Candidate::NONE;
                 // Columns past the batch (a batch tile wider than B) draw no noise; their lanes
                 // still join the shuffles below.
-                if col0 + column < args.batch {
+                let in_batch = col0 + column < args.batch;
+                // A column past the batch races nothing: its placeholders are never offered.
+                let mut row = RowParams { seed: 0, sequence: 0, step: 0, temperature: 1.0, greedy: 1 };
+                let mut quad = [f32::NEG_INFINITY; 4];
+                let mut estimate = BlockEstimate::plain(quad, 0);
+                if in_batch {
                     // SAFETY: `col0 + column < batch`: a row of the `[batch]` row parameters.
-                    let row = unsafe { *args.row_params.as_ptr().add((col0 + column) as usize) };
-                    let mut quad = pick(logits, column_slot);
+                    row = unsafe { *args.row_params.as_ptr().add((col0 + column) as usize) };
+                    quad = pick(logits, column_slot);
                     if args.processing.address() != 0 {
                         // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
                         quad = unsafe { process::fused_quad(args.processing, col0 + column, index0, vocab_end, quad) };
                     }
-                    best = block_candidate(&row, args.draw_offset + j, philox_block, quad, rows_valid);
+                    estimate =
+                        block_estimate(&row, args.draw_offset + j, philox_block, quad, rows_valid, arch::log2_approx);
                 }
+                // Only the entries the race's filter passes against the column's best estimate
+                // get exact scores (two software logarithms each): the winner is among them.
                 // SAFETY: every lane of the warp reaches it: the column loop's bounds are the same
                 // for all lanes.
+                let column_best = unsafe { column_best(estimate.best(), 4, 16) };
+                let mut best = Candidate::NONE;
+                if in_batch {
+                    let bits = contenders(&estimate, race_threshold(&row, column_best));
+                    offer_contenders(&mut best, &row, &estimate, quad, bits, 4 * philox_block);
+                }
+                // SAFETY: as above.
                 best = unsafe { merge_over_lanes(best, 4, 16) };
                 if g == 0 {
                     // SAFETY: slot < SAMPLES_PER_MERGE, warp < TILE_KERNEL_WARPS and column < columns:
@@ -293,12 +329,8 @@ unsafe fn write_tile_tops<const NT: usize>(
                 (top.logits[slot], top.indices[slot]) = order_entry(first);
             }
         }
-        let mut mask = 4;
-        while mask <= 16 {
-            // SAFETY: as above.
-            non_finite |= unsafe { arch::shuffle_xor(non_finite as u32, mask) } != 0;
-            mask <<= 1;
-        }
+        // SAFETY: as above.
+        let non_finite = unsafe { arch::ballot(non_finite) } & (COLUMN_LANES << t) != 0;
         if non_finite {
             // As `TileTop::offer` marks a list that was offered NaN or +∞.
             top.logits[0] = f32::NAN;

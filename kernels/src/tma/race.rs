@@ -4,7 +4,8 @@
 //! steps, composed by both epilogues over their own lane layouts:
 //! - [`estimate_quads`]: the estimates of a lane's quads, branch-free so that the scheduler
 //!   interleaves their Philox chains and logarithms;
-//! - [`column_best`]: a column's best estimate over the lanes that hold its rows;
+//! - [`column_best`] (shared with the `mma.sync` tiles' race): a column's best estimate over
+//!   the lanes that hold its rows;
 //! - `flashsample_core::estimate::offer_contenders`: a quad's contenders, exactly scored,
 //!   offered in index order (the core's own test of the filter runs the same function).
 //!
@@ -22,6 +23,7 @@ use flashsample_core::estimate::{
 };
 use flashsample_core::{Candidate, RowParams};
 
+use crate::sample::column_best;
 use crate::{arch, each_index};
 
 /// The smallest lane mask between lanes that hold the same column after
@@ -209,21 +211,4 @@ fn estimate_quads<'a, const Q: usize>(
         });
     }
     estimates
-}
-
-/// The largest `value` over this lane and the lanes `l ^ m` for `m = first_mask, 2·first_mask,
-/// …, last_mask`; NaN if any is NaN, as in [`BlockEstimate::best`].
-///
-/// # Safety
-/// All 32 lanes call it together.
-#[inline(always)]
-unsafe fn column_best(value: f32, first_mask: u32, last_mask: u32) -> f32 {
-    let mut best = value;
-    let mut mask = first_mask;
-    while mask <= last_mask {
-        // SAFETY: per this function's contract all 32 lanes are here together.
-        best = maximum(best, f32::from_bits(unsafe { arch::shuffle_xor(best.to_bits(), mask) }));
-        mask <<= 1;
-    }
-    best
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the folder `cargo xtask bundle` made (it has no Rust).
-#   bash bundle/run.sh OUT [unpack] [quick] [smoke] [tests] [portable] [processing] [verification] [demo] [example] [bench] [peers] [ncu] [ncu-processing] [iso] [sanitizer] [candle] [tp]
+#   bash bundle/run.sh OUT [unpack] [quick] [smoke] [tests] [portable] [processing] [verification] [demo] [example] [bench] [peers] [ncu] [ncu-processing] [iso] [sanitizer] [candle] [tp] [base]
 # (none named = tests portable demo bench ncu). The bundle's binaries travel compressed
 # (`NAME.xz`, so the whole bundle fits what a device call carries): every run first unpacks
 # those not unpacked yet beside them; `unpack` does only that. `tests` runs every test binary
@@ -27,7 +27,11 @@
 # speculative-decoding example (from the folder `cargo xtask bundle --candle` makes). `bench`
 # times both modules beside cuBLAS; `peers` adds torch's timings (scripts/peers.py). `tp` times
 # tensor-parallel sampling over 1, 2, 4 and 8 GPUs (as many as the machine has) beside torch's
-# all-gather of logits (scripts/tp_peers.py).
+# all-gather of logits (scripts/tp_peers.py). `base` times this build beside an earlier one in
+# the same call (BUNDLE/base/flashsample.xz: the `flashsample.xz` of that build's bundle, copied
+# in by hand): both modules, both headline shapes, B = 1 to 256, every processing mode, cuBLAS;
+# it writes this / base for every row both time to OUT/base-ratios.csv and prints the range of
+# the ratios per module and variant.
 # Logs and CSVs go to OUT; a summary table is printed last.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -175,6 +179,41 @@ for stage in $stages; do
         peers=""
         [ -f "$out/peers.csv" ] && peers="--peers '$out/peers.csv'"
         step bench timeout 480 bash -c "LD_LIBRARY_PATH='$libs' '$here/flashsample' bench --out '$out/bench' --modules hopper,portable --shapes 4096x151936,8192x128256 ${libs:+--cublas} $peers 2>&1 | tee -a '$out/bench.log'"
+        ;;
+    base)
+        if [ ! -f "$here/base/flashsample.xz" ]; then
+            echo "stage base: no $here/base/flashsample.xz"
+            continue
+        fi
+        [ -f "$here/base/flashsample" ] || unpack "$here/base/flashsample.xz" "$here/base/flashsample"
+        libs=$(cublas_path)
+        # The earlier build first: a clock that drifts over the call favours neither.
+        for build in base this; do
+            binary="$here/flashsample"
+            [ "$build" = base ] && binary="$here/base/flashsample"
+            step "bench $build" timeout 240 bash -c "LD_LIBRARY_PATH='$libs' '$binary' bench --out '$out/bench-$build' --modules hopper,portable --shapes 4096x151936,8192x128256 --batches 1,16,64,128,256 ${libs:+--cublas} --processing --runs 20 > '$out/bench-$build.log' 2>&1"
+        done
+        python3 - "$out/bench-this/bench.csv" "$out/bench-base/bench.csv" "$out/base-ratios.csv" <<'PY'
+import csv, sys
+def rows(path):
+    try:
+        return {(r['module'], r['dim'], r['batch'], r['variant']): float(r['median_us']) for r in csv.DictReader(open(path))}
+    except OSError as error:
+        sys.exit(f"stage base: {error}")
+this, base = rows(sys.argv[1]), rows(sys.argv[2])
+ratios = {key: this[key] / base[key] for key in this if key in base and base[key] > 0}
+with open(sys.argv[3], 'w', newline='') as f:
+    w = csv.writer(f)
+    w.writerow(['module', 'dim', 'batch', 'variant', 'this_us', 'base_us', 'this_over_base'])
+    for key, ratio in sorted(ratios.items()):
+        w.writerow([*key, this[key], base[key], f'{ratio:.3f}'])
+groups = {}
+for (module, _, _, variant), ratio in ratios.items():
+    groups.setdefault((module, variant), []).append(ratio)
+print('module variant: this / base, lowest .. highest over shapes and B')
+for (module, variant), values in sorted(groups.items()):
+    print(f'{module} {variant}: {min(values):.3f} .. {max(values):.3f}')
+PY
         ;;
     iso)
         # Kernel-only times (each kernel alone under ncu, caches flushed by ncu): ours at B = 128

@@ -187,7 +187,8 @@ for stage in $stages; do
         fi
         [ -f "$here/base/flashsample" ] || unpack "$here/base/flashsample.xz" "$here/base/flashsample"
         libs=$(cublas_path)
-        # The earlier build first: a clock that drifts over the call favours neither.
+        # One build after the other on the same machine, so that only this call's ratios are
+        # compared; the earlier build runs first.
         for build in base this; do
             binary="$here/flashsample"
             [ "$build" = base ] && binary="$here/base/flashsample"

@@ -133,8 +133,14 @@ pub const TILE_ROWS: u32 = TILE_KERNEL_WARPS * WARP_ROWS;
 pub const N_TILE: u32 = 8;
 /// Draws whose per-warp winners are staged in shared memory before one cross-warp merge.
 pub const SAMPLES_PER_MERGE: u32 = 8;
-/// Vocabulary entries per block of the unfused logits sampler (four per thread).
-pub const LOGITS_SAMPLER_TILE: u32 = TILE_KERNEL_WARPS * 32 * 4;
+/// Quads (four consecutive entries) each thread of the unfused logits sampler races per item.
+/// Several per thread let a warp filter its entries against one best estimate and amortise
+/// the item's merge over lanes and warps; the block's loads stay contiguous, quad `k` of every
+/// thread lying `k` block-widths (`TILE_KERNEL_WARPS · 32 · 4` entries) into the item.
+pub const LOGITS_SAMPLER_QUADS: u32 = 8;
+/// Vocabulary entries per item (block tile) of the unfused logits sampler; one candidate per
+/// (row, draw, item).
+pub const LOGITS_SAMPLER_TILE: u32 = TILE_KERNEL_WARPS * 32 * 4 * LOGITS_SAMPLER_QUADS;
 /// f32 scratch per warp of the SIMT fused kernel (32 rows × 8 columns of logits), placed in
 /// shared memory after the candidate staging.
 pub const SIMT_WARP_SCRATCH_FLOATS: u32 = 32 * 8;
@@ -488,6 +494,13 @@ pub struct LogitsSamplerArgs {
     pub logits: DevicePtr<f32>,
     /// `[batch]` row parameters.
     pub row_params: DevicePtr<RowParams>,
+    /// `[batch]` the rows' processing, with [`LogitsSamplerArgs::row_states`]; or null.
+    pub processing: DevicePtr<RowProcessing>,
+    /// `[batch]` the processing pipeline's row states after the rows' selections (one shard,
+    /// no exchange), or null. When set, each row races only the entries its keep rule keeps,
+    /// the rest as −∞: what the pipeline's `Apply` step would have written, which a call
+    /// without log-probabilities then skips (one read and one write of every logit fewer).
+    pub row_states: DevicePtr<ProcessRowState>,
     /// `[batch · samples · tiles]` candidates, written in [`FusedArgs::candidates`]' layout
     /// ([`candidate_slot`]).
     pub candidates: DevicePtr<Candidate>,

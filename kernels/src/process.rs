@@ -521,8 +521,36 @@ unsafe fn truncation_max(item: &Item) -> Option<f32> {
         let (max_key, non_finite) = extrema(item);
         (*max_key, *non_finite)
     };
+    truncated_max(max_key, non_finite)
+}
+
+/// The largest logit of a truncating row from its merged extrema (its `order_key` and
+/// non-finite flag): `None` where the row keeps every entry (a NaN or +∞ logit, or every
+/// logit −∞).
+#[inline(always)]
+fn truncated_max(max_key: u32, non_finite: u32) -> Option<f32> {
     let max = key_logit(max_key);
     (non_finite == 0 && max > f32::NEG_INFINITY).then_some(max)
+}
+
+/// The keep rule [`ProcessStep::Apply`] applies to a row of one shard without an exchange,
+/// from the row's state after its selections: for the logits sampler, which applies it
+/// itself where the pipeline skips that step.
+///
+/// # Safety
+/// `state` is the row's, after the row's selections, not written while this reads it.
+#[inline(always)]
+pub(crate) unsafe fn kept_by_state(params: &RowParams, p: &RowProcessing, state: *const ProcessRowState) -> KeepRule {
+    if !truncates(params, p) {
+        return KeepRule::ALL;
+    }
+    // SAFETY: the row's state (this function's contract).
+    let (max_key, non_finite) = unsafe { ((*state).max_key, (*state).non_finite) };
+    match truncated_max(max_key, non_finite) {
+        // SAFETY: as above.
+        Some(max) => unsafe { keep_rule(max, params, p, state, None) },
+        None => KeepRule::ALL,
+    }
 }
 
 /// The row's keep rule with the cuts of the selections before `before` (all of them with

@@ -2,18 +2,18 @@
 //! unfused logits sampler, the merge kernel, and the winners' logits of a fused call.
 
 use flashsample_core::abi::{
-    FusedArgs, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs, RowSums, SAMPLES_PER_MERGE, ShardWinner,
-    TILE_KERNEL_WARPS, TopLogprob, WINNER_LOGITS_THREADS, WinnerLogitsArgs, candidate_pair, candidate_slot,
-    fused_mma_shared_bytes,
+    FusedArgs, LOGITS_SAMPLER_QUADS, LOGITS_SAMPLER_TILE, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs,
+    RowSums, SAMPLES_PER_MERGE, ShardWinner, TILE_KERNEL_WARPS, TopLogprob, WINNER_LOGITS_THREADS, WinnerLogitsArgs,
+    candidate_pair, candidate_slot, fused_mma_shared_bytes,
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::chain::{CHAIN_LINKS, Chain, Link, searched};
 use flashsample_core::estimate::{
     BlockEstimate, block_estimate, contenders, exact_entry, may_contend, offer_contenders, race_threshold,
 };
-use flashsample_core::process::{LogSumExp, MAX_TOP_LOGPROBS, min_p_threshold};
+use flashsample_core::process::{KeepRule, LogSumExp, MAX_TOP_LOGPROBS, min_p_threshold};
 use flashsample_core::truncation::{TILE_TOP, TileTop, order_entry, order_word};
-use flashsample_core::{Candidate, NON_FINITE_TOKEN, RowParams, block_candidate};
+use flashsample_core::{Candidate, NON_FINITE_TOKEN, RowParams};
 
 use crate::element::Element;
 use crate::process::TokenOutputs;
@@ -56,6 +56,19 @@ pub fn masked_quad(count: usize, slot: usize, quad: impl Fn(usize) -> [f32; 4]) 
         picked = [picked[0] | (q0 & mask), picked[1] | (q1 & mask), picked[2] | (q2 & mask), picked[3] | (q3 & mask)];
     });
     picked.map(f32::from_bits)
+}
+
+/// The race's estimate of a four-entry block of `row`: [`block_estimate`] for a sampling row,
+/// the logits themselves ([`BlockEstimate::plain`], its exact scores) for a greedy one, whose
+/// race needs no noise and so skips the Philox block. A branch, where the TMA race keeps
+/// `block_estimate`'s branch-free form to interleave four blocks.
+#[inline(always)]
+fn row_estimate(row: &RowParams, draw: u32, philox_block: u32, quad: [f32; 4], valid: u32) -> BlockEstimate {
+    if row.greedy != 0 {
+        BlockEstimate::plain(quad, valid)
+    } else {
+        block_estimate(row, draw, philox_block, quad, valid, arch::log2_approx)
+    }
 }
 
 /// Merges a candidate over the lanes that differ in the bits `mask ..= last_mask` (a butterfly).
@@ -113,7 +126,7 @@ pub(crate) unsafe fn column_best(value: f32, first_mask: u32, last_mask: u32) ->
 /// Each thread estimates the scores of its four rows per column ([`block_estimate`]); the
 /// lanes with the same `t` (same columns) find the column's best estimate, each scores exactly
 /// only its entries that pass the race's filter against it (`flashsample_core::estimate`:
-/// what [`block_candidate`] merged over the rows would give), and they merge over `g`; warps
+/// what [`block_candidate`](flashsample_core::block_candidate) merged over the rows would give), and they merge over `g`; warps
 /// merge through `staging` in batches of [`SAMPLES_PER_MERGE`] draws.
 ///
 /// # Safety
@@ -213,8 +226,7 @@ pub unsafe fn sample_tile<const NT: usize>(
                         // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
                         quad = unsafe { process::fused_quad(args.processing, col0 + column, index0, vocab_end, quad) };
                     }
-                    estimate =
-                        block_estimate(&row, args.draw_offset + j, philox_block, quad, rows_valid, arch::log2_approx);
+                    estimate = row_estimate(&row, args.draw_offset + j, philox_block, quad, rows_valid);
                 }
                 // Only the entries the race's filter passes against the column's best estimate
                 // get exact scores (two software logarithms each): the winner is among them.
@@ -447,7 +459,7 @@ pub unsafe fn write_tile_chains<const NT: usize>(
                 && quad.iter().any(|&logit| searched(logit, floor))
             {
                 let draw = args.draw_offset + j;
-                estimate = block_estimate(&params, draw, philox_block, quad, rows_valid, arch::log2_approx);
+                estimate = row_estimate(&params, draw, philox_block, quad, rows_valid);
                 for (&logit, &score) in quad.iter().zip(&estimate.scores) {
                     if logit == most {
                         best_at_most = best_at_most.max(score);
@@ -826,14 +838,27 @@ pub unsafe fn tile_column_sums(
     }
 }
 
-/// The unfused sampler: reads materialised logits, four per thread, and writes one candidate
-/// per (row, draw, 512-entry tile) exactly as the fused epilogue would.
+/// The unfused sampler: reads materialised logits, [`LOGITS_SAMPLER_QUADS`] quads per thread,
+/// and writes one candidate per (row, draw, [`LOGITS_SAMPLER_TILE`]-entry item): the best of
+/// the item's entries, as [`block_candidate`](flashsample_core::block_candidate) over them
+/// would pick it.
+///
+/// The race is filtered as the tiles' epilogues filter theirs (`flashsample_core::estimate`):
+/// each thread estimates the scores of its quads, the warp (one row, one draw) finds their
+/// best, and only the entries that pass the filter against it get exact scores; a quad with
+/// one runs its Philox block again for the words, which costs less than holding them.
 ///
 /// # Safety
 /// Launched with `TILE_KERNEL_WARPS · 32` threads and `LOGITS_SAMPLER_SHARED_BYTES` of shared
 /// memory; `args` describes valid device buffers, `logits_stride % 4 == 0`.
+// The quads' arrays are indexed by the unrolled loop variable, which keeps them in registers.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
+    const QUADS: usize = LOGITS_SAMPLER_QUADS as usize;
+    // Quad `k` of a thread lies `k` block-widths into the item, so each load of the block
+    // reads one contiguous run.
+    const BLOCK_ENTRIES: u32 = TILE_KERNEL_WARPS * 32 * 4;
     let thread = arch::thread_index();
     let lane = thread % 32;
     let warp = thread / 32;
@@ -842,19 +867,43 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
     while item < items {
         let tile = item % args.tiles;
         let b = item / args.tiles;
-        let row0 = (tile * TILE_KERNEL_WARPS * 32 + thread) * 4;
-        let index0 = args.vocab_offset + row0;
-        let rows_valid = args.vocab.saturating_sub(row0).min(4);
-        let logits = if rows_valid > 0 {
-            let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
-            // SAFETY: `rows_valid > 0`: `row0 < vocab`, so the four floats lie in row `b` of the
-            // logits (stride a multiple of 4, so 16-byte aligned).
-            unsafe { arch::load_global_nc_v4(address) }.map(f32::from_bits)
-        } else {
-            [f32::NEG_INFINITY; 4]
+        let first_row0 = tile * LOGITS_SAMPLER_TILE + 4 * thread;
+        let row_logits = args.logits.add(b as u64 * args.logits_stride as u64);
+        let mut quads = [[f32::NEG_INFINITY; 4]; QUADS];
+        for k in 0..QUADS {
+            let row0 = first_row0 + k as u32 * BLOCK_ENTRIES;
+            if row0 < args.vocab {
+                // SAFETY: `row0 < vocab`: the four floats lie in row `b` of the logits (stride a
+                // multiple of 4, so 16-byte aligned).
+                quads[k] =
+                    unsafe { arch::load_global_nc_v4(row_logits.add(row0 as u64).address()) }.map(f32::from_bits);
+            }
+        }
+        // The Philox block and the count of entries inside the vocabulary of quad `k`.
+        let block_of = |k: usize| {
+            let row0 = first_row0 + k as u32 * BLOCK_ENTRIES;
+            ((args.vocab_offset + row0) / 4, args.vocab.saturating_sub(row0).min(4))
         };
         // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
         let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
+        if args.row_states.address() != 0 {
+            // SAFETY: `b < batch`: row `b` of the `[batch]` processing and states, the states
+            // written by the pipeline's earlier launches only.
+            let rule = unsafe {
+                let state = args.row_states.as_ptr().add(b as usize);
+                process::kept_by_state(&row, &*args.processing.as_ptr().add(b as usize), state)
+            };
+            if rule != KeepRule::ALL {
+                each_index!(k < QUADS, {
+                    let row0 = first_row0 + k as u32 * BLOCK_ENTRIES;
+                    for r in 0..4 {
+                        if !rule.keeps(quads[k][r], args.vocab_offset + row0 + r as u32) {
+                            quads[k][r] = f32::NEG_INFINITY;
+                        }
+                    }
+                });
+            }
+        }
         let mut first = 0;
         while first < args.samples {
             for slot in 0..SAMPLES_PER_MERGE {
@@ -862,7 +911,35 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 if j >= args.samples {
                     break;
                 }
-                let best = block_candidate(&row, args.draw_offset + j, index0 / 4, logits, rows_valid);
+                let draw = args.draw_offset + j;
+                let mut scores = [[f32::NEG_INFINITY; 4]; QUADS];
+                let mut best_estimate = f32::NEG_INFINITY;
+                // Unrolled by hand: constant indices keep the arrays in registers.
+                each_index!(k < QUADS, {
+                    let (philox_block, valid) = block_of(k);
+                    let estimate = row_estimate(&row, draw, philox_block, quads[k], valid);
+                    best_estimate = maximum(best_estimate, estimate.best());
+                    scores[k] = estimate.scores;
+                });
+                // SAFETY: every lane of the warp reaches it (uniform loops); the warp's lanes
+                // all race row `b`'s draw `j`.
+                let threshold = race_threshold(&row, unsafe { column_best(best_estimate, 1, 16) });
+                // Bits `4k .. 4k + 4`: quad `k`'s contenders.
+                let mut pending = 0u32;
+                each_index!(k < QUADS, {
+                    pending |= contenders(&BlockEstimate { words: [0; 4], scores: scores[k] }, threshold) << (4 * k);
+                });
+                // A run-time loop over the few quads with contenders keeps one copy of the exact
+                // scores' code.
+                let mut best = Candidate::NONE;
+                while pending != 0 {
+                    let k = (pending.trailing_zeros() / 4) as usize;
+                    let (philox_block, valid) = block_of(k);
+                    let quad = masked_quad(QUADS, k, |i| quads[i]);
+                    let estimate = row_estimate(&row, draw, philox_block, quad, valid);
+                    offer_contenders(&mut best, &row, &estimate, quad, (pending >> (4 * k)) & 0xf, 4 * philox_block);
+                    pending &= !(0xf << (4 * k));
+                }
                 // SAFETY: every lane of the warp reaches it (uniform loops).
                 let best = unsafe { merge_over_lanes(best, 1, 16) };
                 if lane == 0 {

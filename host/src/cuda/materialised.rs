@@ -6,8 +6,8 @@
 
 use cudarc::driver::sys;
 use flashsample_core::abi::{
-    DevicePtr, LogitsArgs, LogitsSamplerArgs, ProcessArgs, ProcessRowState, ProcessStep, RawTop, RowSums,
-    SELECT_BUCKETS, Selection, ShardExchangeLayout, ShardWinner, TmaArgs,
+    DevicePtr, LogitsArgs, LogitsSamplerArgs, ProcessArgs, ProcessRowState, ProcessStep, RawTop, RowProcessing,
+    RowSums, SELECT_BUCKETS, Selection, ShardExchangeLayout, ShardWinner, TmaArgs,
 };
 use flashsample_core::registry::Kernel;
 use flashsample_core::{Candidate, RowParams};
@@ -31,6 +31,10 @@ struct LogitsSampling {
     stride: usize,
     vocab: u32,
     vocab_offset: u32,
+    /// The rows' processing and pipeline states whose keep rules the sampler applies (see
+    /// `LogitsSamplerArgs::row_states`), or null.
+    processing: DevicePtr<RowProcessing>,
+    row_states: DevicePtr<ProcessRowState>,
 }
 
 impl Kernels {
@@ -118,7 +122,13 @@ impl Kernels {
         // vocabulary (the plan checked it against the call), and only whole-vocabulary shards or
         // shards with an exchange (reduced between the segments) reach here with
         // truncations; the part holds `B` sums and top slots.
-        let reduction = unsafe { self.queue_process_segment(stream, args, selections, exchange, segment)? };
+        // Without log-probabilities and with the rows' selections in their states (no
+        // exchange), the logits sampler applies each row's keep rule itself and the pipeline
+        // ends before its `Apply` step: the step's only other work is the kept terms and the
+        // top raw entries.
+        let sampler_keeps = !call.logprobs() && exchange.is_none();
+        let reduction =
+            unsafe { self.queue_process_segment(stream, args, selections, exchange, segment, !sampler_keeps)? };
         if reduction.is_some() {
             return Ok(reduction);
         }
@@ -127,7 +137,18 @@ impl Kernels {
             (target.raw, target.processed) = (raw, processed);
         }
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
-        let sampling = LogitsSampling { logits: processed, stride: plan.stride, vocab, vocab_offset };
+        let (keep_processing, keep_states) = match sampler_keeps {
+            true => (call.processing.blocks(), states),
+            false => (DevicePtr::NULL, DevicePtr::NULL),
+        };
+        let sampling = LogitsSampling {
+            logits: processed,
+            stride: plan.stride,
+            vocab,
+            vocab_offset,
+            processing: keep_processing,
+            row_states: keep_states,
+        };
         // SAFETY: as above; the candidates of the largest pass fit the workspace.
         unsafe {
             self.queue_logits_sampling(
@@ -158,8 +179,8 @@ impl Kernels {
     }
 
     /// Queues segment `segment` of the processing pipeline of `args` (its `Entries` step), as
-    /// [`process_segment`] schedules it, and returns the reduction that ends it (`None` for
-    /// the last).
+    /// [`process_segment`] schedules it but for its `Apply` step unless `apply`, and returns
+    /// the reduction that ends it (`None` for the last).
     ///
     /// # Safety
     /// The context is current; `args` describes valid buffers as `process_rows` needs them,
@@ -172,6 +193,7 @@ impl Kernels {
         selections: u32,
         exchange: Option<(ShardExchangeLayout, DevicePtr<u8>)>,
         segment: usize,
+        apply: bool,
     ) -> Result<Option<Exchange>> {
         let histogram = |k: usize| match exchange {
             Some((layout, at)) => at.byte_add(layout.histogram(k as u32)).cast::<u64>(),
@@ -196,6 +218,7 @@ impl Kernels {
                     args.exchange_histogram = histogram(k);
                     items = args.batch as u64;
                 }
+                ProcessLaunch::Apply if !apply => continue,
                 ProcessLaunch::Apply => {
                     (args.step, args.exchange_histogram) = (ProcessStep::Apply as u32, DevicePtr::NULL);
                 }
@@ -250,6 +273,8 @@ impl Kernels {
                     let args = LogitsSamplerArgs {
                         logits: sampling.logits.add(first_row * stride),
                         row_params: launch.row_params,
+                        processing: sampling.processing.add_unless_null(first_row),
+                        row_states: sampling.row_states.add_unless_null(first_row),
                         candidates,
                         vocab: sampling.vocab,
                         logits_stride: stride as u32,
@@ -290,7 +315,14 @@ impl Kernels {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
         let vocab = call.lm_head.rows as u32;
-        let sampling = LogitsSampling { logits, stride: plan.stride, vocab, vocab_offset: 0 };
+        let sampling = LogitsSampling {
+            logits,
+            stride: plan.stride,
+            vocab,
+            vocab_offset: 0,
+            processing: DevicePtr::NULL,
+            row_states: DevicePtr::NULL,
+        };
         // SAFETY: per this function's contract.
         unsafe {
             let maps = self.tensor_maps(stream, plan.variant, &call.lm_head, &call.hidden, maps, workspace)?;

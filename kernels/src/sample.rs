@@ -123,11 +123,12 @@ pub(crate) unsafe fn column_best(value: f32, first_mask: u32, last_mask: u32) ->
 /// of each batch column ([`tile_column_sums`]); then for every draw, the best candidate of this
 /// block's tile for each batch column, written to `candidates`.
 ///
-/// Each thread estimates the scores of its four rows per column ([`block_estimate`]); the
+/// Each thread estimates the scores of its four rows per column ([`row_estimate`]); the
 /// lanes with the same `t` (same columns) find the column's best estimate, each scores exactly
 /// only its entries that pass the race's filter against it (`flashsample_core::estimate`:
-/// what [`block_candidate`](flashsample_core::block_candidate) merged over the rows would give), and they merge over `g`; warps
-/// merge through `staging` in batches of [`SAMPLES_PER_MERGE`] draws.
+/// what [`block_candidate`](flashsample_core::block_candidate) merged over the rows would
+/// give), and they merge over `g`; warps merge through `staging` in batches of
+/// [`SAMPLES_PER_MERGE`] draws.
 ///
 /// # Safety
 /// Every thread of the block calls it together with its own logits; `staging` holds

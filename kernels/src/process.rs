@@ -535,43 +535,53 @@ unsafe fn extrema(item: &Item) -> (*mut u32, *mut u32) {
 /// shard's, merged).
 #[inline(always)]
 unsafe fn truncation_max(item: &Item) -> Option<f32> {
-    if !truncates(&item.params, &item.p) {
-        return None;
-    }
-    // SAFETY: the row's words (this function's contract), not written during this launch.
-    let (max_key, non_finite) = unsafe {
-        let (max_key, non_finite) = extrema(item);
-        (*max_key, *non_finite)
-    };
-    truncated_max(max_key, non_finite)
+    // SAFETY: the row's words (this function's contract).
+    unsafe { truncation_max_at(&item.params, &item.p, extrema(item)) }
 }
 
-/// The largest logit of a truncating row from its merged extrema (its `order_key` and
-/// non-finite flag): `None` where the row keeps every entry (a NaN or +∞ logit, or every
-/// logit −∞).
+/// [`truncation_max`] of a row whose merged extrema (its largest logit's `order_key`, its
+/// non-finite flag) lie at `words`.
+///
+/// # Safety
+/// Both words are readable and not written while this reads them.
 #[inline(always)]
-fn truncated_max(max_key: u32, non_finite: u32) -> Option<f32> {
+unsafe fn truncation_max_at(params: &RowParams, p: &RowProcessing, words: (*mut u32, *mut u32)) -> Option<f32> {
+    if !truncates(params, p) {
+        return None;
+    }
+    // SAFETY: per this function's contract.
+    let (max_key, non_finite) = unsafe { (*words.0, *words.1) };
     let max = key_logit(max_key);
     (non_finite == 0 && max > f32::NEG_INFINITY).then_some(max)
 }
 
-/// The keep rule [`ProcessStep::Apply`] applies to a row of one shard without an exchange,
-/// from the row's state after its selections: for the logits sampler, which applies it
-/// itself where the pipeline skips that step.
+/// The keep rule [`ProcessStep::Apply`] applies to a row whose [`truncation_max`] is `max`:
+/// every selection's cut.
+///
+/// # Safety
+/// `state` is the row's, after its selections.
+#[inline(always)]
+unsafe fn applied_rule(
+    max: Option<f32>,
+    params: &RowParams,
+    p: &RowProcessing,
+    state: *const ProcessRowState,
+) -> KeepRule {
+    // SAFETY: per this function's contract.
+    max.map_or(KeepRule::ALL, |max| unsafe { keep_rule(max, params, p, state, None) })
+}
+
+/// [`applied_rule`] for a row of one shard without an exchange, whose extrema are in its
+/// state: for the logits sampler, which applies it itself where the pipeline skips `Apply`.
 ///
 /// # Safety
 /// `state` is the row's, after the row's selections, not written while this reads it.
 #[inline(always)]
-pub(crate) unsafe fn kept_by_state(params: &RowParams, p: &RowProcessing, state: *const ProcessRowState) -> KeepRule {
-    if !truncates(params, p) {
-        return KeepRule::ALL;
-    }
+pub(crate) unsafe fn kept_by_state(params: &RowParams, p: &RowProcessing, state: *mut ProcessRowState) -> KeepRule {
     // SAFETY: the row's state (this function's contract).
-    let (max_key, non_finite) = unsafe { ((*state).max_key, (*state).non_finite) };
-    match truncated_max(max_key, non_finite) {
-        // SAFETY: as above.
-        Some(max) => unsafe { keep_rule(max, params, p, state, None) },
-        None => KeepRule::ALL,
+    unsafe {
+        let words = (addr_of_mut!((*state).max_key), addr_of_mut!((*state).non_finite));
+        applied_rule(truncation_max_at(params, p, words), params, p, state)
     }
 }
 
@@ -978,7 +988,7 @@ unsafe fn apply(item: &Item) {
     let top_asked = log_sums && args.top.address() != 0;
     let sampling = params.greedy == 0;
     // SAFETY: the row's state and extrema, written by earlier launches only.
-    let rule = unsafe { truncation_max(item).map_or(KeepRule::ALL, |max| keep_rule(max, params, p, state, None)) };
+    let rule = unsafe { applied_rule(truncation_max(item), params, p, state) };
     let offset = slice.b as usize * args.logits_stride as usize;
     let processed = args.processed.as_mut_ptr().wrapping_add(offset);
     let mut kept = LogSumExp::EMPTY;

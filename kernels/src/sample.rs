@@ -891,7 +891,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
             // SAFETY: `b < batch`: row `b` of the `[batch]` processing and states, the states
             // written by the pipeline's earlier launches only.
             let rule = unsafe {
-                let state = args.row_states.as_ptr().add(b as usize);
+                let state = args.row_states.as_mut_ptr().add(b as usize);
                 process::kept_by_state(&row, &*args.processing.as_ptr().add(b as usize), state)
             };
             if rule != KeepRule::ALL {
@@ -925,7 +925,7 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 // SAFETY: every lane of the warp reaches it (uniform loops); the warp's lanes
                 // all race row `b`'s draw `j`.
                 let threshold = race_threshold(&row, unsafe { column_best(best_estimate, 1, 16) });
-                // Bits `4k .. 4k + 4`: quad `k`'s contenders.
+                // Bits `4k .. 4k + 4`: quad `k`'s contenders, which the scores alone decide.
                 let mut pending = 0u32;
                 each_index!(k < QUADS, {
                     pending |= contenders(&BlockEstimate { words: [0; 4], scores: scores[k] }, threshold) << (4 * k);

@@ -179,8 +179,8 @@ impl Kernels {
     }
 
     /// Queues segment `segment` of the processing pipeline of `args` (its `Entries` step), as
-    /// [`process_segment`] schedules it but for its `Apply` step unless `apply`, and returns
-    /// the reduction that ends it (`None` for the last).
+    /// [`process_segment`] schedules it (with its `Apply` step if `apply`), and returns the
+    /// reduction that ends it (`None` for the last).
     ///
     /// # Safety
     /// The context is current; `args` describes valid buffers as `process_rows` needs them,
@@ -199,7 +199,7 @@ impl Kernels {
             Some((layout, at)) => at.byte_add(layout.histogram(k as u32)).cast::<u64>(),
             None => DevicePtr::NULL,
         };
-        let (launches, end) = process_segment(selections, exchange.is_some(), segment);
+        let (launches, end) = process_segment(selections, exchange.is_some(), segment, apply);
         for launch in launches {
             let mut items = args.batch as u64 * args.slices as u64;
             match launch {
@@ -218,7 +218,6 @@ impl Kernels {
                     args.exchange_histogram = histogram(k);
                     items = args.batch as u64;
                 }
-                ProcessLaunch::Apply if !apply => continue,
                 ProcessLaunch::Apply => {
                     (args.step, args.exchange_histogram) = (ProcessStep::Apply as u32, DevicePtr::NULL);
                 }

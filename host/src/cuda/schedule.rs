@@ -41,8 +41,15 @@ pub(crate) enum SegmentEnd {
 /// keep rule. With one: the per-entry steps, ended by the extrema's reduction; per exchanged
 /// digit a segment that decides the digit before (from its reduced histograms) and adds this
 /// one's, ended by its reduction; last, the last decision, the other selections' digits and
-/// the keep rule. Past the last segment: nothing.
-pub(crate) fn process_segment(selections: u32, exchange: bool, segment: usize) -> (Vec<ProcessLaunch>, SegmentEnd) {
+/// the keep rule. Past the last segment: nothing. Without `apply` the pipeline ends before the
+/// keep rule's launch, which the logits sampler then applies itself (calls without
+/// log-probabilities and without an exchange).
+pub(crate) fn process_segment(
+    selections: u32,
+    exchange: bool,
+    segment: usize,
+    apply: bool,
+) -> (Vec<ProcessLaunch>, SegmentEnd) {
     let exchanged = |s: &Selection| exchange && s.exchanged();
     // The digits of the selections the rows need, exchanged ones or the others, in order.
     let digits = |of_exchanged: bool| -> Vec<(Selection, u32)> {
@@ -77,7 +84,9 @@ pub(crate) fn process_segment(selections: u32, exchange: bool, segment: usize) -
     for (selection, digit) in digits(false) {
         launches.push(ProcessLaunch::Select { selection, digit, histogram: None });
     }
-    launches.push(ProcessLaunch::Apply);
+    if apply {
+        launches.push(ProcessLaunch::Apply);
+    }
     (launches, SegmentEnd::Last)
 }
 
@@ -102,16 +111,17 @@ mod tests {
                     .flat_map(|s| (0..SELECT_DIGITS).map(move |d| (s, d)))
                     .collect()
             };
-            let (alone, end) = process_segment(selections, false, 0);
+            let (alone, end) = process_segment(selections, false, 0, true);
             let mut want = vec![ProcessLaunch::Entries];
             want.extend(digits(&|_| true).into_iter().map(|(selection, digit)| ProcessLaunch::Select {
                 selection,
                 digit,
                 histogram: None,
             }));
+            assert_eq!(process_segment(selections, false, 0, false), (want.clone(), SegmentEnd::Last));
             want.push(ProcessLaunch::Apply);
             assert_eq!((alone, end), (want, SegmentEnd::Last), "{selections:#b}");
-            assert_eq!(process_segment(selections, false, 1), (Vec::new(), SegmentEnd::Last));
+            assert_eq!(process_segment(selections, false, 1, true), (Vec::new(), SegmentEnd::Last));
 
             let shared = digits(&|s| s.exchanged());
             let layout = ShardExchangeLayout::of(3, selections);
@@ -120,7 +130,7 @@ mod tests {
             let mut ends = Vec::new();
             let mut launches = Vec::new();
             for segment in 0..segments {
-                let (mut some, end) = process_segment(selections, true, segment);
+                let (mut some, end) = process_segment(selections, true, segment, true);
                 launches.append(&mut some);
                 ends.push(end);
             }
@@ -140,7 +150,7 @@ mod tests {
             }));
             want.push(ProcessLaunch::Apply);
             assert_eq!(launches, want, "{selections:#b}");
-            assert_eq!(process_segment(selections, true, segments), (Vec::new(), SegmentEnd::Last));
+            assert_eq!(process_segment(selections, true, segments, true), (Vec::new(), SegmentEnd::Last));
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The staged `mma.sync` tile (sm_80 and later): a block's four warps share each chunk of `W`
 //! and `H` through shared memory, so one read of a `W` chunk from device memory serves all
 //! `8·NT` batch columns of the item. Split by role:
-//! - the producer ([`load_stage`]): every thread copies its share of a chunk's 16-byte
+//! - the producer ([`Producer`]): every thread copies its share of a chunk's 16-byte
 //!   pieces with `cp.async`, into a ring of [`STAGED_STAGES`] stages;
 //! - the pipeline ([`staged_tile`]'s main loop): up to `STAGED_STAGES − 1` chunks in flight,
 //!   one block barrier per chunk;
@@ -41,13 +41,13 @@ const THREADS: u32 = TILE_ROWS / WARP_ROWS * 32;
 
 /// The swizzle key of row `row` of a stage's `W` rows.
 #[inline(always)]
-fn w_key(row: u32) -> u32 {
+const fn w_key(row: u32) -> u32 {
     (row >> 2) & 7
 }
 
 /// The swizzle key of row `column` of a stage's `H` rows.
 #[inline(always)]
-fn h_key(column: u32) -> u32 {
+const fn h_key(column: u32) -> u32 {
     column & 7
 }
 
@@ -57,53 +57,95 @@ fn piece_address(base: u32, row: u32, piece: u32, key: u32) -> u32 {
     base + row * ROW_BYTES + ((piece ^ key) << 4)
 }
 
-/// The producer: copies chunk `chunk` (elements `64·chunk ..`) of the item's `W` rows and `H`
-/// columns into the stage at `stage` (its `W` rows, then its `H` rows). Rows past `vocab` and
-/// columns past `batch` read the last row or column (their results are never used); pieces
-/// past `dim` are zeros.
-///
-/// # Safety
-/// Every thread of the block calls it for the same chunk; `stage` is a shared-window address of
-/// `staged_stage_bytes(8·NT)` bytes that no thread reads until the copies' group is waited for
-/// and a block barrier passed; `input` describes valid 16-byte aligned matrices.
-#[inline(always)]
-unsafe fn load_stage<const NT: usize>(input: &TileInput, tile_row0: u32, stage: u32, chunk: u32, thread: u32) {
-    let k0 = chunk * STAGED_CHUNK;
-    let w_row_bytes = input.lm_head_stride as u64 * 2;
-    let h_row_bytes = input.hidden_stride as u64 * 2;
-    // `W` is streamed once, so its copies ask L2 for the span that holds the next stage's bytes
-    // of the row; `H` stays in L2 between items.
-    let copy = |base: u64, row_bytes: u64, source_row: u32, row: u32, piece: u32, key: u32, at: u32, is_w: bool| {
-        let k = k0 + 8 * piece;
-        let inside = k < input.dim;
-        let source = base + source_row as u64 * row_bytes + if inside { 2 * k as u64 } else { 0 };
-        let (destination, bytes) = (piece_address(at, row, piece, key), if inside { 16 } else { 0 });
-        if is_w {
-            // SAFETY: per this function's contract the stage is this block's and unread until the
-            // wait; the source row is clamped inside the matrix and the piece inside `dim` (or not
-            // read), 16-byte aligned (aligned rows, `dim % 8 == 0`).
-            unsafe { arch::cp_async_16_l2_256(destination, source, bytes) };
-        } else {
-            // SAFETY: per this function's contract the stage is this block's and unread until the
-            // wait; the source row is clamped inside the matrix and the piece inside `dim` (or not
-            // read), 16-byte aligned (aligned rows, `dim % 8 == 0`).
-            unsafe { arch::cp_async_16(destination, source, bytes) };
-        }
-    };
-    let mut q = thread;
-    while q < TILE_ROWS * PIECES {
-        let (row, piece) = (q / PIECES, q % PIECES);
-        let source_row = (tile_row0 + row).min(input.vocab - 1);
-        copy(input.lm_head, w_row_bytes, source_row, row, piece, w_key(row), stage, true);
-        q += THREADS;
+/// Copies of `W` pieces per thread and stage: every thread copies the same piece
+/// (`thread % PIECES`) of rows `thread / PIECES + ROW_STEP·j`.
+const W_COPIES: usize = (TILE_ROWS * PIECES / THREADS) as usize;
+/// Rows between one of a thread's copies and its next.
+const ROW_STEP: u32 = THREADS / PIECES;
+const _: () = assert!(THREADS.is_multiple_of(PIECES) && (TILE_ROWS * PIECES).is_multiple_of(THREADS));
+const _: () = assert!(W_COPIES <= 16 && STAGED_COLUMNS[1] * PIECES / THREADS <= 16);
+const _: () = assert!((STAGED_COLUMNS[0] * PIECES).is_multiple_of(THREADS));
+// A `W` row's swizzle key (bits 2–4 of the row) repeats every 32 rows and an `H` row's (bits
+// 0–2) every 8, so a thread's copies, `ROW_STEP` rows apart, need two places in a stage for `W`
+// (even and odd `j`) and one for `H`.
+const _: () = assert!((2 * ROW_STEP).is_multiple_of(32) && ROW_STEP.is_multiple_of(8));
+
+/// The producer of one item: this thread's copies of each chunk of the item's `W` rows and `H`
+/// columns into a stage (its `W` rows, then its `H` rows). Every thread copies one piece
+/// (`thread % PIECES`) of every `ROW_STEP`-th row, so the piece, its bound check against `dim`
+/// and the copies' places in a stage are fixed for the item, and each source address moves on
+/// by a chunk: a copy costs an add and a select, where recomputing each row's clamp, product
+/// and swizzle in a loop took more instructions per chunk than the multiplies.
+struct Producer<const NT: usize> {
+    /// Where this thread's next `W` and `H` pieces are read from (rows past `vocab` and columns
+    /// past `batch` read the last one; their results are never used). `h` has room for the
+    /// most copies `each_index!` makes; those past `H_COPIES` are unused.
+    w: [u64; W_COPIES],
+    h: [u64; 16],
+    /// The element of `dim` at which the next chunk's piece starts.
+    k: u32,
+    dim: u32,
+    /// A readable 16-byte aligned address in each matrix, for pieces past `dim` (zeros).
+    w_any: u64,
+    h_any: u64,
+    /// Offsets in a stage of this thread's `W` pieces of even and odd `j`, and of its first `H`
+    /// piece.
+    w_at: [u32; 2],
+    h_at: u32,
+}
+
+impl<const NT: usize> Producer<NT> {
+    /// Copies of `H` rows per thread and stage.
+    const H_COPIES: usize = 8 * NT * PIECES as usize / THREADS as usize;
+
+    /// The producer of the item whose first `W` row is `tile_row0`, at chunk 0.
+    #[inline(always)]
+    fn new(input: &TileInput, tile_row0: u32, thread: u32) -> Self {
+        let (first, piece) = (thread / PIECES, thread % PIECES);
+        let (w_row_bytes, h_row_bytes) = (input.lm_head_stride as u64 * 2, input.hidden_stride as u64 * 2);
+        let mut w = [0u64; W_COPIES];
+        each_index!(j < W_COPIES, {
+            let row = (tile_row0 + first + ROW_STEP * j as u32).min(input.vocab - 1);
+            w[j] = input.lm_head + row as u64 * w_row_bytes + 16 * piece as u64;
+        });
+        let mut h = [0u64; 16];
+        each_index!(j < Self::H_COPIES, {
+            let column = (input.col0 + first + ROW_STEP * j as u32).min(input.batch - 1);
+            h[j] = input.hidden + column as u64 * h_row_bytes + 16 * piece as u64;
+        });
+        let w_at = [0, 1].map(|odd| piece_address(0, first + ROW_STEP * odd, piece, w_key(first + ROW_STEP * odd)));
+        let h_at = TILE_ROWS * ROW_BYTES + piece_address(0, first, piece, h_key(first));
+        Producer { w, h, k: 8 * piece, dim: input.dim, w_any: input.lm_head, h_any: input.hidden, w_at, h_at }
     }
-    let h_base = stage + TILE_ROWS * ROW_BYTES;
-    let mut q = thread;
-    while q < 8 * NT as u32 * PIECES {
-        let (column, piece) = (q / PIECES, q % PIECES);
-        let source_column = (input.col0 + column).min(input.batch - 1);
-        copy(input.hidden, h_row_bytes, source_column, column, piece, h_key(column), h_base, false);
-        q += THREADS;
+
+    /// Copies the next chunk into the stage at `stage` and moves on to the chunk after it.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it for the same chunk; `stage` is a shared-window address
+    /// of `staged_stage_bytes(8·NT)` bytes that no thread reads until the copies' group is
+    /// waited for and a block barrier passed; the matrices are valid, 16-byte aligned, with
+    /// `dim % 8 == 0`.
+    #[inline(always)]
+    unsafe fn copy_next(&mut self, stage: u32) {
+        let inside = self.k < self.dim;
+        let bytes = if inside { 16 } else { 0 };
+        // `W` is streamed once, so its copies ask L2 for the span that holds the next stage's
+        // bytes of the row; `H` stays in L2 between items.
+        each_index!(j < W_COPIES, {
+            let at = stage + self.w_at[j % 2] + (j / 2) as u32 * 2 * ROW_STEP * ROW_BYTES;
+            // SAFETY: per this function's contract the stage is this block's and unread until
+            // the wait; the source is the piece of a row inside the matrix, inside `dim`, or a
+            // readable address whose 0 bytes are not read; 16-byte aligned.
+            unsafe { arch::cp_async_16_l2_256(at, if inside { self.w[j] } else { self.w_any }, bytes) };
+            self.w[j] += ROW_BYTES as u64;
+        });
+        each_index!(j < Self::H_COPIES, {
+            let at = stage + self.h_at + j as u32 * ROW_STEP * ROW_BYTES;
+            // SAFETY: as above, for a row of `H`.
+            unsafe { arch::cp_async_16(at, if inside { self.h[j] } else { self.h_any }, bytes) };
+            self.h[j] += ROW_BYTES as u64;
+        });
+        self.k += STAGED_CHUNK;
     }
 }
 
@@ -167,18 +209,26 @@ pub unsafe fn staged_tile<T: MmaElement, const NT: usize>(input: &TileInput, rin
     let (warp, lane) = (thread / 32, thread % 32);
     let tile_row0 = input.row0 - WARP_ROWS * warp - 4 * (lane / 4);
     let stage_bytes = staged_stage_bytes(8 * NT as u32);
-    let stage_at = |chunk: u32| ring + (chunk % STAGED_STAGES) * stage_bytes;
+    // The stages of the chunks being copied and multiplied, stepped round the ring one stage
+    // per chunk. Not `ring + (chunk % STAGED_STAGES)·stage_bytes`: LLVM strength-reduces that
+    // into an induction variable for every copy's and `ldmatrix`'s address, about 70 registers.
+    let ring_end = ring + STAGED_STAGES * stage_bytes;
+    let step = |at: u32| if at + stage_bytes == ring_end { ring } else { at + stage_bytes };
     let chunks = input.dim.div_ceil(STAGED_CHUNK);
+    let mut producer = Producer::<NT>::new(input, tile_row0, thread);
+    let mut copied_at = ring;
     for chunk in 0..STAGED_STAGES - 1 {
         if chunk < chunks {
             // SAFETY: every thread together (uniform bound); the ring is unused (this function's
             // contract).
-            unsafe { load_stage::<NT>(input, tile_row0, stage_at(chunk), chunk, thread) };
+            unsafe { producer.copy_next(copied_at) };
         }
         // SAFETY: bookkeeping of this thread's copies; an empty group keeps the count uniform.
         unsafe { arch::cp_async_commit() };
+        copied_at = step(copied_at);
     }
     let mut acc = [[[0.0f32; 4]; NT]; 2];
+    let mut multiplied_at = ring;
     for chunk in 0..chunks {
         // SAFETY: waits for this thread's copies of `chunk` (groups are committed one per chunk);
         // the barrier publishes every thread's and ends every warp's reads of chunk `chunk − 1`,
@@ -187,16 +237,17 @@ pub unsafe fn staged_tile<T: MmaElement, const NT: usize>(input: &TileInput, rin
             arch::cp_async_wait::<{ STAGED_STAGES - 2 }>();
             arch::sync_threads();
         }
-        let next = chunk + STAGED_STAGES - 1;
-        if next < chunks {
-            // SAFETY: every thread together; the stage of chunk `next` held chunk `chunk − 1`, which
-            // no warp reads after the barrier above.
-            unsafe { load_stage::<NT>(input, tile_row0, stage_at(next), next, thread) };
+        if chunk + STAGED_STAGES - 1 < chunks {
+            // SAFETY: every thread together; the stage of chunk `chunk + STAGED_STAGES − 1` held
+            // chunk `chunk − 1`, which no warp reads after the barrier above.
+            unsafe { producer.copy_next(copied_at) };
         }
         // SAFETY: as above.
         unsafe { arch::cp_async_commit() };
+        copied_at = step(copied_at);
         // SAFETY: all lanes together after the wait and barrier above.
-        unsafe { multiply_stage::<T, NT>(&mut acc, stage_at(chunk), warp, lane) };
+        unsafe { multiply_stage::<T, NT>(&mut acc, multiplied_at, warp, lane) };
+        multiplied_at = step(multiplied_at);
     }
     // SAFETY: only empty groups remain; the barrier ends every warp's reads of the ring before
     // the caller's epilogue reuses it.

@@ -27,7 +27,8 @@
     link_llvm_intrinsics,
     core_intrinsics,
     gpu_intrinsics,
-    gpu_launch_sized_workgroup_mem
+    gpu_launch_sized_workgroup_mem,
+    stmt_expr_attributes
 )]
 #![allow(internal_features)]
 

@@ -41,7 +41,8 @@ const GATHERED_BUCKETS: usize = 8;
 /// The processing kernel's shared memory (`PROCESS_SHARED_BYTES`).
 #[repr(C)]
 pub struct ProcessShared {
-    /// A histogram per warp (the first also a digit's prefix sums and the top entries' sort).
+    /// A histogram per warp, as the low and then the high 32-bit halves of its buckets'
+    /// weights (the first warp's words also a digit's prefix sums and the top entries' sort).
     buckets: [[u64; SELECT_BUCKETS as usize]; WARPS],
     warp_lse: [LogSumExp; WARPS],
     warp_max: [f32; WARPS],
@@ -145,8 +146,10 @@ unsafe fn for_each_quad(row: *const f32, quads: (u32, u32), thread: u32, mut f: 
 #[inline(always)]
 unsafe fn for_each_entry(row: *const f32, vocab: u32, quads: (u32, u32), thread: u32, mut f: impl FnMut(u32, f32)) {
     // Scalars, not an indexed array: an array indexed in a loop the compiler leaves rolled
-    // goes to the stack.
-    let visit = |q: u32, Quad([l0, l1, l2, l3]): Quad| {
+    // goes to the stack. Inlined always: a visit LLVM leaves as a call passes the caller's
+    // closure state through the stack.
+    let visit = #[inline(always)]
+    |q: u32, Quad([l0, l1, l2, l3]): Quad| {
         let i = 4 * q;
         if i < vocab {
             f(i, l0);
@@ -288,14 +291,16 @@ impl Slice {
         // gathered per bucket in registers for the first `GATHERED_BUCKETS` distinct buckets
         // it meets, not single entries: a leading digit puts most of a row in a few buckets,
         // whose shared atomics would otherwise queue.
-        let own = buckets.wrapping_add((self.thread / 32) as usize * SELECT_BUCKETS as usize);
-        let add = |bucket: u32, weight: u64| {
-            if weight > 0 {
-                // SAFETY: a bucket of the warp's histogram, only accessed atomically until the
-                // barrier below.
-                unsafe { AtomicU64::from_ptr(own.add(bucket as usize)) }.fetch_add(weight, Ordering::Relaxed);
-            }
-        };
+        //
+        // A warp's histogram is two arrays of 32-bit words, the low and the high halves of its
+        // buckets' weights: shared memory adds 32-bit words natively, 64-bit ones only by a
+        // compare-and-swap loop. A low half that wraps carries one into the high half, so every
+        // bucket's weight is its exact 64-bit sum.
+        let low = buckets.wrapping_add((self.thread / 32) as usize * SELECT_BUCKETS as usize) as *mut u32;
+        let high = low.wrapping_add(SELECT_BUCKETS as usize);
+        // SAFETY: a bucket of the warp's histogram, only accessed atomically until the barrier
+        // below.
+        let add = |bucket: u32, weight: u64| unsafe { add_to_halves(low, high, bucket as usize, weight) };
         // `NO_BUCKET` marks a free slot; slots fill in order, so a free one has none taken
         // after it.
         const NO_BUCKET: u32 = u32::MAX;
@@ -335,9 +340,13 @@ impl Slice {
         if self.thread < SELECT_BUCKETS {
             let mut weight = 0u64;
             for w in 0..WARPS {
-                // SAFETY: bucket `thread` of warp `w`'s histogram, written before the barrier
-                // above.
-                weight += unsafe { *buckets.add(w * SELECT_BUCKETS as usize + self.thread as usize) };
+                // SAFETY: bucket `thread` of warp `w`'s histogram (its halves), written before
+                // the barrier above.
+                let (low, high) = unsafe {
+                    let halves = buckets.add(w * SELECT_BUCKETS as usize) as *const u32;
+                    (*halves.add(self.thread as usize), *halves.add((SELECT_BUCKETS + self.thread) as usize))
+                };
+                weight += (high as u64) << 32 | low as u64;
             }
             if weight > 0 {
                 // SAFETY: a word of the row's histogram, only accessed atomically (this
@@ -443,6 +452,27 @@ impl Slice {
         let slots = unsafe { addr_of_mut!((*self.shared).warp_lse) } as *mut LogSumExp;
         // SAFETY: every thread of the block together (this function's contract).
         unsafe { merge_lse_over_block(lse, temperature, slots, WARPS) }
+    }
+}
+
+/// Adds `weight` to bucket `bucket` of a histogram kept as the low (`low`) and high (`high`)
+/// 32-bit halves of its buckets' weights, carrying one into the high half when the low one
+/// wraps.
+///
+/// # Safety
+/// Both words of the bucket are valid and, while any thread adds to them, accessed only
+/// atomically.
+#[inline(always)]
+unsafe fn add_to_halves(low: *mut u32, high: *mut u32, bucket: usize, weight: u64) {
+    let (weight_low, mut weight_high) = (weight as u32, (weight >> 32) as u32);
+    if weight_low > 0 {
+        // SAFETY: per this function's contract.
+        let before = unsafe { AtomicU32::from_ptr(low.add(bucket)) }.fetch_add(weight_low, Ordering::Relaxed);
+        weight_high += before.checked_add(weight_low).is_none() as u32;
+    }
+    if weight_high > 0 {
+        // SAFETY: per this function's contract.
+        unsafe { AtomicU32::from_ptr(high.add(bucket)) }.fetch_add(weight_high, Ordering::Relaxed);
     }
 }
 

@@ -403,10 +403,12 @@ pub const TOP_P_UNIT_SCALE: f32 = 4_294_967_296.0;
 /// largest, in whole units of 2⁻³² (truncated). Integer sums are exact in any order, so every
 /// backend, tile order and shard split finds the same cut; the cut is vLLM's on these masses
 /// (it differs from the real-number one only where the cumulative mass is within V · 2⁻³² of
-/// the largest entry's weight of `p` times the total).
+/// the largest entry's weight of `p` times the total). `logit ≤ max_logit`, so the exponential
+/// is the straight-line one for non-positive arguments, computed once per entry of a selection's
+/// digit on the GPU.
 #[inline(always)]
 pub fn top_p_units(logit: f32, max_logit: f32, temperature: f32) -> u64 {
-    (exp((logit - max_logit) / temperature) * TOP_P_UNIT_SCALE) as u64
+    (exp_non_positive((logit - max_logit) / temperature) * TOP_P_UNIT_SCALE) as u64
 }
 
 /// The mass top-p's prefix must reach: `⌈p · total⌉` units, computed exactly for

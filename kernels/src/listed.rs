@@ -23,7 +23,7 @@
 //! entries (the CPU's definition): the same min-p cut, the k-th value with its ties, the
 //! shortest prefix reaching top-p's target.
 
-use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU32, Ordering};
 
 use flashsample_core::abi::{
     DevicePtr, LISTED_CACHED_TILES, LISTED_DIGIT_BUCKETS, LISTED_SHARED_BYTES, LISTED_THREADS, RowProcessing,
@@ -35,7 +35,7 @@ use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, RowParams, block_candidate};
 
 use crate::arch;
-use crate::process::fused_quad;
+use crate::process::{add_to_halves, fused_quad};
 use crate::sample::merge_over_lanes;
 
 const WARPS: usize = (LISTED_THREADS / 32) as usize;
@@ -46,7 +46,8 @@ const DIGIT_BUCKETS: usize = LISTED_DIGIT_BUCKETS as usize;
 pub struct ListedShared {
     /// The row's first `LISTED_CACHED_TILES` lists, each in its owner thread's slots.
     cached: [TileTop; LISTED_CACHED_TILES as usize],
-    /// A digit's histogram of weights (a weighted selection's).
+    /// A digit's histogram of weights (a weighted selection's), kept as the low and then the
+    /// high 32-bit halves of its buckets' weights.
     masses: [u64; DIGIT_BUCKETS],
     /// A digit's histogram of counts (a counting selection's: 32-bit shared atomics, which
     /// the hardware adds natively, where many entries share a bucket).
@@ -457,7 +458,11 @@ unsafe fn radix_select<const WEIGHTED: bool, E: Entries>(
                 (*shared).counts[thread as usize] = 0;
             }
             arch::sync_threads();
-            let masses = &raw mut (*shared).masses as *mut u64;
+            // The masses as the low and then the high 32-bit halves of the buckets' weights
+            // (`add_to_halves`): shared memory adds 32-bit words natively, 64-bit ones only by
+            // a compare-and-swap loop.
+            let low = &raw mut (*shared).masses as *mut u32;
+            let high = low.add(DIGIT_BUCKETS);
             let counts = &raw mut (*shared).counts as *mut u32;
             entries.for_each(thread, |logit, index| {
                 if let Some((key, weight)) = key_of(logit, index) {
@@ -465,14 +470,17 @@ unsafe fn radix_select<const WEIGHTED: bool, E: Entries>(
                     let higher = if digit == 0 { 0 } else { (key ^ prefix) >> (shift + 8) };
                     let bucket = ((key >> shift) & 0xff) as usize;
                     if higher == 0 && WEIGHTED && weight > 0 {
-                        AtomicU64::from_ptr(masses.add(bucket)).fetch_add(weight, Ordering::Relaxed);
+                        add_to_halves(low, high, bucket, weight);
                     } else if higher == 0 && !WEIGHTED {
                         AtomicU32::from_ptr(counts.add(bucket)).fetch_add(1, Ordering::Relaxed);
                     }
                 }
             });
             arch::sync_threads();
-            let bucket_weight = |bucket: usize| if WEIGHTED { *masses.add(bucket) } else { *counts.add(bucket) as u64 };
+            let bucket_weight = |bucket: usize| match WEIGHTED {
+                true => (*high.add(bucket) as u64) << 32 | *low.add(bucket) as u64,
+                false => *counts.add(bucket) as u64,
+            };
             // Warp 0 decides: lane `l` holds buckets `255 − 8l` down to `248 − 8l`, and the
             // lane whose run of weights (from the top) reaches the remaining target walks its
             // own.

@@ -463,7 +463,7 @@ impl Slice {
 /// Both words of the bucket are valid and, while any thread adds to them, accessed only
 /// atomically.
 #[inline(always)]
-unsafe fn add_to_halves(low: *mut u32, high: *mut u32, bucket: usize, weight: u64) {
+pub(crate) unsafe fn add_to_halves(low: *mut u32, high: *mut u32, bucket: usize, weight: u64) {
     let (weight_low, mut weight_high) = (weight as u32, (weight >> 32) as u32);
     if weight_low > 0 {
         // SAFETY: per this function's contract.

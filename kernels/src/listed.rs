@@ -35,7 +35,7 @@ use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, RowParams, block_candidate};
 
 use crate::arch;
-use crate::process::{add_to_halves, fused_quad};
+use crate::process::{add_to_halves, fused_quad, halves_weight};
 use crate::sample::merge_over_lanes;
 
 const WARPS: usize = (LISTED_THREADS / 32) as usize;
@@ -478,7 +478,7 @@ unsafe fn radix_select<const WEIGHTED: bool, E: Entries>(
             });
             arch::sync_threads();
             let bucket_weight = |bucket: usize| match WEIGHTED {
-                true => (*high.add(bucket) as u64) << 32 | *low.add(bucket) as u64,
+                true => halves_weight(low, high, bucket),
                 false => *counts.add(bucket) as u64,
             };
             // Warp 0 decides: lane `l` holds buckets `255 − 8l` down to `248 − 8l`, and the

@@ -342,11 +342,10 @@ impl Slice {
             for w in 0..WARPS {
                 // SAFETY: bucket `thread` of warp `w`'s histogram (its halves), written before
                 // the barrier above.
-                let (low, high) = unsafe {
-                    let halves = buckets.add(w * SELECT_BUCKETS as usize) as *const u32;
-                    (*halves.add(self.thread as usize), *halves.add((SELECT_BUCKETS + self.thread) as usize))
+                weight += unsafe {
+                    let low = buckets.add(w * SELECT_BUCKETS as usize) as *const u32;
+                    halves_weight(low, low.add(SELECT_BUCKETS as usize), self.thread as usize)
                 };
-                weight += (high as u64) << 32 | low as u64;
             }
             if weight > 0 {
                 // SAFETY: a word of the row's histogram, only accessed atomically (this
@@ -474,6 +473,16 @@ pub(crate) unsafe fn add_to_halves(low: *mut u32, high: *mut u32, bucket: usize,
         // SAFETY: per this function's contract.
         unsafe { AtomicU32::from_ptr(high.add(bucket)) }.fetch_add(weight_high, Ordering::Relaxed);
     }
+}
+
+/// The weight of bucket `bucket` of a histogram kept as halves ([`add_to_halves`]).
+///
+/// # Safety
+/// Both words of the bucket are valid, and no thread adds to them while this reads them.
+#[inline(always)]
+pub(crate) unsafe fn halves_weight(low: *const u32, high: *const u32, bucket: usize) -> u64 {
+    // SAFETY: per this function's contract.
+    unsafe { (*high.add(bucket) as u64) << 32 | *low.add(bucket) as u64 }
 }
 
 /// A block's log-sum-exp terms (one per thread) merged in lane, then warp order, through a

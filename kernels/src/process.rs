@@ -108,8 +108,9 @@ pub unsafe fn fused_quad(
 struct Quad([f32; 4]);
 
 /// Calls `f(q, quad)` for this thread's quads `q` of the row at `row` among the quads
-/// `quads.0 .. quads.1`: `quads.0 + thread`, then every `PROCESS_THREADS`-th, two of them
-/// loaded before either is used, so that each block keeps enough loads in flight.
+/// `quads.0 .. quads.1`: `quads.0 + thread`, then every `PROCESS_THREADS`-th, two at a time,
+/// each pair loaded while the one before it is used, so that each block keeps enough loads in
+/// flight.
 ///
 /// # Safety
 /// `row` is 16-byte aligned and readable up to its quad `quads.1`.
@@ -124,16 +125,20 @@ unsafe fn for_each_quad(row: *const f32, quads: (u32, u32), thread: u32, mut f: 
             Quad([f32::NEG_INFINITY; 4])
         }
     };
+    // The next pair is loaded before this one is used: a digit's per-entry work (a mass, the
+    // histogram's adds) would otherwise leave the loads idle while it runs.
     let mut first = start + thread;
+    let mut pair = (load(first), load(first + PROCESS_THREADS));
     while first < end {
-        let second = first + PROCESS_THREADS;
-        let (a, b) = (load(first), load(second));
+        let (second, next) = (first + PROCESS_THREADS, first + 2 * PROCESS_THREADS);
+        let (a, b) = pair;
+        pair = (load(next), load(next + PROCESS_THREADS));
         f(first, a);
         // A quad past the slice may still lie inside the row: it is another slice's.
         if second < end {
             f(second, b);
         }
-        first += 2 * PROCESS_THREADS;
+        first = next;
     }
 }
 
@@ -262,7 +267,9 @@ impl Slice {
 
     /// Adds the weights of the slice's entries `i` of `row` with `member(i, logit) =
     /// Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
-    /// the histogram to `row_histogram`.
+    /// the histogram to `row_histogram`. With `gather` each thread first gathers the weights
+    /// of the first [`GATHERED_BUCKETS`] distinct buckets it meets in registers: for a leading
+    /// digit over logits, whose entries crowd into a few buckets.
     ///
     /// # Safety
     /// Every thread of the block calls it together; `row` as [`Slice::for_each`];
@@ -275,6 +282,7 @@ impl Slice {
         member: impl Fn(u32, f32) -> Option<u32>,
         weight: impl Fn(f32) -> u64,
         row_histogram: *mut u64,
+        gather: bool,
     ) {
         // SAFETY: the buckets lie inside the block's shared memory (`PROCESS_SHARED_BYTES`).
         let buckets = unsafe { addr_of_mut!((*self.shared).buckets) } as *mut u64;
@@ -287,10 +295,12 @@ impl Slice {
         }
         // SAFETY: every thread of the block reaches it (this function's contract).
         unsafe { arch::sync_threads() };
-        // Each warp adds to a histogram of its own, and each thread adds the weights it
-        // gathered per bucket in registers for the first `GATHERED_BUCKETS` distinct buckets
-        // it meets, not single entries: a leading digit puts most of a row in a few buckets,
-        // whose shared atomics would otherwise queue.
+        // Each warp adds to a histogram of its own, and with `gather` each thread adds the
+        // weights it gathered per bucket in registers for the first `GATHERED_BUCKETS`
+        // distinct buckets it meets, not single entries: a leading digit puts most of a row
+        // in a few buckets, whose shared atomics would otherwise queue. A later digit spreads
+        // its members over the buckets, where comparing with eight slots costs more than the
+        // adds it saves (measured).
         //
         // A warp's histogram is two arrays of 32-bit words, the low and the high halves of its
         // buckets' weights: shared memory adds 32-bit words natively, 64-bit ones only by a
@@ -315,7 +325,7 @@ impl Slice {
                         return;
                     }
                     let bucket = (key >> shift) & (SELECT_BUCKETS - 1);
-                    let mut open = true;
+                    let mut open = gather;
                     // Unrolled by hand: constant indices keep the slots in registers.
                     each_index!(slot < GATHERED_BUCKETS, {
                         if open && (gathered[slot] == bucket || gathered[slot] == NO_BUCKET) {
@@ -849,29 +859,32 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
     let global = |i: u32| args.vocab_offset + i;
     let kept = move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, global(i))).then(|| order_key(l));
     let one = |_: f32| 1u64;
+    // A leading digit of logits gathers per thread first; a tie selection's keys are indices,
+    // spread over every bucket.
+    let leading = args.digit == 0;
     // SAFETY: in every arm, every thread of the block together (uniform conditions); the
     // rows' logits, padded to the stride; the row's histogram.
     unsafe {
         match selection {
             Selection::TopK => {
-                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), one, histogram)
+                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), one, histogram, leading)
             }
             Selection::TopP => {
                 let units = |l: f32| top_p_units(l, max, params.temperature);
-                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), units, histogram)
+                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), units, histogram, leading)
             }
             Selection::TopPTie => {
                 let last = keys[Selection::TopP as usize];
                 let tie = |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !global(i)).filter(in_prefix);
-                slice.add_histogram(processed, shift, tie, one, histogram)
+                slice.add_histogram(processed, shift, tie, one, histogram, false)
             }
             Selection::TopRaw => {
-                slice.add_histogram(raw, shift, |_, l| Some(order_key(l)).filter(in_prefix), one, histogram)
+                slice.add_histogram(raw, shift, |_, l| Some(order_key(l)).filter(in_prefix), one, histogram, leading)
             }
             Selection::TopRawTie => {
                 let last = keys[Selection::TopRaw as usize];
                 let tie = |i: u32, l: f32| (order_key(l) == last).then_some(!i).filter(in_prefix);
-                slice.add_histogram(raw, shift, tie, one, histogram)
+                slice.add_histogram(raw, shift, tie, one, histogram, false)
             }
         }
     }

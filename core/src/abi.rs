@@ -877,11 +877,16 @@ pub struct ProcessArgs {
     /// SELECT_BUCKETS]` histograms of this launch's digit, which [`ProcessStep::Select`] adds
     /// to and [`ProcessStep::Decide`] reads once every shard's adds are in.
     pub exchange_histogram: DevicePtr<u64>,
+    /// `[batch, MEMBER_CAPACITY]` column indices: the members a selection's
+    /// [`ProcessStep::Gather`] lists for its [`ProcessStep::Resolve`].
+    pub members: DevicePtr<u32>,
 }
 
 /// What one launch of the processing kernel does ([`ProcessArgs::step`]). A pipeline runs
 /// `Entries`, then the digits of the selections any row needs (in [`Selection`] order), then
-/// `Apply`.
+/// `Apply`. A selection its shard decides alone ([`Selection::listed`]) runs its first
+/// [`LISTED_AFTER_DIGITS`] digits, then `Gather` and `Resolve`, which also make its tie
+/// selection.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProcessStep {
@@ -896,7 +901,25 @@ pub enum ProcessStep {
     /// With an exchange: one block per row picks a digit of a [`Selection::exchanged`]
     /// selection from the histograms every shard added to.
     Decide = 3,
+    /// After a selection's first [`LISTED_AFTER_DIGITS`] digits: each slice lists the
+    /// column indices of its entries still in play (their key's decided prefix) in the row's
+    /// [`ProcessArgs::members`], the first [`MEMBER_CAPACITY`] of them, counting all.
+    Gather = 4,
+    /// One block per row finishes a selection from its gathered members, or from the whole row
+    /// where they were more than [`MEMBER_CAPACITY`]: its remaining digits, then its tie
+    /// selection's, each as [`ProcessStep::Select`] would pick them.
+    Resolve = 5,
 }
+
+/// Digits a [`Selection::listed`] selection decides over the row before its members are
+/// gathered: after two, the members share 16 bits of their key (for top-p 0.9 over the
+/// benchmark's rows at V = 151,936, 152 of them; for top-k 50, 4), and the later digits and
+/// the tie selection read them instead of the row.
+pub const LISTED_AFTER_DIGITS: u32 = 2;
+
+/// Members a row's list holds ([`ProcessStep::Gather`]); a row with more resolves over its
+/// whole row.
+pub const MEMBER_CAPACITY: u32 = 4096;
 
 /// The order statistics a row may need, each found by a radix selection over
 /// `crate::process::order_key`, four 8-bit digits, in this order (each may use the ones
@@ -936,6 +959,22 @@ impl Selection {
     /// The selection's bit in [`ProcessRowState::found`] and [`ProcessRowState::ended`].
     pub const fn bit(self) -> u32 {
         1 << self as u32
+    }
+
+    /// Whether a pipeline (with an exchange or without) decides the selection by listing its
+    /// members after [`LISTED_AFTER_DIGITS`] digits: every selection its shard decides alone
+    /// but the tie selections, which the parent's [`ProcessStep::Resolve`] makes.
+    pub const fn listed(self, exchange: bool) -> bool {
+        !matches!(self, Selection::TopPTie | Selection::TopRawTie) && !(exchange && self.exchanged())
+    }
+
+    /// The tie selection a selection's [`ProcessStep::Resolve`] makes after it.
+    pub const fn tie(self) -> Option<Selection> {
+        match self {
+            Selection::TopP => Some(Selection::TopPTie),
+            Selection::TopRaw => Some(Selection::TopRawTie),
+            Selection::TopK | Selection::TopPTie | Selection::TopRawTie => None,
+        }
     }
 
     /// Whether vocabulary shards decide the selection together (a truncation: its cut is a
@@ -1031,8 +1070,11 @@ pub struct ProcessRowState {
     /// The gathered entries in arrival order (at most `MAX_TOP_LOGPROBS`), which the row's
     /// last slice sorts into [`ProcessArgs::top`].
     pub top: [RawTop; crate::process::MAX_TOP_LOGPROBS as usize],
+    /// The running selection's members [`ProcessStep::Gather`] found (all of them, listed or
+    /// not); its [`ProcessStep::Resolve`] sets it back to 0.
+    pub members: u32,
     /// Padding to a whole multiple of 128 bytes.
-    pub padding: [u32; 6],
+    pub padding: [u32; 5],
 }
 
 const _: () = assert!(core::mem::size_of::<ProcessRowState>().is_multiple_of(128));

@@ -17,8 +17,9 @@ use core::ptr::{addr_of_mut, read_volatile};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use flashsample_core::abi::{
-    DevicePtr, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs, ProcessRowState, ProcessStep, RawTop, RowProcessing,
-    RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardMergeArgs, ShardWinner, TopLogprob,
+    DevicePtr, LISTED_AFTER_DIGITS, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs,
+    ProcessRowState, ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection,
+    ShardMergeArgs, ShardWinner, TopLogprob,
 };
 use flashsample_core::process::{
     KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, dense_step, key_logit,
@@ -244,6 +245,19 @@ impl Slice {
         }
     }
 
+    /// The whole of row `b` as one slice, for a step with one block per row.
+    fn whole_row(args: &ProcessArgs, shared: *mut ProcessShared, b: u32) -> Slice {
+        Slice {
+            shared,
+            b,
+            index: 0,
+            slices: 1,
+            quads: (0, args.vocab.div_ceil(4)),
+            vocab: args.vocab,
+            thread: arch::thread_index(),
+        }
+    }
+
     /// [`for_each_entry`] over this slice of the row at `row`.
     ///
     /// # Safety
@@ -265,19 +279,19 @@ impl Slice {
         unsafe { map_entries(from, to, self.vocab, self.quads, self.thread, f) }
     }
 
-    /// Adds the weights of the slice's entries `i` of `row` with `member(i, logit) =
-    /// Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
+    /// Adds the weights of the block's `entries` `i` with `member(i, logit) = Some(key)` to
+    /// bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
     /// the histogram to `row_histogram`. With `gather` each thread first gathers the weights
     /// of the first [`GATHERED_BUCKETS`] distinct buckets it meets in registers: for a leading
     /// digit over logits, whose entries crowd into a few buckets.
     ///
     /// # Safety
-    /// Every thread of the block calls it together; `row` as [`Slice::for_each`];
+    /// Every thread of the block calls it together; `entries` are readable;
     /// `row_histogram` holds `SELECT_BUCKETS` words, only accessed atomically meanwhile.
     #[inline(always)]
     unsafe fn add_histogram(
         &self,
-        row: *const f32,
+        entries: &impl Entries,
         shift: u32,
         member: impl Fn(u32, f32) -> Option<u32>,
         weight: impl Fn(f32) -> u64,
@@ -318,7 +332,7 @@ impl Slice {
         let mut weights = [0u64; GATHERED_BUCKETS];
         // SAFETY: per this function's contract.
         unsafe {
-            self.for_each(row, |i, l| {
+            entries.each(|i, l| {
                 if let Some(key) = member(i, l) {
                     let w = weight(l);
                     if w == 0 {
@@ -674,7 +688,7 @@ unsafe fn keep_rule(
 /// `Select` and `Decide`; `1 ≤ slices ≤ ⌈vocab / 4⌉` and `batch · slices < 2³²`.
 #[inline(always)]
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
-    let per_row = args.step == ProcessStep::Decide as u32;
+    let per_row = args.step == ProcessStep::Decide as u32 || args.step == ProcessStep::Resolve as u32;
     let items = if per_row { args.batch } else { args.batch * args.slices };
     let mut index = arch::block_index();
     while index < items {
@@ -699,7 +713,13 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
             } else if args.step == ProcessStep::Apply as u32 {
                 apply(&item);
             } else if let Some(selection) = Selection::from_u32(args.selection) {
-                select_digit(&item, selection);
+                if args.step == ProcessStep::Gather as u32 {
+                    gather(&item, selection);
+                } else if args.step == ProcessStep::Resolve as u32 {
+                    resolve(&item, selection);
+                } else {
+                    select_digit(&item, selection);
+                }
             }
             // The next item reuses the shared memory.
             arch::sync_threads();
@@ -805,6 +825,233 @@ fn slice_slot(slice: &Slice) -> usize {
     (slice.b * slice.slices + slice.index) as usize
 }
 
+/// Whether `selection` runs for the item's row and has not ended: its row truncates (or asks
+/// for top entries), its parent found its key (a tie selection), and its members reached its
+/// target at digit 0.
+///
+/// # Safety
+/// `item.state` is the row's, not written while this reads it.
+#[inline(always)]
+unsafe fn runs(item: &Item, selection: Selection) -> bool {
+    let Item { args, p, state, .. } = item;
+    // SAFETY: the row's state and extrema (this function's contract).
+    let (found, ended, max) = unsafe { ((**state).found, (**state).ended, truncation_max(item)) };
+    let top_asked = args.slice_sums.address() != 0 && args.top.address() != 0 && p.top_logprobs > 0;
+    let runs = match selection {
+        Selection::TopK => max.is_some() && p.top_k > 0,
+        Selection::TopP => max.is_some() && p.top_p < 1.0,
+        Selection::TopPTie => max.is_some() && found & Selection::TopP.bit() != 0,
+        Selection::TopRaw => top_asked,
+        Selection::TopRawTie => top_asked && found & Selection::TopRaw.bit() != 0,
+    };
+    runs && ended & selection.bit() == 0
+}
+
+/// What a step does with the members of a selection's digit (see [`visit_members`]).
+trait MemberVisitor {
+    /// `raw`: the members lie in the raw logits (else the processed ones); `member(i,
+    /// logit)`: entry `i`'s key if it is a member; `weight(logit)`: a member's weight;
+    /// `gather`: the digit is a leading digit of logits, whose members crowd into a few
+    /// buckets.
+    ///
+    /// # Safety
+    /// As the step that calls it.
+    unsafe fn visit(
+        self,
+        raw: bool,
+        gather: bool,
+        member: impl Fn(u32, f32) -> Option<u32>,
+        weight: impl Fn(f32) -> u64,
+    );
+}
+
+/// Calls `visitor` with the members of digit `digit` of `selection` for the item's row (whose
+/// truncations apply with largest logit `max`, or −∞): the entries kept by the cuts before it,
+/// within the decided prefix of their key, weighed by count or by top-p's units. One arm per
+/// selection, so that each member test is its own closure and the loops over entries stay
+/// free of the selection's branches.
+///
+/// # Safety
+/// `item.state` is the row's, not written while this reads it; as the visitor's step.
+#[inline(always)]
+unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32, visitor: impl MemberVisitor) {
+    let Item { args, params, p, state, .. } = item;
+    let state = *state;
+    // SAFETY: the row's state (this function's contract).
+    let (prefix, keys) = unsafe { ((*state).prefix, (*state).keys) };
+    let shift = 24 - 8 * digit;
+    let in_prefix = move |key: &u32| digit == 0 || (key ^ prefix) >> (shift + 8) == 0;
+    // SAFETY: as above.
+    let rule = unsafe { keep_rule(max, params, p, state, Some(selection)) };
+    // Cuts and ties compare global indices: every shard of a row applies the same rule.
+    let vocab_offset = args.vocab_offset;
+    let global = move |i: u32| vocab_offset + i;
+    let kept = move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, global(i))).then(|| order_key(l));
+    let one = |_: f32| 1u64;
+    // A leading digit of logits gathers per thread first; a tie selection's keys are indices,
+    // spread over every bucket.
+    let leading = digit == 0;
+    // SAFETY: per this function's contract.
+    unsafe {
+        match selection {
+            Selection::TopK => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), one),
+            Selection::TopP => {
+                let temperature = params.temperature;
+                let units = move |l: f32| top_p_units(l, max, temperature);
+                visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), units)
+            }
+            Selection::TopPTie => {
+                let last = keys[Selection::TopP as usize];
+                let tie =
+                    move |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !global(i)).filter(in_prefix);
+                visitor.visit(false, false, tie, one)
+            }
+            Selection::TopRaw => visitor.visit(true, leading, move |_, l| Some(order_key(l)).filter(in_prefix), one),
+            Selection::TopRawTie => {
+                let last = keys[Selection::TopRaw as usize];
+                let tie = move |i: u32, l: f32| (order_key(l) == last).then_some(!i).filter(in_prefix);
+                visitor.visit(true, false, tie, one)
+            }
+        }
+    }
+}
+
+/// The raw and processed rows of the item's row.
+fn item_rows(item: &Item) -> (*const f32, *const f32) {
+    let offset = item.slice.b as usize * item.args.logits_stride as usize;
+    (item.args.raw.as_ptr().wrapping_add(offset), item.args.processed.as_ptr().wrapping_add(offset))
+}
+
+/// A [`MemberVisitor`] that adds a digit's histogram of the members of `entries` to
+/// `histogram` ([`Slice::add_histogram`]), gathering per thread where the digit asks for it
+/// and `may_gather` allows (a constant for each step, so that a step that never gathers
+/// holds no slots).
+struct AddHistogram<'a, E> {
+    slice: &'a Slice,
+    entries: E,
+    shift: u32,
+    histogram: *mut u64,
+    may_gather: bool,
+}
+
+impl<E: Entries> MemberVisitor for AddHistogram<'_, E> {
+    #[inline(always)]
+    unsafe fn visit(
+        self,
+        raw: bool,
+        gather: bool,
+        member: impl Fn(u32, f32) -> Option<u32>,
+        weight: impl Fn(f32) -> u64,
+    ) {
+        let source = self.entries.of_row(raw);
+        // SAFETY: as the calling step (this trait's contract).
+        unsafe {
+            self.slice.add_histogram(&source, self.shift, member, weight, self.histogram, gather && self.may_gather)
+        }
+    }
+}
+
+/// A [`MemberVisitor`] that lists the slice's members in the row's member list: the first
+/// `MEMBER_CAPACITY` to arrive, counting all of them in the row state's `members`.
+struct ListMembers<'a> {
+    item: &'a Item<'a>,
+}
+
+impl MemberVisitor for ListMembers<'_> {
+    #[inline(always)]
+    unsafe fn visit(self, raw: bool, _: bool, member: impl Fn(u32, f32) -> Option<u32>, _: impl Fn(f32) -> u64) {
+        let Item { args, slice, state, .. } = self.item;
+        let list = args.members.as_mut_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize);
+        // SAFETY: the row's member count, only accessed atomically during the launch.
+        let count = unsafe { AtomicU32::from_ptr(addr_of_mut!((**state).members)) };
+        let (raw_row, processed_row) = item_rows(self.item);
+        let row = if raw { raw_row } else { processed_row };
+        // SAFETY: the row's logits, padded to the stride; a slot below `MEMBER_CAPACITY` is
+        // this thread's alone.
+        unsafe {
+            slice.for_each(row, |i, l| {
+                if member(i, l).is_some() {
+                    let slot = count.fetch_add(1, Ordering::Relaxed);
+                    if slot < MEMBER_CAPACITY {
+                        *list.add(slot as usize) = i;
+                    }
+                }
+            })
+        }
+    }
+}
+
+/// Where a step reads a row's entries.
+trait Entries {
+    /// The same entries of the raw row (`raw`) or the processed one.
+    fn of_row(&self, raw: bool) -> impl Entries;
+
+    /// Calls `f(i, logit)` for this thread's share of the entries.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together; the rows behind it are readable.
+    unsafe fn each(&self, f: impl FnMut(u32, f32));
+}
+
+/// A block's slice of a row, in both of the row's copies.
+#[derive(Clone, Copy)]
+struct SliceEntries<'a> {
+    slice: &'a Slice,
+    rows: (*const f32, *const f32),
+    raw: bool,
+}
+
+impl Entries for SliceEntries<'_> {
+    fn of_row(&self, raw: bool) -> impl Entries {
+        SliceEntries { raw, ..*self }
+    }
+
+    #[inline(always)]
+    unsafe fn each(&self, f: impl FnMut(u32, f32)) {
+        let row = if self.raw { self.rows.0 } else { self.rows.1 };
+        // SAFETY: the slice's quads of a row of the logits (this function's contract).
+        unsafe { self.slice.for_each(row, f) }
+    }
+}
+
+/// A row's gathered members ([`ProcessStep::Gather`]), read by one block: their column
+/// indices in the list, or where there were more than `MEMBER_CAPACITY` the whole row.
+#[derive(Clone, Copy)]
+struct MemberEntries<'a> {
+    whole_row: &'a Slice,
+    rows: (*const f32, *const f32),
+    raw: bool,
+    /// The list, when it holds every member.
+    list: Option<(*const u32, u32)>,
+}
+
+impl Entries for MemberEntries<'_> {
+    fn of_row(&self, raw: bool) -> impl Entries {
+        MemberEntries { raw, ..*self }
+    }
+
+    #[inline(always)]
+    unsafe fn each(&self, mut f: impl FnMut(u32, f32)) {
+        let row = if self.raw { self.rows.0 } else { self.rows.1 };
+        match self.list {
+            Some((list, count)) => {
+                let mut k = self.whole_row.thread;
+                while k < count {
+                    // SAFETY: `k < count ≤ MEMBER_CAPACITY`: a listed column of the row.
+                    let (i, l) = unsafe {
+                        let i = *list.add(k as usize);
+                        (i, *row.add(i as usize))
+                    };
+                    f(i, l);
+                    k += PROCESS_THREADS;
+                }
+            }
+            // SAFETY: the whole row's quads (this function's contract).
+            None => unsafe { self.whole_row.for_each(row, f) },
+        }
+    }
+}
+
 /// Digit `args.digit` of `selection` for a row that runs it (and whose members still reach
 /// its target). [`ProcessStep::Select`] on one slice adds the slice's histogram: to the row
 /// state's, whose last slice to arrive then picks the digit, or for an exchanged selection
@@ -815,21 +1062,10 @@ fn slice_slot(slice: &Slice) -> usize {
 /// As [`process_rows`], for `item`, after the row's earlier steps.
 #[inline(always)]
 unsafe fn select_digit(item: &Item, selection: Selection) {
-    let Item { args, slice, params, p, state } = item;
+    let Item { args, slice, state, .. } = item;
     let state = *state;
     // SAFETY: the row's state, written by earlier launches only while this one reads it.
-    let (found, ended, prefix, keys) = unsafe { ((*state).found, (*state).ended, (*state).prefix, (*state).keys) };
-    // SAFETY: as above.
-    let max = unsafe { truncation_max(item) };
-    let top_asked = args.slice_sums.address() != 0 && args.top.address() != 0 && p.top_logprobs > 0;
-    let runs = match selection {
-        Selection::TopK => max.is_some() && p.top_k > 0,
-        Selection::TopP => max.is_some() && p.top_p < 1.0,
-        Selection::TopPTie => max.is_some() && found & Selection::TopP.bit() != 0,
-        Selection::TopRaw => top_asked,
-        Selection::TopRawTie => top_asked && found & Selection::TopRaw.bit() != 0,
-    };
-    if !runs || ended & selection.bit() != 0 {
+    if !unsafe { runs(item, selection) } {
         return;
     }
     let exchanged = args.exchange_extrema.address() != 0 && selection.exchanged();
@@ -839,60 +1075,99 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
         // SAFETY: a field of the row's state.
         false => unsafe { addr_of_mut!((*state).histogram).cast::<u64>() },
     };
-    let max = max.unwrap_or(f32::NEG_INFINITY);
+    // SAFETY: as above.
+    let max = unsafe { truncation_max(item) }.unwrap_or(f32::NEG_INFINITY);
     if args.step == ProcessStep::Decide as u32 {
         if exchanged {
             // SAFETY: every thread of the block together; every shard's adds are in (this
             // function's contract), and other shards' decisions still read them.
-            unsafe { decide_digit(item, selection, max, histogram, false) };
+            unsafe { decide_digit(item, selection, args.digit, max, histogram, false) };
         }
         return;
     }
-    let shift = 24 - 8 * args.digit;
-    let in_prefix = |key: &u32| args.digit == 0 || (key ^ prefix) >> (shift + 8) == 0;
-    let offset = slice.b as usize * args.logits_stride as usize;
-    let raw = args.raw.as_ptr().wrapping_add(offset);
-    let processed = args.processed.as_ptr().wrapping_add(offset);
-    // SAFETY: the row's state, as above.
-    let rule = unsafe { keep_rule(max, params, p, state, Some(selection)) };
-    // Cuts and ties compare global indices: every shard of a row applies the same rule.
-    let global = |i: u32| args.vocab_offset + i;
-    let kept = move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, global(i))).then(|| order_key(l));
-    let one = |_: f32| 1u64;
-    // A leading digit of logits gathers per thread first; a tie selection's keys are indices,
-    // spread over every bucket.
-    let leading = args.digit == 0;
-    // SAFETY: in every arm, every thread of the block together (uniform conditions); the
-    // rows' logits, padded to the stride; the row's histogram.
-    unsafe {
-        match selection {
-            Selection::TopK => {
-                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), one, histogram, leading)
-            }
-            Selection::TopP => {
-                let units = |l: f32| top_p_units(l, max, params.temperature);
-                slice.add_histogram(processed, shift, |i, l| kept(i, l).filter(in_prefix), units, histogram, leading)
-            }
-            Selection::TopPTie => {
-                let last = keys[Selection::TopP as usize];
-                let tie = |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !global(i)).filter(in_prefix);
-                slice.add_histogram(processed, shift, tie, one, histogram, false)
-            }
-            Selection::TopRaw => {
-                slice.add_histogram(raw, shift, |_, l| Some(order_key(l)).filter(in_prefix), one, histogram, leading)
-            }
-            Selection::TopRawTie => {
-                let last = keys[Selection::TopRaw as usize];
-                let tie = |i: u32, l: f32| (order_key(l) == last).then_some(!i).filter(in_prefix);
-                slice.add_histogram(raw, shift, tie, one, histogram, false)
-            }
-        }
-    }
+    let entries = SliceEntries { slice, rows: item_rows(item), raw: false };
+    let add = AddHistogram { slice, entries, shift: 24 - 8 * args.digit, histogram, may_gather: true };
+    // SAFETY: every thread of the block together (uniform conditions); the rows' logits,
+    // padded to the stride; the row's histogram, as above.
+    unsafe { visit_members(item, selection, args.digit, max, add) };
     // SAFETY: every thread together, once in this launch for this item.
     if !exchanged && unsafe { slice.arrive(state) } {
         // SAFETY: the last slice of the row: every other slice has added its histogram, which
         // no one reads after this decision.
-        unsafe { decide_digit(item, selection, max, histogram, true) };
+        unsafe { decide_digit(item, selection, args.digit, max, histogram, true) };
+    }
+}
+
+/// [`ProcessStep::Gather`] on one slice: lists the slice's members of `selection` after its
+/// first [`LISTED_AFTER_DIGITS`] digits.
+///
+/// # Safety
+/// As [`process_rows`], for `item`, after the selection's first digits.
+#[inline(always)]
+unsafe fn gather(item: &Item, selection: Selection) {
+    // SAFETY: the row's state, written by earlier launches only.
+    if !unsafe { runs(item, selection) } {
+        return;
+    }
+    // SAFETY: as above.
+    let max = unsafe { truncation_max(item) }.unwrap_or(f32::NEG_INFINITY);
+    // SAFETY: the row's state as above; the slice's logits, the row's list and count.
+    unsafe { visit_members(item, selection, LISTED_AFTER_DIGITS, max, ListMembers { item }) };
+}
+
+/// [`ProcessStep::Resolve`] for one row: `selection`'s digits after the first
+/// [`LISTED_AFTER_DIGITS`], then its tie selection's, each a histogram of the gathered
+/// members added to the row state's and decided as [`ProcessStep::Select`]'s last slice
+/// decides; the member count set back to 0.
+///
+/// # Safety
+/// As [`process_rows`] with one block for the row (`item.slice` its first slice), after the
+/// selection's [`ProcessStep::Gather`].
+#[inline(always)]
+unsafe fn resolve(item: &Item, selection: Selection) {
+    let Item { args, slice, state, .. } = item;
+    let state = *state;
+    // SAFETY: the row's state, written by earlier launches (then by this block's thread 0
+    // between barriers).
+    let (count, histogram) = unsafe { ((*state).members, addr_of_mut!((*state).histogram).cast::<u64>()) };
+    let whole_row = Slice::whole_row(args, slice.shared, slice.b);
+    let list = args.members.as_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize);
+    let entries = MemberEntries {
+        whole_row: &whole_row,
+        rows: item_rows(item),
+        raw: false,
+        list: (count <= MEMBER_CAPACITY).then_some((list, count)),
+    };
+    // SAFETY: the row's extrema, written by earlier launches only.
+    let max = unsafe { truncation_max(item) }.unwrap_or(f32::NEG_INFINITY);
+    // The selection's remaining digits, then its tie selection's.
+    for part in 0..2 {
+        let (s, first) = match (part, selection.tie()) {
+            (0, _) => (selection, LISTED_AFTER_DIGITS),
+            (_, Some(tie)) => (tie, 0),
+            (_, None) => break,
+        };
+        for digit in first..SELECT_DIGITS {
+            // SAFETY: the row's state: thread 0's writes are behind the barrier that ends the
+            // previous digit. Every thread reads the same words, so the loop stays uniform.
+            if !unsafe { runs(item, s) } || unsafe { (*state).found } & s.bit() != 0 {
+                break;
+            }
+            // Its digits are past the leading one: no gathering.
+            let add = AddHistogram { slice: &whole_row, entries, shift: 24 - 8 * digit, histogram, may_gather: false };
+            // SAFETY: every thread of the block together; the members' rows; the row's
+            // histogram, which only this block adds to.
+            unsafe {
+                visit_members(item, s, digit, max, add);
+                arch::sync_threads();
+                decide_digit(item, s, digit, max, histogram, true);
+                arch::sync_threads();
+            }
+        }
+    }
+    if slice.thread == 0 {
+        // SAFETY: the row's state; every thread read the count above, before the barriers.
+        unsafe { (*state).members = 0 };
     }
 }
 
@@ -909,8 +1184,8 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
 /// Every thread of the block calls it together, once every add to the row's `histogram`
 /// (`SELECT_BUCKETS` words) is visible to the block.
 #[inline(always)]
-unsafe fn decide_digit(item: &Item, selection: Selection, max: f32, histogram: *mut u64, clear: bool) {
-    let Item { args, slice, params, p, state } = item;
+unsafe fn decide_digit(item: &Item, selection: Selection, digit: u32, max: f32, histogram: *mut u64, clear: bool) {
+    let Item { slice, params, p, state, .. } = item;
     let state = *state;
     let t = slice.thread as usize;
     let top = SELECT_BUCKETS as usize - 1;
@@ -946,13 +1221,13 @@ unsafe fn decide_digit(item: &Item, selection: Selection, max: f32, histogram: *
     }
     // SAFETY: as above.
     unsafe { arch::sync_threads() };
-    let shift = 24 - 8 * args.digit;
+    let shift = 24 - 8 * digit;
     if t == 0 {
         // SAFETY: the row's state, written by this thread alone until the launch ends; the
         // decision words, read by the block after the barrier below.
         unsafe {
             let s = &mut *state;
-            if args.digit == 0 {
+            if digit == 0 {
                 let total = *sums.add(top);
                 s.target = match selection {
                     Selection::TopK => p.top_k as u64,
@@ -995,7 +1270,7 @@ unsafe fn decide_digit(item: &Item, selection: Selection, max: f32, histogram: *
             let (chosen, above) = (*decision.add(3) as u32, *decision.add(4));
             let key = s.prefix | chosen << shift;
             (s.prefix, s.above) = (key, above);
-            if args.digit + 1 == SELECT_DIGITS {
+            if digit + 1 == SELECT_DIGITS {
                 s.found |= selection.bit();
                 s.keys[selection as usize] = match selection {
                     Selection::TopPTie | Selection::TopRawTie => !key,

@@ -49,6 +49,43 @@ fn gpu_and_cpu_draw_the_same_tokens_from_exact_logits() {
     gpu_matches_cpu(&w, &h, &params, &processing, 256);
 }
 
+/// A selection resolves where its members overflow the row's list: with most of a
+/// vocabulary of 9,001 tied at one logit (every seventh entry spread around it), top-k, top-p
+/// (its tie selection by index), both with min-p, and the top raw entries cut inside the tie,
+/// whose entries share every bit of their key, far more than the `MEMBER_CAPACITY` a list
+/// holds: the resolution reads the whole row, and the GPU draws the CPU's tokens (integer
+/// inputs: exact logits), with log-probabilities within 10⁻⁵.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn selections_whose_members_overflow_the_list_resolve_over_the_row() {
+    let (vocab, dim) = (9001, 16);
+    assert!(vocab > 2 * flashsample_core::abi::MEMBER_CAPACITY as usize);
+    let spread = integer_matrix(vocab, dim, 61);
+    let values = (0..vocab * dim)
+        .map(|k| {
+            let (row, col) = (k / dim, k % dim);
+            match row % 7 {
+                0 => spread.get(row, col),
+                _ => (col == 0) as u32 as f32,
+            }
+        })
+        .collect();
+    let w = flashsample_tests::matrix_of(vocab, dim, DType::F32, values).to_dtype(DType::BF16);
+    let h = integer_matrix(6, dim, 62).to_dtype(DType::BF16);
+    let base = Processing::default;
+    let processing = vec![
+        Processing { top_k: Some(3000), ..base() },
+        Processing { top_p: 0.5, ..base() },
+        Processing { top_k: Some(6000), top_p: 0.9, ..base() },
+        Processing { min_p: 0.01, top_p: 0.7, ..base() },
+        Processing { top_logprobs: 20, top_p: 0.95, ..base() },
+        Processing { top_k: Some(1500), min_p: 0.02, top_logprobs: 5, ..base() },
+    ];
+    let params: Vec<SamplingParams> =
+        (0..processing.len()).map(|r| SamplingParams::new(2.0, 17, r as u32, 1)).collect();
+    gpu_matches_cpu(&w, &h, &params, &processing, 64);
+}
+
 /// A verification gives the CPU's emitted tokens, verdicts and log-probabilities: integer
 /// inputs make every logit exact on both backends; six sequences (plain, greedy, top-p with a
 /// repetition penalty, min-p, top-k with frequency and presence penalties, log-probabilities on

@@ -110,6 +110,7 @@ impl Kernels {
             digit: 0,
             exchange_extrema: exchange.map_or(DevicePtr::NULL, |(_, at)| at.cast()),
             exchange_histogram: DevicePtr::NULL,
+            members: base.byte_add(plan.members_at as u64).cast::<u32>(),
         };
         // Without log-probabilities no row gathers top entries: their selections would only
         // launch to return.
@@ -216,6 +217,15 @@ impl Kernels {
                 ProcessLaunch::Decide { selection, digit, histogram: k } => {
                     (args.step, args.selection, args.digit) = (ProcessStep::Decide as u32, selection as u32, digit);
                     args.exchange_histogram = histogram(k);
+                    items = args.batch as u64;
+                }
+                ProcessLaunch::Gather { selection } => {
+                    (args.step, args.selection) = (ProcessStep::Gather as u32, selection as u32);
+                    args.exchange_histogram = DevicePtr::NULL;
+                }
+                ProcessLaunch::Resolve { selection } => {
+                    (args.step, args.selection) = (ProcessStep::Resolve as u32, selection as u32);
+                    args.exchange_histogram = DevicePtr::NULL;
                     items = args.batch as u64;
                 }
                 ProcessLaunch::Apply => {

@@ -24,7 +24,8 @@
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    LOGITS_SAMPLER_TILE, ProcessRowState, RowSums, Selection, ShardExchangeLayout, ShardPartLayout, TENSOR_MAP_BYTES,
+    LOGITS_SAMPLER_TILE, MEMBER_CAPACITY, ProcessRowState, RowSums, Selection, ShardExchangeLayout, ShardPartLayout,
+    TENSOR_MAP_BYTES,
 };
 use flashsample_core::chain::Chain;
 use flashsample_core::registry::Kernel;
@@ -221,6 +222,8 @@ pub(crate) struct MaterialisedPlan {
     pub part_sums_at: usize,
     /// The processing pipeline's `[B]` row states.
     pub states_at: usize,
+    /// The processing pipeline's `[B, MEMBER_CAPACITY]` member lists.
+    pub members_at: usize,
     /// A shard's exchange with the other shards (in the target's buffer), when its rows
     /// truncate.
     pub exchange: Option<ShardExchangeLayout>,
@@ -894,9 +897,9 @@ fn process_slices(resident: usize, batch: usize, vocab: usize) -> usize {
 
 /// The materialised path's plan for `batch × samples` draws over `vocab` rows: logits
 /// (`copies` of them), candidates of the logits sampler's passes, log-sum-exp terms per slice
-/// of the processing pipeline with log-probabilities, the pipeline's row states, and the
-/// unsharded call's one part (`own_part`). Without `process_slices` (the unfused comparison)
-/// there are neither terms nor states.
+/// of the processing pipeline with log-probabilities, the pipeline's row states and member
+/// lists, and the unsharded call's one part (`own_part`). Without `process_slices` (the
+/// unfused comparison) there are neither terms nor states nor lists.
 pub(crate) fn materialised_plan(
     variant: Variant,
     vocab: usize,
@@ -916,7 +919,9 @@ pub(crate) fn materialised_plan(
     let part_sums = if logprobs { batch * sum_parts * size_of::<RowSums>() } else { 0 };
     let states_at = align(part_sums_at + part_sums);
     let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
-    let part_at = align(states_at + states);
+    let members_at = align(states_at + states);
+    let members = if process_slices.is_some() { batch * MEMBER_CAPACITY as usize * 4 } else { 0 };
+    let part_at = align(members_at + members);
     let part = match own_part {
         true => ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize,
         false => 0,
@@ -933,6 +938,7 @@ pub(crate) fn materialised_plan(
         logits_at,
         part_sums_at,
         states_at,
+        members_at,
         part_at,
         workspace_bytes: part_at + part,
     }
@@ -960,11 +966,11 @@ mod tests {
     use crate::tensor::DType;
     use flashsample_core::abi::LOGITS_SAMPLER_TILE;
 
-    /// The materialised plan's regions (maps, candidates, logits, terms, row states, the one
-    /// part) follow each other without overlap, each 64-byte aligned, and hold what the
-    /// kernels write: two logits copies only with the processing pipeline and
+    /// The materialised plan's regions (maps, candidates, logits, terms, row states, member
+    /// lists, the one part) follow each other without overlap, each 64-byte aligned, and hold
+    /// what the kernels write: two logits copies only with the processing pipeline and
     /// log-probabilities, terms per slice only with log-probabilities (which take the pipeline),
-    /// row states only with the pipeline, a part only for an unsharded call.
+    /// row states and member lists only with the pipeline, a part only for an unsharded call.
     #[test]
     fn materialised_regions_are_aligned_and_disjoint() {
         let variant = Variant::Mma { columns: 8 };
@@ -983,17 +989,19 @@ mod tests {
                 let parts = process_slices.unwrap_or(0);
                 let terms = if logprobs { batch * parts * size_of::<RowSums>() } else { 0 };
                 let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
+                let members = if process_slices.is_some() { batch * MEMBER_CAPACITY as usize * 4 } else { 0 };
                 let part =
                     if own_part { ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize } else { 0 };
                 assert_eq!((plan.stride % 4, plan.stride >= vocab, plan.copies), (0, true, copies));
                 assert_eq!(plan.sum_parts, parts);
-                for at in [plan.logits_at, plan.part_sums_at, plan.states_at, plan.part_at] {
+                for at in [plan.logits_at, plan.part_sums_at, plan.states_at, plan.members_at, plan.part_at] {
                     assert_eq!(at % 64, 0);
                 }
                 assert!(WORKSPACE_MAPS_BYTES + candidates <= plan.logits_at);
                 assert!(plan.logits_at + copies * batch * plan.stride * 4 <= plan.part_sums_at);
                 assert!(plan.part_sums_at + terms <= plan.states_at);
-                assert!(plan.states_at + states <= plan.part_at);
+                assert!(plan.states_at + states <= plan.members_at);
+                assert!(plan.members_at + members <= plan.part_at);
                 assert_eq!(plan.workspace_bytes, plan.part_at + part);
             }
         }

@@ -1,7 +1,7 @@
 //! The processing pipeline's schedule: which `process_rows` launches each segment of a
 //! materialised call makes, and which reduction between the shards ends it.
 
-use flashsample_core::abi::{SELECT_DIGITS, Selection};
+use flashsample_core::abi::{LISTED_AFTER_DIGITS, SELECT_DIGITS, Selection};
 
 /// One launch of the processing kernel in a pipeline's schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +21,14 @@ pub(crate) enum ProcessLaunch {
         digit: u32,
         histogram: usize,
     },
+    /// Lists a [`Selection::listed`] selection's members after its first digits.
+    Gather {
+        selection: Selection,
+    },
+    /// Finishes a listed selection and its tie selection from the members (one block per row).
+    Resolve {
+        selection: Selection,
+    },
     Apply,
 }
 
@@ -37,11 +45,12 @@ pub(crate) enum SegmentEnd {
 
 /// The launches of segment `segment` of the processing pipeline of rows that need
 /// `selections` ([`Selection::bit`]s) and what ends it. Without an exchange, one segment: the
-/// per-entry steps, each selection digit by digit (each deciding in its last slice), the
+/// per-entry steps, each selection's first [`LISTED_AFTER_DIGITS`] digits (each deciding in
+/// its last slice), its gathering and its resolution (which makes its tie selection too), the
 /// keep rule. With one: the per-entry steps, ended by the extrema's reduction; per exchanged
 /// digit a segment that decides the digit before (from its reduced histograms) and adds this
-/// one's, ended by its reduction; last, the last decision, the other selections' digits and
-/// the keep rule. Past the last segment: nothing. Without `apply` the pipeline ends before the
+/// one's, ended by its reduction; last, the last decision, the other selections (listed as
+/// without an exchange) and the keep rule. Past the last segment: nothing. Without `apply` the pipeline ends before the
 /// keep rule's launch, which the logits sampler then applies itself (calls without
 /// log-probabilities and without an exchange).
 pub(crate) fn process_segment(
@@ -50,16 +59,12 @@ pub(crate) fn process_segment(
     segment: usize,
     apply: bool,
 ) -> (Vec<ProcessLaunch>, SegmentEnd) {
-    let exchanged = |s: &Selection| exchange && s.exchanged();
-    // The digits of the selections the rows need, exchanged ones or the others, in order.
-    let digits = |of_exchanged: bool| -> Vec<(Selection, u32)> {
-        Selection::ALL
-            .into_iter()
-            .filter(|s| selections & s.bit() != 0 && exchanged(s) == of_exchanged)
-            .flat_map(|s| (0..SELECT_DIGITS).map(move |digit| (s, digit)))
-            .collect()
-    };
-    let shared = digits(true);
+    // The digits of the exchanged selections the rows need, in order.
+    let shared: Vec<(Selection, u32)> = Selection::ALL
+        .into_iter()
+        .filter(|s| selections & s.bit() != 0 && exchange && s.exchanged())
+        .flat_map(|s| (0..SELECT_DIGITS).map(move |digit| (s, digit)))
+        .collect();
     let last = if exchange { shared.len() + 1 } else { 0 };
     let mut launches = Vec::new();
     if segment > last {
@@ -81,8 +86,16 @@ pub(crate) fn process_segment(
         launches.push(ProcessLaunch::Select { selection, digit, histogram: Some(segment - 1) });
         return (launches, SegmentEnd::Histogram(segment - 1));
     }
-    for (selection, digit) in digits(false) {
-        launches.push(ProcessLaunch::Select { selection, digit, histogram: None });
+    for selection in Selection::ALL {
+        // The others: each listed one, its tie selection with it.
+        if selections & selection.bit() == 0 || !selection.listed(exchange) {
+            continue;
+        }
+        for digit in 0..LISTED_AFTER_DIGITS {
+            launches.push(ProcessLaunch::Select { selection, digit, histogram: None });
+        }
+        launches.push(ProcessLaunch::Gather { selection });
+        launches.push(ProcessLaunch::Resolve { selection });
     }
     if apply {
         launches.push(ProcessLaunch::Apply);
@@ -96,34 +109,43 @@ mod tests {
     use flashsample_core::abi::ShardExchangeLayout;
 
     /// The processing pipeline's schedule: without an exchange one segment of the per-entry
-    /// steps, every digit of every selection in order and the keep rule; with one the same
-    /// launches but for the exchanged digits, each added in the segment the reduction of its
+    /// steps, for every selection but the tie selections in order its first two digits, its
+    /// gathering and its resolution, and the keep rule; with one the same launches but for the
+    /// exchanged selections, whose every digit is added in the segment the reduction of its
     /// histogram ends and decided at the start of the next, the extrema reduced before any
     /// digit, as many segments as the plan counts, and nothing past them.
     #[test]
     fn the_pipeline_runs_in_segments_around_the_reductions() {
         let all = Selection::ALL.iter().fold(0, |bits, s| bits | s.bit());
         for selections in [0, Selection::TopK.bit(), Selection::TopP.bit() | Selection::TopPTie.bit(), all] {
-            let digits = |keep: &dyn Fn(Selection) -> bool| -> Vec<(Selection, u32)> {
-                Selection::ALL
+            let listed = |keep: &dyn Fn(Selection) -> bool| -> Vec<ProcessLaunch> {
+                let parents = [Selection::TopK, Selection::TopP, Selection::TopRaw];
+                parents
                     .into_iter()
                     .filter(|&s| selections & s.bit() != 0 && keep(s))
-                    .flat_map(|s| (0..SELECT_DIGITS).map(move |d| (s, d)))
+                    .flat_map(|selection| {
+                        let digits = (0..LISTED_AFTER_DIGITS).map(move |digit| ProcessLaunch::Select {
+                            selection,
+                            digit,
+                            histogram: None,
+                        });
+                        digits.chain([ProcessLaunch::Gather { selection }, ProcessLaunch::Resolve { selection }])
+                    })
                     .collect()
             };
             let (alone, end) = process_segment(selections, false, 0, true);
             let mut want = vec![ProcessLaunch::Entries];
-            want.extend(digits(&|_| true).into_iter().map(|(selection, digit)| ProcessLaunch::Select {
-                selection,
-                digit,
-                histogram: None,
-            }));
+            want.extend(listed(&|_| true));
             assert_eq!(process_segment(selections, false, 0, false), (want.clone(), SegmentEnd::Last));
             want.push(ProcessLaunch::Apply);
             assert_eq!((alone, end), (want, SegmentEnd::Last), "{selections:#b}");
             assert_eq!(process_segment(selections, false, 1, true), (Vec::new(), SegmentEnd::Last));
 
-            let shared = digits(&|s| s.exchanged());
+            let shared: Vec<(Selection, u32)> = Selection::ALL
+                .into_iter()
+                .filter(|&s| selections & s.bit() != 0 && s.exchanged())
+                .flat_map(|s| (0..SELECT_DIGITS).map(move |d| (s, d)))
+                .collect();
             let layout = ShardExchangeLayout::of(3, selections);
             assert_eq!(layout.digits as usize, shared.len(), "{selections:#b}");
             let segments = 2 + shared.len();
@@ -143,11 +165,7 @@ mod tests {
                 want.push(ProcessLaunch::Select { selection, digit, histogram: Some(k) });
                 want.push(ProcessLaunch::Decide { selection, digit, histogram: k });
             }
-            want.extend(digits(&|s| !s.exchanged()).into_iter().map(|(selection, digit)| ProcessLaunch::Select {
-                selection,
-                digit,
-                histogram: None,
-            }));
+            want.extend(listed(&|s| !s.exchanged()));
             want.push(ProcessLaunch::Apply);
             assert_eq!(launches, want, "{selections:#b}");
             assert_eq!(process_segment(selections, true, segments, true), (Vec::new(), SegmentEnd::Last));

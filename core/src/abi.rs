@@ -965,7 +965,8 @@ impl Selection {
     /// members after [`LISTED_AFTER_DIGITS`] digits: every selection its shard decides alone
     /// but the tie selections, which the parent's [`ProcessStep::Resolve`] makes.
     pub const fn listed(self, exchange: bool) -> bool {
-        !matches!(self, Selection::TopPTie | Selection::TopRawTie) && !(exchange && self.exchanged())
+        let tie = matches!(self, Selection::TopPTie | Selection::TopRawTie);
+        !(tie || exchange && self.exchanged())
     }
 
     /// The tie selection a selection's [`ProcessStep::Resolve`] makes after it.

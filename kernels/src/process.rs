@@ -339,16 +339,19 @@ impl Slice {
                         return;
                     }
                     let bucket = (key >> shift) & (SELECT_BUCKETS - 1);
-                    let mut open = gather;
-                    // Unrolled by hand: constant indices keep the slots in registers.
-                    each_index!(slot < GATHERED_BUCKETS, {
-                        if open && (gathered[slot] == bucket || gathered[slot] == NO_BUCKET) {
-                            gathered[slot] = bucket;
-                            weights[slot] += w;
-                            open = false;
-                        }
-                    });
-                    if open {
+                    // `placed`: the weight went to a slot; otherwise it goes to the histogram.
+                    let mut placed = false;
+                    if gather {
+                        // Unrolled by hand: constant indices keep the slots in registers.
+                        each_index!(slot < GATHERED_BUCKETS, {
+                            if !placed && (gathered[slot] == bucket || gathered[slot] == NO_BUCKET) {
+                                gathered[slot] = bucket;
+                                weights[slot] += w;
+                                placed = true;
+                            }
+                        });
+                    }
+                    if !placed {
                         add(bucket, w);
                     }
                 }

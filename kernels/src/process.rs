@@ -291,7 +291,7 @@ impl Slice {
     #[inline(always)]
     unsafe fn add_histogram(
         &self,
-        entries: &impl Entries,
+        entries: &impl EntrySource,
         shift: u32,
         member: impl Fn(u32, f32) -> Option<u32>,
         weight: impl Fn(f32) -> u64,
@@ -937,7 +937,7 @@ struct AddHistogram<'a, E> {
     may_gather: bool,
 }
 
-impl<E: Entries> MemberVisitor for AddHistogram<'_, E> {
+impl<E: EntrySource> MemberVisitor for AddHistogram<'_, E> {
     #[inline(always)]
     unsafe fn visit(
         self,
@@ -985,9 +985,9 @@ impl MemberVisitor for ListMembers<'_> {
 }
 
 /// Where a step reads a row's entries.
-trait Entries {
+trait EntrySource {
     /// The same entries of the raw row (`raw`) or the processed one.
-    fn of_row(&self, raw: bool) -> impl Entries;
+    fn of_row(&self, raw: bool) -> impl EntrySource;
 
     /// Calls `f(i, logit)` for this thread's share of the entries.
     ///
@@ -998,15 +998,15 @@ trait Entries {
 
 /// A block's slice of a row, in both of the row's copies.
 #[derive(Clone, Copy)]
-struct SliceEntries<'a> {
+struct SliceSource<'a> {
     slice: &'a Slice,
     rows: (*const f32, *const f32),
     raw: bool,
 }
 
-impl Entries for SliceEntries<'_> {
-    fn of_row(&self, raw: bool) -> impl Entries {
-        SliceEntries { raw, ..*self }
+impl EntrySource for SliceSource<'_> {
+    fn of_row(&self, raw: bool) -> impl EntrySource {
+        SliceSource { raw, ..*self }
     }
 
     #[inline(always)]
@@ -1020,7 +1020,7 @@ impl Entries for SliceEntries<'_> {
 /// A row's gathered members ([`ProcessStep::Gather`]), read by one block: their column
 /// indices in the list, or where there were more than `MEMBER_CAPACITY` the whole row.
 #[derive(Clone, Copy)]
-struct MemberEntries<'a> {
+struct MemberSource<'a> {
     whole_row: &'a Slice,
     rows: (*const f32, *const f32),
     raw: bool,
@@ -1028,9 +1028,9 @@ struct MemberEntries<'a> {
     list: Option<(*const u32, u32)>,
 }
 
-impl Entries for MemberEntries<'_> {
-    fn of_row(&self, raw: bool) -> impl Entries {
-        MemberEntries { raw, ..*self }
+impl EntrySource for MemberSource<'_> {
+    fn of_row(&self, raw: bool) -> impl EntrySource {
+        MemberSource { raw, ..*self }
     }
 
     #[inline(always)]
@@ -1088,7 +1088,7 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
         }
         return;
     }
-    let entries = SliceEntries { slice, rows: item_rows(item), raw: false };
+    let entries = SliceSource { slice, rows: item_rows(item), raw: false };
     let add = AddHistogram { slice, entries, shift: 24 - 8 * args.digit, histogram, may_gather: true };
     // SAFETY: every thread of the block together (uniform conditions); the rows' logits,
     // padded to the stride; the row's histogram, as above.
@@ -1135,7 +1135,7 @@ unsafe fn resolve(item: &Item, selection: Selection) {
     let (count, histogram) = unsafe { ((*state).members, addr_of_mut!((*state).histogram).cast::<u64>()) };
     let whole_row = Slice::whole_row(args, slice.shared, slice.b);
     let list = args.members.as_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize);
-    let entries = MemberEntries {
+    let entries = MemberSource {
         whole_row: &whole_row,
         rows: item_rows(item),
         raw: false,

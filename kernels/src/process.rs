@@ -279,8 +279,8 @@ impl Slice {
         unsafe { map_entries(from, to, self.vocab, self.quads, self.thread, f) }
     }
 
-    /// Adds the weights of the block's `entries` `i` with `member(i, logit) = Some(key)` to
-    /// bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
+    /// Adds the weights of the block's `entries` `i` (of the raw row if `raw`) with
+    /// `member(i, logit) = Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
     /// the histogram to `row_histogram`. With `gather` each thread first gathers the weights
     /// of the first [`GATHERED_BUCKETS`] distinct buckets it meets in registers: for a leading
     /// digit over logits, whose entries crowd into a few buckets.
@@ -288,10 +288,12 @@ impl Slice {
     /// # Safety
     /// Every thread of the block calls it together; `entries` are readable;
     /// `row_histogram` holds `SELECT_BUCKETS` words, only accessed atomically meanwhile.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn add_histogram(
         &self,
         entries: &impl EntrySource,
+        raw: bool,
         shift: u32,
         member: impl Fn(u32, f32) -> Option<u32>,
         weight: impl Fn(f32) -> u64,
@@ -332,7 +334,7 @@ impl Slice {
         let mut weights = [0u64; GATHERED_BUCKETS];
         // SAFETY: per this function's contract.
         unsafe {
-            entries.each(|i, l| {
+            entries.each(raw, |i, l| {
                 if let Some(key) = member(i, l) {
                     let w = weight(l);
                     if w == 0 {
@@ -919,12 +921,6 @@ unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32,
     }
 }
 
-/// The raw and processed rows of the item's row.
-fn item_rows(item: &Item) -> (*const f32, *const f32) {
-    let offset = item.slice.b as usize * item.args.logits_stride as usize;
-    (item.args.raw.as_ptr().wrapping_add(offset), item.args.processed.as_ptr().wrapping_add(offset))
-}
-
 /// A [`MemberVisitor`] that adds a digit's histogram of the members of `entries` to
 /// `histogram` ([`Slice::add_histogram`]), gathering per thread where the digit asks for it
 /// and `may_gather` allows (a constant for each step, so that a step that never gathers
@@ -946,37 +942,33 @@ impl<E: EntrySource> MemberVisitor for AddHistogram<'_, E> {
         member: impl Fn(u32, f32) -> Option<u32>,
         weight: impl Fn(f32) -> u64,
     ) {
-        let source = self.entries.of_row(raw);
+        let gather = gather && self.may_gather;
         // SAFETY: as the calling step (this trait's contract).
-        unsafe {
-            self.slice.add_histogram(&source, self.shift, member, weight, self.histogram, gather && self.may_gather)
-        }
+        unsafe { self.slice.add_histogram(&self.entries, raw, self.shift, member, weight, self.histogram, gather) }
     }
 }
 
-/// A [`MemberVisitor`] that lists the slice's members in the row's member list: the first
-/// `MEMBER_CAPACITY` to arrive, counting all of them in the row state's `members`.
+/// A [`MemberVisitor`] that lists the members of a slice of a row in the row's member list
+/// (`MEMBER_CAPACITY` column indices): the first to arrive, counting all of them at `count`.
 struct ListMembers<'a> {
-    item: &'a Item<'a>,
+    entries: SliceSource<'a>,
+    list: *mut u32,
+    count: *mut u32,
 }
 
 impl MemberVisitor for ListMembers<'_> {
     #[inline(always)]
     unsafe fn visit(self, raw: bool, _: bool, member: impl Fn(u32, f32) -> Option<u32>, _: impl Fn(f32) -> u64) {
-        let Item { args, slice, state, .. } = self.item;
-        let list = args.members.as_mut_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize);
-        // SAFETY: the row's member count, only accessed atomically during the launch.
-        let count = unsafe { AtomicU32::from_ptr(addr_of_mut!((**state).members)) };
-        let (raw_row, processed_row) = item_rows(self.item);
-        let row = if raw { raw_row } else { processed_row };
-        // SAFETY: the row's logits, padded to the stride; a slot below `MEMBER_CAPACITY` is
-        // this thread's alone.
+        // SAFETY: the row's member count, only accessed atomically during the launch (this
+        // trait's contract).
+        let count = unsafe { AtomicU32::from_ptr(self.count) };
+        // SAFETY: the slice's logits; a slot below `MEMBER_CAPACITY` is this thread's alone.
         unsafe {
-            slice.for_each(row, |i, l| {
+            self.entries.each(raw, |i, l| {
                 if member(i, l).is_some() {
                     let slot = count.fetch_add(1, Ordering::Relaxed);
                     if slot < MEMBER_CAPACITY {
-                        *list.add(slot as usize) = i;
+                        *self.list.add(slot as usize) = i;
                     }
                 }
             })
@@ -984,36 +976,41 @@ impl MemberVisitor for ListMembers<'_> {
     }
 }
 
-/// Where a step reads a row's entries.
+/// Where a step reads a row's entries, from the raw row or the processed one.
 trait EntrySource {
-    /// The same entries of the raw row (`raw`) or the processed one.
-    fn of_row(&self, raw: bool) -> impl EntrySource;
-
-    /// Calls `f(i, logit)` for this thread's share of the entries.
+    /// Calls `f(i, logit)` for this thread's share of the entries of the raw row (`raw`) or
+    /// the processed one.
     ///
     /// # Safety
     /// Every thread of the block calls it together; the rows behind it are readable.
-    unsafe fn each(&self, f: impl FnMut(u32, f32));
+    unsafe fn each(&self, raw: bool, f: impl FnMut(u32, f32));
 }
 
-/// A block's slice of a row, in both of the row's copies.
+/// A block's slice of a row, in both of the row's copies (raw, processed).
 #[derive(Clone, Copy)]
 struct SliceSource<'a> {
     slice: &'a Slice,
     rows: (*const f32, *const f32),
-    raw: bool,
+}
+
+impl SliceSource<'_> {
+    /// The item's slice of its row.
+    fn of<'a>(item: &'a Item<'_>) -> SliceSource<'a> {
+        let offset = item.slice.b as usize * item.args.logits_stride as usize;
+        let rows = (item.args.raw.as_ptr().wrapping_add(offset), item.args.processed.as_ptr().wrapping_add(offset));
+        SliceSource { slice: &item.slice, rows }
+    }
+
+    fn row(&self, raw: bool) -> *const f32 {
+        if raw { self.rows.0 } else { self.rows.1 }
+    }
 }
 
 impl EntrySource for SliceSource<'_> {
-    fn of_row(&self, raw: bool) -> impl EntrySource {
-        SliceSource { raw, ..*self }
-    }
-
     #[inline(always)]
-    unsafe fn each(&self, f: impl FnMut(u32, f32)) {
-        let row = if self.raw { self.rows.0 } else { self.rows.1 };
+    unsafe fn each(&self, raw: bool, f: impl FnMut(u32, f32)) {
         // SAFETY: the slice's quads of a row of the logits (this function's contract).
-        unsafe { self.slice.for_each(row, f) }
+        unsafe { self.slice.for_each(self.row(raw), f) }
     }
 }
 
@@ -1021,36 +1018,28 @@ impl EntrySource for SliceSource<'_> {
 /// indices in the list, or where there were more than `MEMBER_CAPACITY` the whole row.
 #[derive(Clone, Copy)]
 struct MemberSource<'a> {
-    whole_row: &'a Slice,
-    rows: (*const f32, *const f32),
-    raw: bool,
-    /// The list, when it holds every member.
+    whole_row: SliceSource<'a>,
+    /// The list and its length, when it holds every member.
     list: Option<(*const u32, u32)>,
 }
 
 impl EntrySource for MemberSource<'_> {
-    fn of_row(&self, raw: bool) -> impl EntrySource {
-        MemberSource { raw, ..*self }
-    }
-
     #[inline(always)]
-    unsafe fn each(&self, mut f: impl FnMut(u32, f32)) {
-        let row = if self.raw { self.rows.0 } else { self.rows.1 };
-        match self.list {
-            Some((list, count)) => {
-                let mut k = self.whole_row.thread;
-                while k < count {
-                    // SAFETY: `k < count ≤ MEMBER_CAPACITY`: a listed column of the row.
-                    let (i, l) = unsafe {
-                        let i = *list.add(k as usize);
-                        (i, *row.add(i as usize))
-                    };
-                    f(i, l);
-                    k += PROCESS_THREADS;
-                }
-            }
+    unsafe fn each(&self, raw: bool, mut f: impl FnMut(u32, f32)) {
+        let Some((list, count)) = self.list else {
             // SAFETY: the whole row's quads (this function's contract).
-            None => unsafe { self.whole_row.for_each(row, f) },
+            return unsafe { self.whole_row.each(raw, f) };
+        };
+        let row = self.whole_row.row(raw);
+        let mut k = self.whole_row.slice.thread;
+        while k < count {
+            // SAFETY: `k < count ≤ MEMBER_CAPACITY`: a listed column of the row.
+            let (i, l) = unsafe {
+                let i = *list.add(k as usize);
+                (i, *row.add(i as usize))
+            };
+            f(i, l);
+            k += PROCESS_THREADS;
         }
     }
 }
@@ -1088,7 +1077,7 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
         }
         return;
     }
-    let entries = SliceSource { slice, rows: item_rows(item), raw: false };
+    let entries = SliceSource::of(item);
     let add = AddHistogram { slice, entries, shift: 24 - 8 * args.digit, histogram, may_gather: true };
     // SAFETY: every thread of the block together (uniform conditions); the rows' logits,
     // padded to the stride; the row's histogram, as above.
@@ -1114,8 +1103,15 @@ unsafe fn gather(item: &Item, selection: Selection) {
     }
     // SAFETY: as above.
     let max = unsafe { truncation_max(item) }.unwrap_or(f32::NEG_INFINITY);
+    let Item { args, slice, state, .. } = item;
+    let list = ListMembers {
+        entries: SliceSource::of(item),
+        list: args.members.as_mut_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize),
+        // SAFETY: a field of the row's state.
+        count: unsafe { addr_of_mut!((**state).members) },
+    };
     // SAFETY: the row's state as above; the slice's logits, the row's list and count.
-    unsafe { visit_members(item, selection, LISTED_AFTER_DIGITS, max, ListMembers { item }) };
+    unsafe { visit_members(item, selection, LISTED_AFTER_DIGITS, max, list) };
 }
 
 /// [`ProcessStep::Resolve`] for one row: `selection`'s digits after the first
@@ -1136,9 +1132,7 @@ unsafe fn resolve(item: &Item, selection: Selection) {
     let whole_row = Slice::whole_row(args, slice.shared, slice.b);
     let list = args.members.as_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize);
     let entries = MemberSource {
-        whole_row: &whole_row,
-        rows: item_rows(item),
-        raw: false,
+        whole_row: SliceSource { slice: &whole_row, ..SliceSource::of(item) },
         list: (count <= MEMBER_CAPACITY).then_some((list, count)),
     };
     // SAFETY: the row's extrema, written by earlier launches only.

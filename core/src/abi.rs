@@ -866,7 +866,7 @@ pub struct ProcessArgs {
     /// digit (0 = most significant).
     pub selection: u32,
     /// With those steps: the digit of `selection`, 0 to `SELECT_DIGITS − 1`, most significant
-    /// first (bits `24 − 8·digit .. 32 − 8·digit` of the key).
+    /// first (bits `24 − 8·digit .. 32 − 8·digit` of the key), or [`COARSE_DIGIT`].
     pub digit: u32,
     /// A vocabulary shard's exchange with the other shards ([`ShardExchangeLayout`]): its
     /// `[2, batch]` extrema (each row's largest `order_key`, then its non-finite flag), which
@@ -884,26 +884,28 @@ pub struct ProcessArgs {
 
 /// What one launch of the processing kernel does ([`ProcessArgs::step`]). A pipeline runs
 /// `Entries`, then the digits of the selections any row needs (in [`Selection`] order), then
-/// `Apply`. A selection its shard decides alone ([`Selection::listed`]) runs its first
-/// [`LISTED_AFTER_DIGITS`] digits, then `Gather` and `Resolve`, which also make its tie
+/// `Apply`. A selection its shard decides alone ([`Selection::listed`]) runs its
+/// [`Selection::leading_digits`], then `Gather` and `Resolve`, which also make its tie
 /// selection.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProcessStep {
     /// The per-entry steps, the raw log-sum-exp terms, the row's largest processed logit.
     Entries = 0,
-    /// One 8-bit digit of one selection: a histogram of the slice's members added to the
-    /// row's, and the last slice to finish picks the digit (with an exchange, a truncation's
-    /// digit is picked by [`ProcessStep::Decide`] instead).
+    /// One 8-bit digit of one selection (or its coarse key, [`COARSE_DIGIT`]): a histogram of
+    /// the slice's members added to the row's, and the last slice to finish picks the digit
+    /// (with an exchange, a truncation's digit is picked by [`ProcessStep::Decide`]
+    /// instead).
     Select = 1,
     /// The keep rule: dropped entries set to −∞, the kept terms, the top raw entries.
     Apply = 2,
     /// With an exchange: one block per row picks a digit of a [`Selection::exchanged`]
     /// selection from the histograms every shard added to.
     Decide = 3,
-    /// After a selection's first [`LISTED_AFTER_DIGITS`] digits: each slice lists the
-    /// column indices of its entries still in play (their key's decided prefix) in the row's
-    /// [`ProcessArgs::members`], the first [`MEMBER_CAPACITY`] of them, counting all.
+    /// After a selection's [`Selection::leading_digits`]: each slice lists the column indices
+    /// of its entries still in play (the decided coarse key, or the key's decided prefix) in
+    /// the row's [`ProcessArgs::members`], the first [`MEMBER_CAPACITY`] of them, counting
+    /// all.
     Gather = 4,
     /// One block per row finishes a selection from its gathered members, or from the whole row
     /// where they were more than [`MEMBER_CAPACITY`]: its remaining digits, then its tie
@@ -911,11 +913,24 @@ pub enum ProcessStep {
     Resolve = 5,
 }
 
-/// Digits a [`Selection::listed`] selection decides over the row before its members are
-/// gathered: after two, the members share 16 bits of their key (for top-p 0.9 over the
-/// benchmark's rows at V = 151,936, 152 of them; for top-k 50, 4), and the later digits and
-/// the tie selection read them instead of the row.
+/// Digits of its key a [`Selection::listed`] selection without a coarse key decides over the
+/// row before its members are gathered: after two, the members share 16 bits of their key,
+/// and the later digits and the tie selection read them instead of the row.
 pub const LISTED_AFTER_DIGITS: u32 = 2;
+
+/// The [`ProcessArgs::digit`] of a selection's coarse key
+/// ([`coarse_key`](crate::process::coarse_key)): one histogram of 256 buckets of equal width
+/// in logit below the row's largest, where a truncation's cut lies among few entries of the
+/// row (for top-p 0.9 over the benchmark's rows at V = 151,936 and D = 4096, about 1,700), so
+/// that its members can be gathered after one pass over the row where the key's digits take
+/// two (its leading byte holds a few octaves of logits).
+pub const COARSE_DIGIT: u32 = SELECT_DIGITS;
+
+/// The bit shift of a digit's bucket in its member keys: the coarse key's and digit 0's in
+/// the leading byte.
+pub const fn digit_shift(digit: u32) -> u32 {
+    if digit == COARSE_DIGIT { 24 } else { 24 - 8 * digit }
+}
 
 /// Members a row's list holds ([`ProcessStep::Gather`]); a row with more resolves over its
 /// whole row.
@@ -967,6 +982,24 @@ impl Selection {
     pub const fn listed(self, exchange: bool) -> bool {
         let tie = matches!(self, Selection::TopPTie | Selection::TopRawTie);
         !(tie || exchange && self.exchanged())
+    }
+
+    /// Whether a pipeline (with an exchange or without) decides the selection's leading digit
+    /// by its [`COARSE_DIGIT`]: the listed truncations, whose rows have a largest processed
+    /// logit to measure from (the top raw entries need not).
+    pub const fn coarse(self, exchange: bool) -> bool {
+        self.listed(exchange) && matches!(self, Selection::TopK | Selection::TopP)
+    }
+
+    /// The digits a [`Selection::listed`] selection decides over the whole row before its
+    /// [`ProcessStep::Gather`], and the first of its key's digits its [`ProcessStep::Resolve`]
+    /// decides: its coarse key and then every digit, or its first
+    /// [`LISTED_AFTER_DIGITS`] and then the rest.
+    pub const fn leading_digits(self, exchange: bool) -> (core::ops::Range<u32>, u32) {
+        match self.coarse(exchange) {
+            true => (COARSE_DIGIT..COARSE_DIGIT + 1, 0),
+            false => (0..LISTED_AFTER_DIGITS, LISTED_AFTER_DIGITS),
+        }
     }
 
     /// The tie selection a selection's [`ProcessStep::Resolve`] makes after it.
@@ -1074,8 +1107,10 @@ pub struct ProcessRowState {
     /// The running selection's members [`ProcessStep::Gather`] found (all of them, listed or
     /// not); its [`ProcessStep::Resolve`] sets it back to 0.
     pub members: u32,
+    /// The running selection's decided coarse key ([`COARSE_DIGIT`]).
+    pub coarse: u32,
     /// Padding to a whole multiple of 128 bytes.
-    pub padding: [u32; 5],
+    pub padding: [u32; 4],
 }
 
 const _: () = assert!(core::mem::size_of::<ProcessRowState>().is_multiple_of(128));

@@ -396,6 +396,30 @@ pub fn key_logit(key: u32) -> f32 {
     f32::from_bits(if key >> 31 == 1 { key & !(1 << 31) } else { !key })
 }
 
+/// Buckets of a truncation's coarse key per unit of `(max − logit) / T`: its 256 buckets
+/// span `(max − logit) / T` up to 22.26, past `ln 2³² ≈ 22.18`, where an entry's top-p mass
+/// is 0 units.
+pub const COARSE_BUCKETS_PER_UNIT: f32 = 11.5;
+
+/// The factor of [`coarse_key`] for a row at temperature `temperature`.
+#[inline(always)]
+pub fn coarse_scale(temperature: f32) -> f32 {
+    COARSE_BUCKETS_PER_UNIT / temperature
+}
+
+/// A truncation's coarse key of an entry of a row whose largest processed logit is `max`:
+/// `255 − ⌊(max − logit) · scale⌋`, at least 0, where `scale` is the row's [`coarse_scale`]:
+/// 256 buckets of equal width in logit below the largest, where the entries of a row spread
+/// out (the leading byte of [`order_key`] holds a few of a row's octaves of logits).
+/// Non-decreasing in the logit, as each step rounds monotonically and the conversion
+/// saturates: the entries of one coarse key are a run of the truncations' order, and every
+/// entry before the run has a larger one. Any `max` and `scale > 0` keep that property;
+/// theirs spread the entries a truncation's cut lies among.
+#[inline(always)]
+pub fn coarse_key(logit: f32, max: f32, scale: f32) -> u32 {
+    255 - (((max - logit) * scale) as u32).min(255)
+}
+
 /// Units of probability mass per unit of the largest entry's weight, in top-p's sums.
 pub const TOP_P_UNIT_SCALE: f32 = 4_294_967_296.0;
 
@@ -577,6 +601,35 @@ mod tests {
         let mask = [0b101u32, 1 << 31];
         let allowed: Vec<u32> = (0..64).filter(|&i| mask_allows(&mask, i)).collect();
         assert_eq!(allowed, [0, 2, 63]);
+    }
+
+    /// Coarse keys never decrease along increasing logits (every adjacent pair of floats in
+    /// the range tried, at several temperatures and maxima), give the largest logit 255,
+    /// put a step of `1 / COARSE_BUCKETS_PER_UNIT` of `(max − logit) / T` in each bucket, and
+    /// give 0 to everything past the last.
+    #[test]
+    fn coarse_keys_are_monotone_buckets_below_the_largest_logit() {
+        for (max, temperature) in [(9.4f32, 1.0f32), (-3.0, 0.7), (0.0, 1e-3), (1e4, 2.0), (30.0, 1e30)] {
+            let scale = coarse_scale(temperature);
+            assert_eq!(coarse_key(max, max, scale), 255);
+            let mut key = order_key(max);
+            let mut previous = coarse_key(key_logit(key), max, scale);
+            // Every float from `max` down over 2²⁰ steps, then in strides down to the lowest
+            // finite one.
+            let mut steps = 0u32;
+            while key > order_key(f32::MIN) {
+                key = (key - if steps < 1 << 20 { 1 } else { 4093 }).max(order_key(f32::MIN));
+                steps += 1;
+                let c = coarse_key(key_logit(key), max, scale);
+                assert!(c <= previous, "{max} {temperature}: key {key:#x}");
+                previous = c;
+            }
+            assert_eq!(previous, 0);
+        }
+        let scale = coarse_scale(1.0);
+        assert_eq!(coarse_key(9.4 - 1.0, 9.4, scale), 255 - 11);
+        assert_eq!(coarse_key(9.4 - 22.0, 9.4, scale), 255 - 253);
+        assert_eq!(coarse_key(9.4 - 23.0, 9.4, scale), 0);
     }
 
     #[test]

@@ -17,13 +17,14 @@ use core::ptr::{addr_of_mut, read_volatile};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use flashsample_core::abi::{
-    DevicePtr, LISTED_AFTER_DIGITS, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs,
-    ProcessRowState, ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection,
-    ShardMergeArgs, ShardWinner, TopLogprob,
+    COARSE_DIGIT, DevicePtr, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs, ProcessRowState,
+    ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardMergeArgs, ShardWinner,
+    TopLogprob, digit_shift,
 };
 use flashsample_core::process::{
-    KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, dense_step, key_logit,
-    min_p_threshold, order_key, process_quad, sparse_step, token_log_probabilities, top_p_target, top_p_units,
+    KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, coarse_key, coarse_scale, dense_step,
+    key_logit, min_p_threshold, order_key, process_quad, sparse_step, token_log_probabilities, top_p_target,
+    top_p_units,
 };
 use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 
@@ -872,9 +873,10 @@ trait MemberVisitor {
 
 /// Calls `visitor` with the members of digit `digit` of `selection` for the item's row (whose
 /// truncations apply with largest logit `max`, or −∞): the entries kept by the cuts before it,
-/// within the decided prefix of their key, weighed by count or by top-p's units. One arm per
-/// selection, so that each member test is its own closure and the loops over entries stay
-/// free of the selection's branches.
+/// within the decided coarse key of a [`Selection::coarse`] selection and the decided prefix
+/// of their key, weighed by count or by top-p's units; at [`COARSE_DIGIT`] the kept entries
+/// by their coarse key. One arm per selection and key, so that each member test is its own
+/// closure and the loops over entries stay free of the selection's branches.
 ///
 /// # Safety
 /// `item.state` is the row's, not written while this reads it; as the visitor's step.
@@ -883,15 +885,22 @@ unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32,
     let Item { args, params, p, state, .. } = item;
     let state = *state;
     // SAFETY: the row's state (this function's contract).
-    let (prefix, keys) = unsafe { ((*state).prefix, (*state).keys) };
-    let shift = 24 - 8 * digit;
+    let (prefix, keys, chosen) = unsafe { ((*state).prefix, (*state).keys, (*state).coarse) };
+    let shift = digit_shift(digit);
     let in_prefix = move |key: &u32| digit == 0 || (key ^ prefix) >> (shift + 8) == 0;
     // SAFETY: as above.
     let rule = unsafe { keep_rule(max, params, p, state, Some(selection)) };
     // Cuts and ties compare global indices: every shard of a row applies the same rule.
     let vocab_offset = args.vocab_offset;
     let global = move |i: u32| vocab_offset + i;
-    let kept = move |i: u32, l: f32| (l > f32::NEG_INFINITY && rule.keeps(l, global(i))).then(|| order_key(l));
+    let scale = coarse_scale(params.temperature);
+    let coarse = move |l: f32| coarse_key(l, max, scale);
+    // Past its coarse key a coarse selection's members are the entries of the decided one.
+    let in_run = selection.coarse(args.exchange_extrema.address() != 0) && digit != COARSE_DIGIT;
+    let kept = move |i: u32, l: f32| {
+        (l > f32::NEG_INFINITY && rule.keeps(l, global(i)) && (!in_run || coarse(l) == chosen)).then(|| order_key(l))
+    };
+    let by_coarse = move |i: u32, l: f32| kept(i, l).map(|_| coarse(l) << 24);
     let one = |_: f32| 1u64;
     // A leading digit of logits gathers per thread first; a tie selection's keys are indices,
     // spread over every bucket.
@@ -899,11 +908,15 @@ unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32,
     // SAFETY: per this function's contract.
     unsafe {
         match selection {
+            Selection::TopK if digit == COARSE_DIGIT => visitor.visit(false, false, by_coarse, one),
             Selection::TopK => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), one),
             Selection::TopP => {
                 let temperature = params.temperature;
                 let units = move |l: f32| top_p_units(l, max, temperature);
-                visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), units)
+                match digit {
+                    COARSE_DIGIT => visitor.visit(false, false, by_coarse, units),
+                    _ => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), units),
+                }
             }
             Selection::TopPTie => {
                 let last = keys[Selection::TopP as usize];
@@ -1078,7 +1091,7 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
         return;
     }
     let entries = SliceSource::of(item);
-    let add = AddHistogram { slice, entries, shift: 24 - 8 * args.digit, histogram, may_gather: true };
+    let add = AddHistogram { slice, entries, shift: digit_shift(args.digit), histogram, may_gather: true };
     // SAFETY: every thread of the block together (uniform conditions); the rows' logits,
     // padded to the stride; the row's histogram, as above.
     unsafe { visit_members(item, selection, args.digit, max, add) };
@@ -1091,7 +1104,7 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
 }
 
 /// [`ProcessStep::Gather`] on one slice: lists the slice's members of `selection` after its
-/// first [`LISTED_AFTER_DIGITS`] digits.
+/// [`Selection::leading_digits`].
 ///
 /// # Safety
 /// As [`process_rows`], for `item`, after the selection's first digits.
@@ -1110,12 +1123,13 @@ unsafe fn gather(item: &Item, selection: Selection) {
         // SAFETY: a field of the row's state.
         count: unsafe { addr_of_mut!((**state).members) },
     };
+    let (_, resolved_from) = selection.leading_digits(args.exchange_extrema.address() != 0);
     // SAFETY: the row's state as above; the slice's logits, the row's list and count.
-    unsafe { visit_members(item, selection, LISTED_AFTER_DIGITS, max, list) };
+    unsafe { visit_members(item, selection, resolved_from, max, list) };
 }
 
-/// [`ProcessStep::Resolve`] for one row: `selection`'s digits after the first
-/// [`LISTED_AFTER_DIGITS`], then its tie selection's, each a histogram of the gathered
+/// [`ProcessStep::Resolve`] for one row: `selection`'s digits after its
+/// [`Selection::leading_digits`], then its tie selection's, each a histogram of the gathered
 /// members added to the row state's and decided as [`ProcessStep::Select`]'s last slice
 /// decides; the member count set back to 0.
 ///
@@ -1140,7 +1154,7 @@ unsafe fn resolve(item: &Item, selection: Selection) {
     // The selection's remaining digits, then its tie selection's.
     for part in 0..2 {
         let (s, first) = match (part, selection.tie()) {
-            (0, _) => (selection, LISTED_AFTER_DIGITS),
+            (0, _) => (selection, selection.leading_digits(args.exchange_extrema.address() != 0).1),
             (_, Some(tie)) => (tie, 0),
             (_, None) => break,
         };
@@ -1151,7 +1165,8 @@ unsafe fn resolve(item: &Item, selection: Selection) {
                 break;
             }
             // Its digits are past the leading one: no gathering.
-            let add = AddHistogram { slice: &whole_row, entries, shift: 24 - 8 * digit, histogram, may_gather: false };
+            let shift = digit_shift(digit);
+            let add = AddHistogram { slice: &whole_row, entries, shift, histogram, may_gather: false };
             // SAFETY: every thread of the block together; the members' rows; the row's
             // histogram, which only this block adds to.
             unsafe {
@@ -1170,8 +1185,9 @@ unsafe fn resolve(item: &Item, selection: Selection) {
 
 /// The digit the row's `histogram` picks for `selection` (by the row's last slice to arrive,
 /// or by the row's block of [`ProcessStep::Decide`]): the largest bucket whose entries at or
-/// above it reach the target (computed from the total at digit 0; a selection whose total
-/// falls short ends there); after the last digit the selection's outcome. The block loads the
+/// above it reach the target (computed from the total at the selection's leading digit, its
+/// coarse key or digit 0; a selection whose total falls short ends there); after the last
+/// digit the selection's outcome. The block loads the
 /// buckets at once (clearing them for the next launch if `clear`) and finds the bucket by a
 /// prefix sum over them from the top, so that the decision costs one round trip to memory,
 /// not one per bucket. A top-p or top-raw selection whose last bucket's tied entries are all
@@ -1182,10 +1198,11 @@ unsafe fn resolve(item: &Item, selection: Selection) {
 /// (`SELECT_BUCKETS` words) is visible to the block.
 #[inline(always)]
 unsafe fn decide_digit(item: &Item, selection: Selection, digit: u32, max: f32, histogram: *mut u64, clear: bool) {
-    let Item { slice, params, p, state, .. } = item;
+    let Item { args, slice, params, p, state } = item;
     let state = *state;
     let t = slice.thread as usize;
     let top = SELECT_BUCKETS as usize - 1;
+    let leading = digit == COARSE_DIGIT || digit == 0 && !selection.coarse(args.exchange_extrema.address() != 0);
     // SAFETY: the fields lie inside the block's shared memory.
     let (sums, decision) = unsafe {
         (addr_of_mut!((*slice.shared).buckets) as *mut u64, addr_of_mut!((*slice.shared).decision) as *mut u64)
@@ -1218,13 +1235,12 @@ unsafe fn decide_digit(item: &Item, selection: Selection, digit: u32, max: f32, 
     }
     // SAFETY: as above.
     unsafe { arch::sync_threads() };
-    let shift = 24 - 8 * digit;
     if t == 0 {
         // SAFETY: the row's state, written by this thread alone until the launch ends; the
         // decision words, read by the block after the barrier below.
         unsafe {
             let s = &mut *state;
-            if digit == 0 {
+            if leading {
                 let total = *sums.add(top);
                 s.target = match selection {
                     Selection::TopK => p.top_k as u64,
@@ -1265,8 +1281,13 @@ unsafe fn decide_digit(item: &Item, selection: Selection, digit: u32, max: f32, 
         unsafe {
             let s = &mut *state;
             let (chosen, above) = (*decision.add(3) as u32, *decision.add(4));
-            let key = s.prefix | chosen << shift;
-            (s.prefix, s.above) = (key, above);
+            s.above = above;
+            // After the coarse key the key's digits run over the entries of the chosen one.
+            let key = s.prefix | chosen << digit_shift(digit);
+            match digit {
+                COARSE_DIGIT => s.coarse = chosen,
+                _ => s.prefix = key,
+            }
             if digit + 1 == SELECT_DIGITS {
                 s.found |= selection.bit();
                 s.keys[selection as usize] = match selection {

@@ -1,7 +1,7 @@
 //! The processing pipeline's schedule: which `process_rows` launches each segment of a
 //! materialised call makes, and which reduction between the shards ends it.
 
-use flashsample_core::abi::{LISTED_AFTER_DIGITS, SELECT_DIGITS, Selection};
+use flashsample_core::abi::{SELECT_DIGITS, Selection};
 
 /// One launch of the processing kernel in a pipeline's schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub(crate) enum ProcessLaunch {
         digit: u32,
         histogram: usize,
     },
-    /// Lists a [`Selection::listed`] selection's members after its first digits.
+    /// Lists a [`Selection::listed`] selection's members after its leading digits.
     Gather {
         selection: Selection,
     },
@@ -45,8 +45,8 @@ pub(crate) enum SegmentEnd {
 
 /// The launches of segment `segment` of the processing pipeline of rows that need
 /// `selections` ([`Selection::bit`]s) and what ends it. Without an exchange, one segment: the
-/// per-entry steps, each selection's first [`LISTED_AFTER_DIGITS`] digits (each deciding in
-/// its last slice), its gathering and its resolution (which makes its tie selection too), the
+/// per-entry steps, each selection's [`Selection::leading_digits`] (each deciding in its last
+/// slice), its gathering and its resolution (which makes its tie selection too), the
 /// keep rule. With one: the per-entry steps, ended by the extrema's reduction; per exchanged
 /// digit a segment that decides the digit before (from its reduced histograms) and adds this
 /// one's, ended by its reduction; last, the last decision, the other selections (listed as
@@ -91,7 +91,7 @@ pub(crate) fn process_segment(
         if selections & selection.bit() == 0 || !selection.listed(exchange) {
             continue;
         }
-        for digit in 0..LISTED_AFTER_DIGITS {
+        for digit in selection.leading_digits(exchange).0 {
             launches.push(ProcessLaunch::Select { selection, digit, histogram: None });
         }
         launches.push(ProcessLaunch::Gather { selection });
@@ -106,11 +106,12 @@ pub(crate) fn process_segment(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flashsample_core::abi::ShardExchangeLayout;
+    use flashsample_core::abi::{COARSE_DIGIT, ShardExchangeLayout};
 
     /// The processing pipeline's schedule: without an exchange one segment of the per-entry
-    /// steps, for every selection but the tie selections in order its first two digits, its
-    /// gathering and its resolution, and the keep rule; with one the same launches but for the
+    /// steps, for every selection but the tie selections in order its coarse key (top-k,
+    /// top-p) or first two digits (the top raw entries), its gathering and its resolution, and
+    /// the keep rule; with one the same launches but for the
     /// exchanged selections, whose every digit is added in the segment the reduction of its
     /// histogram ends and decided at the start of the next, the extrema reduced before any
     /// digit, as many segments as the plan counts, and nothing past them.
@@ -119,12 +120,16 @@ mod tests {
         let all = Selection::ALL.iter().fold(0, |bits, s| bits | s.bit());
         for selections in [0, Selection::TopK.bit(), Selection::TopP.bit() | Selection::TopPTie.bit(), all] {
             let listed = |keep: &dyn Fn(Selection) -> bool| -> Vec<ProcessLaunch> {
-                let parents = [Selection::TopK, Selection::TopP, Selection::TopRaw];
+                let parents = [
+                    (Selection::TopK, &[COARSE_DIGIT][..]),
+                    (Selection::TopP, &[COARSE_DIGIT]),
+                    (Selection::TopRaw, &[0, 1]),
+                ];
                 parents
                     .into_iter()
-                    .filter(|&s| selections & s.bit() != 0 && keep(s))
-                    .flat_map(|selection| {
-                        let digits = (0..LISTED_AFTER_DIGITS).map(move |digit| ProcessLaunch::Select {
+                    .filter(|&(s, _)| selections & s.bit() != 0 && keep(s))
+                    .flat_map(|(selection, digits)| {
+                        let digits = digits.iter().map(move |&digit| ProcessLaunch::Select {
                             selection,
                             digit,
                             histogram: None,

@@ -1011,6 +1011,12 @@ impl Selection {
         }
     }
 
+    /// Whether the selection ranks the raw logits (the top raw entries), not the processed
+    /// ones.
+    pub const fn reads_raw(self) -> bool {
+        matches!(self, Selection::TopRaw | Selection::TopRawTie)
+    }
+
     /// Whether vocabulary shards decide the selection together (a truncation: its cut is a
     /// property of the whole row) rather than each over its own entries (the top raw entries,
     /// which the shard merge merges).
@@ -1121,7 +1127,7 @@ pub const PROCESS_THREADS: u32 = 256;
 pub const SELECT_BUCKETS: u32 = 256;
 /// Dynamic shared memory of the processing kernel: per warp a `u64` per bucket, then a
 /// log-sum-exp pair, a maximum and a flag word per warp for the block's reductions, then the
-/// last-to-arrive flag and its padding, then a digit's decision (five words).
+/// last-to-arrive flag and a count, then a digit's decision (five words).
 pub const PROCESS_SHARED_BYTES: u32 = (PROCESS_THREADS / 32) * (SELECT_BUCKETS * 8 + 16) + 8 + 5 * 8;
 
 const _: () = assert!(PROCESS_THREADS >= SELECT_BUCKETS);

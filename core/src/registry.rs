@@ -236,10 +236,25 @@ impl Kernel {
     /// The block size the PTX declares with `.maxntid`, if any. The TMA kernels declare it:
     /// without it ptxas assumes any block size and may give each thread more registers than
     /// a block of [`Kernel::threads`] can have. (rustc has no attribute for NVVM launch
-    /// bounds; `xtask` adds the directive.)
+    /// bounds; `xtask` adds the directive.) So does a kernel with
+    /// [`Kernel::min_blocks_per_multiprocessor`].
     pub const fn launch_bounds(self) -> Option<u32> {
         match self {
-            Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } | Kernel::FusedHandoff { .. } => Some(self.threads()),
+            Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } | Kernel::FusedHandoff { .. } | Kernel::ProcessRows => {
+                Some(self.threads())
+            }
+            _ => None,
+        }
+    }
+
+    /// The blocks a multiprocessor must hold at once, which the PTX declares with
+    /// `.minnctapersm` (with [`Kernel::launch_bounds`]), if any: the processing kernel's
+    /// steps stream rows and hide their loads' latency behind other blocks' work, and ptxas
+    /// gave it a few registers more than two blocks of 256 threads leave (one block per
+    /// multiprocessor) as its code grew.
+    pub const fn min_blocks_per_multiprocessor(self) -> Option<u32> {
+        match self {
+            Kernel::ProcessRows => Some(2),
             _ => None,
         }
     }
@@ -540,7 +555,7 @@ mod tests {
     #[test]
     fn the_portable_module_holds_everything_but_the_tma_kernels() {
         let portable: Vec<_> = Module::Portable.kernels().map(|e| e.kernel).collect();
-        assert!(portable.iter().all(|k| !k.needs_hopper() && !k.is_tma_tile() && k.launch_bounds().is_none()));
+        assert!(portable.iter().all(|k| !k.needs_hopper() && !k.is_tma_tile()));
         assert!(portable.contains(&Kernel::AdvanceSteps) && !portable.contains(&Kernel::StoreTensorMaps));
         assert_eq!(Module::Hopper.kernels().count(), KERNELS.len());
         assert_eq!(portable.len(), KERNELS.iter().filter(|e| !e.kernel.needs_hopper()).count());

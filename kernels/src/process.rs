@@ -52,11 +52,19 @@ pub struct ProcessShared {
     /// Whether the block is its row's last slice to arrive ([`Slice::arrive`]), from thread 0
     /// to the block.
     last: u32,
-    padding: u32,
+    /// The members the block found in [`ProcessStep::Gather`] ([`ListMembers`]).
+    gathered: u32,
     /// A digit's decision ([`decide_digit`]): whether the selection runs, the weight above
-    /// its prefix, its target; the chosen bucket and the weight above it.
+    /// its prefix, its target; the chosen bucket and the weight above it. In
+    /// [`ProcessStep::Gather`], where the block's members start in the row's list.
     decision: [u64; 5],
 }
+
+/// Members a block stages in [`ProcessStep::Gather`]: the histograms' words, which the step
+/// does not use, hold as many column indices as a row's list.
+const STAGED_MEMBERS: u32 = (WARPS * SELECT_BUCKETS as usize * 2) as u32;
+
+const _: () = assert!(STAGED_MEMBERS == MEMBER_CAPACITY);
 
 const _: () = assert!(core::mem::size_of::<ProcessShared>() == PROCESS_SHARED_BYTES as usize);
 
@@ -908,27 +916,41 @@ unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32,
     // SAFETY: per this function's contract.
     unsafe {
         match selection {
-            Selection::TopK if digit == COARSE_DIGIT => visitor.visit(false, false, by_coarse, one),
-            Selection::TopK => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), one),
+            Selection::TopK if digit == COARSE_DIGIT => {
+                visitor.visit(Selection::TopK.reads_raw(), false, by_coarse, one)
+            }
+            Selection::TopK => {
+                visitor.visit(Selection::TopK.reads_raw(), leading, move |i, l| kept(i, l).filter(in_prefix), one)
+            }
             Selection::TopP => {
                 let temperature = params.temperature;
                 let units = move |l: f32| top_p_units(l, max, temperature);
                 match digit {
-                    COARSE_DIGIT => visitor.visit(false, false, by_coarse, units),
-                    _ => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), units),
+                    COARSE_DIGIT => visitor.visit(Selection::TopP.reads_raw(), false, by_coarse, units),
+                    _ => visitor.visit(
+                        Selection::TopP.reads_raw(),
+                        leading,
+                        move |i, l| kept(i, l).filter(in_prefix),
+                        units,
+                    ),
                 }
             }
             Selection::TopPTie => {
                 let last = keys[Selection::TopP as usize];
                 let tie =
                     move |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !global(i)).filter(in_prefix);
-                visitor.visit(false, false, tie, one)
+                visitor.visit(Selection::TopPTie.reads_raw(), false, tie, one)
             }
-            Selection::TopRaw => visitor.visit(true, leading, move |_, l| Some(order_key(l)).filter(in_prefix), one),
+            Selection::TopRaw => visitor.visit(
+                Selection::TopRaw.reads_raw(),
+                leading,
+                move |_, l| Some(order_key(l)).filter(in_prefix),
+                one,
+            ),
             Selection::TopRawTie => {
                 let last = keys[Selection::TopRaw as usize];
                 let tie = move |i: u32, l: f32| (order_key(l) == last).then_some(!i).filter(in_prefix);
-                visitor.visit(true, false, tie, one)
+                visitor.visit(Selection::TopRawTie.reads_raw(), false, tie, one)
             }
         }
     }
@@ -962,7 +984,9 @@ impl<E: EntrySource> MemberVisitor for AddHistogram<'_, E> {
 }
 
 /// A [`MemberVisitor`] that lists the members of a slice of a row in the row's member list
-/// (`MEMBER_CAPACITY` column indices): the first to arrive, counting all of them at `count`.
+/// (`MEMBER_CAPACITY` column indices), counting all of them at `count`: the block stages its
+/// members in shared memory, then one add to `count` reserves their places (the first to
+/// arrive are listed), where one add per member queued on the row's one counter.
 struct ListMembers<'a> {
     entries: SliceSource<'a>,
     list: *mut u32,
@@ -972,19 +996,53 @@ struct ListMembers<'a> {
 impl MemberVisitor for ListMembers<'_> {
     #[inline(always)]
     unsafe fn visit(self, raw: bool, _: bool, member: impl Fn(u32, f32) -> Option<u32>, _: impl Fn(f32) -> u64) {
-        // SAFETY: the row's member count, only accessed atomically during the launch (this
-        // trait's contract).
-        let count = unsafe { AtomicU32::from_ptr(self.count) };
-        // SAFETY: the slice's logits; a slot below `MEMBER_CAPACITY` is this thread's alone.
+        let (shared, thread) = (self.entries.slice.shared, self.entries.slice.thread);
+        // SAFETY: the fields lie inside the block's shared memory.
+        let (staged, found, start) = unsafe {
+            (
+                addr_of_mut!((*shared).buckets) as *mut u32,
+                addr_of_mut!((*shared).gathered),
+                addr_of_mut!((*shared).decision) as *mut u32,
+            )
+        };
+        if thread == 0 {
+            // SAFETY: read by the block after the barrier below.
+            unsafe { *found = 0 };
+        }
+        // SAFETY: every thread of the block reaches it (this trait's contract).
+        unsafe { arch::sync_threads() };
+        // SAFETY: the block's count, only accessed atomically until the barrier below.
+        let block_count = unsafe { AtomicU32::from_ptr(found) };
+        // SAFETY: the slice's logits; a staged slot is its thread's alone.
         unsafe {
             self.entries.each(raw, |i, l| {
                 if member(i, l).is_some() {
-                    let slot = count.fetch_add(1, Ordering::Relaxed);
-                    if slot < MEMBER_CAPACITY {
-                        *self.list.add(slot as usize) = i;
+                    let slot = block_count.fetch_add(1, Ordering::Relaxed);
+                    if slot < STAGED_MEMBERS {
+                        *staged.add(slot as usize) = i;
                     }
                 }
             })
+        };
+        // SAFETY: as above.
+        unsafe { arch::sync_threads() };
+        if thread == 0 {
+            // SAFETY: the block's count, final after the barrier above; the row's count, only
+            // accessed atomically during the launch (this trait's contract); the start, read
+            // by the block after the barrier below.
+            unsafe { *start = AtomicU32::from_ptr(self.count).fetch_add(*found, Ordering::Relaxed) };
+        }
+        // SAFETY: as above.
+        unsafe { arch::sync_threads() };
+        // SAFETY: written before the barriers above. A block with more members than it stages
+        // makes the row's count pass the list's capacity: only the staged ones can be listed.
+        let (found, start) = unsafe { ((*found).min(STAGED_MEMBERS), *start) };
+        let mut k = thread;
+        while k < found && start + k < MEMBER_CAPACITY {
+            // SAFETY: a staged member, written before the barriers above; a slot of the row's
+            // list this block reserved.
+            unsafe { *self.list.add((start + k) as usize) = *staged.add(k as usize) };
+            k += PROCESS_THREADS;
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::checks::{Occurrences, add_launch_bounds, check_written_once};
+use crate::checks::{LaunchBounds, Occurrences, add_launch_bounds, check_written_once};
 use crate::ptxas::{self, Budget, KernelResources};
 use crate::toolchain::{self, NVPTX_TARGET, Nightly};
 use crate::{Error, link};
@@ -70,7 +70,7 @@ pub struct Built {
     pub resources: Option<Vec<KernelResources>>,
 }
 
-type LaunchBounds = Box<dyn Fn(&str) -> Option<u32>>;
+type LaunchBoundsOf = Box<dyn Fn(&str) -> Option<LaunchBounds>>;
 type WrittenOnce = Box<dyn Fn(&str) -> &'static [Occurrences]>;
 
 /// Builds a kernel crate into PTX for one or more targets.
@@ -81,7 +81,7 @@ pub struct PtxBuilder {
     target_dir: Option<PathBuf>,
     budget: Option<Budget>,
     require_ptxas: bool,
-    launch_bounds: Option<LaunchBounds>,
+    launch_bounds: Option<LaunchBoundsOf>,
     written_once: Option<WrittenOnce>,
     watch: Vec<PathBuf>,
 }
@@ -135,9 +135,9 @@ impl PtxBuilder {
         self
     }
 
-    /// Adds `.maxntid` launch bounds to the entries `bounds` gives a block size for (see
+    /// Adds launch bounds to the entries `bounds` gives them for (see
     /// [`crate::add_launch_bounds`] for why).
-    pub fn launch_bounds(mut self, bounds: impl Fn(&str) -> Option<u32> + 'static) -> PtxBuilder {
+    pub fn launch_bounds(mut self, bounds: impl Fn(&str) -> Option<LaunchBounds> + 'static) -> PtxBuilder {
         self.launch_bounds = Some(Box::new(bounds));
         self
     }

@@ -5,12 +5,25 @@ pub fn entries(ptx: &str) -> Vec<&str> {
     ptx.lines().filter_map(|l| l.strip_prefix(".visible .entry ")).map(|l| l.split('(').next().unwrap_or(l)).collect()
 }
 
-/// Adds `.maxntid threads, 1, 1` after the parameter list of every entry `launch_bounds` names.
+/// What a kernel's PTX declares of its launches: its block size, and the blocks a
+/// multiprocessor must be able to hold at once, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchBounds {
+    /// `.maxntid threads, 1, 1`.
+    pub threads: u32,
+    /// `.minnctapersm blocks`: ptxas then gives each thread at most the registers that many
+    /// blocks of `threads` leave it.
+    pub min_blocks: Option<u32>,
+}
+
+/// Adds `.maxntid` (and `.minnctapersm` where given) after the parameter list of every entry
+/// `launch_bounds` names.
 ///
 /// Why: rustc has no attribute for NVVM launch bounds. Without them ptxas assumes a kernel may
 /// run with any block size, up to 1024 threads, and may give each thread fewer registers than
-/// a block of the size the kernel really uses allows (or more than it can have).
-pub fn add_launch_bounds(ptx: &str, launch_bounds: &dyn Fn(&str) -> Option<u32>) -> String {
+/// a block of the size the kernel really uses allows (or more than it can have, or more than
+/// the blocks per multiprocessor the kernel is written for leave it).
+pub fn add_launch_bounds(ptx: &str, launch_bounds: &dyn Fn(&str) -> Option<LaunchBounds>) -> String {
     let mut out = String::with_capacity(ptx.len() + 1024);
     let mut bounds = None;
     for line in ptx.lines() {
@@ -18,8 +31,11 @@ pub fn add_launch_bounds(ptx: &str, launch_bounds: &dyn Fn(&str) -> Option<u32>)
         out.push('\n');
         if let Some(entry) = line.strip_prefix(".visible .entry ") {
             bounds = launch_bounds(entry.split('(').next().unwrap_or(entry));
-        } else if let Some(threads) = bounds.filter(|_| line.starts_with(')')) {
+        } else if let Some(LaunchBounds { threads, min_blocks }) = bounds.filter(|_| line.starts_with(')')) {
             out.push_str(&format!(".maxntid {threads}, 1, 1\n"));
+            if let Some(blocks) = min_blocks {
+                out.push_str(&format!(".minnctapersm {blocks}\n"));
+            }
             bounds = None;
         }
     }
@@ -60,10 +76,15 @@ mod tests {
 
     #[test]
     fn launch_bounds_go_after_the_named_entries_parameters() {
-        let out = add_launch_bounds(PTX, &|name| (name == "a").then_some(384));
+        let out =
+            add_launch_bounds(PTX, &|name| (name == "a").then_some(LaunchBounds { threads: 384, min_blocks: None }));
         assert!(out.contains(".param .u64 a_param_0\n)\n.maxntid 384, 1, 1\n{"), "{out}");
         assert_eq!(out.matches(".maxntid").count(), 1);
         assert_eq!(entries(&out), ["a", "b"]);
+        let out =
+            add_launch_bounds(PTX, &|name| (name == "b").then_some(LaunchBounds { threads: 256, min_blocks: Some(2) }));
+        assert!(out.contains(".entry b(\n)\n.maxntid 256, 1, 1\n.minnctapersm 2\n{"), "{out}");
+        assert_eq!(out.matches(".minnctapersm").count(), 1);
     }
 
     #[test]

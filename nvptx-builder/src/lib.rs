@@ -34,7 +34,7 @@ mod ptxas;
 mod toolchain;
 
 pub use builder::{Built, PtxBuilder, Target};
-pub use checks::{Occurrences, add_launch_bounds, check_written_once, entries};
+pub use checks::{LaunchBounds, Occurrences, add_launch_bounds, check_written_once, entries};
 pub use ptxas::{Budget, KernelResources, table};
 pub use toolchain::{NVPTX_TARGET, Nightly, clean_command, find_ptxas};
 

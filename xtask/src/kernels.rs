@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use flashsample_core::registry::{Kernel, Module};
-use nvptx_builder::{Budget, Nightly, PtxBuilder, Target, entries, table};
+use nvptx_builder::{Budget, LaunchBounds, Nightly, PtxBuilder, Target, entries, table};
 
 use crate::toolchain;
 
@@ -151,7 +151,11 @@ pub fn build(options: &Options) -> Result<(), String> {
     let mut builder = PtxBuilder::new(root.join("kernels"))
         .target_dir(root.join("target/kernels"))
         .validate(Budget::default())
-        .launch_bounds(|name| Kernel::named(name).and_then(Kernel::launch_bounds))
+        .launch_bounds(|name| {
+            let kernel = Kernel::named(name)?;
+            let min_blocks = kernel.min_blocks_per_multiprocessor();
+            kernel.launch_bounds().map(|threads| LaunchBounds { threads, min_blocks })
+        })
         .written_once(|name| Kernel::named(name).map_or(&[], Kernel::aligned_ops_written_once));
     for &module in &modules {
         builder = builder.target(target(module));

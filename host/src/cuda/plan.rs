@@ -727,19 +727,19 @@ const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
 /// names chains at any B.
 const CHAINED_MAX_BATCH: usize = 8;
 
-/// The largest D at which the Hopper module lists top-k without top-p past
-/// [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] (twice that with top-p).
-const LISTED_PAST_THE_BATCH_LIMIT_MAX_DIM: usize = 4096;
+/// The largest D·B at which the Hopper module lists top-k without top-p past
+/// [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows (twice that with top-p).
+const LISTED_PAST_THE_BATCH_LIMIT_MAX_WORK: usize = 4096 * 128;
 
 /// Whether the Hopper module lists `call` past [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows. There
 /// the staged tile's multiplies cost more than the TMA tile's in proportion to D·V·B, while
-/// the materialised selection the lists replace costs in proportion to V·B (about twice as
-/// much with top-p): listing wins below a D, measured between 4096 and 8192 for top-k alone
-/// and above 8192 with top-p (docs/PERF.md).
+/// the materialised selection the lists replace costs in proportion to V·B (more with
+/// top-p): listing wins below a D·B, measured at 4096 · 128 for top-k alone (slower at 4096 ·
+/// 256) and at 8192 · 128 and 4096 · 256 with top-p (slower at 8192 · 256; docs/PERF.md).
 fn lists_past_the_batch_limit(call: &Call) -> bool {
     let top_p = call.processing.selections & Selection::TopP.bit() != 0;
-    let max_dim = if top_p { 2 * LISTED_PAST_THE_BATCH_LIMIT_MAX_DIM } else { LISTED_PAST_THE_BATCH_LIMIT_MAX_DIM };
-    call.lm_head.cols <= max_dim
+    let max_work = if top_p { 2 * LISTED_PAST_THE_BATCH_LIMIT_MAX_WORK } else { LISTED_PAST_THE_BATCH_LIMIT_MAX_WORK };
+    call.lm_head.cols * call.hidden.rows <= max_work
 }
 
 /// The tile and summaries of a listed call ([`ListedPlan`]), or `None` for the materialised
@@ -1040,7 +1040,8 @@ mod tests {
 
     /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
     /// on a tile that lists (`mma.sync`, staged, SIMT), or the dispatcher's TMA tile swapped
-    /// for the `mma.sync` tile of B (past B = 64 up to D = 4096, or 8192 with top-p); a TMA
+    /// for the `mma.sync` tile of B (past B = 64 up to D·B = 4096 · 128, twice that with
+    /// top-p); a TMA
     /// tile named by the caller, log-probabilities, a shard, top entries or a row without
     /// top-k keep the materialised path, as do more draws than one candidate each fits the
     /// budget.
@@ -1067,12 +1068,9 @@ mod tests {
             lists(&call(64, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
             Some(Variant::Staged { columns: 64 })
         );
-        // Past B = 64 by D, and by whether a row has top-p.
+        // Past B = 64 by D·B, and by whether a row has top-p.
         let handoff = Variant::TmaHandoff { columns: 128 };
-        assert_eq!(
-            lists(&call(256, true, false, false, Variant::Auto), handoff),
-            Some(Variant::Staged { columns: 64 })
-        );
+        assert_eq!(lists(&call(256, true, false, false, Variant::Auto), handoff), None);
         let wide = |batch, dim, top_p: bool| {
             let mut wide = call(batch, true, false, false, Variant::Auto);
             wide.lm_head = MatrixRef::contiguous(1 << 30, 128_256, dim, DType::BF16);
@@ -1086,6 +1084,11 @@ mod tests {
         assert_eq!(lists(&wide(65, 8192, false), handoff), None);
         assert_eq!(lists(&wide(65, 8192, true), handoff), Some(Variant::Staged { columns: 64 }));
         assert_eq!(lists(&wide(65, 16384, true), handoff), None);
+        assert_eq!(lists(&wide(128, 4096, false), handoff), Some(Variant::Staged { columns: 64 }));
+        assert_eq!(lists(&wide(129, 4096, false), handoff), None);
+        assert_eq!(lists(&wide(128, 8192, true), handoff), Some(Variant::Staged { columns: 64 }));
+        assert_eq!(lists(&wide(256, 4096, true), handoff), Some(Variant::Staged { columns: 64 }));
+        assert_eq!(lists(&wide(256, 8192, true), handoff), None);
         assert_eq!(
             lists(&call(200, true, false, false, Variant::Auto), Variant::Staged { columns: 64 }),
             Some(Variant::Staged { columns: 64 })

@@ -58,6 +58,9 @@ pub struct ProcessShared {
     /// its prefix, its target; the chosen bucket and the weight above it. In
     /// [`ProcessStep::Gather`], where the block's members start in the row's list.
     decision: [u64; 5],
+    /// In [`ProcessStep::Resolve`], the row's histogram of the running digit, which only the
+    /// row's block adds to.
+    resolved: [u64; SELECT_BUCKETS as usize],
 }
 
 /// Members a block stages in [`ProcessStep::Gather`]: the histograms' words, which the step
@@ -1200,7 +1203,17 @@ unsafe fn resolve(item: &Item, selection: Selection) {
     let state = *state;
     // SAFETY: the row's state, written by earlier launches (then by this block's thread 0
     // between barriers).
-    let (count, histogram) = unsafe { ((*state).members, addr_of_mut!((*state).histogram).cast::<u64>()) };
+    let count = unsafe { (*state).members };
+    // The digits' histograms stay in the block's shared memory: no round trip through the
+    // row's state per digit.
+    // SAFETY: the field lies inside the block's shared memory.
+    let histogram = unsafe { addr_of_mut!((*slice.shared).resolved) }.cast::<u64>();
+    if slice.thread < SELECT_BUCKETS {
+        // SAFETY: a bucket of the histogram, this thread's alone until the barrier below.
+        unsafe { *histogram.add(slice.thread as usize) = 0 };
+    }
+    // SAFETY: every thread of the block reaches it (this function's contract).
+    unsafe { arch::sync_threads() };
     let whole_row = Slice::whole_row(args, slice.shared, slice.b);
     let list = args.members.as_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize);
     let entries = MemberSource {
@@ -1225,8 +1238,8 @@ unsafe fn resolve(item: &Item, selection: Selection) {
             // Its digits are past the leading one: no gathering.
             let shift = digit_shift(digit);
             let add = AddHistogram { slice: &whole_row, entries, shift, histogram, may_gather: false };
-            // SAFETY: every thread of the block together; the members' rows; the row's
-            // histogram, which only this block adds to.
+            // SAFETY: every thread of the block together; the members' rows; the block's
+            // histogram, cleared by each decision for the next digit.
             unsafe {
                 visit_members(item, s, digit, max, add);
                 arch::sync_threads();

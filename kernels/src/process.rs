@@ -1191,7 +1191,7 @@ unsafe fn gather(item: &Item, selection: Selection) {
 
 /// [`ProcessStep::Resolve`] for one row: `selection`'s digits after its
 /// [`Selection::leading_digits`], then its tie selection's, each a histogram of the gathered
-/// members added to the row state's and decided as [`ProcessStep::Select`]'s last slice
+/// members in the block's shared memory, decided as [`ProcessStep::Select`]'s last slice
 /// decides; the member count set back to 0.
 ///
 /// # Safety

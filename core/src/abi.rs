@@ -1380,6 +1380,33 @@ mod tests {
         }
     }
 
+    /// A selection its shard decides alone runs a coarse key over the row where it truncates
+    /// (top-k, top-p), two key digits where it does not (the top raw entries), and its
+    /// resolution the key's digits after those; tie selections and, with an exchange, the
+    /// exchanged ones are not listed. Each digit's bucket is a byte of its key, the coarse
+    /// key's the leading one.
+    #[test]
+    fn listed_selections_lead_with_a_coarse_key_where_they_truncate() {
+        for exchange in [false, true] {
+            for s in Selection::ALL {
+                let (leading, resolved_from) = s.leading_digits(exchange);
+                match (s, exchange) {
+                    (Selection::TopK | Selection::TopP, false) => {
+                        assert!(s.listed(exchange) && s.coarse(exchange));
+                        assert_eq!((leading, resolved_from), (COARSE_DIGIT..COARSE_DIGIT + 1, 0));
+                    }
+                    (Selection::TopRaw, _) => {
+                        assert!(s.listed(exchange) && !s.coarse(exchange));
+                        assert_eq!((leading, resolved_from), (0..2, 2));
+                    }
+                    _ => assert!(!s.listed(exchange) && !s.coarse(exchange), "{s:?} {exchange}"),
+                }
+            }
+        }
+        let shifts: [u32; 4] = core::array::from_fn(|d| digit_shift(d as u32));
+        assert_eq!((shifts, digit_shift(COARSE_DIGIT)), ([24, 16, 8, 0], 24));
+    }
+
     /// A shard exchange holds the `[2, B]` extrema, then one `[B, 256]` `u64` histogram per
     /// digit of each exchanged selection asked for (top-k, top-p and its tie; never the top
     /// raw entries), 16-byte aligned and side by side.

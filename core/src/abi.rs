@@ -1011,12 +1011,6 @@ impl Selection {
         }
     }
 
-    /// Whether the selection ranks the raw logits (the top raw entries), not the processed
-    /// ones.
-    pub const fn reads_raw(self) -> bool {
-        matches!(self, Selection::TopRaw | Selection::TopRawTie)
-    }
-
     /// Whether vocabulary shards decide the selection together (a truncation: its cut is a
     /// property of the whole row) rather than each over its own entries (the top raw entries,
     /// which the shard merge merges).

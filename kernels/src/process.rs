@@ -292,8 +292,8 @@ impl Slice {
     }
 
     /// Adds the weights of the block's `entries` `i` (of the raw row if `raw`) with
-    /// `member(i, logit) = Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the block's histogram, then
-    /// the histogram to `row_histogram`. With `gather` each thread first gathers the weights
+    /// `member(i, logit) = Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the
+    /// block's histogram, then the histogram to `row_histogram`. With `gather` each thread first gathers the weights
     /// of the first [`GATHERED_BUCKETS`] distinct buckets it meets in registers: for a leading
     /// digit over logits, whose entries crowd into a few buckets.
     ///
@@ -919,41 +919,27 @@ unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32,
     // SAFETY: per this function's contract.
     unsafe {
         match selection {
-            Selection::TopK if digit == COARSE_DIGIT => {
-                visitor.visit(Selection::TopK.reads_raw(), false, by_coarse, one)
-            }
-            Selection::TopK => {
-                visitor.visit(Selection::TopK.reads_raw(), leading, move |i, l| kept(i, l).filter(in_prefix), one)
-            }
+            Selection::TopK if digit == COARSE_DIGIT => visitor.visit(false, false, by_coarse, one),
+            Selection::TopK => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), one),
             Selection::TopP => {
                 let temperature = params.temperature;
                 let units = move |l: f32| top_p_units(l, max, temperature);
                 match digit {
-                    COARSE_DIGIT => visitor.visit(Selection::TopP.reads_raw(), false, by_coarse, units),
-                    _ => visitor.visit(
-                        Selection::TopP.reads_raw(),
-                        leading,
-                        move |i, l| kept(i, l).filter(in_prefix),
-                        units,
-                    ),
+                    COARSE_DIGIT => visitor.visit(false, false, by_coarse, units),
+                    _ => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), units),
                 }
             }
             Selection::TopPTie => {
                 let last = keys[Selection::TopP as usize];
                 let tie =
                     move |i: u32, l: f32| kept(i, l).filter(|&key| key == last).map(|_| !global(i)).filter(in_prefix);
-                visitor.visit(Selection::TopPTie.reads_raw(), false, tie, one)
+                visitor.visit(false, false, tie, one)
             }
-            Selection::TopRaw => visitor.visit(
-                Selection::TopRaw.reads_raw(),
-                leading,
-                move |_, l| Some(order_key(l)).filter(in_prefix),
-                one,
-            ),
+            Selection::TopRaw => visitor.visit(true, leading, move |_, l| Some(order_key(l)).filter(in_prefix), one),
             Selection::TopRawTie => {
                 let last = keys[Selection::TopRaw as usize];
                 let tie = move |i: u32, l: f32| (order_key(l) == last).then_some(!i).filter(in_prefix);
-                visitor.visit(Selection::TopRawTie.reads_raw(), false, tie, one)
+                visitor.visit(true, false, tie, one)
             }
         }
     }

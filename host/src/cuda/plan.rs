@@ -1041,10 +1041,9 @@ mod tests {
     /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
     /// on a tile that lists (`mma.sync`, staged, SIMT), or the dispatcher's TMA tile swapped
     /// for the `mma.sync` tile of B (past B = 64 up to D·B = 4096 · 128, twice that with
-    /// top-p); a TMA
-    /// tile named by the caller, log-probabilities, a shard, top entries or a row without
-    /// top-k keep the materialised path, as do more draws than one candidate each fits the
-    /// budget.
+    /// top-p); a TMA tile named by the caller, log-probabilities, a shard, top entries or a row
+    /// without top-k keep the materialised path, as do more draws than one candidate each fits
+    /// the budget.
     #[test]
     fn a_call_is_listed_only_where_its_lists_can_decide_it() {
         let lists = |call: &Call, resolved| {

@@ -1122,9 +1122,10 @@ pub const SELECT_BUCKETS: u32 = 256;
 /// Dynamic shared memory of the processing kernel: per warp a `u64` per bucket, then a
 /// log-sum-exp pair, a maximum and a flag word per warp for the block's reductions, then the
 /// last-to-arrive flag and a count, then a digit's decision (five words), then a row's
-/// histogram of one digit (`u64` per bucket) for the steps with one block per row.
+/// histogram of one digit (`u64` per bucket) for the steps with one block per row, then
+/// top-p's table of units per coarse bucket (`f32` per bucket).
 pub const PROCESS_SHARED_BYTES: u32 =
-    (PROCESS_THREADS / 32) * (SELECT_BUCKETS * 8 + 16) + 8 + 5 * 8 + SELECT_BUCKETS * 8;
+    (PROCESS_THREADS / 32) * (SELECT_BUCKETS * 8 + 16) + 8 + 5 * 8 + SELECT_BUCKETS * 8 + 256 * 4;
 
 const _: () = assert!(PROCESS_THREADS >= SELECT_BUCKETS);
 

@@ -27,7 +27,7 @@ const LOG2_E: f32 = core::f32::consts::LOG2_E;
 
 /// `2ᵉ` for a normal exponent, `−126 ≤ e ≤ 127` (other `e` give some float, no panic).
 #[inline(always)]
-fn power_of_two(e: i32) -> f32 {
+const fn power_of_two(e: i32) -> f32 {
     f32::from_bits((e.wrapping_add(127) as u32) << 23)
 }
 
@@ -40,7 +40,7 @@ const ROUNDING_SHIFT: f32 = 12_582_912.0;
 /// multiprocessor 16 conversions per clock against 128 additions) and no saturation check
 /// (which `as i32` adds). Any other `x` gives some pair, never a panic.
 #[inline(always)]
-fn nearest_multiple_of_ln2(x: f32) -> (f32, i32) {
+const fn nearest_multiple_of_ln2(x: f32) -> (f32, i32) {
     let shifted = x * LOG2_E + ROUNDING_SHIFT;
     (shifted - ROUNDING_SHIFT, shifted.to_bits().wrapping_sub(ROUNDING_SHIFT.to_bits()) as i32)
 }
@@ -48,7 +48,7 @@ fn nearest_multiple_of_ln2(x: f32) -> (f32, i32) {
 /// `r = x − k·ln 2`, `|r| ≤ ½ln 2` (plus rounding) for `k` ([`nearest_multiple_of_ln2`],
 /// `|k| < 2⁸`): Cody and Waite's reduction, exact in its first step.
 #[inline(always)]
-fn reduced(x: f32, k: f32) -> f32 {
+const fn reduced(x: f32, k: f32) -> f32 {
     (x - k * LN2_HI) - k * LN2_LO
 }
 
@@ -82,7 +82,7 @@ fn expm1_small(r: f32) -> f32 {
 /// whose first dropped term is below `5.3·10⁻⁹` (a tenth of an ulp of `eʳ ≥ 0.7`); two terms
 /// fewer than [`expm1_small`], which keeps relative precision near `r = 0` for `expm1`.
 #[inline(always)]
-fn exp_small(r: f32) -> f32 {
+const fn exp_small(r: f32) -> f32 {
     1.0 + r
         * (1.0
             + r * (1.0 / 2.0
@@ -112,7 +112,7 @@ pub fn exp(x: f32) -> f32 {
 /// subnormal step below (`2ᵏ⁺⁶⁴` is normal, and the factor `2⁻⁶⁴` rounds once), 0 below
 /// `ln 2⁻¹⁵⁰`, NaN for NaN (it passes through every step).
 #[inline(always)]
-fn exp_non_positive(x: f32) -> f32 {
+const fn exp_non_positive(x: f32) -> f32 {
     let (kf, k) = nearest_multiple_of_ln2(x);
     let e = exp_small(reduced(x, kf)) * power_of_two(k.wrapping_add(64)) * power_of_two(-64);
     if x < -103.972_08 { 0.0 } else { e }
@@ -417,22 +417,63 @@ pub fn coarse_scale(temperature: f32) -> f32 {
 /// theirs spread the entries a truncation's cut lies among.
 #[inline(always)]
 pub fn coarse_key(logit: f32, max: f32, scale: f32) -> u32 {
-    255 - (((max - logit) * scale) as u32).min(255)
+    255 - (coarse_position(logit, max, scale) as u32).min(255)
 }
 
 /// Units of probability mass per unit of the largest entry's weight, in top-p's sums.
 pub const TOP_P_UNIT_SCALE: f32 = 4_294_967_296.0;
 
-/// top-p's mass of an entry: `exp((l − max) / T)`, the entry's probability relative to the
-/// largest, in whole units of 2⁻³² (truncated). Integer sums are exact in any order, so every
-/// backend, tile order and shard split finds the same cut; the cut is vLLM's on these masses
-/// (it differs from the real-number one only where the cumulative mass is within V · 2⁻³² of
-/// the largest entry's weight of `p` times the total). `logit ≤ max_logit`, so the exponential
-/// is the straight-line one for non-positive arguments, computed once per entry of a selection's
-/// digit on the GPU.
+/// top-p's units at the top of each bucket `j` of the coarse key's position
+/// ([`coarse_position`]): `exp(−j / COARSE_BUCKETS_PER_UNIT) · 2³²`, computed at compile
+/// time by the same `exp` as every other term, so every backend reads the same constants.
+pub const TOP_P_BUCKET_UNITS: [f32; 256] = {
+    let mut units = [0.0f32; 256];
+    let mut j = 0;
+    while j < 256 {
+        units[j] = exp_non_positive(-(j as f32) / COARSE_BUCKETS_PER_UNIT) * TOP_P_UNIT_SCALE;
+        j += 1;
+    }
+    units
+};
+
+/// An entry's position below the largest processed logit `max` in buckets of the coarse key:
+/// `(max − logit) · scale`, where `scale` is the row's [`coarse_scale`].
 #[inline(always)]
-pub fn top_p_units(logit: f32, max_logit: f32, temperature: f32) -> u64 {
-    (exp_non_positive((logit - max_logit) / temperature) * TOP_P_UNIT_SCALE) as u64
+pub fn coarse_position(logit: f32, max: f32, scale: f32) -> f32 {
+    (max - logit) * scale
+}
+
+/// top-p's mass of an entry: `exp((l − max) / T)`, the entry's probability relative to the
+/// largest, in whole units of 2⁻³² (truncated), computed from the entry's coarse position `x`
+/// ([`coarse_position`]) as the units at the top of its bucket `j = ⌊x⌋`
+/// (`bucket_units(j)`, called with `j < 256`: [`TOP_P_BUCKET_UNITS`] wherever the caller keeps it) times
+/// `exp(−(x − j) / COARSE_BUCKETS_PER_UNIT)` by its series: a table read and ten additions
+/// and multiplications per entry where the exponential of `(l − max) / T` took a division
+/// and about forty operations, and no division by `T` at all (`scale` holds it). Within
+/// about `4·10⁻⁶` of the exact mass relative (the rounding of `x`, as the division by `T`
+/// rounds the exponent; the test below). 0 past the 256 buckets (`(max − l) / T ≥ 22.26`,
+/// where the exact mass is below one unit) and for NaN. Integer sums are exact in any order,
+/// so every backend, tile order and shard split finds the same cut; the cut is vLLM's on
+/// these masses (it differs from the real-number one only where the cumulative mass is within
+/// the masses' error of `p` times the total).
+#[inline(always)]
+pub fn top_p_units(position: f32, bucket_units: impl Fn(u32) -> f32) -> u64 {
+    if position.is_nan() || position >= 256.0 {
+        return 0;
+    }
+    // `position ≥ 0` for every entry at or below `max`; a negative one (none is asked for)
+    // takes bucket 0.
+    let j = position as u32;
+    let x = (j as f32 - position) * (1.0 / COARSE_BUCKETS_PER_UNIT);
+    let fraction = 1.0 + x * (1.0 + x * (1.0 / 2.0 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))));
+    (bucket_units(j) * fraction) as u64
+}
+
+/// [`top_p_units`] with the compiled table.
+#[inline(always)]
+pub fn top_p_units_of(logit: f32, max: f32, scale: f32) -> u64 {
+    // `j < 256` (`top_p_units`'s contract): the byte is the index, with no bounds check.
+    top_p_units(coarse_position(logit, max, scale), |j| TOP_P_BUCKET_UNITS[j as u8 as usize])
 }
 
 /// The mass top-p's prefix must reach: `⌈p · total⌉` units, computed exactly for
@@ -632,6 +673,35 @@ mod tests {
         assert_eq!(coarse_key(9.4 - 23.0, 9.4, scale), 0);
     }
 
+    /// top-p's units from the bucket table and the series stay within `5·10⁻⁶` (relative) and
+    /// one unit of `exp((l − max) / T) · 2³²` in f64, over every float from the maximum down
+    /// through the first 2¹⁸ and then in strides to past the last bucket, at several
+    /// temperatures and maxima; the largest entry weighs exactly 2³² units, entries past the
+    /// buckets 0.
+    #[test]
+    fn top_p_units_follow_the_exponential() {
+        for (max, temperature) in [(9.4f32, 1.0f32), (-3.0, 0.7), (0.5, 1e-3), (1e4, 2.0), (30.0, 1e3)] {
+            let scale = coarse_scale(temperature);
+            assert_eq!(top_p_units_of(max, max, scale), 1 << 32);
+            let mut key = order_key(max);
+            let mut steps = 0u32;
+            loop {
+                let logit = key_logit(key);
+                let exact = ((logit as f64 - max as f64) / temperature as f64).exp() * 4_294_967_296.0;
+                let got = top_p_units_of(logit, max, scale) as f64;
+                assert!((got - exact).abs() <= 5e-6 * exact + 1.0, "{max} {temperature} {logit}: {got} vs {exact}");
+                if coarse_position(logit, max, scale) >= 256.0 {
+                    assert_eq!(got, 0.0);
+                    break;
+                }
+                key -= if steps < 1 << 18 { 1 } else { 97 };
+                steps += 1;
+            }
+        }
+        assert_eq!(top_p_units_of(f32::NAN, 1.0, 1.0), 0);
+        assert_eq!(top_p_units_of(f32::NEG_INFINITY, 1.0, 1.0), 0);
+    }
+
     #[test]
     fn min_p_threshold_keeps_tokens_at_least_min_p_times_the_largest() {
         assert_eq!(min_p_threshold(5.0, 1.0, 0.0), f32::NEG_INFINITY);
@@ -680,7 +750,7 @@ mod tests {
         assert_eq!(top_p_target(10, 0.5), 5);
         assert_eq!(top_p_target(10, 0.51), 6);
         assert_eq!(top_p_target(1 << 32, 1.0), 1 << 32);
-        assert_eq!(top_p_units(2.0, 2.0, 0.7), 1 << 32);
+        assert_eq!(top_p_units_of(2.0, 2.0, coarse_scale(0.7)), 1 << 32);
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //! only raise top-k's cut and leave min-p's, so every tile that settled still does, and one
 //! second look settles every row.
 
-use crate::process::{KeepRule, key_logit, min_p_threshold, order_key, top_p_target, top_p_units};
+use crate::process::{KeepRule, coarse_scale, key_logit, min_p_threshold, order_key, top_p_target, top_p_units_of};
 
 /// Entries a [`TileTop`] lists.
 pub const TILE_TOP: usize = 4;
@@ -151,7 +151,7 @@ pub struct Selected {
 /// is `max`, at temperature `temperature`, from `entries` (`(logit, index)`, any order;
 /// reordered here): every entry of the row that the rule could keep must be among them (any
 /// others are ignored). `top_k = None` and `top_p = 1` leave those steps out, `min_p = 0`
-/// keeps every entry; top-p's masses are [`top_p_units`] relative to `max`, summed exactly.
+/// keeps every entry; top-p's masses are [`top_p_units_of`] relative to `max`, summed exactly.
 pub fn select(
     entries: &mut [(f32, u32)],
     max: f32,
@@ -184,11 +184,12 @@ pub fn select(
     if top_p >= 1.0 {
         return Selected { rule: bound, bound };
     }
-    let total: u64 = order.iter().map(|e| top_p_units(e.0, max, temperature)).sum();
+    let scale = coarse_scale(temperature);
+    let total: u64 = order.iter().map(|e| top_p_units_of(e.0, max, scale)).sum();
     let target = top_p_target(total, top_p);
     let mut mass = 0;
     let cut = order.iter().position(|e| {
-        mass += top_p_units(e.0, max, temperature);
+        mass += top_p_units_of(e.0, max, scale);
         mass >= target
     });
     let rule = match cut {

@@ -30,7 +30,9 @@ use flashsample_core::abi::{
     SampleListedArgs, candidate_pair,
 };
 use flashsample_core::candidate::maximum;
-use flashsample_core::process::{KeepRule, key_logit, min_p_threshold, order_key, top_p_target, top_p_units};
+use flashsample_core::process::{
+    KeepRule, coarse_scale, key_logit, min_p_threshold, order_key, top_p_target, top_p_units_of,
+};
 use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, RowParams, block_candidate};
 
@@ -535,7 +537,8 @@ unsafe fn top_p_cut<E: Entries>(
     temperature: f32,
     top_p: f32,
 ) -> (f32, u32) {
-    let units = |logit: f32| top_p_units(logit, max, temperature);
+    let scale = coarse_scale(temperature);
+    let units = |logit: f32| top_p_units_of(logit, max, scale);
     let mut sum = 0u64;
     // SAFETY: the row (this function's contract).
     unsafe {

@@ -22,9 +22,9 @@ use flashsample_core::abi::{
     TopLogprob, digit_shift,
 };
 use flashsample_core::process::{
-    KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, coarse_key, coarse_scale, dense_step,
-    key_logit, min_p_threshold, order_key, process_quad, sparse_step, token_log_probabilities, top_p_target,
-    top_p_units,
+    KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, TOP_P_BUCKET_UNITS, coarse_key,
+    coarse_position, coarse_scale, dense_step, key_logit, min_p_threshold, order_key, process_quad, sparse_step,
+    token_log_probabilities, top_p_target, top_p_units,
 };
 use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 
@@ -61,6 +61,9 @@ pub struct ProcessShared {
     /// In [`ProcessStep::Resolve`], the row's histogram of the running digit, which only the
     /// row's block adds to.
     resolved: [u64; SELECT_BUCKETS as usize],
+    /// [`TOP_P_BUCKET_UNITS`], copied in when the kernel starts: top-p's units read it once per
+    /// entry at an index that varies by lane, which shared memory serves in one pass or a few.
+    bucket_units: [f32; 256],
 }
 
 /// Members a block stages in [`ProcessStep::Gather`]: the histograms' words, which the step
@@ -707,6 +710,18 @@ unsafe fn keep_rule(
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
     let per_row = args.step == ProcessStep::Decide as u32 || args.step == ProcessStep::Resolve as u32;
     let items = if per_row { args.batch } else { args.batch * args.slices };
+    let thread = arch::thread_index();
+    // SAFETY: the table lies inside the block's shared memory; each thread writes its own
+    // words, read after the barrier below (every thread reaches it).
+    unsafe {
+        let units = addr_of_mut!((*shared).bucket_units) as *mut f32;
+        let mut j = thread as usize;
+        while j < TOP_P_BUCKET_UNITS.len() {
+            *units.add(j) = TOP_P_BUCKET_UNITS[j];
+            j += PROCESS_THREADS as usize;
+        }
+        arch::sync_threads();
+    }
     let mut index = arch::block_index();
     while index < items {
         // A row's decision is its first slice's.
@@ -864,6 +879,19 @@ unsafe fn runs(item: &Item, selection: Selection) -> bool {
     runs && ended & selection.bit() == 0
 }
 
+/// The block's copy of [`TOP_P_BUCKET_UNITS`], as [`top_p_units`] reads it.
+///
+/// # Safety
+/// `shared` is the block's shared memory, whose table [`process_rows`] filled; the closure
+/// reads it with `j < 256`, as [`top_p_units`] does.
+#[inline(always)]
+unsafe fn bucket_units(shared: *mut ProcessShared) -> impl Fn(u32) -> f32 + Copy {
+    // SAFETY: the field lies inside the block's shared memory.
+    let table = unsafe { addr_of_mut!((*shared).bucket_units) } as *const f32;
+    // SAFETY: `j < 256`: a word of the table (this function's contract).
+    move |j: u32| unsafe { *table.add(j as usize) }
+}
+
 /// What a step does with the members of a selection's digit (see [`visit_members`]).
 trait MemberVisitor {
     /// `raw`: the members lie in the raw logits (else the processed ones); `member(i,
@@ -916,14 +944,15 @@ unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32,
     // A leading digit of logits gathers per thread first; a tie selection's keys are indices,
     // spread over every bucket.
     let leading = digit == 0;
+    // SAFETY: the block's shared memory, its table filled when the kernel started.
+    let table = unsafe { bucket_units(item.slice.shared) };
     // SAFETY: per this function's contract.
     unsafe {
         match selection {
             Selection::TopK if digit == COARSE_DIGIT => visitor.visit(false, false, by_coarse, one),
             Selection::TopK => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), one),
             Selection::TopP => {
-                let temperature = params.temperature;
-                let units = move |l: f32| top_p_units(l, max, temperature);
+                let units = move |l: f32| top_p_units(coarse_position(l, max, scale), table);
                 match digit {
                     COARSE_DIGIT => visitor.visit(false, false, by_coarse, units),
                     _ => visitor.visit(false, leading, move |i, l| kept(i, l).filter(in_prefix), units),
@@ -1359,7 +1388,8 @@ unsafe fn decide_digit(item: &Item, selection: Selection, digit: u32, max: f32, 
                 if selection == Selection::TopP {
                     // Entries tied at the last key weigh the same: the prefix ends at the n-th
                     // of them by index.
-                    let units = top_p_units(key_logit(key), max, params.temperature).max(1);
+                    let position = coarse_position(key_logit(key), max, coarse_scale(params.temperature));
+                    let units = top_p_units(position, bucket_units(item.slice.shared)).max(1);
                     s.tie_goal = (goal - above).div_ceil(units);
                     if s.tie_goal >= weight / units {
                         s.ended |= Selection::TopPTie.bit();

@@ -915,12 +915,17 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
                 let draw = args.draw_offset + j;
                 let mut scores = [[f32::NEG_INFINITY; 4]; QUADS];
                 let mut best_estimate = f32::NEG_INFINITY;
-                // Unrolled by hand: constant indices keep the arrays in registers.
+                // Unrolled by hand: constant indices keep the arrays in registers. A quad whose
+                // every entry is −∞ (dropped by the keep rule, or past the vocabulary) would
+                // estimate −∞ for each: it keeps those scores without its Philox block, which a
+                // warp skips when every lane does (most quads under min-p or top-k).
                 each_index!(k < QUADS, {
-                    let (philox_block, valid) = block_of(k);
-                    let estimate = row_estimate(&row, draw, philox_block, quads[k], valid);
-                    best_estimate = maximum(best_estimate, estimate.best());
-                    scores[k] = estimate.scores;
+                    if quads[k] != [f32::NEG_INFINITY; 4] {
+                        let (philox_block, valid) = block_of(k);
+                        let estimate = row_estimate(&row, draw, philox_block, quads[k], valid);
+                        best_estimate = maximum(best_estimate, estimate.best());
+                        scores[k] = estimate.scores;
+                    }
                 });
                 // SAFETY: every lane of the warp reaches it (uniform loops); the warp's lanes
                 // all race row `b`'s draw `j`.

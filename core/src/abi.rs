@@ -343,6 +343,8 @@ pub struct TmaArgs {
     /// `[batch, tiles]` log-sum-exp terms of each (row, tile) (fused kernels that
     /// [write them](crate::registry::Kernel::writes_tile_sums); see [`FusedArgs::tile_sums`]), or null.
     pub tile_sums: DevicePtr<RowSums>,
+    /// The GEMM's maxima ([`LogitsArgs::maxima`]), or null.
+    pub maxima: DevicePtr<u32>,
     /// Rows of `W`: the vocabulary entries of the shard (of the whole vocabulary when
     /// unsharded). Entries at or past it take no part in the race or the terms, and the GEMM
     /// writes no quad that starts past it.
@@ -470,6 +472,10 @@ pub struct LogitsArgs {
     /// `[batch, logits_stride]` f32 logits, written in whole quads (16-byte stores), so a
     /// row's entries from `vocab` up to the next multiple of 4 may be overwritten too.
     pub logits: DevicePtr<f32>,
+    /// Null, or `[batch, ⌈vocab / MAXIMA_ROWS⌉]`, written: each (row, run of
+    /// [`MAXIMA_ROWS`] entries)'s largest [`extremum_key`](crate::process::extremum_key)
+    /// among its entries below `vocab`.
+    pub maxima: DevicePtr<u32>,
     /// Rows of `W`: the columns of `logits` computed.
     pub vocab: u32,
     /// Columns of `W` and `H` (the hidden size), a multiple of 8.
@@ -880,6 +886,9 @@ pub struct ProcessArgs {
     /// `[batch, MEMBER_CAPACITY]` column indices: the members a selection's
     /// [`ProcessStep::Gather`] lists for its [`ProcessStep::Resolve`].
     pub members: DevicePtr<u32>,
+    /// The GEMM's `[batch, ⌈vocab / MAXIMA_ROWS⌉]` maxima ([`LogitsArgs::maxima`]), which
+    /// [`ProcessStep::Extrema`] reads; null without that step.
+    pub maxima: DevicePtr<u32>,
 }
 
 /// What one launch of the processing kernel does ([`ProcessArgs::step`]). A pipeline runs
@@ -911,7 +920,17 @@ pub enum ProcessStep {
     /// where they were more than [`MEMBER_CAPACITY`]: its remaining digits, then its tie
     /// selection's, each as [`ProcessStep::Select`] would pick them.
     Resolve = 5,
+    /// In place of [`ProcessStep::Entries`] for rows without per-entry steps, terms or an
+    /// exchange (the logits are the processed ones, in place): one block per row takes the
+    /// row's largest logit and non-finite flag from the GEMM's [`ProcessArgs::maxima`], a read
+    /// of a sixteenth of a word per entry where `Entries` reads the row, and sets the row's
+    /// padding to −∞ as `Entries` does.
+    Extrema = 6,
 }
+
+/// Entries per word of the GEMM's maxima ([`LogitsArgs::maxima`]): the rows a warp's lanes
+/// that hold one column share in every logits tile.
+pub const MAXIMA_ROWS: u32 = 16;
 
 /// Digits of its key a [`Selection::listed`] selection without a coarse key decides over the
 /// row before its members are gathered: after two, the members share 16 bits of their key,

@@ -390,6 +390,22 @@ pub fn order_key(logit: f32) -> u32 {
     if bits >> 31 == 1 { !bits } else { bits | 1 << 31 }
 }
 
+/// A logit as a word whose largest over some entries gives their largest logit and whether
+/// any is NaN or +∞ ([`extremum`]): its [`order_key`], `u32::MAX` for NaN.
+#[inline(always)]
+pub fn extremum_key(logit: f32) -> u32 {
+    if logit.is_nan() { u32::MAX } else { order_key(logit) }
+}
+
+/// The largest logit and the non-finite flag (a NaN or +∞ among the entries) of the largest
+/// [`extremum_key`] of some entries (`order_key(−∞)` or less for none, as an
+/// entry of −∞ gives): the maximum is only meaningful without the flag.
+#[inline(always)]
+pub fn extremum(key: u32) -> (f32, bool) {
+    let non_finite = key >= order_key(f32::INFINITY);
+    (key_logit(key.max(order_key(f32::NEG_INFINITY))), non_finite)
+}
+
 /// The logit of an [`order_key`].
 #[inline(always)]
 pub fn key_logit(key: u32) -> f32 {
@@ -700,6 +716,22 @@ mod tests {
         }
         assert_eq!(top_p_units_of(f32::NAN, 1.0, 1.0), 0);
         assert_eq!(top_p_units_of(f32::NEG_INFINITY, 1.0, 1.0), 0);
+    }
+
+    /// The largest extremum key of some entries gives their largest logit and, exactly when
+    /// one is NaN or +∞, the non-finite flag; no entries (key 0) or only −∞ give −∞.
+    #[test]
+    fn extremum_keys_give_the_largest_logit_and_the_non_finite_flag() {
+        let largest = |entries: &[f32]| extremum(entries.iter().map(|&l| extremum_key(l)).fold(0, u32::max));
+        assert_eq!(largest(&[]), (f32::NEG_INFINITY, false));
+        assert_eq!(largest(&[f32::NEG_INFINITY]), (f32::NEG_INFINITY, false));
+        assert_eq!(largest(&[-3.0, 2.5, -0.0, f32::MIN]), (2.5, false));
+        assert_eq!(largest(&[-7.0, -2.0]), (-2.0, false));
+        assert_eq!(largest(&[f32::MAX, 1.0]), (f32::MAX, false));
+        assert!(largest(&[1.0, f32::INFINITY]).1);
+        assert!(largest(&[1.0, f32::NAN]).1);
+        assert!(largest(&[-f32::NAN, -1.0]).1);
+        assert_eq!(largest(&[0.0, -0.0]).0, 0.0);
     }
 
     #[test]

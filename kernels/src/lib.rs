@@ -38,6 +38,7 @@ mod fill;
 #[cfg(flashsample_module = "hopper")]
 mod hopper;
 mod listed;
+mod maxima;
 mod process;
 mod sample;
 mod speculative;
@@ -319,18 +320,32 @@ unsafe fn logits_simt<T: Element>(args: LogitsArgs) {
 }
 
 /// The unfused pipeline's epilogue: a thread's logits tile (rows `row0 .. row0 + 4` of its
-/// batch columns from `col0`) stored to `args.logits`, 16 bytes at a time.
+/// batch columns from `col0`) stored to `args.logits`, 16 bytes at a time, and with
+/// `args.maxima` each (column, run of `MAXIMA_ROWS` rows)'s maximum: the 16 rows of a column
+/// lie with the lanes `4g + t` of one `t` and `g` in `0..4` or `4..8`.
 ///
 /// # Safety
-/// `args.logits` holds `batch × logits_stride` floats, 16-byte aligned, with
-/// `logits_stride` a multiple of 4.
+/// All 32 lanes of the warp call it together; `args.logits` holds `batch × logits_stride`
+/// floats, 16-byte aligned, with `logits_stride` a multiple of 4; `args.maxima` is null or
+/// holds `batch × ⌈vocab / MAXIMA_ROWS⌉` words.
 #[allow(clippy::needless_range_loop)] // constant indices once unrolled keep `logits` in registers
 #[inline(always)]
 unsafe fn store_logits<const NT: usize>(logits: &tile::ThreadLogits<NT>, args: &LogitsArgs, row0: u32, col0: u32) {
-    let t = arch::thread_index() % 4;
+    let lane = arch::thread_index() % 32;
+    let t = lane % 4;
     each_index!(nt < NT, {
         for c in 0..2 {
             let b = col0 + N_TILE * nt as u32 + 2 * t + c as u32;
+            if args.maxima.address() != 0 {
+                let key = maxima::quad_key(logits[nt][c], row0, args.vocab);
+                // SAFETY: every lane reaches it (uniform condition and loops, this function's
+                // contract); lanes `l ^ 4`, `l ^ 8` hold the same column's other rows of the run.
+                let key = unsafe { maxima::max_over_lanes(key, 4, 8) };
+                if (lane / 4).is_multiple_of(4) {
+                    // SAFETY: the run of this column's rows from `row0`, a multiple of 16.
+                    unsafe { maxima::write(args.maxima, args.vocab, args.batch, b, row0, key) };
+                }
+            }
             if b < args.batch && row0 < args.vocab {
                 let address = args.logits.add(b as u64 * args.logits_stride as u64 + row0 as u64).address();
                 // SAFETY: `b < batch` and `row0 < vocab`: inside the logits buffer of `batch ×

@@ -17,14 +17,14 @@ use core::ptr::{addr_of_mut, read_volatile};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use flashsample_core::abi::{
-    COARSE_DIGIT, DevicePtr, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs, ProcessRowState,
-    ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardMergeArgs, ShardWinner,
-    TopLogprob, digit_shift,
+    COARSE_DIGIT, DevicePtr, MAXIMA_ROWS, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs,
+    ProcessRowState, ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection,
+    ShardMergeArgs, ShardWinner, TopLogprob, digit_shift,
 };
 use flashsample_core::process::{
     KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, TOP_P_BUCKET_UNITS, coarse_key,
-    coarse_position, coarse_scale, dense_step, key_logit, min_p_threshold, order_key, process_quad, sparse_step,
-    token_log_probabilities, top_p_target, top_p_units,
+    coarse_position, coarse_scale, dense_step, extremum, key_logit, min_p_threshold, order_key, process_quad,
+    sparse_step, token_log_probabilities, top_p_target, top_p_units,
 };
 use flashsample_core::{NO_TOKEN, NON_FINITE_TOKEN, RowParams};
 
@@ -451,6 +451,17 @@ impl Slice {
                 non_finite |= l.is_nan() || l == f32::INFINITY;
             })
         };
+        // SAFETY: every thread of the block together (this function's contract).
+        unsafe { self.block_max_and_non_finite(max, non_finite) }
+    }
+
+    /// The largest of the threads' `max` and whether any thread's `non_finite` is set, in
+    /// every thread.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it together.
+    #[inline(always)]
+    unsafe fn block_max_and_non_finite(&self, mut max: f32, mut non_finite: bool) -> (f32, bool) {
         let mut mask = 1;
         while mask < 32 {
             // SAFETY: every lane reaches it (uniform loop), per this function's contract.
@@ -708,7 +719,9 @@ unsafe fn keep_rule(
 /// `Select` and `Decide`; `1 ≤ slices ≤ ⌈vocab / 4⌉` and `batch · slices < 2³²`.
 #[inline(always)]
 pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
-    let per_row = args.step == ProcessStep::Decide as u32 || args.step == ProcessStep::Resolve as u32;
+    let per_row = args.step == ProcessStep::Decide as u32
+        || args.step == ProcessStep::Resolve as u32
+        || args.step == ProcessStep::Extrema as u32;
     let items = if per_row { args.batch } else { args.batch * args.slices };
     let thread = arch::thread_index();
     // SAFETY: the table lies inside the block's shared memory; each thread writes its own
@@ -742,6 +755,8 @@ pub unsafe fn process_rows(args: &ProcessArgs, shared: *mut ProcessShared) {
         unsafe {
             if args.step == ProcessStep::Entries as u32 {
                 entries(&item);
+            } else if args.step == ProcessStep::Extrema as u32 {
+                extrema_from_maxima(&item);
             } else if args.step == ProcessStep::Apply as u32 {
                 apply(&item);
             } else if let Some(selection) = Selection::from_u32(args.selection) {
@@ -848,6 +863,49 @@ unsafe fn entries(item: &Item) {
         if slice.thread == 0 {
             // SAFETY: item `(b, index)` of the `[batch, slices]` terms.
             unsafe { (*args.slice_sums.as_mut_ptr().add(slice_slot(slice))).raw = lse };
+        }
+    }
+}
+
+/// [`ProcessStep::Extrema`] for one row: its padding set to −∞, and its largest logit and
+/// non-finite flag, for a truncating row, from the GEMM's maxima (as [`entries`] finds them
+/// in the row, which is already what its steps make).
+///
+/// # Safety
+/// As [`process_rows`] with one block for the row, `args.maxima` the GEMM's maxima of the
+/// call's logits.
+#[inline(always)]
+unsafe fn extrema_from_maxima(item: &Item) {
+    let Item { args, slice, params, p, .. } = item;
+    // The row's padding up to the stride: the logits sampler loads whole quads.
+    if slice.thread < args.logits_stride - args.vocab {
+        let at = slice.b as usize * args.logits_stride as usize + (args.vocab + slice.thread) as usize;
+        // SAFETY: `vocab + thread < logits_stride`: inside row `b` of the logits.
+        unsafe { *args.processed.as_mut_ptr().add(at) = f32::NEG_INFINITY };
+    }
+    if !truncates(params, p) {
+        return;
+    }
+    let groups = args.vocab.div_ceil(MAXIMA_ROWS);
+    let row = args.maxima.as_ptr().wrapping_add(slice.b as usize * groups as usize);
+    let mut key = 0;
+    let mut g = slice.thread;
+    while g < groups {
+        // SAFETY: `g < groups`: a word of the row's maxima (this function's contract).
+        key = key.max(unsafe { *row.add(g as usize) });
+        g += PROCESS_THREADS;
+    }
+    let (max, non_finite) = extremum(key);
+    // SAFETY: every thread of the block together (a uniform condition above).
+    let (max, non_finite) = unsafe { slice.block_max_and_non_finite(max, non_finite) };
+    if slice.thread == 0 {
+        // SAFETY: the row's words, written by this block alone in this launch.
+        unsafe {
+            let (max_key, flag) = extrema(item);
+            AtomicU32::from_ptr(max_key).fetch_max(order_key(max), Ordering::Relaxed);
+            if non_finite {
+                AtomicU32::from_ptr(flag).fetch_or(1, Ordering::Relaxed);
+            }
         }
     }
 }

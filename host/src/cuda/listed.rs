@@ -85,7 +85,8 @@ impl Kernels {
                     self.launch(stream, Kernel::SampleChained, batch as u64, &args)?;
                 }
             }
-            self.queue_logits(stream, plan.variant, lm_head, hidden, None, logits, plan.stride, unsettled)?;
+            let maxima = DevicePtr::NULL;
+            self.queue_logits(stream, plan.variant, lm_head, hidden, None, logits, plan.stride, maxima, unsettled)?;
             self.launch(stream, Kernel::SampleUnsettled, batch as u64, &args)?;
             self.launch(stream, Kernel::ReduceCandidates, batch as u64 * plan.samples as u64, &reduce)
         }

@@ -63,13 +63,24 @@ impl Kernels {
         let logits = base.byte_add(plan.logits_at as u64).cast::<f32>();
         let logits_len = (batch * plan.stride) as u64;
         let (raw, processed) = (logits, logits.add((plan.copies as u64 - 1) * logits_len));
+        let exchange = match (plan.exchange, call.target) {
+            (Some(layout), CallTarget::Shard { exchange, .. }) => Some((layout, DevicePtr::<u8>::new(exchange))),
+            _ => None,
+        };
+        // Rows without per-entry steps, terms or an exchange race with the GEMM's logits as
+        // they are: the pipeline takes their largest logits from the GEMM's maxima instead of
+        // reading them (`ProcessStep::Extrema`).
+        let maxima = match !call.logprobs() && exchange.is_none() && !call.processing.per_entry {
+            true => base.byte_add(plan.maxima_at as u64).cast::<u32>(),
+            false => DevicePtr::NULL,
+        };
         if segment == 0 {
-            // SAFETY: the workspace holds the plan's extents and the call's buffers hold theirs
-            // (this function's contract).
+            // SAFETY: the workspace holds the plan's extents (the maxima too without
+            // log-probabilities) and the call's buffers hold theirs (this function's contract).
             unsafe {
                 let maps = self.tensor_maps(stream, plan.variant, &call.lm_head, &call.hidden, maps, workspace)?;
-                let gate = DevicePtr::NULL;
-                self.queue_logits(stream, plan.variant, &call.lm_head, &call.hidden, maps, raw, plan.stride, gate)?;
+                let (variant, gate) = (plan.variant, DevicePtr::NULL);
+                self.queue_logits(stream, variant, &call.lm_head, &call.hidden, maps, raw, plan.stride, maxima, gate)?;
             }
         }
         let (sums, top) = match call.logprobs() {
@@ -88,10 +99,6 @@ impl Kernels {
         (target.part_sums, target.sum_parts, target.sums) = (part_sums, plan.sum_parts as u32, sums);
         let slices = plan.process_slices.expect("a processed call's materialised plan runs the processing pipeline");
         let states = base.byte_add(plan.states_at as u64).cast::<ProcessRowState>();
-        let exchange = match (plan.exchange, call.target) {
-            (Some(layout), CallTarget::Shard { exchange, .. }) => Some((layout, DevicePtr::<u8>::new(exchange))),
-            _ => None,
-        };
         let args = ProcessArgs {
             raw,
             processed,
@@ -111,6 +118,7 @@ impl Kernels {
             exchange_extrema: exchange.map_or(DevicePtr::NULL, |(_, at)| at.cast()),
             exchange_histogram: DevicePtr::NULL,
             members: base.byte_add(plan.members_at as u64).cast::<u32>(),
+            maxima,
         };
         // Without log-probabilities no row gathers top entries: their selections would only
         // launch to return.
@@ -180,12 +188,14 @@ impl Kernels {
     }
 
     /// Queues segment `segment` of the processing pipeline of `args` (its `Entries` step), as
-    /// [`process_segment`] schedules it (with its `Apply` step if `apply`), and returns the
-    /// reduction that ends it (`None` for the last).
+    /// [`process_segment`] schedules it (with its `Apply` step if `apply`; its entries as
+    /// `Extrema` where `args.maxima` is set), and returns the reduction that ends it (`None`
+    /// for the last).
     ///
     /// # Safety
     /// The context is current; `args` describes valid buffers as `process_rows` needs them,
-    /// its states `B` [`ProcessRowState`]s; the exchange buffer holds its layout's bytes,
+    /// its states `B` [`ProcessRowState`]s, its maxima (if set) the GEMM's of rows without
+    /// per-entry steps, terms or an exchange; the exchange buffer holds its layout's bytes,
     /// zeroed before any shard's segment 0 and reduced between the segments.
     unsafe fn queue_process_segment(
         &self,
@@ -208,7 +218,15 @@ impl Kernels {
                     let state_words = args.batch as usize * size_of::<ProcessRowState>() / 4;
                     // SAFETY: the states hold `B` rows (this function's contract).
                     unsafe { driver::fill_words_async("process states", args.state.cast(), 0, state_words, stream)? };
-                    args.step = ProcessStep::Entries as u32;
+                    // With the GEMM's maxima the rows have no per-entry step: one block per row
+                    // reads its maxima in place of every slice reading its logits.
+                    args.step = match args.maxima.address() {
+                        0 => ProcessStep::Entries as u32,
+                        _ => {
+                            items = args.batch as u64;
+                            ProcessStep::Extrema as u32
+                        }
+                    };
                 }
                 ProcessLaunch::Select { selection, digit, histogram: k } => {
                     (args.step, args.selection, args.digit) = (ProcessStep::Select as u32, selection as u32, digit);
@@ -344,6 +362,7 @@ impl Kernels {
                 logits,
                 plan.stride,
                 DevicePtr::NULL,
+                DevicePtr::NULL,
             )?;
             self.queue_logits_sampling(
                 stream,
@@ -366,10 +385,13 @@ impl Kernels {
     }
 
     /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`),
-    /// gated on `gate` unless null (the `mma.sync` and SIMT tiles only).
+    /// and each (row, run of `MAXIMA_ROWS` entries)'s maximum into `maxima` unless null
+    /// (`LogitsArgs::maxima`), gated on `gate` unless null (the `mma.sync` and SIMT tiles
+    /// only).
     ///
     /// # Safety
-    /// The context is current; `logits` holds `B × stride` floats; `maps` (TMA variants)
+    /// The context is current; `logits` holds `B × stride` floats, `maxima` (if not null)
+    /// `B × ⌈V / MAXIMA_ROWS⌉` words; `maps` (TMA variants)
     /// describe `W` and `H` and are written before on `stream`; `gate`, if not null, is a word
     /// written before on `stream`.
     #[allow(clippy::too_many_arguments)]
@@ -382,6 +404,7 @@ impl Kernels {
         maps: Option<MapPair>,
         logits: DevicePtr<f32>,
         stride: usize,
+        maxima: DevicePtr<u32>,
         gate: DevicePtr<u32>,
     ) -> Result<()> {
         let gemm = variant.logits_kernel(lm_head.dtype);
@@ -398,6 +421,7 @@ impl Kernels {
                 out: logits.cast(),
                 processing: DevicePtr::NULL,
                 tile_sums: DevicePtr::NULL,
+                maxima,
                 vocab: lm_head.rows as u32,
                 dim: lm_head.cols as u32,
                 batch: hidden.rows as u32,
@@ -417,6 +441,7 @@ impl Kernels {
             lm_head: DevicePtr::new(lm_head.address),
             hidden: DevicePtr::new(hidden.address),
             logits,
+            maxima,
             vocab: lm_head.rows as u32,
             dim: lm_head.cols as u32,
             batch: hidden.rows as u32,

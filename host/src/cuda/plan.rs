@@ -24,8 +24,8 @@
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    LOGITS_SAMPLER_TILE, MEMBER_CAPACITY, ProcessRowState, RowSums, Selection, ShardExchangeLayout, ShardPartLayout,
-    TENSOR_MAP_BYTES,
+    LOGITS_SAMPLER_TILE, MAXIMA_ROWS, MEMBER_CAPACITY, ProcessRowState, RowSums, Selection, ShardExchangeLayout,
+    ShardPartLayout, TENSOR_MAP_BYTES,
 };
 use flashsample_core::chain::Chain;
 use flashsample_core::registry::Kernel;
@@ -224,6 +224,9 @@ pub(crate) struct MaterialisedPlan {
     pub states_at: usize,
     /// The processing pipeline's `[B, MEMBER_CAPACITY]` member lists.
     pub members_at: usize,
+    /// The GEMM's `[B, ⌈V / MAXIMA_ROWS⌉]` maxima, from which a pipeline without log-probabilities
+    /// takes its rows' largest logits (`ProcessStep::Extrema`).
+    pub maxima_at: usize,
     /// A shard's exchange with the other shards (in the target's buffer), when its rows
     /// truncate.
     pub exchange: Option<ShardExchangeLayout>,
@@ -921,7 +924,12 @@ pub(crate) fn materialised_plan(
     let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
     let members_at = align(states_at + states);
     let members = if process_slices.is_some() { batch * MEMBER_CAPACITY as usize * 4 } else { 0 };
-    let part_at = align(members_at + members);
+    let maxima_at = align(members_at + members);
+    let maxima = match process_slices.is_some() && !logprobs {
+        true => batch * vocab.div_ceil(MAXIMA_ROWS as usize) * 4,
+        false => 0,
+    };
+    let part_at = align(maxima_at + maxima);
     let part = match own_part {
         true => ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize,
         false => 0,
@@ -939,6 +947,7 @@ pub(crate) fn materialised_plan(
         part_sums_at,
         states_at,
         members_at,
+        maxima_at,
         part_at,
         workspace_bytes: part_at + part,
     }
@@ -967,10 +976,11 @@ mod tests {
     use flashsample_core::abi::LOGITS_SAMPLER_TILE;
 
     /// The materialised plan's regions (maps, candidates, logits, terms, row states, member
-    /// lists, the one part) follow each other without overlap, each 64-byte aligned, and hold
-    /// what the kernels write: two logits copies only with the processing pipeline and
-    /// log-probabilities, terms per slice only with log-probabilities (which take the pipeline),
-    /// row states and member lists only with the pipeline, a part only for an unsharded call.
+    /// lists, the GEMM's maxima, the one part) follow each other without overlap, each 64-byte
+    /// aligned, and hold what the kernels write: two logits copies only with the processing
+    /// pipeline and log-probabilities, terms per slice only with log-probabilities (which take
+    /// the pipeline), row states and member lists only with the pipeline, maxima only with the
+    /// pipeline and without log-probabilities, a part only for an unsharded call.
     #[test]
     fn materialised_regions_are_aligned_and_disjoint() {
         let variant = Variant::Mma { columns: 8 };
@@ -990,18 +1000,25 @@ mod tests {
                 let terms = if logprobs { batch * parts * size_of::<RowSums>() } else { 0 };
                 let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
                 let members = if process_slices.is_some() { batch * MEMBER_CAPACITY as usize * 4 } else { 0 };
+                let maxima = match process_slices.is_some() && !logprobs {
+                    true => batch * vocab.div_ceil(MAXIMA_ROWS as usize) * 4,
+                    false => 0,
+                };
                 let part =
                     if own_part { ShardPartLayout::of(batch as u32, samples, logprobs).bytes as usize } else { 0 };
                 assert_eq!((plan.stride % 4, plan.stride >= vocab, plan.copies), (0, true, copies));
                 assert_eq!(plan.sum_parts, parts);
-                for at in [plan.logits_at, plan.part_sums_at, plan.states_at, plan.members_at, plan.part_at] {
+                for at in
+                    [plan.logits_at, plan.part_sums_at, plan.states_at, plan.members_at, plan.maxima_at, plan.part_at]
+                {
                     assert_eq!(at % 64, 0);
                 }
                 assert!(WORKSPACE_MAPS_BYTES + candidates <= plan.logits_at);
                 assert!(plan.logits_at + copies * batch * plan.stride * 4 <= plan.part_sums_at);
                 assert!(plan.part_sums_at + terms <= plan.states_at);
                 assert!(plan.states_at + states <= plan.members_at);
-                assert!(plan.members_at + members <= plan.part_at);
+                assert!(plan.members_at + members <= plan.maxima_at);
+                assert!(plan.maxima_at + maxima <= plan.part_at);
                 assert_eq!(plan.workspace_bytes, plan.part_at + part);
             }
         }

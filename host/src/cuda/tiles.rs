@@ -193,6 +193,7 @@ impl Kernels {
                         // the row parameters.
                         processing: processing.add_unless_null(pass.first_row as u64),
                         tile_sums,
+                        maxima: DevicePtr::NULL,
                         vocab: lm_head.rows as u32,
                         dim: lm_head.cols as u32,
                         batch: launch.batch,

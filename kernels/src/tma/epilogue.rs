@@ -7,7 +7,7 @@ use flashsample_core::{Candidate, RowParams};
 use super::fragments::{Placement, for_each_quad, pick_quad, transpose_quad};
 use super::race::{FIRST_COLUMN_LANE_MASK, race_round};
 use crate::sample::{ColumnQuad, SumsPlace, SumsStaging, masked_quad, tile_column_sums};
-use crate::{arch, each_index, process, sample};
+use crate::{arch, each_index, maxima, process, sample};
 
 // A team's sums staging fits its candidate staging: teams of 4 or 8 warps, up to 128 columns.
 const _: () = assert!(SumsStaging::bytes(4, 128) <= 4 * 128 * CANDIDATE_BYTES);
@@ -157,10 +157,13 @@ pub(super) unsafe fn sample_epilogue<const N: usize, const R: usize, const K: us
 }
 
 /// The unfused GEMM's epilogue: each transposed quad is four consecutive logits of one
-/// column, stored with one 16-byte write.
+/// column, stored with one 16-byte write, and with `args.maxima` each (column, run of
+/// `MAXIMA_ROWS` rows)'s maximum: a warp's 16 rows of a column lie with the lanes `l`,
+/// `l ^ 8`, `l ^ 16`, `l ^ 24` ([`Placement`]), of which the lane below 8 writes it.
 ///
 /// # Safety
-/// All consumer threads call it together; `args.out` holds `batch × logits_stride` floats.
+/// All consumer threads call it together; `args.out` holds `batch × logits_stride` floats;
+/// `args.maxima` is null or holds `batch × ⌈vocab / MAXIMA_ROWS⌉` words.
 #[inline(always)]
 pub(super) unsafe fn logits_epilogue<const N: usize, const R: usize>(
     acc: &[f32; R],
@@ -171,6 +174,16 @@ pub(super) unsafe fn logits_epilogue<const N: usize, const R: usize>(
         // SAFETY: every consumer thread runs the quads together (this function's contract).
         let logits = unsafe { transpose_quad(quad, place.lane) };
         let b = place.col0 + 8 * tile_column as u32 + place.column;
+        if args.maxima.address() != 0 {
+            let key = maxima::quad_key(logits, place.row0, args.vocab);
+            // SAFETY: as above (a uniform condition).
+            let key = unsafe { maxima::max_over_lanes(key, 8, 16) };
+            if place.lane < 8 {
+                // SAFETY: the run of this column's rows from `row0` (lanes below 8 hold the
+                // warp's first four rows, a multiple of 16).
+                unsafe { maxima::write(args.maxima, args.vocab, args.batch, b, place.row0, key) };
+            }
+        }
         if b < args.batch && place.row0 < args.vocab {
             let address =
                 args.out.cast::<f32>().add(b as u64 * args.logits_stride as u64 + place.row0 as u64).address();

@@ -848,13 +848,7 @@ unsafe fn entries(item: &Item) {
         let (max, non_finite) = unsafe { slice.max_and_non_finite(processed) };
         if slice.thread == 0 {
             // SAFETY: the row's words, only accessed atomically during the launch.
-            unsafe {
-                let (max_key, flag) = extrema(item);
-                AtomicU32::from_ptr(max_key).fetch_max(order_key(max), Ordering::Relaxed);
-                if non_finite {
-                    AtomicU32::from_ptr(flag).fetch_or(1, Ordering::Relaxed);
-                }
-            }
+            unsafe { merge_extrema(item, max, non_finite) };
         }
     }
     if log_sums {
@@ -899,13 +893,24 @@ unsafe fn extrema_from_maxima(item: &Item) {
     // SAFETY: every thread of the block together (a uniform condition above).
     let (max, non_finite) = unsafe { slice.block_max_and_non_finite(max, non_finite) };
     if slice.thread == 0 {
-        // SAFETY: the row's words, written by this block alone in this launch.
-        unsafe {
-            let (max_key, flag) = extrema(item);
-            AtomicU32::from_ptr(max_key).fetch_max(order_key(max), Ordering::Relaxed);
-            if non_finite {
-                AtomicU32::from_ptr(flag).fetch_or(1, Ordering::Relaxed);
-            }
+        // SAFETY: the row's words, only accessed atomically during the launch.
+        unsafe { merge_extrema(item, max, non_finite) };
+    }
+}
+
+/// Merges a part of the item's row's largest logit `max` and non-finite flag into the row's
+/// extrema ([`extrema`]).
+///
+/// # Safety
+/// The row's extrema words are only accessed atomically during the launch.
+#[inline(always)]
+unsafe fn merge_extrema(item: &Item, max: f32, non_finite: bool) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        let (max_key, flag) = extrema(item);
+        AtomicU32::from_ptr(max_key).fetch_max(order_key(max), Ordering::Relaxed);
+        if non_finite {
+            AtomicU32::from_ptr(flag).fetch_or(1, Ordering::Relaxed);
         }
     }
 }

@@ -448,8 +448,10 @@ pub fn check_extreme_temperatures(backend: &dyn Backend, dtype: DType, dim: usiz
 /// `W` holds 10³⁰ in column 0 of every row and in column 1 of row 17; the hidden rows hold
 /// (0, 0), (0, 10³⁰) (+∞ at token 17), (10³⁰, −10³⁰) (NaN or +∞ at 17, +∞ elsewhere),
 /// (−10³⁰, 0) (−∞ everywhere), then small values, in those columns. `dtype` is BF16 or F32
-/// (F16 cannot hold 10³⁰).
-pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize) {
+/// (F16 cannot hold 10³⁰). With `processing`, every row has it (the truncations find a row's
+/// largest logit and non-finite flag on their own path) and a finite row draws what it draws
+/// alone with it.
+pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize, processing: Option<&Processing>) {
     let (vocab, big) = (777, 1e30f32);
     let mut w = uniform_values(vocab * dim, 0.3, 909);
     for i in 0..vocab {
@@ -475,10 +477,19 @@ pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize) 
     let params: Vec<SamplingParams> =
         heads.iter().enumerate().map(|(r, &(_, _, t, _))| SamplingParams::new(t, 4, r as u32, 0)).collect();
     let samples = 5;
-    let (reported, tokens) = match backend.sample(&lm_head, &hidden, &params, samples) {
-        Err(Error::RowsWithoutToken { rows, sampled }) => (rows, sampled.tokens),
-        other => panic!("{}: expected rows without a token, got {other:?}", backend.name()),
+    // The rows without a token and every slot: `sample` reports them as an error, processed
+    // sampling in its slots' statuses.
+    let sample = |hidden: &Matrix, params: &[SamplingParams]| match processing {
+        None => match backend.sample(&lm_head, hidden, params, samples) {
+            Ok(tokens) => Ok((Vec::new(), tokens)),
+            Err(Error::RowsWithoutToken { rows, sampled }) => Ok((rows, sampled.tokens)),
+            Err(e) => Err(e),
+        },
+        Some(p) => backend
+            .sample_processed(&lm_head, hidden, params, &vec![p.clone(); params.len()], samples)
+            .map(|sampled| (sampled.rows_without_token(), sampled.tokens)),
     };
+    let (reported, tokens) = sample(&hidden, &params).expect("a batch with non-finite rows samples");
     let expected: Vec<(usize, RowStatus)> = heads.iter().enumerate().filter_map(|(r, h)| h.3.map(|s| (r, s))).collect();
     assert_eq!(reported, expected, "{}", backend.name());
     let s = samples as usize;
@@ -489,9 +500,9 @@ pub fn check_non_finite_logits(backend: &dyn Backend, dtype: DType, dim: usize) 
                 assert!(slots.iter().all(|&t| t == status.token()), "{}: row {r}: {slots:?}", backend.name())
             }
             None => {
-                let alone = backend
-                    .sample(&lm_head, &hidden.row_range(r, r + 1), &params[r..r + 1], samples)
-                    .expect("a finite row alone samples");
+                let (none, alone) =
+                    sample(&hidden.row_range(r, r + 1), &params[r..r + 1]).expect("a finite row alone samples");
+                assert!(none.is_empty(), "{}: row {r} alone: {none:?}", backend.name());
                 assert_eq!(slots, &alone[..], "{}: row {r} beside non-finite rows vs alone", backend.name());
             }
         }

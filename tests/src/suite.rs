@@ -4,7 +4,7 @@
 //! the mixed batch, vocabulary shards and speculative verification. χ² tests use α = [`ALPHA`] and fixed seeds, so each
 //! is deterministic and fails with probability α under a correct sampler.
 
-use flashsample::DType;
+use flashsample::{DType, Processing};
 
 use crate::processing::{
     check_every_mode, check_log_probabilities, check_mixed_batch, check_processing_edges, check_shards,
@@ -94,7 +94,20 @@ pub fn extreme_temperatures_sample_the_limit_distributions(backend: &dyn Backend
 }
 
 pub fn non_finite_logits_give_row_statuses(backend: &dyn Backend, _: &Scale) {
-    check_non_finite_logits(backend, DType::BF16, 24);
+    check_non_finite_logits(backend, DType::BF16, 24, None);
+}
+
+/// The same statuses under min-p, top-k and top-p, which take each row's largest logit and
+/// non-finite flag from their own pipeline (on the GPU from the GEMM's maxima where the rows
+/// have no per-entry step).
+pub fn non_finite_logits_give_row_statuses_under_truncations(backend: &dyn Backend, _: &Scale) {
+    for processing in [
+        Processing { min_p: 0.05, ..Processing::default() },
+        Processing { top_k: Some(50), ..Processing::default() },
+        Processing { top_p: 0.9, ..Processing::default() },
+    ] {
+        check_non_finite_logits(backend, DType::BF16, 24, Some(&processing));
+    }
 }
 
 pub fn every_mode_samples_its_target_distribution_small_vocab(backend: &dyn Backend, scale: &Scale) {
@@ -200,6 +213,7 @@ macro_rules! suite {
             draws_split_across_calls_equal_one_call
             extreme_temperatures_sample_the_limit_distributions
             non_finite_logits_give_row_statuses
+            non_finite_logits_give_row_statuses_under_truncations
             every_mode_samples_its_target_distribution_small_vocab
             every_mode_samples_its_target_distribution_large_vocab
             processing_edges

@@ -45,5 +45,5 @@ fn extreme_temperatures_in_f32() {
 
 #[test]
 fn non_finite_logits_in_f32() {
-    check_non_finite_logits(&Cpu, DType::F32, 24);
+    check_non_finite_logits(&Cpu, DType::F32, 24, None);
 }

@@ -292,6 +292,6 @@ fn non_finite_logits_give_row_statuses_in_every_variant() {
     // F16 cannot hold the overflowing inputs; the borrowed-mode test feeds NaN and ±inf to
     // those variants directly.
     for (variant, dtype, dim) in cases().into_iter().filter(|case| case.1 != DType::F16) {
-        check_non_finite_logits(&Cuda::new(variant), dtype, dim);
+        check_non_finite_logits(&Cuda::new(variant), dtype, dim, None);
     }
 }

@@ -891,6 +891,15 @@ pub struct ProcessArgs {
     pub maxima: DevicePtr<u32>,
 }
 
+impl ProcessArgs {
+    /// Whether the launch's shard exchanges its rows' extrema and histograms with the other
+    /// shards ([`ProcessArgs::exchange_extrema`] set).
+    #[inline(always)]
+    pub fn exchanges(&self) -> bool {
+        self.exchange_extrema.address() != 0
+    }
+}
+
 /// What one launch of the processing kernel does ([`ProcessArgs::step`]). A pipeline runs
 /// `Entries`, then the digits of the selections any row needs (in [`Selection`] order), then
 /// `Apply`. A selection its shard decides alone ([`Selection::listed`]) runs its

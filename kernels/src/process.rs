@@ -998,7 +998,7 @@ unsafe fn visit_members(item: &Item, selection: Selection, digit: u32, max: f32,
     let scale = coarse_scale(params.temperature);
     let coarse = move |l: f32| coarse_key(l, max, scale);
     // Past its coarse key a coarse selection's members are the entries of the decided one.
-    let in_run = selection.coarse(args.exchange_extrema.address() != 0) && digit != COARSE_DIGIT;
+    let in_run = selection.coarse(args.exchanges()) && digit != COARSE_DIGIT;
     let kept = move |i: u32, l: f32| {
         (l > f32::NEG_INFINITY && rule.keeps(l, global(i)) && (!in_run || coarse(l) == chosen)).then(|| order_key(l))
     };
@@ -1212,7 +1212,7 @@ unsafe fn select_digit(item: &Item, selection: Selection) {
     if !unsafe { runs(item, selection) } {
         return;
     }
-    let exchanged = args.exchange_extrema.address() != 0 && selection.exchanged();
+    let exchanged = args.exchanges() && selection.exchanged();
     // The row's histogram: only accessed atomically while the slices add to it.
     let histogram = match exchanged {
         true => args.exchange_histogram.as_mut_ptr().wrapping_add(slice.b as usize * SELECT_BUCKETS as usize),
@@ -1262,7 +1262,7 @@ unsafe fn gather(item: &Item, selection: Selection) {
         // SAFETY: a field of the row's state.
         count: unsafe { addr_of_mut!((**state).members) },
     };
-    let (_, resolved_from) = selection.leading_digits(args.exchange_extrema.address() != 0);
+    let (_, resolved_from) = selection.leading_digits(args.exchanges());
     // SAFETY: the row's state as above; the slice's logits, the row's list and count.
     unsafe { visit_members(item, selection, resolved_from, max, list) };
 }
@@ -1303,7 +1303,7 @@ unsafe fn resolve(item: &Item, selection: Selection) {
     // The selection's remaining digits, then its tie selection's.
     for part in 0..2 {
         let (s, first) = match (part, selection.tie()) {
-            (0, _) => (selection, selection.leading_digits(args.exchange_extrema.address() != 0).1),
+            (0, _) => (selection, selection.leading_digits(args.exchanges()).1),
             (_, Some(tie)) => (tie, 0),
             (_, None) => break,
         };
@@ -1351,7 +1351,7 @@ unsafe fn decide_digit(item: &Item, selection: Selection, digit: u32, max: f32, 
     let state = *state;
     let t = slice.thread as usize;
     let top = SELECT_BUCKETS as usize - 1;
-    let leading = digit == COARSE_DIGIT || digit == 0 && !selection.coarse(args.exchange_extrema.address() != 0);
+    let leading = digit == COARSE_DIGIT || digit == 0 && !selection.coarse(args.exchanges());
     // SAFETY: the fields lie inside the block's shared memory.
     let (sums, decision) = unsafe {
         (addr_of_mut!((*slice.shared).buckets) as *mut u64, addr_of_mut!((*slice.shared).decision) as *mut u64)

@@ -941,6 +941,12 @@ pub enum ProcessStep {
 /// that hold one column share in every logits tile.
 pub const MAXIMA_ROWS: u32 = 16;
 
+/// Words of the GEMM's maxima per row of `vocab` entries ([`LogitsArgs::maxima`]).
+#[inline(always)]
+pub const fn maxima_per_row(vocab: u32) -> u32 {
+    vocab.div_ceil(MAXIMA_ROWS)
+}
+
 /// Digits of its key a [`Selection::listed`] selection without a coarse key decides over the
 /// row before its members are gathered: after two, the members share 16 bits of their key,
 /// and the later digits and the tie selection read them instead of the row.

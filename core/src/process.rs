@@ -461,13 +461,12 @@ pub fn coarse_position(logit: f32, max: f32, scale: f32) -> f32 {
 
 /// top-p's mass of an entry: `exp((l − max) / T)`, the entry's probability relative to the
 /// largest, in whole units of 2⁻³² (truncated), computed from the entry's coarse position `x`
-/// ([`coarse_position`]) as the units at the top of its bucket `j = ⌊x⌋`
-/// (`bucket_units(j)`, called with `j < 256`: [`TOP_P_BUCKET_UNITS`] wherever the caller keeps it) times
+/// ([`coarse_position`]) as the units at the top of its bucket `j = ⌊x⌋` (`bucket_units(j)`,
+/// called with `j < 256`: [`TOP_P_BUCKET_UNITS`] wherever the caller keeps it) times
 /// `exp(−(x − j) / COARSE_BUCKETS_PER_UNIT)` by its series: a table read and ten additions
-/// and multiplications per entry where the exponential of `(l − max) / T` took a division
-/// and about forty operations, and no division by `T` at all (`scale` holds it). Within
-/// about `4·10⁻⁶` of the exact mass relative (the rounding of `x`, as the division by `T`
-/// rounds the exponent; the test below). 0 past the 256 buckets (`(max − l) / T ≥ 22.26`,
+/// and multiplications per entry, and no division by `T` (the row's `scale` holds it).
+/// Within `5·10⁻⁶` (relative) and one unit of the exact mass, the error of the rounded `x`
+/// (the test below). 0 past the 256 buckets (`(max − l) / T ≥ 22.26`,
 /// where the exact mass is below one unit) and for NaN. Integer sums are exact in any order,
 /// so every backend, tile order and shard split finds the same cut; the cut is vLLM's on
 /// these masses (it differs from the real-number one only where the cumulative mass is within

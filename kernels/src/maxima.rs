@@ -2,11 +2,12 @@
 //! `extremum_key`, written beside the logits so that the processing pipeline takes a row's
 //! largest logit and non-finite flag from them ([`ProcessStep::Extrema`]) without reading the
 //! row. The logits themselves are stored as before: a key comes from registers the store
-//! reads anyway, and a shuffle between the lanes that hold a run's other rows. One implementation for the `mma.sync`, SIMT and TMA GEMMs' epilogues.
+//! reads anyway, and a shuffle between the lanes that hold a run's other rows. One
+//! implementation for the `mma.sync`, SIMT and TMA GEMMs' epilogues.
 //!
 //! [`ProcessStep::Extrema`]: flashsample_core::abi::ProcessStep::Extrema
 
-use flashsample_core::abi::{DevicePtr, MAXIMA_ROWS};
+use flashsample_core::abi::{DevicePtr, MAXIMA_ROWS, maxima_per_row};
 use flashsample_core::process::extremum_key;
 
 use crate::arch;
@@ -41,11 +42,11 @@ pub(crate) unsafe fn max_over_lanes(key: u32, first: u32, second: u32) -> u32 {
 /// `MAXIMA_ROWS`), if the column and the run lie inside the logits.
 ///
 /// # Safety
-/// `maxima` holds `batch × ⌈vocab / MAXIMA_ROWS⌉` words.
+/// `maxima` holds `batch × maxima_per_row(vocab)` words.
 #[inline(always)]
 pub(crate) unsafe fn write(maxima: DevicePtr<u32>, vocab: u32, batch: u32, b: u32, row0: u32, key: u32) {
     if b < batch && row0 < vocab {
-        let at = b as usize * vocab.div_ceil(MAXIMA_ROWS) as usize + (row0 / MAXIMA_ROWS) as usize;
+        let at = b as usize * maxima_per_row(vocab) as usize + (row0 / MAXIMA_ROWS) as usize;
         // SAFETY: `b < batch` and `row0 < vocab`: a word of the maxima (this function's contract).
         unsafe { *maxima.as_mut_ptr().add(at) = key };
     }

@@ -17,9 +17,9 @@ use core::ptr::{addr_of_mut, read_volatile};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use flashsample_core::abi::{
-    COARSE_DIGIT, DevicePtr, MAXIMA_ROWS, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs,
-    ProcessRowState, ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection,
-    ShardMergeArgs, ShardWinner, TopLogprob, digit_shift,
+    COARSE_DIGIT, DevicePtr, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs, ProcessRowState,
+    ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardMergeArgs, ShardWinner,
+    TopLogprob, digit_shift, maxima_per_row,
 };
 use flashsample_core::process::{
     KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, TOP_P_BUCKET_UNITS, coarse_key,
@@ -296,9 +296,9 @@ impl Slice {
 
     /// Adds the weights of the block's `entries` `i` (of the raw row if `raw`) with
     /// `member(i, logit) = Some(key)` to bucket `(key >> shift) % SELECT_BUCKETS` of the
-    /// block's histogram, then the histogram to `row_histogram`. With `gather` each thread first gathers the weights
-    /// of the first [`GATHERED_BUCKETS`] distinct buckets it meets in registers: for a leading
-    /// digit over logits, whose entries crowd into a few buckets.
+    /// block's histogram, then the histogram to `row_histogram`. With `gather` each thread
+    /// first gathers the weights of the first [`GATHERED_BUCKETS`] distinct buckets it meets in
+    /// registers: for a leading digit over logits, whose entries crowd into a few buckets.
     ///
     /// # Safety
     /// Every thread of the block calls it together; `entries` are readable;
@@ -817,10 +817,9 @@ unsafe fn entries(item: &Item) {
         // 4); the slice is this block's.
         unsafe { slice.map(raw, processed, dense) };
     }
-    // The row's padding up to the stride: the logits sampler loads whole quads.
-    if slice.index + 1 == slice.slices && slice.thread < args.logits_stride - args.vocab {
-        // SAFETY: `vocab + thread < logits_stride`: inside row `b`.
-        unsafe { *processed.add((args.vocab + slice.thread) as usize) = f32::NEG_INFINITY };
+    if slice.index + 1 == slice.slices {
+        // SAFETY: the row's padding, which no other block of the launch writes.
+        unsafe { pad_row(args, slice) };
     }
     // SAFETY: every thread of the block reaches it (uniform loops).
     unsafe { arch::sync_threads() };
@@ -861,6 +860,20 @@ unsafe fn entries(item: &Item) {
     }
 }
 
+/// Sets the padding of the slice's row in the processed logits (its entries from `vocab` up
+/// to the stride) to −∞: the logits sampler loads whole quads.
+///
+/// # Safety
+/// `args.processed` holds the row; the block's threads together.
+#[inline(always)]
+unsafe fn pad_row(args: &ProcessArgs, slice: &Slice) {
+    if slice.thread < args.logits_stride - args.vocab {
+        let at = slice.b as usize * args.logits_stride as usize + (args.vocab + slice.thread) as usize;
+        // SAFETY: `vocab + thread < logits_stride`: inside the row (this function's contract).
+        unsafe { *args.processed.as_mut_ptr().add(at) = f32::NEG_INFINITY };
+    }
+}
+
 /// [`ProcessStep::Extrema`] for one row: its padding set to −∞, and its largest logit and
 /// non-finite flag, for a truncating row, from the GEMM's maxima (as [`entries`] finds them
 /// in the row, which is already what its steps make).
@@ -871,16 +884,12 @@ unsafe fn entries(item: &Item) {
 #[inline(always)]
 unsafe fn extrema_from_maxima(item: &Item) {
     let Item { args, slice, params, p, .. } = item;
-    // The row's padding up to the stride: the logits sampler loads whole quads.
-    if slice.thread < args.logits_stride - args.vocab {
-        let at = slice.b as usize * args.logits_stride as usize + (args.vocab + slice.thread) as usize;
-        // SAFETY: `vocab + thread < logits_stride`: inside row `b` of the logits.
-        unsafe { *args.processed.as_mut_ptr().add(at) = f32::NEG_INFINITY };
-    }
+    // SAFETY: the row's padding, which no other block of the launch writes.
+    unsafe { pad_row(args, slice) };
     if !truncates(params, p) {
         return;
     }
-    let groups = args.vocab.div_ceil(MAXIMA_ROWS);
+    let groups = maxima_per_row(args.vocab);
     let row = args.maxima.as_ptr().wrapping_add(slice.b as usize * groups as usize);
     let mut key = 0;
     let mut g = slice.thread;

@@ -187,10 +187,10 @@ impl Kernels {
         unsafe { self.queue_merge(stream, &part_layout, &merge) }.map(|_| None)
     }
 
-    /// Queues segment `segment` of the processing pipeline of `args` (its `Entries` step), as
-    /// [`process_segment`] schedules it (with its `Apply` step if `apply`; its entries as
-    /// `Extrema` where `args.maxima` is set), and returns the reduction that ends it (`None`
-    /// for the last).
+    /// Queues segment `segment` of the processing pipeline of `args` (its first step), as
+    /// [`process_segment`] schedules it (with its `Apply` step if `apply`, and `Extrema` in
+    /// place of `Entries` where `args.maxima` is set), and returns the reduction that ends it
+    /// (`None` for the last).
     ///
     /// # Safety
     /// The context is current; `args` describes valid buffers as `process_rows` needs them,
@@ -210,18 +210,17 @@ impl Kernels {
             Some((layout, at)) => at.byte_add(layout.histogram(k as u32)).cast::<u64>(),
             None => DevicePtr::NULL,
         };
-        let (launches, end) = process_segment(selections, exchange.is_some(), segment, apply);
+        let maxima = args.maxima.address() != 0;
+        let (launches, end) = process_segment(selections, exchange.is_some(), segment, apply, maxima);
         for launch in launches {
             let mut items = args.batch as u64 * args.slices as u64;
             match launch {
-                ProcessLaunch::Entries => {
+                ProcessLaunch::Entries | ProcessLaunch::Extrema => {
                     let state_words = args.batch as usize * size_of::<ProcessRowState>() / 4;
                     // SAFETY: the states hold `B` rows (this function's contract).
                     unsafe { driver::fill_words_async("process states", args.state.cast(), 0, state_words, stream)? };
-                    // With the GEMM's maxima the rows have no per-entry step: one block per row
-                    // reads its maxima in place of every slice reading its logits.
-                    args.step = match args.maxima.address() {
-                        0 => ProcessStep::Entries as u32,
+                    args.step = match launch {
+                        ProcessLaunch::Entries => ProcessStep::Entries as u32,
                         _ => {
                             items = args.batch as u64;
                             ProcessStep::Extrema as u32

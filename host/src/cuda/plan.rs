@@ -24,8 +24,8 @@
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    LOGITS_SAMPLER_TILE, MAXIMA_ROWS, MEMBER_CAPACITY, ProcessRowState, RowSums, Selection, ShardExchangeLayout,
-    ShardPartLayout, TENSOR_MAP_BYTES,
+    LOGITS_SAMPLER_TILE, MEMBER_CAPACITY, ProcessRowState, RowSums, Selection, ShardExchangeLayout, ShardPartLayout,
+    TENSOR_MAP_BYTES, maxima_per_row,
 };
 use flashsample_core::chain::Chain;
 use flashsample_core::registry::Kernel;
@@ -926,7 +926,7 @@ pub(crate) fn materialised_plan(
     let members = if process_slices.is_some() { batch * MEMBER_CAPACITY as usize * 4 } else { 0 };
     let maxima_at = align(members_at + members);
     let maxima = match process_slices.is_some() && !logprobs {
-        true => batch * vocab.div_ceil(MAXIMA_ROWS as usize) * 4,
+        true => batch * maxima_per_row(vocab as u32) as usize * 4,
         false => 0,
     };
     let part_at = align(maxima_at + maxima);
@@ -1001,7 +1001,7 @@ mod tests {
                 let states = if process_slices.is_some() { batch * size_of::<ProcessRowState>() } else { 0 };
                 let members = if process_slices.is_some() { batch * MEMBER_CAPACITY as usize * 4 } else { 0 };
                 let maxima = match process_slices.is_some() && !logprobs {
-                    true => batch * vocab.div_ceil(MAXIMA_ROWS as usize) * 4,
+                    true => batch * maxima_per_row(vocab as u32) as usize * 4,
                     false => 0,
                 };
                 let part =

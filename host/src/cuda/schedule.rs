@@ -8,6 +8,9 @@ use flashsample_core::abi::{SELECT_DIGITS, Selection};
 pub(crate) enum ProcessLaunch {
     /// After clearing the row states.
     Entries,
+    /// In place of `Entries` where the GEMM wrote its maxima: after clearing the row states,
+    /// the rows' largest logits from them (one block per row).
+    Extrema,
     /// Adds a digit's histograms: to the row states (deciding there), or to the `k`-th
     /// histogram of the exchange (`histogram: Some(k)`).
     Select {
@@ -50,14 +53,17 @@ pub(crate) enum SegmentEnd {
 /// keep rule. With one: the per-entry steps, ended by the extrema's reduction; per exchanged
 /// digit a segment that decides the digit before (from its reduced histograms) and adds this
 /// one's, ended by its reduction; last, the last decision, the other selections (listed as
-/// without an exchange) and the keep rule. Past the last segment: nothing. Without `apply` the pipeline ends before the
-/// keep rule's launch, which the logits sampler then applies itself (calls without
-/// log-probabilities and without an exchange).
+/// without an exchange) and the keep rule. Past the last segment: nothing. Without `apply` the
+/// pipeline ends before the keep rule's launch, which the logits sampler then applies itself
+/// (calls without log-probabilities and without an exchange). With `maxima` (rows without
+/// per-entry steps, terms or an exchange, whose GEMM wrote its maxima) the rows' extrema come
+/// from the maxima in place of the per-entry steps.
 pub(crate) fn process_segment(
     selections: u32,
     exchange: bool,
     segment: usize,
     apply: bool,
+    maxima: bool,
 ) -> (Vec<ProcessLaunch>, SegmentEnd) {
     // The digits of the exchanged selections the rows need, in order.
     let shared: Vec<(Selection, u32)> = Selection::ALL
@@ -71,7 +77,7 @@ pub(crate) fn process_segment(
         return (launches, SegmentEnd::Last);
     }
     if segment == 0 {
-        launches.push(ProcessLaunch::Entries);
+        launches.push(if maxima { ProcessLaunch::Extrema } else { ProcessLaunch::Entries });
         if exchange {
             return (launches, SegmentEnd::Extrema);
         }
@@ -109,7 +115,7 @@ mod tests {
     use flashsample_core::abi::{COARSE_DIGIT, ShardExchangeLayout};
 
     /// The processing pipeline's schedule: without an exchange one segment of the per-entry
-    /// steps, for every selection but the tie selections in order its coarse key (top-k,
+    /// steps (the extrema from the GEMM's maxima where it wrote them), for every selection but the tie selections in order its coarse key (top-k,
     /// top-p) or first two digits (the top raw entries), its gathering and its resolution, and
     /// the keep rule; with one the same launches but for the
     /// exchanged selections, whose every digit is added in the segment the reduction of its
@@ -138,13 +144,16 @@ mod tests {
                     })
                     .collect()
             };
-            let (alone, end) = process_segment(selections, false, 0, true);
+            let (alone, end) = process_segment(selections, false, 0, true, false);
             let mut want = vec![ProcessLaunch::Entries];
             want.extend(listed(&|_| true));
-            assert_eq!(process_segment(selections, false, 0, false), (want.clone(), SegmentEnd::Last));
+            assert_eq!(process_segment(selections, false, 0, false, false), (want.clone(), SegmentEnd::Last));
+            want[0] = ProcessLaunch::Extrema;
+            assert_eq!(process_segment(selections, false, 0, false, true), (want.clone(), SegmentEnd::Last));
+            want[0] = ProcessLaunch::Entries;
             want.push(ProcessLaunch::Apply);
             assert_eq!((alone, end), (want, SegmentEnd::Last), "{selections:#b}");
-            assert_eq!(process_segment(selections, false, 1, true), (Vec::new(), SegmentEnd::Last));
+            assert_eq!(process_segment(selections, false, 1, true, false), (Vec::new(), SegmentEnd::Last));
 
             let shared: Vec<(Selection, u32)> = Selection::ALL
                 .into_iter()
@@ -157,7 +166,7 @@ mod tests {
             let mut ends = Vec::new();
             let mut launches = Vec::new();
             for segment in 0..segments {
-                let (mut some, end) = process_segment(selections, true, segment, true);
+                let (mut some, end) = process_segment(selections, true, segment, true, false);
                 launches.append(&mut some);
                 ends.push(end);
             }
@@ -173,7 +182,7 @@ mod tests {
             want.extend(listed(&|s| !s.exchanged()));
             want.push(ProcessLaunch::Apply);
             assert_eq!(launches, want, "{selections:#b}");
-            assert_eq!(process_segment(selections, true, segments, true), (Vec::new(), SegmentEnd::Last));
+            assert_eq!(process_segment(selections, true, segments, true, false), (Vec::new(), SegmentEnd::Last));
         }
     }
 }

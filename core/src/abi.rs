@@ -510,12 +510,6 @@ pub struct LogitsSamplerArgs {
     /// `[batch · samples · tiles]` candidates, written in [`FusedArgs::candidates`]' layout
     /// ([`candidate_slot`]).
     pub candidates: DevicePtr<Candidate>,
-    /// With [`LogitsSamplerArgs::row_states`], the GEMM's `[batch, maxima_per_row(vocab)]`
-    /// maxima of `logits` ([`LogitsArgs::maxima`]), or null. When set, a row whose keep rule
-    /// drops entries reads only the runs of [`MAXIMA_ROWS`] entries whose largest logit the
-    /// rule may keep ([`KeepRule::keeps_some_up_to`](crate::process::KeepRule)): the others
-    /// race as −∞ unread.
-    pub maxima: DevicePtr<u32>,
     /// Logits per row that race (a shard's vocabulary entries); entries past it do not.
     pub vocab: u32,
     /// Floats from one row of `logits` to the next: a multiple of 4 (so every quad is 16-byte
@@ -893,9 +887,7 @@ pub struct ProcessArgs {
     /// [`ProcessStep::Gather`] lists for its [`ProcessStep::Resolve`].
     pub members: DevicePtr<u32>,
     /// The GEMM's `[batch, ⌈vocab / MAXIMA_ROWS⌉]` maxima ([`LogitsArgs::maxima`]), which
-    /// [`ProcessStep::Extrema`] reads, and from which a coarse selection's
-    /// [`ProcessStep::Gather`] reads only the runs of entries that reach its decided coarse
-    /// key; null without that step.
+    /// [`ProcessStep::Extrema`] reads; null without that step.
     pub maxima: DevicePtr<u32>,
 }
 

@@ -380,13 +380,6 @@ impl KeepRule {
     pub fn keeps(&self, logit: f32, index: u32) -> bool {
         logit >= self.min_cut && (logit > self.order_cut.0 || (logit == self.order_cut.0 && index <= self.order_cut.1))
     }
-
-    /// Whether an entry whose logit is at most `max` may be kept (false: none is, at any
-    /// index): what lets a reader skip a run of entries from the run's largest logit.
-    #[inline(always)]
-    pub fn keeps_some_up_to(&self, max: f32) -> bool {
-        max >= self.min_cut && max >= self.order_cut.0
-    }
 }
 
 /// A finite logit as a key whose unsigned order is the logits' order (−0 and +0 one key):
@@ -670,38 +663,6 @@ mod tests {
     /// the range tried, at several temperatures and maxima), give the largest logit 255,
     /// put a step of `1 / COARSE_BUCKETS_PER_UNIT` of `(max − logit) / T` in each bucket, and
     /// give 0 to everything past the last.
-    /// A run of entries whose largest logit fails `keeps_some_up_to` holds no kept entry:
-    /// every entry at or below that logit, at any index, is dropped by the rule (cuts at,
-    /// between and around the logits, ties by index included).
-    #[test]
-    fn a_run_below_the_cuts_keeps_nothing() {
-        let values = [f32::NEG_INFINITY, -3.5, -1.0, -0.0, 0.0, 0.25, 1.0, 2.0, 7.5];
-        let indices = [0, 1, 17, u32::MAX - 1, u32::MAX];
-        for &min_cut in &values {
-            for &cut in &values {
-                for &cut_index in &indices {
-                    let rule = KeepRule { min_cut, order_cut: (cut, cut_index) };
-                    for &max in &values {
-                        if rule.keeps_some_up_to(max) {
-                            continue;
-                        }
-                        for &logit in values.iter().filter(|&&l| l <= max) {
-                            for &index in &indices {
-                                assert!(!rule.keeps(logit, index), "{rule:?} keeps {logit} at {index} under {max}");
-                            }
-                        }
-                    }
-                    // It never skips the rule's own kept entries.
-                    for &logit in &values {
-                        for &index in &indices {
-                            assert!(!rule.keeps(logit, index) || rule.keeps_some_up_to(logit), "{rule:?} {logit}");
-                        }
-                    }
-                }
-            }
-        }
-    }
-
     #[test]
     fn coarse_keys_are_monotone_buckets_below_the_largest_logit() {
         for (max, temperature) in [(9.4f32, 1.0f32), (-3.0, 0.7), (0.0, 1e-3), (1e4, 2.0), (30.0, 1e30)] {

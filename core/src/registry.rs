@@ -240,24 +240,21 @@ impl Kernel {
     /// [`Kernel::min_blocks_per_multiprocessor`].
     pub const fn launch_bounds(self) -> Option<u32> {
         match self {
-            Kernel::FusedTma { .. }
-            | Kernel::LogitsTma { .. }
-            | Kernel::FusedHandoff { .. }
-            | Kernel::ProcessRows
-            | Kernel::SampleLogits => Some(self.threads()),
+            Kernel::FusedTma { .. } | Kernel::LogitsTma { .. } | Kernel::FusedHandoff { .. } | Kernel::ProcessRows => {
+                Some(self.threads())
+            }
             _ => None,
         }
     }
 
     /// The blocks a multiprocessor must hold at once, which the PTX declares with
     /// `.minnctapersm` (with [`Kernel::launch_bounds`]), if any: the processing kernel's
-    /// steps and the logits sampler stream rows and hide their loads' latency behind other
-    /// blocks' work, and ptxas gave each a few registers more than that many blocks leave
-    /// (one block fewer per multiprocessor) as its code grew.
+    /// steps stream rows and hide their loads' latency behind other blocks' work, and ptxas
+    /// gave it a few registers more than two blocks of 256 threads leave (one block per
+    /// multiprocessor) as its code grew.
     pub const fn min_blocks_per_multiprocessor(self) -> Option<u32> {
         match self {
             Kernel::ProcessRows => Some(2),
-            Kernel::SampleLogits => Some(3),
             _ => None,
         }
     }

@@ -17,9 +17,9 @@ use core::ptr::{addr_of_mut, read_volatile};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use flashsample_core::abi::{
-    COARSE_DIGIT, DevicePtr, MAXIMA_ROWS, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs,
-    ProcessRowState, ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection,
-    ShardMergeArgs, ShardWinner, TopLogprob, digit_shift, maxima_per_row,
+    COARSE_DIGIT, DevicePtr, MEMBER_CAPACITY, PROCESS_SHARED_BYTES, PROCESS_THREADS, ProcessArgs, ProcessRowState,
+    ProcessStep, RawTop, RowProcessing, RowSums, SELECT_BUCKETS, SELECT_DIGITS, Selection, ShardMergeArgs, ShardWinner,
+    TopLogprob, digit_shift, maxima_per_row,
 };
 use flashsample_core::process::{
     KeepRule, LogSumExp, MAX_TOP_LOGPROBS, Penalties, SPARSE_BLOCK, SparseEntry, TOP_P_BUCKET_UNITS, coarse_key,
@@ -126,22 +126,15 @@ struct Quad([f32; 4]);
 /// Calls `f(q, quad)` for this thread's quads `q` of the row at `row` among the quads
 /// `quads.0 .. quads.1`: `quads.0 + thread`, then every `PROCESS_THREADS`-th, two at a time,
 /// each pair loaded while the one before it is used, so that each block keeps enough loads in
-/// flight. A quad that `reads(q)` refuses is not loaded: `f` sees it as four −∞.
+/// flight.
 ///
 /// # Safety
-/// `row` is 16-byte aligned and readable up to its quad `quads.1`; `reads` is safe to call
-/// with each `q < quads.1`.
+/// `row` is 16-byte aligned and readable up to its quad `quads.1`.
 #[inline(always)]
-unsafe fn for_each_quad(
-    row: *const f32,
-    quads: (u32, u32),
-    thread: u32,
-    reads: impl Fn(u32) -> bool,
-    mut f: impl FnMut(u32, Quad),
-) {
+unsafe fn for_each_quad(row: *const f32, quads: (u32, u32), thread: u32, mut f: impl FnMut(u32, Quad)) {
     let (start, end) = quads;
     let load = |q: u32| {
-        if q < end && reads(q) {
+        if q < end {
             // SAFETY: `q < end`: a whole aligned quad of the row (this function's contract).
             unsafe { *(row.add(4 * q as usize) as *const Quad) }
         } else {
@@ -166,21 +159,13 @@ unsafe fn for_each_quad(
 }
 
 /// Calls `f(i, logit)` for this thread's entries `i < vocab` of the row at `row` among its
-/// quads `quads.0 .. quads.1`, as [`for_each_quad`] visits them (those `reads` refuses as
-/// −∞, unread).
+/// quads `quads.0 .. quads.1`, as [`for_each_quad`] visits them.
 ///
 /// # Safety
 /// `row` is 16-byte aligned and readable up to `vocab` rounded up to a multiple of 4, and
-/// `quads.1 ≤ ⌈vocab / 4⌉`; `reads` as [`for_each_quad`] needs it.
+/// `quads.1 ≤ ⌈vocab / 4⌉`.
 #[inline(always)]
-unsafe fn for_each_entry(
-    row: *const f32,
-    vocab: u32,
-    quads: (u32, u32),
-    thread: u32,
-    reads: impl Fn(u32) -> bool,
-    mut f: impl FnMut(u32, f32),
-) {
+unsafe fn for_each_entry(row: *const f32, vocab: u32, quads: (u32, u32), thread: u32, mut f: impl FnMut(u32, f32)) {
     // Scalars, not an indexed array: an array indexed in a loop the compiler leaves rolled
     // goes to the stack. Inlined always: a visit LLVM leaves as a call passes the caller's
     // closure state through the stack.
@@ -201,7 +186,7 @@ unsafe fn for_each_entry(
         }
     };
     // SAFETY: the quads lie inside the row (this function's contract).
-    unsafe { for_each_quad(row, quads, thread, reads, visit) }
+    unsafe { for_each_quad(row, quads, thread, visit) }
 }
 
 /// Rewrites this thread's quads of a row as [`for_each_quad`] visits them, from the row at
@@ -241,7 +226,7 @@ unsafe fn map_entries(
         }
     };
     // SAFETY: the quads lie inside the row (this function's contract).
-    unsafe { for_each_quad(from, quads, thread, |_| true, rewrite) }
+    unsafe { for_each_quad(from, quads, thread, rewrite) }
 }
 
 /// One (row, slice) item of a launch: the block's part of row `b`.
@@ -296,29 +281,7 @@ impl Slice {
     unsafe fn for_each(&self, row: *const f32, f: impl FnMut(u32, f32)) {
         // SAFETY: the slice's quads lie inside the row's (`Slice::of`), per this function's
         // contract.
-        unsafe { for_each_entry(row, self.vocab, self.quads, self.thread, |_| true, f) }
-    }
-
-    /// [`Slice::for_each`] reading only the runs of [`MAXIMA_ROWS`] entries whose largest
-    /// logit, from the row's `maxima`, `reads` accepts (the others as −∞, unread).
-    ///
-    /// # Safety
-    /// As [`for_each_entry`] for `row`; `maxima` holds the row's `maxima_per_row(vocab)`
-    /// words.
-    #[inline(always)]
-    unsafe fn for_each_in_runs(
-        &self,
-        row: *const f32,
-        maxima: *const u32,
-        reads: impl Fn(f32) -> bool,
-        f: impl FnMut(u32, f32),
-    ) {
-        // Quad `q` holds entries `4q .. 4q + 4`, all in run `4q / MAXIMA_ROWS`.
-        // SAFETY: `q < ⌈vocab / 4⌉`: its run is a word of the row's maxima (this function's
-        // contract).
-        let run_max = |q: u32| extremum(unsafe { *maxima.add((4 * q / MAXIMA_ROWS) as usize) }).0;
-        // SAFETY: as above.
-        unsafe { for_each_entry(row, self.vocab, self.quads, self.thread, |q| reads(run_max(q)), f) }
+        unsafe { for_each_entry(row, self.vocab, self.quads, self.thread, f) }
     }
 
     /// [`map_entries`] over this slice, from the row at `from` to the row at `to`.
@@ -1114,17 +1077,16 @@ impl<E: EntrySource> MemberVisitor for AddHistogram<'_, E> {
 /// (`MEMBER_CAPACITY` column indices), counting all of them at `count`: the block stages its
 /// members in shared memory, then one add to `count` reserves their places (the first to
 /// arrive are listed), where one add per member queued on the row's one counter.
-struct ListMembers<'a, E> {
-    slice: &'a Slice,
-    entries: E,
+struct ListMembers<'a> {
+    entries: SliceSource<'a>,
     list: *mut u32,
     count: *mut u32,
 }
 
-impl<E: EntrySource> MemberVisitor for ListMembers<'_, E> {
+impl MemberVisitor for ListMembers<'_> {
     #[inline(always)]
     unsafe fn visit(self, raw: bool, _: bool, member: impl Fn(u32, f32) -> Option<u32>, _: impl Fn(f32) -> u64) {
-        let (shared, thread) = (self.slice.shared, self.slice.thread);
+        let (shared, thread) = (self.entries.slice.shared, self.entries.slice.thread);
         // SAFETY: the fields lie inside the block's shared memory.
         let (staged, found, start) = unsafe {
             (
@@ -1210,25 +1172,6 @@ impl EntrySource for SliceSource<'_> {
     unsafe fn each(&self, raw: bool, f: impl FnMut(u32, f32)) {
         // SAFETY: the slice's quads of a row of the logits (this function's contract).
         unsafe { self.slice.for_each(self.row(raw), f) }
-    }
-}
-
-/// A block's slice of a row read only in the runs of [`MAXIMA_ROWS`] entries whose largest
-/// logit, from the GEMM's maxima of the row at `maxima`, `reads` accepts: the other entries
-/// visit as −∞, unread.
-#[derive(Clone, Copy)]
-struct SliceRuns<'a, F> {
-    source: SliceSource<'a>,
-    maxima: *const u32,
-    reads: F,
-}
-
-impl<F: Fn(f32) -> bool + Copy> EntrySource for SliceRuns<'_, F> {
-    #[inline(always)]
-    unsafe fn each(&self, raw: bool, f: impl FnMut(u32, f32)) {
-        // SAFETY: the slice's quads of a row of the logits, whose maxima `maxima` holds (this
-        // function's contract).
-        unsafe { self.source.slice.for_each_in_runs(self.source.row(raw), self.maxima, self.reads, f) }
     }
 }
 
@@ -1321,33 +1264,16 @@ unsafe fn gather(item: &Item, selection: Selection) {
     }
     // SAFETY: as above.
     let max = unsafe { truncation_max(item) }.unwrap_or(f32::NEG_INFINITY);
-    let Item { args, slice, params, state, .. } = item;
-    let (list, count) = (
-        args.members.as_mut_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize),
+    let Item { args, slice, state, .. } = item;
+    let list = ListMembers {
+        entries: SliceSource::of(item),
+        list: args.members.as_mut_ptr().wrapping_add(slice.b as usize * MEMBER_CAPACITY as usize),
         // SAFETY: a field of the row's state.
-        unsafe { addr_of_mut!((**state).members) },
-    );
+        count: unsafe { addr_of_mut!((**state).members) },
+    };
     let (_, resolved_from) = selection.leading_digits(args.exchanges());
-    let source = SliceSource::of(item);
-    if args.maxima.address() != 0 && selection.coarse(args.exchanges()) {
-        // A coarse selection's members lie in its decided coarse key: a run of entries whose
-        // largest logit has a lower one holds none (the key is non-decreasing in the logit),
-        // so only the runs that reach it are read.
-        // SAFETY: the row's state as above.
-        let chosen = unsafe { (**state).coarse };
-        let scale = coarse_scale(params.temperature);
-        let maxima = args.maxima.as_ptr().wrapping_add(slice.b as usize * maxima_per_row(args.vocab) as usize);
-        let reads = move |run_max: f32| coarse_key(run_max, max, scale) >= chosen;
-        let entries = SliceRuns { source, maxima, reads };
-        // SAFETY: the row's state as above; the slice's logits and the row's maxima (the
-        // GEMM's, of these logits), the row's list and count.
-        unsafe { visit_members(item, selection, resolved_from, max, ListMembers { slice, entries, list, count }) };
-    } else {
-        // SAFETY: the row's state as above; the slice's logits, the row's list and count.
-        unsafe {
-            visit_members(item, selection, resolved_from, max, ListMembers { slice, entries: source, list, count })
-        };
-    }
+    // SAFETY: the row's state as above; the slice's logits, the row's list and count.
+    unsafe { visit_members(item, selection, resolved_from, max, list) };
 }
 
 /// [`ProcessStep::Resolve`] for one row: `selection`'s digits after its

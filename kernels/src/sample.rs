@@ -2,16 +2,16 @@
 //! unfused logits sampler, the merge kernel, and the winners' logits of a fused call.
 
 use flashsample_core::abi::{
-    FusedArgs, LOGITS_SAMPLER_QUADS, LOGITS_SAMPLER_TILE, LogitsSamplerArgs, MAXIMA_ROWS, N_TILE, REDUCE_THREADS,
-    ReduceArgs, RowSums, SAMPLES_PER_MERGE, ShardWinner, TILE_KERNEL_WARPS, TopLogprob, WINNER_LOGITS_THREADS,
-    WinnerLogitsArgs, candidate_pair, candidate_slot, fused_mma_shared_bytes, maxima_per_row,
+    FusedArgs, LOGITS_SAMPLER_QUADS, LOGITS_SAMPLER_TILE, LogitsSamplerArgs, N_TILE, REDUCE_THREADS, ReduceArgs,
+    RowSums, SAMPLES_PER_MERGE, ShardWinner, TILE_KERNEL_WARPS, TopLogprob, WINNER_LOGITS_THREADS, WinnerLogitsArgs,
+    candidate_pair, candidate_slot, fused_mma_shared_bytes,
 };
 use flashsample_core::candidate::maximum;
 use flashsample_core::chain::{CHAIN_LINKS, Chain, Link, searched};
 use flashsample_core::estimate::{
     BlockEstimate, block_estimate, contenders, exact_entry, may_contend, offer_contenders, race_threshold,
 };
-use flashsample_core::process::{KeepRule, LogSumExp, MAX_TOP_LOGPROBS, extremum, min_p_threshold};
+use flashsample_core::process::{KeepRule, LogSumExp, MAX_TOP_LOGPROBS, min_p_threshold};
 use flashsample_core::truncation::{TILE_TOP, TileTop, order_entry, order_word};
 use flashsample_core::{Candidate, NON_FINITE_TOKEN, RowParams};
 
@@ -870,33 +870,10 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
         let b = item / args.tiles;
         let first_row0 = tile * LOGITS_SAMPLER_TILE + 4 * thread;
         let row_logits = args.logits.add(b as u64 * args.logits_stride as u64);
-        // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
-        let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
-        let rule = match args.row_states.address() {
-            0 => KeepRule::ALL,
-            // SAFETY: `b < batch`: row `b` of the `[batch]` processing and states, the states
-            // written by the pipeline's earlier launches only.
-            _ => unsafe {
-                let state = args.row_states.as_mut_ptr().add(b as usize);
-                process::kept_by_state(&row, &*args.processing.as_ptr().add(b as usize), state)
-            },
-        };
-        // A row whose rule drops entries skips the runs of `MAXIMA_ROWS` entries whose largest
-        // logit it drops: they race as −∞, unread (a rule that drops nothing belongs to a row
-        // whose maxima may hold a NaN, and reads every run).
-        let runs = match args.maxima.address() != 0 && rule != KeepRule::ALL {
-            true => args.maxima.as_ptr().wrapping_add(b as usize * maxima_per_row(args.vocab) as usize),
-            false => core::ptr::null(),
-        };
         let mut quads = [[f32::NEG_INFINITY; 4]; QUADS];
         for k in 0..QUADS {
             let row0 = first_row0 + k as u32 * BLOCK_ENTRIES;
-            // SAFETY: `row0 < vocab`: a word of the row's maxima, which hold `maxima_per_row(vocab)`
-            // words (the arguments' contract).
-            let read = row0 < args.vocab
-                && (runs.is_null()
-                    || rule.keeps_some_up_to(extremum(unsafe { *runs.add((row0 / MAXIMA_ROWS) as usize) }).0));
-            if read {
+            if row0 < args.vocab {
                 // SAFETY: `row0 < vocab`: the four floats lie in row `b` of the logits (stride a
                 // multiple of 4, so 16-byte aligned).
                 quads[k] =
@@ -908,15 +885,25 @@ pub unsafe fn sample_logits(args: &LogitsSamplerArgs, staging: *mut Candidate) {
             let row0 = first_row0 + k as u32 * BLOCK_ENTRIES;
             ((args.vocab_offset + row0) / 4, args.vocab.saturating_sub(row0).min(4))
         };
-        if rule != KeepRule::ALL {
-            each_index!(k < QUADS, {
-                let row0 = first_row0 + k as u32 * BLOCK_ENTRIES;
-                for r in 0..4 {
-                    if !rule.keeps(quads[k][r], args.vocab_offset + row0 + r as u32) {
-                        quads[k][r] = f32::NEG_INFINITY;
+        // SAFETY: `b < batch`: a row of the `[batch]` row parameters.
+        let row = unsafe { *args.row_params.as_ptr().add(b as usize) };
+        if args.row_states.address() != 0 {
+            // SAFETY: `b < batch`: row `b` of the `[batch]` processing and states, the states
+            // written by the pipeline's earlier launches only.
+            let rule = unsafe {
+                let state = args.row_states.as_mut_ptr().add(b as usize);
+                process::kept_by_state(&row, &*args.processing.as_ptr().add(b as usize), state)
+            };
+            if rule != KeepRule::ALL {
+                each_index!(k < QUADS, {
+                    let row0 = first_row0 + k as u32 * BLOCK_ENTRIES;
+                    for r in 0..4 {
+                        if !rule.keeps(quads[k][r], args.vocab_offset + row0 + r as u32) {
+                            quads[k][r] = f32::NEG_INFINITY;
+                        }
                     }
-                }
-            });
+                });
+            }
         }
         let mut first = 0;
         while first < args.samples {

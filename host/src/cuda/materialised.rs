@@ -7,7 +7,7 @@
 use cudarc::driver::sys;
 use flashsample_core::abi::{
     DevicePtr, LogitsArgs, LogitsSamplerArgs, ProcessArgs, ProcessRowState, ProcessStep, RawTop, RowProcessing,
-    RowSums, SELECT_BUCKETS, Selection, ShardExchangeLayout, ShardWinner, TmaArgs, maxima_per_row,
+    RowSums, SELECT_BUCKETS, Selection, ShardExchangeLayout, ShardWinner, TmaArgs,
 };
 use flashsample_core::registry::Kernel;
 use flashsample_core::{Candidate, RowParams};
@@ -35,9 +35,6 @@ struct LogitsSampling {
     /// `LogitsSamplerArgs::row_states`), or null.
     processing: DevicePtr<RowProcessing>,
     row_states: DevicePtr<ProcessRowState>,
-    /// With `row_states`, the GEMM's maxima of `logits` (`LogitsSamplerArgs::maxima`), or
-    /// null.
-    maxima: DevicePtr<u32>,
 }
 
 impl Kernels {
@@ -149,10 +146,9 @@ impl Kernels {
             (target.raw, target.processed) = (raw, processed);
         }
         let candidates = base.byte_add(WORKSPACE_MAPS_BYTES as u64).cast::<Candidate>();
-        // The sampler skips the runs of entries the keep rule drops by their maxima.
-        let (keep_processing, keep_states, keep_maxima) = match sampler_keeps {
-            true => (call.processing.blocks(), states, maxima),
-            false => (DevicePtr::NULL, DevicePtr::NULL, DevicePtr::NULL),
+        let (keep_processing, keep_states) = match sampler_keeps {
+            true => (call.processing.blocks(), states),
+            false => (DevicePtr::NULL, DevicePtr::NULL),
         };
         let sampling = LogitsSampling {
             logits: processed,
@@ -161,7 +157,6 @@ impl Kernels {
             vocab_offset,
             processing: keep_processing,
             row_states: keep_states,
-            maxima: keep_maxima,
         };
         // SAFETY: as above; the candidates of the largest pass fit the workspace.
         unsafe {
@@ -307,7 +302,6 @@ impl Kernels {
                         processing: sampling.processing.add_unless_null(first_row),
                         row_states: sampling.row_states.add_unless_null(first_row),
                         candidates,
-                        maxima: sampling.maxima.add_unless_null(first_row * maxima_per_row(sampling.vocab) as u64),
                         vocab: sampling.vocab,
                         logits_stride: stride as u32,
                         batch: launch.batch,
@@ -354,7 +348,6 @@ impl Kernels {
             vocab_offset: 0,
             processing: DevicePtr::NULL,
             row_states: DevicePtr::NULL,
-            maxima: DevicePtr::NULL,
         };
         // SAFETY: per this function's contract.
         unsafe {

@@ -115,9 +115,10 @@ mod tests {
     use flashsample_core::abi::{COARSE_DIGIT, ShardExchangeLayout};
 
     /// The processing pipeline's schedule: without an exchange one segment of the per-entry
-    /// steps (the extrema from the GEMM's maxima where it wrote them), for every selection but the tie selections in order its coarse key (top-k,
-    /// top-p) or first two digits (the top raw entries), its gathering and its resolution, and
-    /// the keep rule; with one the same launches but for the
+    /// steps (the extrema from the GEMM's maxima where it wrote them), for every selection but
+    /// the tie selections in order its coarse key (top-k, top-p) or first two digits (the top
+    /// raw entries), its gathering and its resolution, and the keep rule; with one the same
+    /// launches but for the
     /// exchanged selections, whose every digit is added in the segment the reduction of its
     /// histogram ends and decided at the start of the next, the extrema reduced before any
     /// digit, as many segments as the plan counts, and nothing past them.

@@ -345,6 +345,13 @@ pub struct TmaArgs {
     pub tile_sums: DevicePtr<RowSums>,
     /// The GEMM's maxima ([`LogitsArgs::maxima`]), or null.
     pub maxima: DevicePtr<u32>,
+    /// `[batch, tiles]` lists of each (row, tile)'s first processed entries
+    /// ([`FusedArgs::tile_tops`]), written by the handoff tile (the other TMA tiles write
+    /// none); null for none. A listing launch has no draws.
+    pub tile_tops: DevicePtr<crate::truncation::TileTop>,
+    /// Null, or the word that gates the launch (GEMM): it does nothing when the word is 0
+    /// ([`LogitsArgs::gate`]).
+    pub gate: DevicePtr<u32>,
     /// Rows of `W`: the vocabulary entries of the shard (of the whole vocabulary when
     /// unsharded). Entries at or past it take no part in the race or the terms, and the GEMM
     /// writes no quad that starts past it.

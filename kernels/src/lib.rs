@@ -459,6 +459,10 @@ macro_rules! entry_point {
         #[cfg(flashsample_module = "hopper")]
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: flashsample_core::abi::TmaArgs) {
+            // SAFETY: the launcher keeps the crate-level contract: a set gate is a readable word.
+            if unsafe { held_back(args.gate) } {
+                return;
+            }
             // SAFETY: the launcher keeps the crate-level contract: the registry's launch shape and
             // an argument block of valid device buffers.
             unsafe {

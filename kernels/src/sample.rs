@@ -318,38 +318,11 @@ unsafe fn write_tile_tops<const NT: usize>(
                 // SAFETY: `col0 + column < batch`: the launch's processing holds the row.
                 quad = unsafe { process::fused_quad(args.processing, col0 + column, index0, vocab_end, quad) };
             }
-            for (r, (&logit, word)) in quad.iter().zip(&mut words).enumerate() {
-                if (r as u32) < rows_valid && logit > f32::NEG_INFINITY && logit < f32::INFINITY {
-                    *word = order_word(logit, index0 + r as u32);
-                }
-                non_finite |= (r as u32) < rows_valid && (logit.is_nan() || logit == f32::INFINITY);
-            }
+            (words, non_finite) = quad_words(quad, index0, rows_valid);
         }
-        let mut top = TileTop::EMPTY;
-        for slot in 0..TILE_TOP {
-            let mut first = words[0].max(words[1]).max(words[2].max(words[3]));
-            // The lanes of one column differ in `g`, lane bits 2 to 4.
-            let mut mask = 4;
-            while mask <= 16 {
-                // SAFETY: every lane of the warp reaches it: the loops' bounds are the same for all.
-                first = first.max(unsafe { arch::shuffle_xor_u64(first, mask) });
-                mask <<= 1;
-            }
-            for word in &mut words {
-                if *word == first {
-                    *word = 0;
-                }
-            }
-            if first != 0 {
-                (top.logits[slot], top.indices[slot]) = order_entry(first);
-            }
-        }
-        // SAFETY: as above.
-        let non_finite = unsafe { arch::ballot(non_finite) } & (COLUMN_LANES << t) != 0;
-        if non_finite {
-            // As `TileTop::offer` marks a list that was offered NaN or +∞.
-            top.logits[0] = f32::NAN;
-        }
+        // SAFETY: every lane of the warp reaches it (uniform loops); the lanes of one column
+        // differ in `g`, lane bits 2 to 4.
+        let top = unsafe { column_top(words, non_finite, 4, 16) };
         if g == 0 {
             // SAFETY: warp < TILE_KERNEL_WARPS, column < columns: inside the staging.
             unsafe { *staging.add((warp * columns + column) as usize) = top };
@@ -370,6 +343,73 @@ unsafe fn write_tile_tops<const NT: usize>(
     }
     // SAFETY: every thread of the block reaches it; the staging is reused after it.
     unsafe { arch::sync_threads() };
+}
+
+/// A quad of processed logits (vocabulary indices from `index0`, the first `rows_valid` in
+/// the vocabulary) as the [`order_word`]s a column's list is found from, 0 where no entry can
+/// be listed (−∞, dropped by the processing, or past the vocabulary), and whether one of them
+/// is NaN or +∞.
+#[inline(always)]
+pub(crate) fn quad_words(quad: [f32; 4], index0: u32, rows_valid: u32) -> ([u64; 4], bool) {
+    let mut words = [0u64; 4];
+    let mut non_finite = false;
+    for (r, (&logit, word)) in quad.iter().zip(&mut words).enumerate() {
+        if (r as u32) < rows_valid && logit > f32::NEG_INFINITY && logit < f32::INFINITY {
+            *word = order_word(logit, index0 + r as u32);
+        }
+        non_finite |= (r as u32) < rows_valid && (logit.is_nan() || logit == f32::INFINITY);
+    }
+    (words, non_finite)
+}
+
+/// A column's list of its first [`TILE_TOP`] entries ([`TileTop`]) from the [`order_word`]s
+/// its lanes hold (0 for none), the lanes that share the column differing in the lane bits
+/// from `first_mask` to `last_mask`: each round takes the largest word over those lanes by
+/// shuffles, and the lane that holds it drops it (the words are distinct: each holds its
+/// index). `non_finite`: this lane holds a NaN or +∞ entry, which marks the column's list
+/// as [`TileTop::offer`] does.
+///
+/// # Safety
+/// All 32 lanes call it together.
+#[inline(always)]
+pub(crate) unsafe fn column_top<const W: usize>(
+    mut words: [u64; W],
+    non_finite: bool,
+    first_mask: u32,
+    last_mask: u32,
+) -> TileTop {
+    let mut top = TileTop::EMPTY;
+    for slot in 0..TILE_TOP {
+        let mut first = 0;
+        for &word in &words {
+            first = first.max(word);
+        }
+        let mut mask = first_mask;
+        while mask <= last_mask {
+            // SAFETY: per this function's contract all 32 lanes are here together.
+            first = first.max(unsafe { arch::shuffle_xor_u64(first, mask) });
+            mask <<= 1;
+        }
+        for word in &mut words {
+            if *word == first {
+                *word = 0;
+            }
+        }
+        if first != 0 {
+            (top.logits[slot], top.indices[slot]) = order_entry(first);
+        }
+    }
+    let mut marked = u32::from(non_finite);
+    let mut mask = first_mask;
+    while mask <= last_mask {
+        // SAFETY: per this function's contract all 32 lanes are here together.
+        marked |= unsafe { arch::shuffle_xor(marked, mask) };
+        mask <<= 1;
+    }
+    if marked != 0 {
+        top.logits[0] = f32::NAN;
+    }
+    top
 }
 
 /// The epilogue of the chain kernels (`chains_*`): for every draw, each batch column's chain of

@@ -4,9 +4,9 @@
 //! CPU on exact logits, borrowed mode against the owned sampler bit for bit. Ignored without a
 //! GPU.
 
-use flashsample::internals::{MMA_COLUMNS, STAGED_COLUMNS, Variant};
+use flashsample::internals::{HANDOFF_COLUMNS, MMA_COLUMNS, STAGED_COLUMNS, Variant};
 use flashsample::{
-    Batch, CudaSampler, DType, DeviceMatrix, Draws, Error, Matrix, OutputSlice, Processing, Request, Sampler,
+    Batch, CudaSampler, DType, DeviceMatrix, Draws, Error, Matrix, Module, OutputSlice, Processing, Request, Sampler,
     SamplingParams, Shard, StreamWorkspace, Target, VocabShard,
 };
 use flashsample_core::abi::TILE_ROWS;
@@ -146,9 +146,9 @@ fn a_verification_gives_the_cpus_tokens_and_verdicts() {
     }
 }
 
-/// The fused `mma.sync` (register-direct and staged) and SIMT tiles list each (row, tile)'s
-/// first four processed entries (`TileTop`, what fused truncation decides from) as the CPU
-/// does from the same logits:
+/// The fused `mma.sync` (register-direct and staged) and SIMT tiles, and on the Hopper module
+/// the handoff tiles, list each (row, tile)'s first four processed entries (`TileTop`, what
+/// fused truncation decides from) as the CPU does from the same logits:
 /// integer inputs (every logit exact on both backends), plain rows, rows with a bias (one of
 /// −∞) and rows with a mask; V = 1003 (a partial last tile), B = 37 (a partial column group);
 /// every list poisoned first, so one left unwritten fails.
@@ -197,7 +197,13 @@ fn the_tiles_list_their_first_entries_as_the_cpu_does() {
         .iter()
         .map(|&columns| Variant::Mma { columns })
         .chain(STAGED_COLUMNS.iter().map(|&columns| Variant::Staged { columns }))
-        .chain([Variant::Simt]);
+        .chain([Variant::Simt])
+        .chain(
+            HANDOFF_COLUMNS
+                .iter()
+                .filter(|_| sampler.module() == Module::Hopper)
+                .map(|&columns| Variant::TmaHandoff { columns }),
+        );
     for variant in variants {
         let got = sampler.tile_tops(&head, &hidden, &batch, variant).unwrap();
         assert_eq!(got.len(), expected.len(), "{variant:?}");

@@ -16,10 +16,16 @@ fn narrowest_mma(batch: usize) -> Option<Variant> {
 
 /// The `mma.sync` tile for `batch` columns: the narrowest register-direct width that holds
 /// B, else the staged tile of 64 columns (faster than 128 columns at every B measured but one,
-/// docs/PERF.md). The portable module's choice for tensor cores, and the tile that writes
-/// the truncations' lists in place of a TMA tile.
+/// docs/PERF.md). The portable module's choice for tensor cores.
 pub(crate) fn mma_sync_tile(batch: usize) -> Variant {
     narrowest_mma(batch).unwrap_or(Variant::Staged { columns: 64 })
+}
+
+/// The handoff tile for `batch` columns: 64 columns up to B = 64, else 128. The Hopper
+/// module's choice past B = 32, and the tile that writes the truncations' lists in place of
+/// the cooperative TMA tile.
+pub(crate) fn handoff_tile(batch: usize) -> Variant {
+    Variant::TmaHandoff { columns: if batch <= 64 { 64 } else { 128 } }
 }
 
 /// Batch-tile widths of the TMA + `wgmma` kernels.
@@ -111,8 +117,7 @@ impl Variant {
                 rows: 128,
                 columns: TMA_COLUMNS.into_iter().find(|&c| batch <= c as usize).unwrap_or(32),
             }),
-            Variant::Auto if batch <= 64 => Ok(Variant::TmaHandoff { columns: 64 }),
-            Variant::Auto => Ok(Variant::TmaHandoff { columns: 128 }),
+            Variant::Auto => Ok(handoff_tile(batch)),
             Variant::Mma { columns } if !MMA_COLUMNS.contains(&columns) => {
                 Err(invalid("variant", format!("Mma {{ columns: {columns} }}: columns must be 8, 16 or 32")))
             }

@@ -55,7 +55,9 @@ impl Kernels {
                     PathPlan::Fused(fused, fused_plan, Some(sums)) => self
                         .enqueue_fused_logprobs(stream, &call, fused, fused_plan, sums, plan.maps, stage)
                         .map(|_| None)?,
-                    PathPlan::Listed(listed) => self.enqueue_listed(stream, &call, listed, stage).map(|_| None)?,
+                    PathPlan::Listed(listed) => {
+                        self.enqueue_listed(stream, &call, listed, plan.maps, stage).map(|_| None)?
+                    }
                     PathPlan::Materialised(materialised) => {
                         self.enqueue_materialised(stream, &call, materialised, plan.maps, stage, segment)?
                     }

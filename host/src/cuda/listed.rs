@@ -6,17 +6,18 @@
 //! rows from their logits, and the merge kernel turns the candidates into tokens.
 
 use cudarc::driver::sys;
-use flashsample_core::abi::{DevicePtr, FusedArgs, ReduceArgs, RowProcessing, SampleListedArgs};
+use flashsample_core::abi::{DevicePtr, FusedArgs, ReduceArgs, RowProcessing, SampleListedArgs, TmaArgs};
 use flashsample_core::chain::Chain;
 use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
 use flashsample_core::{Candidate, RowParams};
 
+use super::dispatch::Variant;
 use super::driver;
 use super::modules::Kernels;
-use super::plan::{Call, CallTarget, FusedCall, ListedPlan, Summaries};
+use super::plan::{Call, CallTarget, FusedCall, ListedPlan, Summaries, TensorMaps};
 use super::request::DeviceWorkspace;
-use super::tiles::reduce_args;
+use super::tiles::{MapPair, reduce_args};
 use crate::error::{Result, invalid};
 
 impl Kernels {
@@ -24,12 +25,13 @@ impl Kernels {
     ///
     /// # Safety
     /// The context is current; the call's buffers hold its extents and the workspace the
-    /// plan's, only this stream's.
+    /// plan's, only this stream's; the maps as [`Kernels::tensor_maps`] states.
     pub(crate) unsafe fn enqueue_listed(
         &self,
         stream: sys::CUstream,
         call: &Call,
         plan: &ListedPlan,
+        maps: TensorMaps,
         workspace: DeviceWorkspace,
     ) -> Result<()> {
         let CallTarget::Tokens { tokens, .. } = call.target else {
@@ -72,12 +74,14 @@ impl Kernels {
         // (this function's contract); on `stream`, the count is cleared before the listed or
         // chained sampler adds to it, the summaries written before it reads them, its flags
         // and count before the gated GEMM and fallback read them, and every candidate before
-        // the merge.
+        // the merge; the handoff tile's maps (at the workspace's start) serve its GEMM too,
+        // whose boxes are the same.
         unsafe {
+            let maps = self.tensor_maps(stream, plan.variant, lm_head, hidden, maps, workspace)?;
             driver::fill_words_async("unsettled rows", unsettled, 0, 1, stream)?;
             match plan.summaries {
                 Summaries::Lists => {
-                    self.queue_tile_lists(stream, &plan.tiles_call, plan.tiles, tops)?;
+                    self.queue_tile_lists(stream, &plan.tiles_call, plan.tiles, tops, maps)?;
                     self.launch(stream, Kernel::SampleListed, batch as u64, &args)?;
                 }
                 Summaries::Chains => {
@@ -86,32 +90,67 @@ impl Kernels {
                 }
             }
             let maxima = DevicePtr::NULL;
-            self.queue_logits(stream, plan.variant, lm_head, hidden, None, logits, plan.stride, maxima, unsettled)?;
+            self.queue_logits(stream, plan.variant, lm_head, hidden, maps, logits, plan.stride, maxima, unsettled)?;
             self.launch(stream, Kernel::SampleUnsettled, batch as u64, &args)?;
             self.launch(stream, Kernel::ReduceCandidates, batch as u64 * plan.samples as u64, &reduce)
         }
     }
 
     /// Queues the tile kernel of `call.variant` over every row with no draws: each (row, tile)'s
-    /// list into `tops` (`[B, tiles]`).
+    /// list into `tops` (`[B, tiles]`). The cooperative TMA tiles write no lists (an error
+    /// naming the variant); the handoff tile reads `maps`.
     ///
     /// # Safety
     /// The context is current; the call's matrices, row parameters and processing hold their
-    /// extents, `tops` `B · tiles` lists; the variant is an `mma.sync` or SIMT tile.
+    /// extents, `tops` `B · tiles` lists; `maps` are the maps of `W` and `H` for the variant's
+    /// boxes when it is a TMA tile ([`Kernels::tensor_maps`]).
     pub(crate) unsafe fn queue_tile_lists(
         &self,
         stream: sys::CUstream,
         call: &FusedCall,
         tiles: usize,
         tops: DevicePtr<TileTop>,
+        maps: Option<MapPair>,
     ) -> Result<()> {
         let variant = call.variant;
-        if variant.tma_boxes().is_some() {
-            return Err(invalid("variant", format!("{variant:?}: the TMA tiles do not write tile lists")));
+        let kernel = variant.fused_kernel(call.lm_head.dtype);
+        let items = summaries_items(call, tiles);
+        match (variant, maps) {
+            (Variant::TmaHandoff { .. }, Some((lm_head_map, hidden_map))) => {
+                let (lm_head, hidden) = (&call.lm_head, &call.hidden);
+                let args = TmaArgs {
+                    lm_head_map,
+                    hidden_map,
+                    row_params: DevicePtr::new(call.row_params),
+                    out: DevicePtr::NULL,
+                    processing: DevicePtr::new(call.processing.unwrap_or(0)),
+                    tile_sums: DevicePtr::NULL,
+                    maxima: DevicePtr::NULL,
+                    tile_tops: tops,
+                    gate: DevicePtr::NULL,
+                    vocab: lm_head.rows as u32,
+                    dim: lm_head.cols as u32,
+                    batch: hidden.rows as u32,
+                    hidden_row0: 0,
+                    draw_offset: 0,
+                    samples: 0,
+                    tiles: tiles as u32,
+                    logits_stride: 0,
+                    vocab_offset: 0,
+                    padding: 0,
+                };
+                // SAFETY: per this function's contract.
+                unsafe { self.launch(stream, kernel, items, &args) }
+            }
+            (Variant::Tma { .. } | Variant::TmaHandoff { .. }, _) => {
+                Err(invalid("variant", format!("{variant:?}: the cooperative TMA tiles do not write tile lists")))
+            }
+            _ => {
+                let args = FusedArgs { tile_tops: tops, ..summaries_args(call, tiles) };
+                // SAFETY: per this function's contract.
+                unsafe { self.launch(stream, kernel, items, &args) }
+            }
         }
-        let args = FusedArgs { tile_tops: tops, ..summaries_args(call, tiles) };
-        // SAFETY: per this function's contract.
-        unsafe { self.launch(stream, variant.fused_kernel(call.lm_head.dtype), summaries_items(call, tiles), &args) }
     }
 
     /// Queues the chain kernel of `call.variant` over every row and each of `call.draws`: each

@@ -22,7 +22,7 @@ use super::plan::{Call, CallTarget, MaterialisedPlan, MergeCall, TensorMaps, WOR
 use super::request::{DeviceWorkspace, Exchange};
 use super::schedule::{ProcessLaunch, SegmentEnd, process_segment};
 use super::tiles::{MapPair, ReduceTarget, WinnerTarget};
-use crate::error::{Result, invalid};
+use crate::error::Result;
 use crate::params::Draws;
 
 /// Materialised logits the logits sampler draws from.
@@ -385,8 +385,7 @@ impl Kernels {
 
     /// Queues the unfused GEMM of `variant`: `H·Wᵀ` in f32 into `logits` (`[B, stride]`),
     /// and each (row, run of `MAXIMA_ROWS` entries)'s maximum into `maxima` unless null
-    /// (`LogitsArgs::maxima`), gated on `gate` unless null (the `mma.sync` and SIMT tiles
-    /// only).
+    /// (`LogitsArgs::maxima`), gated on `gate` unless null.
     ///
     /// # Safety
     /// The context is current; `logits` holds `B × stride` floats, `maxima` (if not null)
@@ -410,9 +409,6 @@ impl Kernels {
         let gemm_tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
         if let Some((lm_head_map, hidden_map)) = maps {
-            if gate.address() != 0 {
-                return Err(invalid("variant", format!("{variant:?}: the TMA GEMM takes no gate")));
-            }
             let args = TmaArgs {
                 lm_head_map,
                 hidden_map,
@@ -421,6 +417,8 @@ impl Kernels {
                 processing: DevicePtr::NULL,
                 tile_sums: DevicePtr::NULL,
                 maxima,
+                tile_tops: DevicePtr::NULL,
+                gate,
                 vocab: lm_head.rows as u32,
                 dim: lm_head.cols as u32,
                 batch: hidden.rows as u32,

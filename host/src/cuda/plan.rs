@@ -24,7 +24,7 @@
 
 use flashsample_core::Candidate;
 use flashsample_core::abi::{
-    LOGITS_SAMPLER_TILE, MEMBER_CAPACITY, ProcessRowState, RowSums, Selection, ShardExchangeLayout, ShardPartLayout,
+    LOGITS_SAMPLER_TILE, MEMBER_CAPACITY, ProcessRowState, RowSums, ShardExchangeLayout, ShardPartLayout,
     TENSOR_MAP_BYTES, maxima_per_row,
 };
 use flashsample_core::chain::Chain;
@@ -32,7 +32,7 @@ use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
 
 use super::batch::{ProcessingRef, VerifiedRef};
-use super::dispatch::{Variant, mma_sync_tile};
+use super::dispatch::{Variant, handoff_tile};
 use super::memory::{MatrixRef, ResidentMaps, check_address};
 use super::modules::Kernels;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Passes};
@@ -269,7 +269,8 @@ impl Summaries {
 pub(crate) struct ListedPlan {
     /// The tiles' call: the per-entry steps applied, the summaries written, no candidates.
     pub tiles_call: FusedCall,
-    /// An `mma.sync` or SIMT tile (the TMA tiles write no summaries).
+    /// An `mma.sync` or SIMT tile, or the handoff tile for lists (the cooperative TMA tiles
+    /// write no summaries); its tensor maps, if TMA, start the workspace.
     pub variant: Variant,
     pub summaries: Summaries,
     pub tiles: usize,
@@ -719,10 +720,6 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
     Ok(PathPlan::Materialised(plan))
 }
 
-/// The largest B at which the Hopper module lists every listable call in place of its TMA
-/// tile; past it only where [`lists_past_the_batch_limit`].
-const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
-
 /// The largest B at which the dispatcher's tile chains min-p rows. Up to it the chained step
 /// took as long as the materialised one (within 1 % at B = 1 on the portable module), past
 /// it longer (1.01–1.07× at B = 16, 1.23–1.59× at B = 64): the chain epilogue's search costs
@@ -730,32 +727,16 @@ const LISTED_IN_PLACE_OF_TMA_MAX_BATCH: usize = 64;
 /// names chains at any B.
 const CHAINED_MAX_BATCH: usize = 8;
 
-/// The largest D·B at which the Hopper module lists top-k without top-p past
-/// [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows (twice that with top-p).
-const LISTED_PAST_THE_BATCH_LIMIT_MAX_WORK: usize = 4096 * 128;
-
-/// Whether the Hopper module lists `call` past [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows. There
-/// the staged tile's multiplies cost more than the TMA tile's in proportion to D·V·B, while
-/// the materialised selection the lists replace costs in proportion to V·B (more with
-/// top-p): listing wins below a D·B, measured at 4096 · 128 for top-k alone (slower at 4096 ·
-/// 256) and at 8192 · 128 and 4096 · 256 with top-p (slower at 8192 · 256; docs/PERF.md).
-fn lists_past_the_batch_limit(call: &Call) -> bool {
-    let top_p = call.processing.selections & Selection::TopP.bit() != 0;
-    let max_work = if top_p { 2 * LISTED_PAST_THE_BATCH_LIMIT_MAX_WORK } else { LISTED_PAST_THE_BATCH_LIMIT_MAX_WORK };
-    call.lm_head.cols * call.hidden.rows <= max_work
-}
-
 /// The tile and summaries of a listed call ([`ListedPlan`]), or `None` for the materialised
 /// path: one shard, no log-probabilities or top entries, one candidate per (row, draw) within
 /// [`CANDIDATE_BUDGET_BYTES`]; lists where every row has top-k, chains where every row's
 /// truncation is min-p alone and the chains take no more memory than the logits they stand
 /// for; and a tile that writes them: the resolved `mma.sync` (register-direct or staged) or
-/// SIMT tile, or in place of the dispatcher's TMA tile the `mma.sync` tile for B
-/// ([`mma_sync_tile`]) for lists up to [`LISTED_IN_PLACE_OF_TMA_MAX_BATCH`] rows, and past it
-/// where [`lists_past_the_batch_limit`]; chains only on the tile as resolved, and with the
-/// dispatcher's tile up to [`CHAINED_MAX_BATCH`] rows. A TMA tile the caller names keeps the materialised
-/// path (the TMA tiles write no summaries), and so does a tile without a chain kernel
-/// ([`Variant::chains_kernel`]) for chains.
+/// SIMT tile, or for lists the handoff tile (resolved, or for B in place of the dispatcher's
+/// cooperative TMA tile: [`handoff_tile`]); chains only on the `mma.sync` and SIMT tiles as
+/// resolved, and with the dispatcher's tile up to [`CHAINED_MAX_BATCH`] rows. A cooperative
+/// TMA tile the caller names keeps the materialised path (it writes no summaries), and so
+/// does a tile without a chain kernel ([`Variant::chains_kernel`]) for chains.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)> {
     let processing = &call.processing;
     let (batch, samples) = (call.hidden.rows, call.draws.count);
@@ -770,15 +751,13 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)
         (true, false, true) if chains_allowed => Summaries::Chains,
         _ => return None,
     };
-    let past_the_batch_limit = summaries == Summaries::Lists && lists_past_the_batch_limit(call);
     let variant = match resolved {
         Variant::Mma { .. } | Variant::Staged { .. } | Variant::Simt => resolved,
         // In place of the TMA tile the chained step measured slower than the materialised one
         // at every B (docs/PERF.md): chains only where the tile writes them as resolved.
         _ if summaries == Summaries::Chains => return None,
-        _ if call.variant == Variant::Auto && (batch <= LISTED_IN_PLACE_OF_TMA_MAX_BATCH || past_the_batch_limit) => {
-            mma_sync_tile(batch)
-        }
+        Variant::TmaHandoff { .. } => resolved,
+        _ if call.variant == Variant::Auto => handoff_tile(batch),
         _ => return None,
     };
     let vocab = call.lm_head.rows;
@@ -788,14 +767,14 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)
     (summaries == Summaries::Lists || fits).then_some((variant, summaries))
 }
 
-/// The listed plan of `call` on `variant` with `summaries`: the fallback's logits, then the
-/// summaries, the candidates, the row flags and the count.
+/// The listed plan of `call` on `variant` with `summaries`: room for the tensor maps, the
+/// fallback's logits, then the summaries, the candidates, the row flags and the count.
 fn listed_plan(call: &Call, variant: Variant, summaries: Summaries, samples: u32) -> ListedPlan {
     let batch = call.hidden.rows;
     let vocab = call.lm_head.rows;
     let tiles = vocab.div_ceil(variant.tile_rows() as usize);
     let stride = vocab.next_multiple_of(4);
-    let logits_at = 0;
+    let logits_at = WORKSPACE_MAPS_BYTES;
     let summaries_at = align(logits_at + batch * stride * 4);
     let candidates_at = align(summaries_at + summaries.bytes(batch, samples, tiles));
     let flags_at = align(candidates_at + batch * samples as usize * size_of::<Candidate>());
@@ -1056,11 +1035,10 @@ mod tests {
     }
 
     /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
-    /// on a tile that lists (`mma.sync`, staged, SIMT), or the dispatcher's TMA tile swapped
-    /// for the `mma.sync` tile of B (past B = 64 up to D·B = 4096 · 128, twice that with
-    /// top-p); a TMA tile named by the caller, log-probabilities, a shard, top entries or a row
-    /// without top-k keep the materialised path, as do more draws than one candidate each fits
-    /// the budget.
+    /// on a tile that lists (`mma.sync`, staged, SIMT, handoff), or the dispatcher's
+    /// cooperative TMA tile swapped for the handoff tile of B; a cooperative TMA tile named by
+    /// the caller, log-probabilities, a shard, top entries or a row without top-k keep the
+    /// materialised path, as do more draws than one candidate each fits the budget.
     #[test]
     fn a_call_is_listed_only_where_its_lists_can_decide_it() {
         let lists = |call: &Call, resolved| {
@@ -1072,39 +1050,14 @@ mod tests {
         let tma = Variant::Tma { rows: 128, columns: 16 };
         let call = truncating_call;
         let mma = Variant::Mma { columns: 16 };
+        let (handoff, wide_handoff) = (Variant::TmaHandoff { columns: 64 }, Variant::TmaHandoff { columns: 128 });
         assert_eq!(lists(&call(16, true, false, false, Variant::Auto), mma), Some(mma));
         assert_eq!(lists(&call(16, true, false, false, Variant::Auto), Variant::Simt), Some(Variant::Simt));
-        assert_eq!(lists(&call(16, true, false, false, Variant::Auto), tma), Some(mma));
-        assert_eq!(lists(&call(1, true, false, false, Variant::Auto), tma), Some(Variant::Mma { columns: 8 }));
-        assert_eq!(
-            lists(&call(32, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
-            Some(Variant::Mma { columns: 32 })
-        );
-        assert_eq!(
-            lists(&call(64, true, false, false, Variant::Auto), Variant::TmaHandoff { columns: 64 }),
-            Some(Variant::Staged { columns: 64 })
-        );
-        // Past B = 64 by D·B, and by whether a row has top-p.
-        let handoff = Variant::TmaHandoff { columns: 128 };
-        assert_eq!(lists(&call(256, true, false, false, Variant::Auto), handoff), None);
-        let wide = |batch, dim, top_p: bool| {
-            let mut wide = call(batch, true, false, false, Variant::Auto);
-            wide.lm_head = MatrixRef::contiguous(1 << 30, 128_256, dim, DType::BF16);
-            wide.hidden = MatrixRef::contiguous(1 << 29, batch, dim, DType::BF16);
-            if top_p {
-                wide.processing.selections = flashsample_core::abi::Selection::TopP.bit();
-            }
-            wide
-        };
-        assert_eq!(lists(&wide(64, 8192, false), handoff), Some(Variant::Staged { columns: 64 }));
-        assert_eq!(lists(&wide(65, 8192, false), handoff), None);
-        assert_eq!(lists(&wide(65, 8192, true), handoff), Some(Variant::Staged { columns: 64 }));
-        assert_eq!(lists(&wide(65, 16384, true), handoff), None);
-        assert_eq!(lists(&wide(128, 4096, false), handoff), Some(Variant::Staged { columns: 64 }));
-        assert_eq!(lists(&wide(129, 4096, false), handoff), None);
-        assert_eq!(lists(&wide(128, 8192, true), handoff), Some(Variant::Staged { columns: 64 }));
-        assert_eq!(lists(&wide(256, 4096, true), handoff), Some(Variant::Staged { columns: 64 }));
-        assert_eq!(lists(&wide(256, 8192, true), handoff), None);
+        assert_eq!(lists(&call(16, true, false, false, Variant::Auto), tma), Some(handoff));
+        assert_eq!(lists(&call(1, true, false, false, Variant::Auto), tma), Some(handoff));
+        assert_eq!(lists(&call(64, true, false, false, Variant::Auto), handoff), Some(handoff));
+        assert_eq!(lists(&call(256, true, false, false, Variant::Auto), wide_handoff), Some(wide_handoff));
+        assert_eq!(lists(&call(16, true, false, false, wide_handoff), wide_handoff), Some(wide_handoff));
         assert_eq!(
             lists(&call(200, true, false, false, Variant::Auto), Variant::Staged { columns: 64 }),
             Some(Variant::Staged { columns: 64 })
@@ -1161,14 +1114,15 @@ mod tests {
         assert_eq!(chained(&logprobs, mma), None);
     }
 
-    /// A listed plan's logits, summaries, candidates, flags and count follow one another without
-    /// overlap, 64-byte aligned.
+    /// A listed plan's tensor maps, logits, summaries, candidates, flags and count follow one
+    /// another without overlap, 64-byte aligned.
     #[test]
     fn listed_regions_follow_one_another() {
         let cases = [
             (1usize, 1u32, Variant::Mma { columns: 8 }, Summaries::Lists),
             (37, 3, Variant::Simt, Summaries::Lists),
             (5, 4, Variant::Staged { columns: 64 }, Summaries::Chains),
+            (256, 1, Variant::TmaHandoff { columns: 128 }, Summaries::Lists),
         ];
         for (batch, samples, variant, summaries) in cases {
             let listable = summaries == Summaries::Lists;
@@ -1178,6 +1132,7 @@ mod tests {
             assert_eq!((plan.tiles, plan.stride), (tiles, 151_936));
             let regions = [plan.logits_at, plan.summaries_at, plan.candidates_at, plan.flags_at, plan.unsettled_at];
             assert!(regions.iter().all(|at| at % 64 == 0));
+            assert!(WORKSPACE_MAPS_BYTES <= plan.logits_at);
             assert!(plan.logits_at + batch * plan.stride * 4 <= plan.summaries_at);
             assert!(plan.summaries_at + summaries.bytes(batch, samples, tiles) <= plan.candidates_at);
             assert!(plan.candidates_at + batch * samples as usize * size_of::<Candidate>() <= plan.flags_at);

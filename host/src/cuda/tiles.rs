@@ -194,6 +194,8 @@ impl Kernels {
                         processing: processing.add_unless_null(pass.first_row as u64),
                         tile_sums,
                         maxima: DevicePtr::NULL,
+                        tile_tops: DevicePtr::NULL,
+                        gate: DevicePtr::NULL,
                         vocab: lm_head.rows as u32,
                         dim: lm_head.cols as u32,
                         batch: launch.batch,

@@ -193,7 +193,7 @@ unsafe fn prepare_columns<const N: usize>(
     let (processing, sums) = (args.processing.address() != 0, args.tile_sums.address() != 0);
     let vocab_end = args.vocab_offset + args.vocab;
     let mut group = warp;
-    while group * GROUP_COLUMNS < N as u32 {
+    while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
         let column = group * GROUP_COLUMNS + part;
         let b = col0 + column;
         let in_batch = b < args.batch;
@@ -254,6 +254,57 @@ unsafe fn prepare_columns<const N: usize>(
     unsafe { arch::sync_warp() };
 }
 
+/// Each batch column's list of its first processed entries in the item's tile
+/// ([`TileTop`](flashsample_core::truncation::TileTop), into `args.tile_tops`), from the buffer after [`prepare_columns`]: the
+/// [`COLUMN_LANES`] lanes of a column hold all its rows (lane `lane` the quads `lane % 8 + 8i`
+/// of column `8 · group + lane / 8`), so the list's rounds stay within the warp.
+///
+/// # Safety
+/// As [`score`], after `logits_full` and the processing; `args.tile_tops` holds `[batch,
+/// tiles]` lists.
+#[inline(always)]
+unsafe fn list_columns<const N: usize>(
+    args: &TmaArgs,
+    layout: &HandoffLayout,
+    warp: u32,
+    lane: u32,
+    tile: u32,
+    col0: u32,
+) {
+    let (slot, part) = (lane % COLUMN_LANES, lane / COLUMN_LANES);
+    let mut group = warp;
+    while group * GROUP_COLUMNS < N as u32 && col0 + group * GROUP_COLUMNS < args.batch {
+        let column = group * GROUP_COLUMNS + part;
+        let b = col0 + column;
+        let mut words = [0u64; 4 * LANE_QUADS];
+        let mut non_finite = false;
+        if b < args.batch {
+            each_index!(i < LANE_QUADS, {
+                let quad = slot + COLUMN_LANES * i as u32;
+                let at = layout.logits.wrapping_add((column * HANDOFF_COLUMN_STRIDE + 4 * quad) as usize);
+                // SAFETY: column < N and quad < HANDOFF_ROWS / 4 lie in the buffer, 16-byte
+                // aligned; processed in place by this lane before.
+                let processed = unsafe { (*at.cast::<Quad>()).0 };
+                let row0 = tile * HANDOFF_ROWS + 4 * quad;
+                let rows_valid = args.vocab.saturating_sub(row0).min(4);
+                let (quad_words, quad_non_finite) = sample::quad_words(processed, args.vocab_offset + row0, rows_valid);
+                each_index!(r < 4, {
+                    words[4 * i + r] = quad_words[r];
+                });
+                non_finite |= quad_non_finite;
+            });
+        }
+        // SAFETY: all 32 lanes (the group loop is uniform over the warp); a column's lanes
+        // differ in the bits below `COLUMN_LANES`.
+        let top = unsafe { sample::column_top(words, non_finite, 1, COLUMN_LANES / 2) };
+        if slot == 0 && b < args.batch {
+            // SAFETY: `b < batch`, `tile < tiles`: inside the `[batch, tiles]` lists.
+            unsafe { *args.tile_tops.as_mut_ptr().add((b * args.tiles + tile) as usize) = top };
+        }
+        group += HANDOFF_EPILOGUE_WARPS;
+    }
+}
+
 /// Batch columns an epilogue warp scores at a time: lane `l` scores column `l / 8` of the
 /// warp's current group ([`COLUMN_LANES`] lanes per column).
 const GROUP_COLUMNS: u32 = 32 / COLUMN_LANES;
@@ -304,6 +355,10 @@ unsafe fn score<const N: usize>(args: &TmaArgs, layout: &HandoffLayout, warp: u3
             // SAFETY: as the draw loop below: the lanes process in place the quads of the columns
             // they race and sum their columns, once per item.
             unsafe { prepare_columns::<N>(args, layout, warp, lane, tile, col0) };
+        }
+        if args.tile_tops.address() != 0 {
+            // SAFETY: as above; the lists are written once per item.
+            unsafe { list_columns::<N>(args, layout, warp, lane, tile, col0) };
         }
         for j in 0..args.samples {
             let draw = args.draw_offset + j;

@@ -13,7 +13,7 @@ use crate::cuda::batch::DeviceBatch;
 use crate::cuda::dispatch::Variant;
 use crate::cuda::driver;
 use crate::cuda::memory::{Allocation, ensure};
-use crate::cuda::plan::{FusedCall, PathPlan, TensorMaps, plan_shape};
+use crate::cuda::plan::{FusedCall, PathPlan, TensorMaps, WORKSPACE_MAPS_BYTES, plan_shape};
 use crate::cuda::request::DeviceWorkspace;
 use crate::error::{Result, invalid};
 use crate::params::{Draws, HeadShape};
@@ -231,12 +231,12 @@ impl CudaSampler {
         }
     }
 
-    /// The tile lists ([`TileTop`]) the fused `mma.sync` or SIMT tile of `variant` writes for
-    /// each row of `hidden` with `batch`'s per-entry processing, `[B, tiles]` in tiles of
-    /// [`flashsample_core::abi::TILE_ROWS`] entries: what the listed path decides from.
-    /// Every list is poisoned first (NaN logits at [`CudaSampler::POISON_INDEX`]), so one a
-    /// tile leaves unwritten shows. The TMA tiles do not write them (an error naming
-    /// `variant`).
+    /// The tile lists ([`TileTop`]) the fused `mma.sync`, SIMT or handoff tile of `variant`
+    /// writes for each row of `hidden` with `batch`'s per-entry processing, `[B, tiles]` in
+    /// tiles of [`flashsample_core::abi::TILE_ROWS`] entries: what the listed path decides
+    /// from. Every list is poisoned first (NaN logits at [`CudaSampler::POISON_INDEX`]), so
+    /// one a tile leaves unwritten shows. The cooperative TMA tiles do not write them (an
+    /// error naming `variant`).
     pub fn tile_tops(
         &self,
         lm_head: &LmHead,
@@ -267,11 +267,21 @@ impl CudaSampler {
         let call = FusedCall { variant: plan.variant, ..call };
         let poison = TileTop { logits: [f32::NAN; TILE_TOP], indices: [Self::POISON_INDEX; TILE_TOP] };
         let tops = Allocation::from_host(&self.stream, &vec![poison; hidden.rows() * plan.tiles], "tile lists")?;
+        let workspace = self.workspace(WORKSPACE_MAPS_BYTES)?;
         // SAFETY: every address comes from a live buffer of this sampler sized for the call: the
-        // lists hold `B · tiles` entries.
+        // lists hold `B · tiles` entries, the workspace the maps written there first.
         unsafe {
             driver::in_context(self.kernels().context().cast(), || {
-                kernels.queue_tile_lists(self.stream.cu_stream(), &call, plan.tiles, tops.ptr())
+                let stream = self.stream.cu_stream();
+                let maps = kernels.tensor_maps(
+                    stream,
+                    call.variant,
+                    &call.lm_head,
+                    &call.hidden,
+                    TensorMaps::Store,
+                    workspace,
+                )?;
+                kernels.queue_tile_lists(stream, &call, plan.tiles, tops.ptr(), maps)
             })?
         };
         self.synchronize("tile lists")?;

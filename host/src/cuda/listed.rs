@@ -17,7 +17,7 @@ use super::driver;
 use super::modules::Kernels;
 use super::plan::{Call, CallTarget, FusedCall, ListedPlan, Summaries, TensorMaps};
 use super::request::DeviceWorkspace;
-use super::tiles::{MapPair, reduce_args};
+use super::tiles::{MapPair, reduce_args, tma_args};
 use crate::error::{Result, invalid};
 
 impl Kernels {
@@ -116,28 +116,12 @@ impl Kernels {
         let kernel = variant.fused_kernel(call.lm_head.dtype);
         let items = summaries_items(call, tiles);
         match (variant, maps) {
-            (Variant::TmaHandoff { .. }, Some((lm_head_map, hidden_map))) => {
-                let (lm_head, hidden) = (&call.lm_head, &call.hidden);
+            (Variant::TmaHandoff { .. }, Some(maps)) => {
                 let args = TmaArgs {
-                    lm_head_map,
-                    hidden_map,
                     row_params: DevicePtr::new(call.row_params),
-                    out: DevicePtr::NULL,
                     processing: DevicePtr::new(call.processing.unwrap_or(0)),
-                    tile_sums: DevicePtr::NULL,
-                    maxima: DevicePtr::NULL,
                     tile_tops: tops,
-                    gate: DevicePtr::NULL,
-                    vocab: lm_head.rows as u32,
-                    dim: lm_head.cols as u32,
-                    batch: hidden.rows as u32,
-                    hidden_row0: 0,
-                    draw_offset: 0,
-                    samples: 0,
-                    tiles: tiles as u32,
-                    logits_stride: 0,
-                    vocab_offset: 0,
-                    padding: 0,
+                    ..tma_args(maps, &call.lm_head, &call.hidden, tiles)
                 };
                 // SAFETY: per this function's contract.
                 unsafe { self.launch(stream, kernel, items, &args) }

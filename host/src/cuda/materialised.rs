@@ -21,7 +21,7 @@ use super::plan::FusedCall;
 use super::plan::{Call, CallTarget, MaterialisedPlan, MergeCall, TensorMaps, WORKSPACE_MAPS_BYTES};
 use super::request::{DeviceWorkspace, Exchange};
 use super::schedule::{ProcessLaunch, SegmentEnd, process_segment};
-use super::tiles::{MapPair, ReduceTarget, WinnerTarget};
+use super::tiles::{MapPair, ReduceTarget, WinnerTarget, tma_args};
 use crate::error::Result;
 use crate::params::Draws;
 
@@ -408,27 +408,13 @@ impl Kernels {
         let gemm = variant.logits_kernel(lm_head.dtype);
         let gemm_tiles = lm_head.rows.div_ceil(variant.tile_rows() as usize);
         let items = gemm_tiles as u64 * hidden.rows.div_ceil(variant.columns() as usize) as u64;
-        if let Some((lm_head_map, hidden_map)) = maps {
+        if let Some(maps) = maps {
             let args = TmaArgs {
-                lm_head_map,
-                hidden_map,
-                row_params: DevicePtr::NULL,
                 out: logits.cast(),
-                processing: DevicePtr::NULL,
-                tile_sums: DevicePtr::NULL,
                 maxima,
-                tile_tops: DevicePtr::NULL,
                 gate,
-                vocab: lm_head.rows as u32,
-                dim: lm_head.cols as u32,
-                batch: hidden.rows as u32,
-                hidden_row0: 0,
-                draw_offset: 0,
-                samples: 0,
-                tiles: gemm_tiles as u32,
                 logits_stride: stride as u32,
-                vocab_offset: 0,
-                padding: 0,
+                ..tma_args(maps, lm_head, hidden, gemm_tiles)
             };
             // SAFETY: per this function's contract.
             return unsafe { self.launch(stream, gemm, items, &args) };

@@ -85,6 +85,33 @@ pub(crate) struct TileLaunch {
     pub batch: u32,
 }
 
+/// The argument block of a TMA kernel over all of `hidden` and `W`'s `tiles` tiles with
+/// `maps`: no outputs, processing, gate or draws; the caller sets what its launch has.
+pub(crate) fn tma_args(maps: MapPair, lm_head: &MatrixRef, hidden: &MatrixRef, tiles: usize) -> TmaArgs {
+    let (lm_head_map, hidden_map) = maps;
+    TmaArgs {
+        lm_head_map,
+        hidden_map,
+        row_params: DevicePtr::NULL,
+        out: DevicePtr::NULL,
+        processing: DevicePtr::NULL,
+        tile_sums: DevicePtr::NULL,
+        maxima: DevicePtr::NULL,
+        tile_tops: DevicePtr::NULL,
+        gate: DevicePtr::NULL,
+        vocab: lm_head.rows as u32,
+        dim: lm_head.cols as u32,
+        batch: hidden.rows as u32,
+        hidden_row0: 0,
+        draw_offset: 0,
+        samples: 0,
+        tiles: tiles as u32,
+        logits_stride: 0,
+        vocab_offset: 0,
+        padding: 0,
+    }
+}
+
 impl Kernels {
     /// The tensor maps a call of `variant` reads (`None` unless TMA): resident ones, the ones
     /// an earlier call left at the workspace's start, or `W`'s and `H`'s encoded here and
@@ -183,29 +210,20 @@ impl Kernels {
                     0 => tile_sums.add_unless_null(pass.first_row as u64 * tiles as u64),
                     _ => DevicePtr::NULL,
                 };
-                if let Some((lm_head_map, hidden_map)) = maps {
+                if let Some(maps) = maps {
                     let args = TmaArgs {
-                        lm_head_map,
-                        hidden_map,
                         row_params: launch.row_params,
                         out: candidates.cast(),
                         // A pass's rows start at its first row, in the processing blocks as in
                         // the row parameters.
                         processing: processing.add_unless_null(pass.first_row as u64),
                         tile_sums,
-                        maxima: DevicePtr::NULL,
-                        tile_tops: DevicePtr::NULL,
-                        gate: DevicePtr::NULL,
-                        vocab: lm_head.rows as u32,
-                        dim: lm_head.cols as u32,
                         batch: launch.batch,
                         hidden_row0: pass.first_row as u32,
                         draw_offset,
                         samples: pass.samples as u32,
-                        tiles: tiles as u32,
-                        logits_stride: 0,
                         vocab_offset,
-                        padding: 0,
+                        ..tma_args(maps, lm_head, hidden, tiles)
                     };
                     // SAFETY: the maps describe the call's matrices.
                     return self.launch(stream, kernel, items, &args);

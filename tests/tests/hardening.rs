@@ -264,8 +264,12 @@ fn sanitizer_workload_every_variant_on_odd_shapes() {
         })
         .collect();
     let tied = flashsample_tests::processing::integer_matrix(1009, 136, 59).to_dtype(DType::F16);
+    let mut listing = vec![Variant::Auto, Variant::Simt];
+    if sampler.module() == flashsample::Module::Hopper {
+        listing.push(Variant::TmaHandoff { columns: 64 });
+    }
     for head in [&w, &tied] {
-        for variant in [Variant::Auto, Variant::Simt] {
+        for &variant in &listing {
             sampler.set_variant(variant);
             let on_device = OnDevice::new(&sampler, head, &batch, &params, &listed);
             assert!(on_device.sample(&sampler, 3, false).unwrap().tokens.iter().all(|&t| t < 1009));

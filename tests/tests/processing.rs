@@ -306,7 +306,8 @@ fn the_listed_inputs_settle_as_their_tests_need() {
 }
 
 /// The listed path (every row with top-k, no log-probabilities) gives the CPU's tokens, in
-/// BF16 (the register-direct and the staged `mma.sync` tiles) and F32 (the SIMT tile), 4 draws
+/// BF16 (the register-direct and the staged `mma.sync` tiles, and on the Hopper module the
+/// handoff tile) and F32 (the SIMT tile), 4 draws
 /// per row, outputs and workspace poisoned first: on spread logits every row settles (the
 /// GPU's count of unsettled rows is the CPU's, 0), so the listed sampler's own tokens are the
 /// ones checked; on tied
@@ -320,10 +321,14 @@ fn the_listed_path_gives_the_cpus_tokens_and_falls_back_where_lists_do_not_settl
     let (params, processing) = listed_rows(vocab);
     let cuda = cuda();
     let sampler = &cuda.sampler;
-    // BF16 on the register-direct and the staged `mma.sync` tiles, F32 on the SIMT tile.
-    for (dtype, variant) in
-        [(DType::BF16, Variant::Auto), (DType::BF16, Variant::Staged { columns: 64 }), (DType::F32, Variant::Auto)]
-    {
+    // BF16 on the register-direct and the staged `mma.sync` tiles (and the handoff tile), F32
+    // on the SIMT tile.
+    let mut cases =
+        vec![(DType::BF16, Variant::Auto), (DType::BF16, Variant::Staged { columns: 64 }), (DType::F32, Variant::Auto)];
+    if sampler.module() == Module::Hopper {
+        cases.push((DType::BF16, Variant::TmaHandoff { columns: 64 }));
+    }
+    for (dtype, variant) in cases {
         sampler.set_variant(variant);
         for (name, w, h) in listed_inputs(vocab, params.len()) {
             let (w, h) = (w.to_dtype(dtype), h.to_dtype(dtype));

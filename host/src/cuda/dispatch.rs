@@ -16,14 +16,15 @@ fn narrowest_mma(batch: usize) -> Option<Variant> {
 
 /// The `mma.sync` tile for `batch` columns: the narrowest register-direct width that holds
 /// B, else the staged tile of 64 columns (faster than 128 columns at every B measured but one,
-/// docs/PERF.md). The portable module's choice for tensor cores.
+/// docs/PERF.md). The portable module's choice for tensor cores, and the tile that writes the
+/// truncations' lists in place of the Hopper module's cooperative TMA tile at small B.
 pub(crate) fn mma_sync_tile(batch: usize) -> Variant {
     narrowest_mma(batch).unwrap_or(Variant::Staged { columns: 64 })
 }
 
 /// The handoff tile for `batch` columns: 64 columns up to B = 64, else 128. The Hopper
 /// module's choice past B = 32, and the tile that writes the truncations' lists in place of
-/// the cooperative TMA tile.
+/// the cooperative TMA tile past B = 16.
 pub(crate) fn handoff_tile(batch: usize) -> Variant {
     Variant::TmaHandoff { columns: if batch <= 64 { 64 } else { 128 } }
 }

@@ -32,7 +32,7 @@ use flashsample_core::registry::Kernel;
 use flashsample_core::truncation::TileTop;
 
 use super::batch::{ProcessingRef, VerifiedRef};
-use super::dispatch::{Variant, handoff_tile};
+use super::dispatch::{Variant, handoff_tile, mma_sync_tile};
 use super::memory::{MatrixRef, ResidentMaps, check_address};
 use super::modules::Kernels;
 use super::passes::{CANDIDATE_BUDGET_BYTES, Passes};
@@ -727,13 +727,20 @@ pub(crate) fn plan_path(kernels: &Kernels, call: &Call) -> Result<PathPlan> {
 /// names chains at any B.
 const CHAINED_MAX_BATCH: usize = 8;
 
+/// The largest B at which the Hopper module lists on the `mma.sync` tile of B
+/// ([`mma_sync_tile`]) in place of its cooperative TMA tile; past it on the handoff tile.
+/// Measured in one call (docs/PERF.md): the `mma.sync` tile's lists 1–3 % faster at B = 1
+/// and 16, the handoff tile's 2–4 % faster at B = 64 and 18–44 % past it.
+const LISTED_ON_MMA_SYNC_MAX_BATCH: usize = 16;
+
 /// The tile and summaries of a listed call ([`ListedPlan`]), or `None` for the materialised
 /// path: one shard, no log-probabilities or top entries, one candidate per (row, draw) within
 /// [`CANDIDATE_BUDGET_BYTES`]; lists where every row has top-k, chains where every row's
 /// truncation is min-p alone and the chains take no more memory than the logits they stand
 /// for; and a tile that writes them: the resolved `mma.sync` (register-direct or staged) or
-/// SIMT tile, or for lists the handoff tile (resolved, or for B in place of the dispatcher's
-/// cooperative TMA tile: [`handoff_tile`]); chains only on the `mma.sync` and SIMT tiles as
+/// SIMT tile, or for lists the handoff tile (resolved, or in place of the dispatcher's
+/// cooperative TMA tile the `mma.sync` tile of B up to [`LISTED_ON_MMA_SYNC_MAX_BATCH`] rows
+/// and the handoff tile of B past it, [`handoff_tile`]); chains only on the `mma.sync` and SIMT tiles as
 /// resolved, and with the dispatcher's tile up to [`CHAINED_MAX_BATCH`] rows. A cooperative
 /// TMA tile the caller names keeps the materialised path (it writes no summaries), and so
 /// does a tile without a chain kernel ([`Variant::chains_kernel`]) for chains.
@@ -757,6 +764,7 @@ fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)
         // at every B (docs/PERF.md): chains only where the tile writes them as resolved.
         _ if summaries == Summaries::Chains => return None,
         Variant::TmaHandoff { .. } => resolved,
+        _ if call.variant == Variant::Auto && batch <= LISTED_ON_MMA_SYNC_MAX_BATCH => mma_sync_tile(batch),
         _ if call.variant == Variant::Auto => handoff_tile(batch),
         _ => return None,
     };
@@ -1036,7 +1044,8 @@ mod tests {
 
     /// The listed path takes one shard's rows that all have top-k, without log-probabilities,
     /// on a tile that lists (`mma.sync`, staged, SIMT, handoff), or the dispatcher's
-    /// cooperative TMA tile swapped for the handoff tile of B; a cooperative TMA tile named by
+    /// cooperative TMA tile swapped for the `mma.sync` tile of B up to B = 16 and for the
+    /// handoff tile of B past it; a cooperative TMA tile named by
     /// the caller, log-probabilities, a shard, top entries or a row without top-k keep the
     /// materialised path, as do more draws than one candidate each fits the budget.
     #[test]
@@ -1053,8 +1062,9 @@ mod tests {
         let (handoff, wide_handoff) = (Variant::TmaHandoff { columns: 64 }, Variant::TmaHandoff { columns: 128 });
         assert_eq!(lists(&call(16, true, false, false, Variant::Auto), mma), Some(mma));
         assert_eq!(lists(&call(16, true, false, false, Variant::Auto), Variant::Simt), Some(Variant::Simt));
-        assert_eq!(lists(&call(16, true, false, false, Variant::Auto), tma), Some(handoff));
-        assert_eq!(lists(&call(1, true, false, false, Variant::Auto), tma), Some(handoff));
+        assert_eq!(lists(&call(16, true, false, false, Variant::Auto), tma), Some(mma));
+        assert_eq!(lists(&call(1, true, false, false, Variant::Auto), tma), Some(Variant::Mma { columns: 8 }));
+        assert_eq!(lists(&call(17, true, false, false, Variant::Auto), tma), Some(handoff));
         assert_eq!(lists(&call(64, true, false, false, Variant::Auto), handoff), Some(handoff));
         assert_eq!(lists(&call(256, true, false, false, Variant::Auto), wide_handoff), Some(wide_handoff));
         assert_eq!(lists(&call(16, true, false, false, wide_handoff), wide_handoff), Some(wide_handoff));

@@ -9,7 +9,9 @@
 //! column, each holding [`LANE_QUADS`] quads (four consecutive rows, one Philox block each),
 //! so a column's race over the item's 128 rows ends in a merge over those lanes. A column's
 //! estimates usually leave one contender: it waits in the column's padding in the buffer and
-//! the warp scores such winners exactly one lane per column, once per item and draw. Two
+//! the warp scores such winners exactly one lane per column, once per item and draw. A
+//! listing launch (the listed path's, no draws) writes each column's list of its first
+//! entries instead ([`list_columns`]): a column's eight lanes hold all its rows. Two
 //! barriers pass the buffer back and forth: `logits_full` (the consumers' 256 arrivals) and
 //! `logits_empty` (the epilogue warps' arrivals); the epilogue of item `i` overlaps the
 //! mainloop of item `i + 1`.

@@ -115,8 +115,14 @@ impl Kernels {
         let variant = call.variant;
         let kernel = variant.fused_kernel(call.lm_head.dtype);
         let items = summaries_items(call, tiles);
-        match (variant, maps) {
-            (Variant::TmaHandoff { .. }, Some(maps)) => {
+        match variant {
+            Variant::Tma { .. } => {
+                Err(invalid("variant", format!("{variant:?}: the cooperative TMA tiles do not write tile lists")))
+            }
+            Variant::TmaHandoff { .. } => {
+                let Some(maps) = maps else {
+                    return Err(invalid("maps", format!("{variant:?} reads tensor maps; none were given")));
+                };
                 let args = TmaArgs {
                     row_params: DevicePtr::new(call.row_params),
                     processing: DevicePtr::new(call.processing.unwrap_or(0)),
@@ -125,9 +131,6 @@ impl Kernels {
                 };
                 // SAFETY: per this function's contract.
                 unsafe { self.launch(stream, kernel, items, &args) }
-            }
-            (Variant::Tma { .. } | Variant::TmaHandoff { .. }, _) => {
-                Err(invalid("variant", format!("{variant:?}: the cooperative TMA tiles do not write tile lists")))
             }
             _ => {
                 let args = FusedArgs { tile_tops: tops, ..summaries_args(call, tiles) };

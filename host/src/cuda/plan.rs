@@ -740,10 +740,11 @@ const LISTED_ON_MMA_SYNC_MAX_BATCH: usize = 16;
 /// for; and a tile that writes them: the resolved `mma.sync` (register-direct or staged) or
 /// SIMT tile, or for lists the handoff tile (resolved, or in place of the dispatcher's
 /// cooperative TMA tile the `mma.sync` tile of B up to [`LISTED_ON_MMA_SYNC_MAX_BATCH`] rows
-/// and the handoff tile of B past it, [`handoff_tile`]); chains only on the `mma.sync` and SIMT tiles as
-/// resolved, and with the dispatcher's tile up to [`CHAINED_MAX_BATCH`] rows. A cooperative
-/// TMA tile the caller names keeps the materialised path (it writes no summaries), and so
-/// does a tile without a chain kernel ([`Variant::chains_kernel`]) for chains.
+/// and the handoff tile of B past it, [`handoff_tile`]); chains only on the `mma.sync` and
+/// SIMT tiles as resolved, and with the dispatcher's tile up to [`CHAINED_MAX_BATCH`] rows.
+/// A cooperative TMA tile the caller names keeps the materialised path (it writes no
+/// summaries), and so does a tile without a chain kernel ([`Variant::chains_kernel`]) for
+/// chains.
 fn listed_variant(call: &Call, resolved: Variant) -> Option<(Variant, Summaries)> {
     let processing = &call.processing;
     let (batch, samples) = (call.hidden.rows, call.draws.count);

@@ -257,9 +257,10 @@ unsafe fn prepare_columns<const N: usize>(
 }
 
 /// Each batch column's list of its first processed entries in the item's tile
-/// ([`TileTop`](flashsample_core::truncation::TileTop), into `args.tile_tops`), from the buffer after [`prepare_columns`]: the
-/// [`COLUMN_LANES`] lanes of a column hold all its rows (lane `lane` the quads `lane % 8 + 8i`
-/// of column `8 · group + lane / 8`), so the list's rounds stay within the warp.
+/// ([`TileTop`](flashsample_core::truncation::TileTop), into `args.tile_tops`), from the
+/// buffer after [`prepare_columns`]: the [`COLUMN_LANES`] lanes of a column hold all its rows
+/// (lane `lane` the quads `lane % 8 + 8i` of column `8 · group + lane / 8`), so the list's
+/// rounds stay within the warp.
 ///
 /// # Safety
 /// As [`score`], after `logits_full` and the processing; `args.tile_tops` holds `[batch,
